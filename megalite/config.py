@@ -1,0 +1,159 @@
+"""Typed configuration: what `arguments.py` builds from Megatron's command line.
+
+Every module receives the dataclass it needs explicitly; nothing reads global argument state.
+Field names follow Megatron's flag names (``--num-query-groups`` -> ``num_query_groups``) so a
+reader of Megatron's docs finds them here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    kv_channels: int                    # head dimension
+    num_query_groups: int               # = num_attention_heads unless --group-query-attention
+    seq_length: int
+    max_position_embeddings: int
+    padded_vocab_size: int              # true vocab padded to make_vocab_size_divisible_by * tp
+    vocab_size: int = 0                 # the tokenizer's true vocabulary (logits trimmed to it on export)
+    position_embedding_type: str = "learned_absolute"   # or "rope"
+    rotary_base: float = 10000.0
+    normalization: str = "LayerNorm"    # or "RMSNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    openai_gelu: bool = False           # tanh-approximated GELU (GPT-2); exact GELU otherwise
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False          # Qwen2-style q/k/v biases without other biases
+    untie_embeddings_and_output_weights: bool = False
+    init_method_std: float = 0.02
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+    params_dtype: str = "float32"       # "float32", "bfloat16" or "float16": the dtype compute runs in
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+
+    @property
+    def use_rope(self) -> bool:
+        return self.position_embedding_type == "rope"
+
+    @property
+    def query_projection_size(self) -> int:
+        return self.kv_channels * self.num_attention_heads
+
+    @property
+    def kv_projection_size(self) -> int:
+        return self.kv_channels * self.num_query_groups
+
+
+@dataclass
+class ParallelConfig:
+    world_size: int = 1
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+
+    @property
+    def data_parallel_size(self) -> int:
+        model_parallel = (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                          * self.context_parallel_size)
+        return self.world_size // model_parallel
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: Optional[float] = None          # static loss scale for fp16; dynamic when None
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    # learning-rate schedule, in iterations (converted from samples/fractions by arguments.py)
+    lr_decay_style: str = "linear"
+    lr_decay_iters: Optional[int] = None
+    lr_warmup_iters: int = 0
+    lr_warmup_init: float = 0.0
+    lr_wsd_decay_style: str = "exponential"
+    lr_wsd_decay_iters: Optional[int] = None
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] = field(default_factory=list)   # "prefix" or "w1 p1 w2 p2" tokens
+    train_data_path: list[str] = field(default_factory=list)
+    valid_data_path: list[str] = field(default_factory=list)
+    test_data_path: list[str] = field(default_factory=list)
+    split: str = "969, 30, 1"
+    data_cache_path: Optional[str] = None
+    mock_data: bool = False
+    tokenizer_type: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    vocab_size: Optional[int] = None            # for NullTokenizer
+    num_workers: int = 2
+    eod_mask_loss: bool = False
+    seq_length: int = 1024
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int
+    global_batch_size: int
+    train_iters: int
+    seed: int = 1234
+    log_interval: int = 100
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    log_throughput: bool = False
+    timing_log_level: int = 0
+    tensorboard_dir: Optional[str] = None
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
+    metrics_file: Optional[str] = None
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    use_checkpoint_args: bool = False
+    exit_signal_handler: bool = False
+    exit_duration_in_mins: Optional[float] = None
+    exit_interval: Optional[int] = None
+    distributed_timeout_minutes: int = 10
+
+
+@dataclass
+class MegaliteConfig:
+    """Everything one run needs, grouped by concern."""
+    model: ModelConfig
+    parallel: ParallelConfig
+    optimizer: OptimizerConfig
+    data: DataConfig
+    training: TrainingConfig
+
+    @property
+    def num_microbatches(self) -> int:
+        t = self.training
+        return t.global_batch_size // (t.micro_batch_size * self.parallel.data_parallel_size)

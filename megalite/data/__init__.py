@@ -1,0 +1,1 @@
+"""Tokenized data: tokenizers, Megatron .bin/.idx files, GPT samples, blending, samplers."""

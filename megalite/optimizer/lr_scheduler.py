@@ -1,0 +1,71 @@
+"""Learning-rate schedules with warm-up, following Megatron's OptimizerParamScheduler.
+
+Steps are counted in completed iterations. Iteration k (1-based) trains with ``lr_at(k - 1)``; as in
+Megatron the scheduler advances only after a successful update, and the logged learning rate is the
+one for the next iteration.
+"""
+from __future__ import annotations
+
+import math
+
+from megalite.config import OptimizerConfig
+
+
+class LRScheduler:
+    def __init__(self, config: OptimizerConfig, train_iters: int):
+        self.max_lr = config.lr
+        self.min_lr = config.min_lr
+        self.init_lr = config.lr_warmup_init
+        self.style = config.lr_decay_style
+        self.warmup = float(config.lr_warmup_iters)
+        self.decay = float(config.lr_decay_iters if config.lr_decay_iters is not None else train_iters)
+        self.wsd_decay = float(config.lr_wsd_decay_iters or 0)
+        self.wsd_style = config.lr_wsd_decay_style
+        self.num_steps = 0
+
+    def lr_at(self, step: float) -> float:
+        if self.warmup > 0 and step <= self.warmup:
+            return self.init_lr + (self.max_lr - self.init_lr) * step / self.warmup
+        if self.style == "constant":
+            return self.max_lr
+        if step > self.decay:
+            return self.min_lr
+        if self.style == "inverse-square-root":
+            warmup, step = max(self.warmup, 1.0), max(step, 1.0)
+            return max(self.min_lr, self.max_lr * math.sqrt(warmup) / math.sqrt(step))
+        return self.min_lr + (self.max_lr - self.min_lr) * self._decay_coefficient(step)
+
+    def _decay_coefficient(self, step: float) -> float:
+        if self.style == "WSD":
+            anneal_start = self.decay - self.wsd_decay
+            if step <= anneal_start:
+                return 1.0
+            return _anneal(self.wsd_style, (step - anneal_start) / self.wsd_decay)
+        ratio = (step - self.warmup) / (self.decay - self.warmup)
+        return _anneal(self.style, ratio)
+
+    @property
+    def lr(self) -> float:
+        return self.lr_at(self.num_steps)
+
+    def step(self) -> None:
+        self.num_steps += 1
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_steps = int(state["num_steps"])
+
+
+def _anneal(style: str, ratio: float) -> float:
+    """Coefficient in [0, 1] going from 1 (ratio 0) to 0 (ratio 1)."""
+    if style == "linear":
+        return 1.0 - ratio
+    if style == "cosine":
+        return 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    if style == "exponential":
+        return 2.0 * math.pow(0.5, ratio) - 1.0
+    if style == "minus_sqrt":
+        return 1.0 - math.sqrt(ratio)
+    raise ValueError(f"unknown decay style {style!r}")

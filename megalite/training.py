@@ -1,0 +1,230 @@
+"""The pretraining loop: build everything from a MegaliteConfig, train, evaluate, log.
+
+pretrain(config)
+  -> initialise (ParallelState, device, seed) -> tokenizer -> model + buffer + optimizer + LR schedule
+  -> datasets and samplers -> for each iteration: forward/backward over the micro-batches, optimizer
+     step, LR step, log every --log-interval, evaluate every --eval-interval.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.data import DataLoader
+
+from megalite.config import MegaliteConfig
+from megalite.data.builder import build_train_valid_test_datasets
+from megalite.data.samplers import MegatronPretrainingSampler
+from megalite.data.tokenizers import build_tokenizer
+from megalite.distributed.grad_buffer import ParamAndGradBuffer
+from megalite.initialize import device_for, read_launch_env, set_seed
+from megalite.logging import (MetricsSinks, Timers, flops_per_iteration, format_training_line,
+                              format_validation_lines)
+from megalite.model.gpt import GPTModel
+from megalite.optimizer.lr_scheduler import LRScheduler
+from megalite.optimizer.mixed_precision import MixedPrecisionAdamW
+from megalite.parallel_state import ParallelState
+from megalite.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    history: list = field(default_factory=list)      # per-iteration lm loss, for callers and tests
+
+
+@dataclass
+class Trainer:
+    """Everything built for one run, passed around explicitly."""
+    config: MegaliteConfig
+    parallel: ParallelState
+    device: torch.device
+    model: GPTModel
+    buffer: ParamAndGradBuffer
+    optimizer: MixedPrecisionAdamW
+    scheduler: LRScheduler
+    timers: Timers
+    state: TrainState = field(default_factory=TrainState)
+
+
+def build_trainer(config: MegaliteConfig) -> Trainer:
+    env = read_launch_env()
+    parallel = ParallelState.build(env.world_size, env.rank)
+    device = device_for(env.local_rank)
+    set_seed(config.training.seed)
+    model = GPTModel(config.model, seed=config.training.seed).to(device)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    buffer = ParamAndGradBuffer(named)
+    optimizer = MixedPrecisionAdamW(buffer, named, config.optimizer)
+    scheduler = LRScheduler(config.optimizer, config.training.train_iters)
+    return Trainer(config, parallel, device, model, buffer, optimizer, scheduler,
+                   Timers(config.training.timing_log_level))
+
+
+# ---- data ----------------------------------------------------------------------------------------
+def build_data_iterators(trainer: Trainer, tokenizer):
+    cfg, t = trainer.config, trainer.config.training
+    evaluations = t.train_iters // t.eval_interval + 1 if t.eval_iters > 0 else 0
+    num_samples = (t.train_iters * t.global_batch_size,
+                   evaluations * t.eval_iters * t.global_batch_size,
+                   t.eval_iters * t.global_batch_size)
+    train, valid, test = build_train_valid_test_datasets(cfg.data, tokenizer, num_samples, t.seed)
+
+    def iterator(dataset, consumed: int):
+        if dataset is None:
+            return None
+        sampler = MegatronPretrainingSampler(len(dataset), consumed, t.micro_batch_size,
+                                             trainer.parallel.dp_rank, trainer.parallel.dp_size)
+        loader = DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.data.num_workers,
+                            pin_memory=trainer.device.type == "cuda",
+                            persistent_workers=cfg.data.num_workers > 0)
+        return iter(loader)
+
+    return (iterator(train, trainer.state.consumed_train_samples), iterator(valid, 0), iterator(test, 0))
+
+
+def make_loss_fn(model: torch.nn.Module, device: torch.device):
+    """Per micro-batch: mean of the per-token losses where loss_mask is 1."""
+    def loss_fn(batch: dict):
+        tokens = batch["tokens"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True)
+        loss_mask = batch["loss_mask"].to(device, non_blocking=True).float()
+        per_token = model(tokens, batch["position_ids"].to(device, non_blocking=True), labels=labels)
+        num_tokens = loss_mask.sum()
+        return (per_token * loss_mask).sum() / num_tokens.clamp(min=1.0), num_tokens
+    return loss_fn
+
+
+# ---- one step ------------------------------------------------------------------------------------
+def train_step(trainer: Trainer, data_iterator) -> tuple[float, object]:
+    model, optimizer = trainer.model, trainer.optimizer
+    model.train()
+    optimizer.zero_grad()
+    trainer.timers.start("forward-backward", level=1)
+    losses = forward_backward_no_pipelining(make_loss_fn(model, trainer.device), data_iterator,
+                                            trainer.config.num_microbatches, optimizer.loss_scale)
+    trainer.timers.stop("forward-backward")
+    trainer.timers.start("optimizer", level=1)
+    result = optimizer.step(trainer.scheduler.lr)
+    trainer.timers.stop("optimizer")
+    if result.update_successful:
+        trainer.scheduler.step()
+    return sum(losses) / len(losses), result
+
+
+def evaluate(trainer: Trainer, data_iterator, num_batches: int) -> float:
+    trainer.model.eval()
+    loss_fn = make_loss_fn(trainer.model, trainer.device)
+    losses = []
+    for _ in range(num_batches):
+        losses += forward_backward_no_pipelining(loss_fn, data_iterator, trainer.config.num_microbatches,
+                                                 forward_only=True)
+    trainer.model.train()
+    return sum(losses) / len(losses)
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+def pretrain(config: MegaliteConfig, print_fn=print) -> TrainState:
+    trainer = build_trainer(config)
+    tokenizer = build_tokenizer(config.data)
+    train_iter, valid_iter, test_iter = build_data_iterators(trainer, tokenizer)
+    log = print_fn if trainer.parallel.is_logging_rank else (lambda *_: None)
+    sinks = MetricsSinks(config.training, dataclasses.asdict(config)) if trainer.parallel.is_logging_rank else None
+    report_parameters(trainer, log)
+    try:
+        train(trainer, train_iter, valid_iter, log, sinks)
+        t = config.training
+        if valid_iter is not None and t.eval_iters > 0:
+            loss = evaluate(trainer, valid_iter, t.eval_iters)
+            log(format_validation_lines("at the end of training for val data", {"lm loss": loss}))
+        if test_iter is not None and t.eval_iters > 0:
+            loss = evaluate(trainer, test_iter, t.eval_iters)
+            log(format_validation_lines("at the end of training for test data", {"lm loss": loss}))
+    finally:
+        if sinks is not None:
+            sinks.close()
+            if sinks.metrics_path:
+                log(f"metrics written to {sinks.metrics_path}")
+    return trainer.state
+
+
+def report_parameters(trainer: Trainer, log) -> None:
+    n = sum(p.numel() for p in trainer.model.parameters())
+    log(f" > number of parameters: {n} ({n / 1e6:.2f}M); global batch {trainer.config.training.global_batch_size}"
+        f" = {trainer.config.num_microbatches} micro-batches of {trainer.config.training.micro_batch_size}"
+        f" x data-parallel {trainer.parallel.dp_size}")
+
+
+def train(trainer: Trainer, train_iter, valid_iter, log, sinks) -> None:
+    cfg, t, state = trainer.config, trainer.config.training, trainer.state
+    interval = IntervalStats()
+    flops = flops_per_iteration(cfg.model, t.global_batch_size) if t.log_throughput else None
+    interval_start = time.perf_counter()
+    while state.iteration < t.train_iters:
+        loss, result = train_step(trainer, train_iter)
+        state.iteration += 1
+        state.consumed_train_samples += t.global_batch_size
+        interval.add(loss, result)
+        state.history.append(loss)
+        if not result.update_successful:
+            state.skipped_iterations += 1
+        if not math.isfinite(loss):
+            state.nan_iterations += 1
+
+        if state.iteration % t.log_interval == 0:
+            elapsed = (time.perf_counter() - interval_start) / interval.iterations
+            metrics = log_iteration(trainer, interval, elapsed, flops, log)
+            if sinks is not None:
+                sinks.log(state.iteration, metrics)
+            interval = IntervalStats()
+            interval_start = time.perf_counter()
+
+        if valid_iter is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
+            loss = evaluate(trainer, valid_iter, t.eval_iters)
+            log(format_validation_lines(f"at iteration {state.iteration}", {"lm loss": loss}))
+            if sinks is not None:
+                sinks.log(state.iteration, {"validation lm loss": loss})
+            interval_start = time.perf_counter()
+
+
+@dataclass
+class IntervalStats:
+    """Megatron logs the mean lm loss over the iterations since the last log line."""
+    iterations: int = 0
+    loss_sum: float = 0.0
+    last_grad_norm: float | None = None
+
+    def add(self, loss: float, result) -> None:
+        self.iterations += 1
+        self.loss_sum += loss
+        if result.grad_norm is not None:
+            self.last_grad_norm = result.grad_norm
+
+
+def log_iteration(trainer: Trainer, interval: IntervalStats, seconds_per_iter: float, flops, log) -> dict:
+    t, state = trainer.config.training, trainer.state
+    loss = interval.loss_sum / interval.iterations
+    tflops = flops / seconds_per_iter / trainer.parallel.world_size / 1e12 if flops is not None else None
+    tokens_per_sec = t.global_batch_size * trainer.config.model.seq_length / seconds_per_iter
+    log(format_training_line(
+        iteration=state.iteration, train_iters=t.train_iters, consumed_samples=state.consumed_train_samples,
+        elapsed_ms=1000.0 * seconds_per_iter, learning_rate=trainer.scheduler.lr,
+        global_batch_size=t.global_batch_size, losses={"lm loss": loss}, loss_scale=trainer.optimizer.loss_scale,
+        grad_norm=interval.last_grad_norm, skipped_iterations=state.skipped_iterations,
+        nan_iterations=state.nan_iterations, tflops_per_gpu=tflops))
+    timing = trainer.timers.report(interval.iterations)
+    if timing:
+        log(timing)
+    metrics = {"lm loss": loss, "learning rate": trainer.scheduler.lr, "grad norm": interval.last_grad_norm,
+               "loss scale": trainer.optimizer.loss_scale, "consumed samples": state.consumed_train_samples,
+               "elapsed time per iteration (ms)": 1000.0 * seconds_per_iter, "tokens per second": tokens_per_sec,
+               "skipped iterations": state.skipped_iterations, "nan iterations": state.nan_iterations}
+    if tflops is not None:
+        metrics["throughput (TFLOP/s/GPU)"] = tflops
+    return metrics
