@@ -1,0 +1,33 @@
+# Two commands do all set-up on a fresh machine:  make demo   and   make test
+# Both create .venv on first use and are safe to re-run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# PyTorch first, pinned, so the requirements' range installs nothing more (a bare `torch` would pull CUDA wheels).
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup bench clean-demo
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	PY=$(PY) bash examples/demo.sh
+
+test: $(STAMP)
+	WANDB_MODE=offline $(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) bench/bench_vs_hf.py
+	$(PY) bench/bench_data.py
+
+clean-demo:
+	rm -rf data/stdlib* data/cache runs/demo
