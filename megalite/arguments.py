@@ -200,9 +200,11 @@ def refuse_unavailable(args: argparse.Namespace, world_size: int) -> None:
         if is_set(args):
             raise UserError(f"{flag}: {feature} is not available in this version of megalite yet; "
                             "remove the flag to train without it")
-    if world_size > 1:
-        raise UserError(f"WORLD_SIZE={world_size}: data parallelism (issue 6) is not available in this version "
-                        "of megalite yet; launch a single process")
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    if world_size % model_parallel == 0 and world_size // model_parallel > 1:
+        raise UserError(f"WORLD_SIZE={world_size} gives data-parallel size {world_size // model_parallel}: data "
+                        "parallelism (issue 6) is not available in this version of megalite yet; launch "
+                        f"{model_parallel} process(es)")
 
 
 # ---- derived values and validation ----------------------------------------------------------------

@@ -1,13 +1,27 @@
-"""Process start-up: read the launcher's environment, pick device and backend, seed everything."""
+"""Process start-up: read the launcher's environment, start torch.distributed, pick the device, seed.
+
+Launchers: torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or SLURM's srun
+(SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, the first host of SLURM_JOB_NODELIST). A plain
+``python pretrain_gpt.py`` is rank 0 of 1 and starts no process group.
+"""
 from __future__ import annotations
 
 import ctypes
 import os
 import random
+import re
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+from megalite.config import ParallelConfig
+from megalite.errors import UserError
+from megalite.parallel_state import ParallelState
+
+DEFAULT_MASTER_PORT = 29500
 
 
 @dataclass(frozen=True)
@@ -15,12 +29,31 @@ class LaunchEnv:
     rank: int
     world_size: int
     local_rank: int
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_MASTER_PORT
 
 
-def read_launch_env() -> LaunchEnv:
-    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain ``python`` run is rank 0 of 1."""
-    env = os.environ
-    return LaunchEnv(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+def read_launch_env(env=None) -> LaunchEnv:
+    """torchrun's variables win; SLURM's are used when only they are set (``srun python ...``)."""
+    env = os.environ if env is None else env
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return LaunchEnv(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)),
+                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT)))
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+    return LaunchEnv(int(env["SLURM_PROCID"]), int(env.get("SLURM_NTASKS", 1)), int(env.get("SLURM_LOCALID", 0)),
+                     env.get("MASTER_ADDR", first_host(nodelist)), int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT)))
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: "gpu[07-09,12],cpu1" -> "gpu07"."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise UserError(f"cannot read a host from SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR")
+    prefix, ranges = match.group(1), match.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
 
 
 def device_for(local_rank: int) -> torch.device:
@@ -30,6 +63,22 @@ def device_for(local_rank: int) -> torch.device:
         return torch.device("cuda", local_rank)
     keep_freed_memory_in_process()
     return torch.device("cpu")
+
+
+def initialize_distributed(parallel: ParallelConfig, timeout_minutes: int = 10,
+                           env: LaunchEnv | None = None) -> tuple[ParallelState, torch.device]:
+    """Start the process group (NCCL with CUDA, gloo otherwise) and build the rank grid."""
+    env = env or read_launch_env()
+    device = device_for(env.local_rank)
+    if env.world_size > 1 and not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                timeout=timedelta(minutes=timeout_minutes))
+    state = ParallelState.build(env.world_size, env.rank, parallel.tensor_model_parallel_size,
+                                parallel.context_parallel_size, parallel.pipeline_model_parallel_size)
+    return state, device
 
 
 def keep_freed_memory_in_process() -> None:

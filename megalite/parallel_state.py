@@ -31,7 +31,7 @@ def rank_grid_groups(world_size: int, tp: int, cp: int, pp: int, varying: str) -
             coord.update(zip(reversed(varying), moving))
             members.append(coord["t"] + tp * (coord["c"] + cp * (coord["d"] + dp * coord["p"])))
         groups.append(sorted(members))
-    return groups
+    return sorted(groups)
 
 
 def validate_sizes(world_size: int, tp: int, cp: int, pp: int) -> None:

@@ -20,7 +20,7 @@ from megalite.data.builder import build_train_valid_test_datasets
 from megalite.data.samplers import MegatronPretrainingSampler
 from megalite.data.tokenizers import build_tokenizer
 from megalite.distributed.grad_buffer import ParamAndGradBuffer
-from megalite.initialize import device_for, read_launch_env, set_seed
+from megalite.initialize import initialize_distributed, set_seed
 from megalite.logging import (MetricsSinks, Timers, flops_per_iteration, format_training_line,
                               format_validation_lines)
 from megalite.model.gpt import GPTModel
@@ -54,9 +54,7 @@ class Trainer:
 
 
 def build_trainer(config: MegaliteConfig) -> Trainer:
-    env = read_launch_env()
-    parallel = ParallelState.build(env.world_size, env.rank)
-    device = device_for(env.local_rank)
+    parallel, device = initialize_distributed(config.parallel, config.training.distributed_timeout_minutes)
     set_seed(config.training.seed)
     model = GPTModel(config.model, seed=config.training.seed).to(device)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

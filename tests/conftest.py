@@ -1,55 +1,10 @@
-"""Shared fixtures: the repo root on sys.path, tiny model configs, and a CLI argument builder."""
+"""Test set-up: the repo root, tests/ and tests/distributed/ importable; wandb never goes online."""
 import os
 import sys
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for path in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "distributed")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
 
 os.environ.setdefault("WANDB_MODE", "offline")
-
-TINY_LLAMA_ARGS = [
-    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "176", "--num-attention-heads", "4",
-    "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32", "--max-position-embeddings", "32",
-    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-    "--untie-embeddings-and-output-weights", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
-    "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "4",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200", "--log-interval", "1",
-    "--eval-iters", "0", "--num-workers", "0",
-]
-
-TINY_GPT2_ARGS = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-    "--max-position-embeddings", "64", "--openai-gelu", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
-    "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "4",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200", "--log-interval", "1",
-    "--eval-iters", "0", "--num-workers", "0",
-]
-
-
-def with_flags(base: list[str], **overrides) -> list[str]:
-    """Copy of ``base`` with ``--flag value`` pairs replaced/added; value None removes, True adds a switch."""
-    argv = list(base)
-    for key, value in overrides.items():
-        flag = "--" + key.replace("_", "-")
-        if flag in argv:
-            i = argv.index(flag)
-            takes_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
-            del argv[i:i + (2 if takes_value else 1)]
-        if value is True:
-            argv.append(flag)
-        elif value is not None and value is not False:
-            argv += [flag, str(value)]
-    return argv
-
-
-@pytest.fixture
-def tiny_llama_args():
-    return list(TINY_LLAMA_ARGS)
-
-
-@pytest.fixture
-def tiny_gpt2_args():
-    return list(TINY_GPT2_ARGS)

@@ -1,7 +1,7 @@
 """Megatron's command line -> config dataclasses: defaults, derived values, and one-line errors."""
 import pytest
 
-from conftest import TINY_GPT2_ARGS, TINY_LLAMA_ARGS, with_flags
+from megalite_test_utils import TINY_GPT2_ARGS, TINY_LLAMA_ARGS, with_flags
 from megalite.arguments import default_ffn_hidden_size, padded_vocab_size, parse_args
 from megalite.errors import UserError
 
@@ -132,7 +132,7 @@ def test_flags_of_later_features_are_refused_not_ignored(overrides, flag):
 
 
 def test_more_than_one_process_is_refused_until_data_parallelism():
-    with pytest.raises(UserError, match="WORLD_SIZE=2"):
+    with pytest.raises(UserError, match="WORLD_SIZE=2 gives data-parallel size 2"):
         parse(TINY_LLAMA_ARGS, world_size=2)
 
 

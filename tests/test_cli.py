@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TINY_LLAMA_ARGS, with_flags
+from megalite_test_utils import ROOT, TINY_LLAMA_ARGS, with_flags
 
 
 def run(argv, **env):

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import TINY_LLAMA_ARGS, with_flags
+from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 from megalite.arguments import parse_args
 from megalite.logging import flops_per_iteration, format_training_line
 from megalite.training import pretrain

@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import TINY_LLAMA_ARGS, with_flags
+from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 from megalite.arguments import parse_args
 from megalite.training import build_trainer, pretrain, train_step
 

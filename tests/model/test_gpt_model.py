@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import TINY_GPT2_ARGS, TINY_LLAMA_ARGS
+from megalite_test_utils import TINY_GPT2_ARGS, TINY_LLAMA_ARGS
 from megalite.arguments import parse_args
 from megalite.model.gpt import GPTModel
 from megalite.model.init import full_normal, init_std

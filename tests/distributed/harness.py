@@ -1,0 +1,82 @@
+"""Run a function on N gloo ranks on localhost and collect what each rank returns.
+
+    results = run_ranks(4, my_module_level_fn, arg1, arg2)   # results[rank] = my_fn(rank, world, arg1, arg2)
+
+Ranks are spawned processes with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set as torchrun would, so
+code under test initialises exactly as in a real launch. A rank that raises fails the call with its
+traceback. ``run_pretrain`` launches pretrain_gpt.py under torchrun and returns its output.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, result_dir: str, fn, args) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, os.path.join(result_dir, f"{rank}.pt"))
+    except BaseException:
+        torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(result_dir, f"{rank}.pt"))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn, *args) -> list:
+    with tempfile.TemporaryDirectory() as result_dir:
+        try:
+            mp.spawn(_rank_main, args=(world_size, free_port(), result_dir, fn, args), nprocs=world_size, join=True)
+        except Exception:
+            pass                                   # reported below with the failing rank's traceback
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(result_dir, f"{rank}.pt")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {rank} of {world_size} died without a result")
+            record = torch.load(path, weights_only=False)
+            if not record["ok"]:
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{record['error']}")
+            results.append(record["result"])
+        return results
+
+
+def run_pretrain(nproc: int, argv: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """pretrain_gpt.py under torchrun (--standalone picks a free port), as a user launches it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(ROOT, "pretrain_gpt.py"), *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def logged_losses(stdout: str) -> dict[int, float]:
+    """iteration -> lm loss from Megatron-style lines."""
+    losses = {}
+    for line in stdout.splitlines():
+        it = re.search(r"iteration\s+(\d+)\s*/", line)
+        loss = re.search(r"lm loss:\s*([-+0-9.eE]+|nan|inf)", line)
+        if it and loss:
+            losses[int(it.group(1))] = float(loss.group(1))
+    return losses
