@@ -10,19 +10,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from contextlib import nullcontext
+
 from megalite.config import ModelConfig
+from megalite.errors import UserError
 from megalite.model.init import initialize_parameter
 from megalite.model.transformer import RotaryEmbedding, TransformerLayer, build_norm
+from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.layers import ColumnParallelLinear, TensorParallel, VocabParallelEmbedding, parallel_logits
+from megalite.tensor_parallel.mappings import gather_from_tp_region, reduce_from_tp_region, scatter_to_sp_region
+from megalite.tensor_parallel.random import checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Embedding(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    """Word (+ learned position) embeddings -> [s, b, h]; sequence-split under sequence parallelism."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size, dtype=dtype,
-                                            _weight=torch.empty(config.padded_vocab_size, config.hidden_size,
-                                                                dtype=dtype))
+        self.tp = tp
+        self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size, dtype, tp)
         self.position_embeddings = None
         if not config.use_rope:
             self.position_embeddings = nn.Embedding(
@@ -31,37 +39,49 @@ class Embedding(nn.Module):
         self.dropout = config.hidden_dropout
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
-        """[b, s] ids -> [s, b, h] activations."""
-        x = self.word_embeddings(input_ids)
+        """[b, s] ids -> [s, b, h] activations ([s/tp, b, h] with sequence parallelism)."""
+        x = reduce_from_tp_region(self.word_embeddings(input_ids), self.tp.group)
         if self.position_embeddings is not None:
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
             x = x + self.position_embeddings(position_ids)
         x = x.transpose(0, 1).contiguous()
-        return F.dropout(x, self.dropout, self.training)
+        if not self.tp.sequence_parallel:
+            return F.dropout(x, self.dropout, self.training)
+        x = scatter_to_sp_region(x, self.tp.group)
+        with self.tp.rng.fork() if self.dropout > 0 and self.training else nullcontext():
+            return F.dropout(x, self.dropout, self.training)
 
 
 class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, seed: int = 1234, pre_process: bool = True,
-                 post_process: bool = True, layer_offset: int = 0, num_local_layers: int | None = None):
+                 post_process: bool = True, layer_offset: int = 0, num_local_layers: int | None = None,
+                 tp: TensorParallel | None = None):
         super().__init__()
         self.config = config
+        self.tp = tp = tp or TensorParallel()
+        if config.padded_vocab_size % tp.size:
+            raise UserError(f"padded vocabulary {config.padded_vocab_size} is not divisible by "
+                            f"--tensor-model-parallel-size {tp.size}")
+        if tp.sequence_parallel and config.seq_length % tp.size:
+            raise UserError(f"--sequence-parallel needs --seq-length {config.seq_length} divisible by "
+                            f"--tensor-model-parallel-size {tp.size}")
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_offset = layer_offset
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         dtype = DTYPES[config.params_dtype]
         n_local = config.num_layers if num_local_layers is None else num_local_layers
 
-        self.embedding = Embedding(config, dtype) if pre_process else None
+        self.embedding = Embedding(config, dtype, tp) if pre_process else None
         self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_base, config.max_position_embeddings)
                        if config.use_rope else None)
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleList(
-            TransformerLayer(config, layer_offset + i + 1, dtype) for i in range(n_local))
+            TransformerLayer(config, layer_offset + i + 1, dtype, tp) for i in range(n_local))
         if post_process:
-            self.decoder.final_layernorm = build_norm(config, dtype)
+            self.decoder.final_layernorm = build_norm(config, dtype, tp)
             if not self.share_embeddings_and_output_weights:
-                self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False, dtype=dtype)
+                self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, False, dtype, tp)
         self.reset_parameters(seed)
 
     # ---- parameters -------------------------------------------------------------------------
@@ -91,20 +111,44 @@ class GPTModel(nn.Module):
         other stages return hidden states [s, b, h].
         """
         x = self.embedding(input_ids, position_ids) if self.pre_process else hidden_states
-        rotary = self.rotary.tables(None, x.shape[0], x.dtype) if self.rotary is not None else None
-        for layer in self.decoder.layers:
-            x = layer(x, rotary)
+        full_seq = x.shape[0] * (self.tp.size if self.tp.sequence_parallel else 1)
+        rotary = self.rotary.tables(None, full_seq, x.dtype) if self.rotary is not None else None
+        x = self.run_layers(x, rotary)
         if not self.post_process:
             return x
         x = self.decoder.final_layernorm(x)
-        logits = F.linear(x, self.output_weight())                      # [s, b, V]
+        logits = parallel_logits(x, self.output_weight(), self.tp)      # [s, b, V/tp]
         if labels is None:
-            return logits.transpose(0, 1)
-        return cross_entropy_per_token(logits, labels)
+            return gather_from_tp_region(logits, self.tp.group).transpose(0, 1)
+        vocab_start = self.tp.rank * logits.shape[-1]
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp.group, vocab_start).t()
+
+    def run_layers(self, x: torch.Tensor, rotary) -> torch.Tensor:
+        """The layer stack, with full activation recomputation where --recompute-granularity full asks.
+
+        uniform: every chunk of --recompute-num-layers layers is checkpointed as one unit;
+        block: the first --recompute-num-layers layers of this stage are checkpointed, the rest not.
+        """
+        layers = list(self.decoder.layers)
+        cfg = self.config
+        if cfg.recompute_granularity != "full" or not self.training:
+            for layer in layers:
+                x = layer(x, rotary)
+            return x
+        n = cfg.recompute_num_layers or 1
+        if cfg.recompute_method == "block":
+            for i, layer in enumerate(layers):
+                x = checkpoint(layer, x, rotary, tracker=self.tp.rng) if i < n else layer(x, rotary)
+            return x
+        for start in range(0, len(layers), n):
+            chunk = layers[start:start + n]
+            x = checkpoint(_run_chunk(chunk), x, rotary, tracker=self.tp.rng)
+        return x
 
 
-def cross_entropy_per_token(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[s, b, V] logits (any dtype, computed in fp32) and [b, s] labels -> [b, s] fp32 losses."""
-    s, b, v = logits.shape
-    losses = F.cross_entropy(logits.float().view(s * b, v), labels.t().reshape(s * b), reduction="none")
-    return losses.view(s, b).t()
+def _run_chunk(layers):
+    def run(x, rotary):
+        for layer in layers:
+            x = layer(x, rotary)
+        return x
+    return run

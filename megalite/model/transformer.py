@@ -6,23 +6,16 @@ linear_fc2, input_layernorm, pre_mlp_layernorm) so checkpoints and conversions m
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
-
-
-class Linear(nn.Module):
-    """y = x W^T + b with uninitialised storage (megalite.model.init fills it layout-independently)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+from megalite.errors import UserError
+from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, TensorParallel
+from megalite.tensor_parallel.random import checkpoint
 
 
 class RMSNorm(nn.Module):
@@ -48,9 +41,13 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
-def build_norm(config: ModelConfig, dtype: torch.dtype) -> nn.Module:
-    norm = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
-    return norm(config.hidden_size, config.norm_epsilon, dtype)
+def build_norm(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
+    """Norms are replicated over TP; under sequence parallelism each rank normalises its own sequence
+    shard, so their gradients are partial and get summed over TP after backward."""
+    norm = (RMSNorm if config.normalization == "RMSNorm" else LayerNorm)(config.hidden_size, config.norm_epsilon, dtype)
+    for param in norm.parameters():
+        param.sequence_parallel = tp.sequence_parallel
+    return norm
 
 
 class RotaryEmbedding(nn.Module):
@@ -82,27 +79,39 @@ class SelfAttention(nn.Module):
     """Causal self-attention with a fused QKV projection in Megatron's grouped layout.
 
     ``linear_qkv`` rows are grouped per KV head g: [q heads of group g, k_g, v_g] (REFERENCE §3), so a
-    tensor-parallel shard is a contiguous block of whole groups.
+    tensor-parallel shard is a contiguous block of whole groups. With more TP ranks than KV heads,
+    each rank takes a slice of one group's query heads plus that group's K and V, which are then
+    replicated across the ranks sharing the group (their gradients are summed over those ranks).
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, num_heads: int | None = None,
-                 num_groups: int | None = None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
-        self.head_dim = config.kv_channels
-        self.num_heads = num_heads or config.num_attention_heads          # local to this rank
-        self.num_groups = num_groups or config.num_query_groups
+        nq, nkv, d, h = config.num_attention_heads, config.num_query_groups, config.kv_channels, config.hidden_size
+        check_attention_split(nq, nkv, tp.size)
+        self.tp = tp
+        self.head_dim = d
+        self.num_heads = nq // tp.size                              # local to this rank
+        self.num_groups = max(1, nkv // tp.size)
         self.heads_per_group = self.num_heads // self.num_groups
         self.dropout = config.attention_dropout
-        qkv_out = (self.num_heads + 2 * self.num_groups) * self.head_dim
+        self.selective_recompute = config.recompute_granularity == "selective"
+        local_rows, local_out = None, (self.num_heads + 2 * self.num_groups) * d
+        if tp.size > nkv:
+            local_rows = _replicated_kv_rows(nq, nkv, d, tp)
         qkv_bias = config.add_bias_linear or config.add_qkv_bias
-        self.linear_qkv = Linear(config.hidden_size, qkv_out, qkv_bias, dtype)
-        self.linear_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, config.add_bias_linear, dtype)
+        self.linear_qkv = ColumnParallelLinear(h, (nq + 2 * nkv) * d, qkv_bias, dtype, tp,
+                                               local_rows=local_rows, local_out=local_out)
+        if tp.size > nkv:
+            kv_rows = (self.num_heads * d, (self.num_heads + 2) * d, tp.size // nkv)
+            for param in self.linear_qkv.parameters():
+                param.replicated_rows = kv_rows
+        self.linear_proj = RowParallelLinear(nq * d, h, config.add_bias_linear, dtype, tp)
 
     def split_qkv(self, qkv: torch.Tensor):
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :self.heads_per_group].reshape(s, b, self.num_heads, self.head_dim)
-        return q, qkv[:, :, :, -2], qkv[:, :, :, -1]
+        q, k, v = torch.split(qkv, [self.heads_per_group, 1, 1], dim=3)
+        return q.reshape(s, b, self.num_heads, self.head_dim), k.squeeze(3), v.squeeze(3)
 
     def core_attention(self, q, k, v) -> torch.Tensor:
         """[s, b, heads, d] inputs -> [s, b, heads * d] output."""
@@ -111,8 +120,10 @@ class SelfAttention(nn.Module):
         if self.num_groups != self.num_heads:
             k = k.repeat_interleave(self.heads_per_group, dim=1)
             v = v.repeat_interleave(self.heads_per_group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             dropout_p=self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        # attention heads are sharded over TP: their dropout draws from this rank's own stream
+        with self.tp.rng.fork() if dropout > 0 and self.tp.rng is not None else nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
 
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
@@ -120,20 +131,56 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.linear_proj(self.core_attention(q, k, v))
+        if self.selective_recompute and self.training:
+            out = checkpoint(self.core_attention, q, k, v, tracker=self.tp.rng)
+        else:
+            out = self.core_attention(q, k, v)
+        return self.linear_proj(out)
+
+
+def check_attention_split(num_heads: int, num_groups: int, tp_size: int) -> None:
+    if num_heads % tp_size:
+        raise UserError(f"--num-attention-heads {num_heads} must be divisible by --tensor-model-parallel-size {tp_size}")
+    if tp_size <= num_groups and num_groups % tp_size:
+        raise UserError(f"--num-query-groups {num_groups} must be divisible by --tensor-model-parallel-size {tp_size}")
+    if tp_size > num_groups and tp_size % num_groups:
+        raise UserError(f"--tensor-model-parallel-size {tp_size} must be a multiple of --num-query-groups {num_groups} "
+                        "to replicate KV heads")
+
+
+def _replicated_kv_rows(nq: int, nkv: int, d: int, tp: TensorParallel):
+    """Rows of the full QKV weight/bias for a rank sharing its KV head with tp/nkv - 1 others."""
+    replicas = tp.size // nkv
+    group, slot = tp.rank // replicas, tp.rank % replicas
+    q_per_rank = nq // tp.size
+
+    def local_rows(full: torch.Tensor) -> torch.Tensor:
+        grouped = full.view(nkv, nq // nkv + 2, d, *full.shape[1:])[group]
+        q = grouped[slot * q_per_rank:(slot + 1) * q_per_rank]
+        return torch.cat([q, grouped[-2:]]).reshape(-1, *full.shape[1:])
+    return local_rows
 
 
 class MLP(nn.Module):
-    """fc1 -> activation -> fc2. With SwiGLU, fc1 rows are [gate ; up] (REFERENCE §3)."""
+    """fc1 -> activation -> fc2. With SwiGLU, fc1 rows are [gate ; up] (REFERENCE §3); a TP shard is
+    [gate_r ; up_r], so each rank applies silu(gate) * up to its own columns."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, ffn_size: int | None = None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
-        ffn = ffn_size or config.ffn_hidden_size
+        ffn = config.ffn_hidden_size
+        if ffn % tp.size:
+            raise UserError(f"--ffn-hidden-size {ffn} must be divisible by --tensor-model-parallel-size {tp.size}")
         self.swiglu = config.swiglu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+        local_rows = None
+        if config.swiglu:
+            def local_rows(full: torch.Tensor) -> torch.Tensor:
+                halves = full.view(2, ffn, *full.shape[1:])
+                return tp.chunk(halves, dim=1).reshape(-1, *full.shape[1:])
         fc1_out = 2 * ffn if config.swiglu else ffn
-        self.linear_fc1 = Linear(config.hidden_size, fc1_out, config.add_bias_linear, dtype)
-        self.linear_fc2 = Linear(ffn, config.hidden_size, config.add_bias_linear, dtype)
+        self.linear_fc1 = ColumnParallelLinear(config.hidden_size, fc1_out, config.add_bias_linear, dtype, tp,
+                                               local_rows=local_rows)
+        self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, config.add_bias_linear, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)
@@ -148,14 +195,14 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
-    def __init__(self, config: ModelConfig, layer_number: int, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer_number: int, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
         self.layer_number = layer_number          # global, 1-based (as Megatron)
         self.hidden_dropout = config.hidden_dropout
-        self.input_layernorm = build_norm(config, dtype)
-        self.self_attention = SelfAttention(config, dtype)
-        self.pre_mlp_layernorm = build_norm(config, dtype)
-        self.mlp = MLP(config, dtype)
+        self.input_layernorm = build_norm(config, dtype, tp)
+        self.self_attention = SelfAttention(config, dtype, tp)
+        self.pre_mlp_layernorm = build_norm(config, dtype, tp)
+        self.mlp = MLP(config, dtype, tp)
 
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
         attn = self.self_attention(self.input_layernorm(x), rotary)

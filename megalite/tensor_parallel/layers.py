@@ -1,0 +1,127 @@
+"""Column-, row- and vocabulary-parallel layers (Megatron's tensor parallelism).
+
+A ColumnParallelLinear keeps a block of output rows of the full weight; a RowParallelLinear a block of
+input columns. Pairing them (QKV -> attention -> output projection; fc1 -> activation -> fc2) needs
+one all-reduce in forward and one in backward per pair, or with sequence parallelism an all-gather
+before the column layer and a reduce-scatter after the row layer.
+
+Every parameter records ``full_shape`` and ``take_shard(full) -> local`` so initialisation and
+checkpoints work with the unsharded tensor; ``tensor_model_parallel`` marks sharded parameters and
+``sequence_parallel`` replicated ones whose gradients differ per rank under sequence parallelism.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.tensor_parallel.mappings import (copy_to_tp_region, gather_from_sp_region, gather_from_tp_region,
+                                               reduce_from_tp_region, reduce_scatter_to_sp_region)
+from megalite.tensor_parallel.random import RNGTracker
+
+
+@dataclass
+class TensorParallel:
+    """This rank's place in its tensor-parallel group (size 1: plain single-device layers)."""
+    group: Optional[object] = None
+    rank: int = 0
+    size: int = 1
+    sequence_parallel: bool = False
+    rng: Optional[RNGTracker] = None
+
+    def chunk(self, full: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return full.chunk(self.size, dim=dim)[self.rank]
+
+
+def _mark(param: nn.Parameter, full_shape, take_shard: Callable, sharded: bool) -> nn.Parameter:
+    param.full_shape = tuple(full_shape)
+    param.take_shard = take_shard
+    param.tensor_model_parallel = sharded
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split across TP ranks; output stays split unless gathered.
+
+    ``local_rows(full)`` picks this rank's rows of a full weight or bias (default: a contiguous chunk);
+    fused layouts (SwiGLU's [gate; up], grouped QKV) pass their own.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, tp: TensorParallel,
+                 gather_output: bool = False, local_rows: Callable | None = None, local_out: int | None = None):
+        super().__init__()
+        self.tp, self.gather_output = tp, gather_output
+        local_rows = local_rows or tp.chunk
+        local_out = local_out or out_features // tp.size
+        sharded = tp.size > 1
+        self.weight = _mark(nn.Parameter(torch.empty(local_out, in_features, dtype=dtype)),
+                            (out_features, in_features), local_rows, sharded)
+        self.bias = _mark(nn.Parameter(torch.empty(local_out, dtype=dtype)), (out_features,), local_rows,
+                          sharded) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.sequence_parallel:
+            x = gather_from_sp_region(x, self.tp.group)
+        else:
+            x = copy_to_tp_region(x, self.tp.group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp_region(y, self.tp.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split across TP ranks; input arrives already split."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.weight = _mark(nn.Parameter(torch.empty(out_features, in_features // tp.size, dtype=dtype)),
+                            (out_features, in_features), lambda full: tp.chunk(full, dim=1), tp.size > 1)
+        self.bias = None
+        if bias:   # replicated; added once, after the reduction
+            self.bias = _mark(nn.Parameter(torch.empty(out_features, dtype=dtype)), (out_features,),
+                              lambda full: full, sharded=False)
+            self.bias.sequence_parallel = tp.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp.sequence_parallel:
+            y = reduce_scatter_to_sp_region(y, self.tp.group)
+        else:
+            y = reduce_from_tp_region(y, self.tp.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across TP ranks by vocabulary range; returns per-rank *partial* sums.
+
+    Ids outside this rank's range contribute zeros; the caller sums over TP (all-reduce, or
+    reduce-scatter with sequence parallelism) to get the full embedding.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.per_rank = num_embeddings // tp.size
+        self.vocab_start = tp.rank * self.per_rank
+        self.weight = _mark(nn.Parameter(torch.empty(self.per_rank, embedding_dim, dtype=dtype)),
+                            (num_embeddings, embedding_dim), tp.chunk, tp.size > 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.per_rank)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        return F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def parallel_logits(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """[s(/tp), b, h] hidden states -> [s, b, V/tp] logits for this rank's vocabulary range."""
+    if tp.sequence_parallel:
+        x = gather_from_sp_region(x, tp.group)
+    else:
+        x = copy_to_tp_region(x, tp.group)
+    return F.linear(x, weight)
+

@@ -1,0 +1,88 @@
+"""Building a rank's TensorParallel context, and the gradient fix-ups tensor parallelism needs.
+
+After backward, two kinds of gradients are partial per TP rank and must be summed over ranks:
+- with sequence parallelism, replicated parameters (norm weights, row-parallel biases) saw only this
+  rank's sequence shard;
+- with more TP ranks than KV heads, the K/V rows of the fused QKV weight are replicated across the
+  ranks sharing a KV head, each of which saw only its own query heads.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megalite.parallel_state import ParallelState, rank_grid_groups
+from megalite.tensor_parallel.layers import TensorParallel
+from megalite.tensor_parallel.random import build_rng_tracker
+
+
+def build_tensor_parallel(state: ParallelState, sequence_parallel: bool, seed: int,
+                          device: torch.device, num_query_groups: int) -> TensorParallel:
+    tp = TensorParallel(group=state.group("tp"), rank=state.tp_rank, size=state.tp_size,
+                        sequence_parallel=sequence_parallel and state.tp_size > 1,
+                        rng=build_rng_tracker(seed, state.tp_rank, device))
+    tp.kv_replica_group = _kv_replica_group(state, num_query_groups)
+    return tp
+
+
+def _kv_replica_group(state: ParallelState, num_query_groups: int):
+    """The TP ranks that hold the same KV head when tp > num_query_groups (created on every rank)."""
+    if state.tp_size <= num_query_groups:
+        return None
+    replicas = state.tp_size // num_query_groups
+    mine = None
+    for tp_ranks in rank_grid_groups(state.world_size, state.tp_size, state.cp_size, state.pp_size, "t"):
+        for g in range(num_query_groups):
+            members = tp_ranks[g * replicas:(g + 1) * replicas]
+            group = dist.new_group(members)
+            if state.rank in members:
+                mine = group
+    return mine
+
+
+def finalize_tensor_parallel_grads(params, tp: TensorParallel) -> None:
+    """Sum the per-rank partial gradients described above (call after backward, before clipping)."""
+    if tp.size == 1:
+        return
+    if tp.sequence_parallel:
+        _all_reduce_coalesced([p.main_grad for p in params if getattr(p, "sequence_parallel", False)], tp.group)
+    replicated = [p for p in params if getattr(p, "replicated_rows", None)]
+    _all_reduce_coalesced([p.main_grad[slice(*p.replicated_rows[:2])] for p in replicated],
+                          getattr(tp, "kv_replica_group", None))
+
+
+def _all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
+    if not tensors or group is None:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def tensor_parallel_norm_share(param: torch.nn.Parameter, grad: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """This rank's share of sum(grad^2) so that summing shares over TP counts every element once.
+
+    Sharded parameters count fully; parameters replicated on all TP ranks count 1/tp on each;
+    K/V rows replicated on r ranks count 1/r.
+    """
+    squared = grad.float().square().sum()
+    if not getattr(param, "tensor_model_parallel", False):
+        return squared / tp_size
+    rows = getattr(param, "replicated_rows", None)
+    if rows:
+        start, end, replicas = rows
+        squared = squared - grad[start:end].float().square().sum() * (1.0 - 1.0 / replicas)
+    return squared
+
+
+def tensor_parallel_grad_norm(params, tp: TensorParallel):
+    """A function computing the global L2 norm of ``params``' main_grads over the TP group."""
+    def grad_norm() -> float:
+        squared = sum(tensor_parallel_norm_share(p, p.main_grad, tp.size) for p in params)
+        squared = torch.as_tensor(squared, dtype=torch.float32)
+        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=tp.group)
+        return float(squared.sqrt())
+    return grad_norm
