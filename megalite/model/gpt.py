@@ -118,9 +118,10 @@ class GPTModel(nn.Module):
             return x
         x = self.decoder.final_layernorm(x)
         logits = parallel_logits(x, self.output_weight(), self.tp)      # [s, b, V/tp]
+        vocab_start = self.tp.rank * logits.shape[-1]
+        mask_padded_vocabulary(logits, vocab_start, self.config.vocab_size)
         if labels is None:
             return gather_from_tp_region(logits, self.tp.group).transpose(0, 1)
-        vocab_start = self.tp.rank * logits.shape[-1]
         return vocab_parallel_cross_entropy(logits, labels.t(), self.tp.group, vocab_start).t()
 
     def run_layers(self, x: torch.Tensor, rotary) -> torch.Tensor:
@@ -144,6 +145,20 @@ class GPTModel(nn.Module):
             chunk = layers[start:start + n]
             x = checkpoint(_run_chunk(chunk), x, rotary, tracker=self.tp.rng)
         return x
+
+
+def mask_padded_vocabulary(logits: torch.Tensor, vocab_start: int, true_vocab_size: int) -> None:
+    """Set logits of padding ids (>= the tokenizer's vocabulary) to -inf, in place.
+
+    The padded size depends on the TP size (Megatron pads to a multiple of divisible-by x tp); masking
+    keeps padding out of the softmax, so the loss is the same at every layout and equals the loss over
+    the true vocabulary (as in Hugging Face models).
+    """
+    if true_vocab_size <= 0:
+        return
+    first_padding = max(0, true_vocab_size - vocab_start)
+    if first_padding < logits.shape[-1]:
+        logits[..., first_padding:] = float("-inf")
 
 
 def _run_chunk(layers):
