@@ -101,4 +101,10 @@ class ParallelState:
                 group = dist.new_group(members)               # every rank creates every group
                 if rank in members:
                     state.groups[name] = group
+        # first and last pipeline stage of each pipeline: they share the (tied) word embeddings
+        for members in rank_grid_groups(world_size, tp, cp, pp, "p"):
+            ends = sorted({members[0], members[-1]})
+            group = dist.new_group(ends)
+            if rank in ends:
+                state.groups["embedding"] = group
         return state

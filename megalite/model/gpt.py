@@ -80,8 +80,11 @@ class GPTModel(nn.Module):
             TransformerLayer(config, layer_offset + i + 1, dtype, tp) for i in range(n_local))
         if post_process:
             self.decoder.final_layernorm = build_norm(config, dtype, tp)
-            if not self.share_embeddings_and_output_weights:
+            if not (self.share_embeddings_and_output_weights and pre_process):
+                # tied and on a later pipeline stage: a copy of the word embeddings, initialised equal
+                # (same global name) and kept equal by summing both gradients over the embedding group
                 self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, False, dtype, tp)
+                self.output_layer.weight.shared_embedding = self.share_embeddings_and_output_weights
         self.reset_parameters(seed)
 
     # ---- parameters -------------------------------------------------------------------------
@@ -90,6 +93,8 @@ class GPTModel(nn.Module):
         if local_name.startswith("decoder.layers."):
             index, rest = local_name[len("decoder.layers."):].split(".", 1)
             return f"decoder.layers.{int(index) + self.layer_offset}.{rest}"
+        if local_name == "output_layer.weight" and self.share_embeddings_and_output_weights:
+            return "embedding.word_embeddings.weight"
         return local_name
 
     def reset_parameters(self, seed: int) -> None:
@@ -98,7 +103,7 @@ class GPTModel(nn.Module):
                                  self.config.num_layers, seed)
 
     def output_weight(self) -> torch.Tensor:
-        if self.share_embeddings_and_output_weights:
+        if self.share_embeddings_and_output_weights and self.pre_process:
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 

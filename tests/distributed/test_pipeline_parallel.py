@@ -1,0 +1,112 @@
+"""Pipeline parallelism: schedule orders, and the executor's losses and gradients vs one process."""
+import pytest
+import torch
+
+from harness import run_ranks
+from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
+from megalite.arguments import parse_args
+from megalite.distributed.grad_buffer import ParamAndGradBuffer
+from megalite.errors import UserError
+from megalite.model.gpt import GPTModel
+from megalite.parallel_state import ParallelState
+from megalite.pipeline_parallel.p2p import PipelineComm
+from megalite.pipeline_parallel.schedules import (gpipe_order, interleaved_order, one_f_one_b_order,
+                                                  run_pipeline_schedule)
+from megalite.pipeline_parallel.stages import (build_model_chunks, check_pipeline_split, chunk_forward,
+                                               sync_shared_embedding_grads)
+from megalite.tensor_parallel.setup import build_tensor_parallel, finalize_tensor_parallel_grads
+
+ARGS = with_flags(TINY_LLAMA_ARGS, num_layers=4, make_vocab_size_divisible_by=32)
+M, MBS, SEQ = 4, 2, 32
+
+
+def _batches():
+    g = torch.Generator().manual_seed(4)
+    out = []
+    for _ in range(M):
+        x = torch.randint(0, 201, (MBS, SEQ + 1), generator=g)
+        out.append({"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": torch.ones(MBS, SEQ),
+                    "position_ids": torch.arange(SEQ).expand(MBS, SEQ)})
+    return out
+
+
+def _reference(argv):
+    model = GPTModel(parse_args(argv, world_size=1).model, seed=11)
+    losses = []
+    for batch in _batches():
+        loss = model(batch["tokens"], labels=batch["labels"]).mean()
+        (loss / M).backward()
+        losses.append(loss.item())
+    # with tied embeddings the last stage's output copy reports under the embedding's global name, so
+    # both copies are compared with the full (embedding + output) gradient
+    return losses, {model.global_name(n): p.grad for n, p in model.named_parameters()}
+
+
+def _pipeline(rank, world, argv, pp, tp, schedule, chunks_per_rank):
+    cfg = parse_args(argv, world_size=1).model
+    state = ParallelState.build(world, rank, tp=tp, pp=pp)
+    sp = "--sequence-parallel" in argv
+    tpc = build_tensor_parallel(state, sp, 11, torch.device("cpu"), cfg.num_query_groups)
+    chunks = build_model_chunks(cfg, 11, tpc, state.pp_rank, pp, chunks_per_rank)
+    named = [(f"{i}.{n}", p) for i, c in enumerate(chunks) for n, p in c.named_parameters()]
+    ParamAndGradBuffer(named)
+    shape = (SEQ // tp if sp else SEQ, MBS, cfg.hidden_size)
+    comm = PipelineComm(state.group("pp"), state.pp_rank, pp, shape, torch.float32, torch.device("cpu"))
+    order = {"1f1b": one_f_one_b_order, "gpipe": gpipe_order}[schedule](pp, state.pp_rank, M) \
+        if chunks_per_rank == 1 else interleaved_order(pp, state.pp_rank, M, chunks_per_rank)
+    losses = run_pipeline_schedule(order, chunk_forward(chunks, torch.device("cpu")), _batches(), comm,
+                                   chunks_per_rank)
+    finalize_tensor_parallel_grads([p for _, p in named], tpc)
+    sync_shared_embedding_grads(chunks, state)
+    grads = {c.global_name(n): p.main_grad.clone() for c in chunks for n, p in c.named_parameters()}
+    return losses, (grads if tp == 1 else {})
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("pp, tp, schedule, chunks, sp", [
+    (2, 1, "1f1b", 1, False),
+    (4, 1, "1f1b", 1, False),
+    (2, 1, "gpipe", 1, False),
+    (2, 1, "1f1b", 2, False),
+    (2, 2, "1f1b", 1, True),
+])
+def test_pipeline_losses_and_gradients_equal_one_process(pp, tp, schedule, chunks, sp, tied):
+    argv = with_flags(ARGS, untie_embeddings_and_output_weights=not tied, sequence_parallel=sp)
+    ref_losses, ref_grads = _reference(argv)
+    results = run_ranks(pp * tp, _pipeline, argv, pp, tp, schedule, chunks)
+    last = results[-1][0]                                    # the last rank holds the last stage
+    assert last == pytest.approx(ref_losses, rel=1e-5)
+    seen = set()
+    for losses, grads in results:
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+            seen.add(name)
+    if tp == 1:
+        assert seen == set(ref_grads)                        # every parameter lives on some stage
+
+
+def test_schedule_orders():
+    assert [(a.kind, a.microbatch) for a in one_f_one_b_order(2, 0, 3)] == \
+        [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
+    assert [(a.kind, a.microbatch) for a in one_f_one_b_order(2, 1, 3)] == \
+        [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    for rank in range(4):
+        for order in (one_f_one_b_order(4, rank, 6), gpipe_order(4, rank, 6), interleaved_order(4, rank, 8, 2)):
+            forwards = [(a.chunk, a.microbatch) for a in order if a.kind == "F"]
+            backwards = [(a.chunk, a.microbatch) for a in order if a.kind == "B"]
+            assert sorted(forwards) == sorted(backwards) and len(set(forwards)) == len(forwards)
+            for a in order:              # a backward never precedes its own forward
+                if a.kind == "B":
+                    assert order.index(a) > order.index(type(a)("F", a.chunk, a.microbatch))
+
+
+@pytest.mark.parametrize("layers, pp, per_virtual, micro, message", [
+    (6, 4, None, 4, "--num-layers 6 must be divisible by --pipeline-model-parallel-size 4"),
+    (8, 2, 3, 4, "must be divisible by --num-layers-per-virtual-pipeline-stage 3"),
+    (8, 2, 2, 3, "needs the number of micro-batches (3) to be a multiple of --pipeline-model-parallel-size 2"),
+    (8, 1, 2, 4, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"),
+])
+def test_bad_pipeline_configurations(layers, pp, per_virtual, micro, message):
+    with pytest.raises(UserError) as err:
+        check_pipeline_split(layers, pp, per_virtual, micro)
+    assert message in str(err.value) and "\n" not in str(err.value)
