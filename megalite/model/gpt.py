@@ -84,7 +84,7 @@ class GPTModel(nn.Module):
                 # tied and on a later pipeline stage: a copy of the word embeddings, initialised equal
                 # (same global name) and kept equal by summing both gradients over the embedding group
                 self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, False, dtype, tp)
-                self.output_layer.weight.shared_embedding = self.share_embeddings_and_output_weights
+                self.output_layer.weight.shared = self.share_embeddings_and_output_weights   # counted once in the grad norm
         self.reset_parameters(seed)
 
     # ---- parameters -------------------------------------------------------------------------
