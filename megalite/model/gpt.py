@@ -84,8 +84,19 @@ class GPTModel(nn.Module):
                 # tied and on a later pipeline stage: a copy of the word embeddings, initialised equal
                 # (same global name) and kept equal by summing both gradients over the embedding group
                 self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, False, dtype, tp)
-                self.output_layer.weight.shared = self.share_embeddings_and_output_weights   # counted once in the grad norm
+        self.mark_shared_embeddings()
         self.reset_parameters(seed)
+
+    def mark_shared_embeddings(self) -> None:
+        """Megatron's markers for tied embeddings: ``shared_embedding`` on both copies (their gradients
+        are summed over the embedding group), ``shared`` on the second copy (counted once in the norm)."""
+        if not self.share_embeddings_and_output_weights:
+            return
+        if self.pre_process:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+        if self.post_process and not self.pre_process:
+            self.output_layer.weight.shared_embedding = True
+            self.output_layer.weight.shared = True
 
     # ---- parameters -------------------------------------------------------------------------
     def global_name(self, local_name: str) -> str:
