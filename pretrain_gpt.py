@@ -22,10 +22,20 @@ def main(argv: list[str]) -> int:
         if ignored:
             print(f" > accepted with no effect (megalite chooses its kernels itself): {' '.join(ignored)}")
         pretrain(config)
+        shut_down_distributed()
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def shut_down_distributed() -> None:
+    """Every rank finishes its last collective, then the process groups are torn down before the
+    interpreter exits (a gloo worker thread still holding tensors at exit aborts the process)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

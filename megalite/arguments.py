@@ -66,11 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int)
+    g.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe"], default="1f1b",
+                   help="pipeline schedule (interleaved 1F1B whenever virtual stages are used)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--context-parallel-size", type=_positive_int, default=1)
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--data-parallel-sharding-strategy", choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+                   help="ZeRO stage: optim = 1 (= --use-distributed-optimizer), optim_grads = 2, "
+                        "optim_grads_params = 3; default no_shard")
+    g.add_argument("--ddp-bucket-size", type=_positive_int,
+                   help="elements per data-parallel gradient bucket (default max(40M, 1M x data-parallel size) with "
+                        "--overlap-grad-reduce, else one bucket)")
 
     g = p.add_argument_group("batch and optimizer")
     g.add_argument("--micro-batch-size", type=_positive_int)
@@ -170,17 +178,6 @@ COMPAT_NO_EFFECT = ["--use-mcore-models", "--use-flash-attn", "--no-masked-softm
 
 # flag -> (is it set?, the capability and issue that brings it). Removed entry by entry as they land.
 NOT_YET_AVAILABLE = {
-    "--tensor-model-parallel-size": (lambda a: a.tensor_model_parallel_size > 1, "tensor parallelism (issue 4)"),
-    "--sequence-parallel": (lambda a: a.sequence_parallel, "sequence parallelism (issue 4)"),
-    "--recompute-granularity": (lambda a: a.recompute_granularity is not None, "activation recomputation (issue 4)"),
-    "--recompute-method": (lambda a: a.recompute_method is not None, "activation recomputation (issue 4)"),
-    "--recompute-num-layers": (lambda a: a.recompute_num_layers is not None, "activation recomputation (issue 4)"),
-    "--pipeline-model-parallel-size": (lambda a: a.pipeline_model_parallel_size > 1, "pipeline parallelism (issue 5)"),
-    "--num-layers-per-virtual-pipeline-stage": (lambda a: a.num_layers_per_virtual_pipeline_stage is not None,
-                                                "interleaved pipeline parallelism (issue 5)"),
-    "--use-distributed-optimizer": (lambda a: a.use_distributed_optimizer, "the distributed optimizer (issue 6)"),
-    "--overlap-grad-reduce": (lambda a: a.overlap_grad_reduce, "overlapped gradient reduction (issue 6)"),
-    "--overlap-param-gather": (lambda a: a.overlap_param_gather, "overlapped parameter gather (issue 6)"),
     "--save": (lambda a: a.save is not None, "checkpointing (issue 7)"),
     "--load": (lambda a: a.load is not None, "checkpointing (issue 7)"),
     "--save-interval": (lambda a: a.save_interval is not None, "checkpointing (issue 7)"),
@@ -200,11 +197,6 @@ def refuse_unavailable(args: argparse.Namespace, world_size: int) -> None:
         if is_set(args):
             raise UserError(f"{flag}: {feature} is not available in this version of megalite yet; "
                             "remove the flag to train without it")
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
-    if world_size % model_parallel == 0 and world_size // model_parallel > 1:
-        raise UserError(f"WORLD_SIZE={world_size} gives data-parallel size {world_size // model_parallel}: data "
-                        "parallelism (issue 6) is not available in this version of megalite yet; launch "
-                        f"{model_parallel} process(es)")
 
 
 # ---- derived values and validation ----------------------------------------------------------------
@@ -259,12 +251,61 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             raise UserError(f"--{flag.replace('_', '-')} must be in [0, 1), got {getattr(args, flag)}")
     if args.init_method_std <= 0:
         raise UserError(f"--init-method-std must be > 0, got {args.init_method_std}")
+    _validate_tensor_parallel(args)
+    _validate_recompute(args)
     _validate_batch(args, world_size)
+    _validate_data_parallel(args)
     _validate_lr(args)
     _validate_data(args)
 
 
+def _validate_tensor_parallel(args) -> None:
+    tp = args.tensor_model_parallel_size
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    ffn = args.ffn_hidden_size or default_ffn_hidden_size(args.hidden_size, args.swiglu)
+    if args.num_attention_heads % tp:
+        raise UserError(f"--num-attention-heads {args.num_attention_heads} must be divisible by "
+                        f"--tensor-model-parallel-size {tp}")
+    if tp <= groups and groups % tp:
+        raise UserError(f"--num-query-groups {groups} must be divisible by --tensor-model-parallel-size {tp}")
+    if tp > groups and tp % groups:
+        raise UserError(f"--tensor-model-parallel-size {tp} must be a multiple of --num-query-groups {groups} "
+                        "(KV heads are then replicated)")
+    if ffn % tp:
+        raise UserError(f"--ffn-hidden-size {ffn} must be divisible by --tensor-model-parallel-size {tp}")
+    if args.sequence_parallel and tp > 1 and args.seq_length % tp:
+        raise UserError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by "
+                        f"--tensor-model-parallel-size {tp}")
+
+
+def _validate_recompute(args) -> None:
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        raise UserError("--recompute-granularity full needs --recompute-method uniform or block")
+    if args.recompute_granularity != "full" and (args.recompute_method or args.recompute_num_layers):
+        raise UserError("--recompute-method and --recompute-num-layers apply only to --recompute-granularity full")
+
+
+def sharding_strategy(args) -> str:
+    """--data-parallel-sharding-strategy, or optim (ZeRO-1) for --use-distributed-optimizer."""
+    return args.data_parallel_sharding_strategy or ("optim" if args.use_distributed_optimizer else "no_shard")
+
+
+def _validate_data_parallel(args) -> None:
+    if args.use_distributed_optimizer and args.data_parallel_sharding_strategy == "no_shard":
+        raise UserError("--use-distributed-optimizer shards the optimizer state but --data-parallel-sharding-strategy "
+                        "no_shard asks for none; drop one of them")
+    if args.overlap_param_gather and sharding_strategy(args) == "no_shard":
+        raise UserError("--overlap-param-gather needs --use-distributed-optimizer (or --data-parallel-sharding-strategy "
+                        "optim/optim_grads/optim_grads_params): without sharding there is no parameter all-gather")
+
+
 def _validate_batch(args, world_size: int) -> None:
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    if world_size % model_parallel:
+        raise UserError(f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+                        f"{args.tensor_model_parallel_size} x --pipeline-model-parallel-size "
+                        f"{args.pipeline_model_parallel_size} x --context-parallel-size {args.context_parallel_size}; "
+                        f"launch a multiple of {model_parallel} processes")
     dp = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
                         * args.context_parallel_size)
     if args.global_batch_size is None:
@@ -272,6 +313,10 @@ def _validate_batch(args, world_size: int) -> None:
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise UserError(f"--global-batch-size {args.global_batch_size} must be divisible by --micro-batch-size "
                         f"{args.micro_batch_size} x data-parallel size {dp}")
+    from megalite.pipeline_parallel.stages import check_pipeline_split
+    check_pipeline_split(args.num_layers, args.pipeline_model_parallel_size,
+                         args.num_layers_per_virtual_pipeline_stage,
+                         args.global_batch_size // (args.micro_batch_size * dp))
 
 
 def _validate_lr(args) -> None:
@@ -369,8 +414,10 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
-        sequence_parallel=args.sequence_parallel, use_distributed_optimizer=args.use_distributed_optimizer,
-        overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather)
+        sequence_parallel=args.sequence_parallel, pipeline_schedule=args.pipeline_schedule,
+        use_distributed_optimizer=sharding_strategy(args) != "no_shard",
+        overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
+        data_parallel_sharding_strategy=sharding_strategy(args), ddp_bucket_size=args.ddp_bucket_size)
 
 
 def train_iters_of(args) -> int:
@@ -385,7 +432,9 @@ def _optimizer_config(args) -> OptimizerConfig:
         warmup = args.lr_warmup_fraction * decay_iters
     else:
         warmup = _iters(args.lr_warmup_samples, args.lr_warmup_iters, gbs) or 0
-    if warmup > decay_iters:
+    # a run shorter than its warm-up (a smoke test: --train-iters 1) just never finishes warming up;
+    # only an explicit decay length that the warm-up overruns is a contradiction
+    if warmup > decay_iters and (args.lr_decay_iters or args.lr_decay_samples):
         raise UserError(f"the warm-up ({warmup:g} iterations) is longer than the decay ({decay_iters:g} iterations); "
                         "shorten --lr-warmup-iters or lengthen --lr-decay-iters")
     wsd = _iters(args.lr_wsd_decay_samples, args.lr_wsd_decay_iters, gbs)

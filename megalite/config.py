@@ -60,9 +60,13 @@ class ParallelConfig:
     context_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     sequence_parallel: bool = False
+    pipeline_schedule: str = "1f1b"          # or "gpipe"; interleaved 1F1B whenever there are virtual stages
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    # no_shard | optim (ZeRO-1, = use_distributed_optimizer) | optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3)
+    data_parallel_sharding_strategy: str = "no_shard"
+    ddp_bucket_size: Optional[int] = None       # elements per gradient bucket; None: Megatron's default
 
     @property
     def data_parallel_size(self) -> int:

@@ -77,6 +77,11 @@ class Timers:
             self._levels[name] = level
             self._start[name] = time.perf_counter()
 
+    def add(self, name: str, seconds: float, level: int = 1) -> None:
+        """Account time measured elsewhere (e.g. pipeline receive waits)."""
+        if level <= self.log_level:
+            self._elapsed[name] = self._elapsed.get(name, 0.0) + seconds
+
     def stop(self, name: str) -> None:
         if name in self._start:
             self._elapsed[name] = self._elapsed.get(name, 0.0) + time.perf_counter() - self._start.pop(name)

@@ -19,15 +19,25 @@ from megalite.config import MegaliteConfig
 from megalite.data.builder import build_train_valid_test_datasets
 from megalite.data.samplers import MegatronPretrainingSampler
 from megalite.data.tokenizers import build_tokenizer
+from megalite.distributed.ddp import DistributedDataParallel
 from megalite.distributed.grad_buffer import ParamAndGradBuffer
 from megalite.initialize import initialize_distributed, set_seed
 from megalite.logging import (MetricsSinks, Timers, flops_per_iteration, format_training_line,
                               format_validation_lines)
-from megalite.model.gpt import GPTModel
+from megalite.model.gpt import DTYPES, GPTModel
+from megalite.memory_report import report_memory
+from megalite.optimizer.distrib_optimizer import build_optimizer
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.optimizer.mixed_precision import MixedPrecisionAdamW
 from megalite.parallel_state import ParallelState
-from megalite.pipeline_parallel.schedules import forward_backward_no_pipelining
+from megalite.pipeline_parallel.p2p import PipelineComm
+from megalite.pipeline_parallel.schedules import (PipelineRecord, forward_backward_no_pipelining, forward_only_order,
+                                                  gpipe_order, interleaved_order, one_f_one_b_order,
+                                                  run_pipeline_schedule)
+from megalite.pipeline_parallel.stages import (build_model_chunks, check_pipeline_split, chunk_forward,
+                                               sync_shared_embedding_grads)
+from megalite.tensor_parallel.setup import (build_tensor_parallel, finalize_tensor_parallel_grads,
+                                            tensor_parallel_grad_norm)
 
 
 @dataclass
@@ -51,18 +61,33 @@ class Trainer:
     scheduler: LRScheduler
     timers: Timers
     state: TrainState = field(default_factory=TrainState)
+    ddp: DistributedDataParallel | None = None       # data-parallel gradient sync / ZeRO sharding
+    chunks: list = field(default_factory=list)      # this rank's model chunks (pipeline stages)
+    pipeline: PipelineComm | None = None             # stage-to-stage exchange when pp > 1
 
 
 def build_trainer(config: MegaliteConfig) -> Trainer:
     parallel, device = initialize_distributed(config.parallel, config.training.distributed_timeout_minutes)
     set_seed(config.training.seed)
-    model = GPTModel(config.model, seed=config.training.seed).to(device)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    buffer = ParamAndGradBuffer(named)
-    optimizer = MixedPrecisionAdamW(buffer, named, config.optimizer)
+    tp = build_tensor_parallel(parallel, config.parallel.sequence_parallel, config.training.seed, device,
+                               config.model.num_query_groups)
+    num_chunks = check_pipeline_split(config.model.num_layers, parallel.pp_size,
+                                      config.parallel.num_layers_per_virtual_pipeline_stage, config.num_microbatches)
+    chunks = [c.to(device) for c in build_model_chunks(config.model, config.training.seed, tp, parallel.pp_rank,
+                                                        parallel.pp_size, num_chunks)]
+    model = chunks[0]
+    ddp = DistributedDataParallel(chunks if len(chunks) > 1 or parallel.pp_size > 1 else model, config.parallel,
+                                  parallel, config.num_microbatches)
+    optimizer = build_optimizer(ddp, config.optimizer, parallel)   # global norm over TP/PP (and DP shards)
     scheduler = LRScheduler(config.optimizer, config.training.train_iters)
-    return Trainer(config, parallel, device, model, buffer, optimizer, scheduler,
-                   Timers(config.training.timing_log_level))
+    comm = None
+    if parallel.pp_size > 1:
+        seq = config.model.seq_length // (tp.size if tp.sequence_parallel else 1)
+        comm = PipelineComm(parallel.group("pp"), parallel.pp_rank, parallel.pp_size,
+                            (seq, config.training.micro_batch_size, config.model.hidden_size),
+                            DTYPES[config.model.params_dtype], device)
+    return Trainer(config, parallel, device, model, ddp.buffer, optimizer, scheduler,
+                   Timers(config.training.timing_log_level), ddp=ddp, chunks=chunks, pipeline=comm)
 
 
 # ---- data ----------------------------------------------------------------------------------------
@@ -104,27 +129,69 @@ def train_step(trainer: Trainer, data_iterator) -> tuple[float, object]:
     model, optimizer = trainer.model, trainer.optimizer
     model.train()
     optimizer.zero_grad()
+    for chunk in trainer.chunks:
+        chunk.train()
     trainer.timers.start("forward-backward", level=1)
-    losses = forward_backward_no_pipelining(make_loss_fn(model, trainer.device), data_iterator,
-                                            trainer.config.num_microbatches, optimizer.loss_scale)
+    if trainer.pipeline is None:
+        losses = forward_backward_no_pipelining(make_loss_fn(model, trainer.device), data_iterator,
+                                                trainer.config.num_microbatches, optimizer.loss_scale)
+    else:
+        losses = forward_backward_pipelined(trainer, data_iterator, optimizer.loss_scale)
     trainer.timers.stop("forward-backward")
+    trainer.timers.start("all-grads-sync", level=1)
+    trainer.ddp.finish_grad_sync()                 # DP: sum over data-parallel ranks / dp size
+    trainer.timers.stop("all-grads-sync")
+    # after the DP sync: with --overlap-grad-reduce, DP reductions are in flight until finish_grad_sync
+    finalize_tensor_parallel_grads(trainer.buffer.params, trainer.model.tp, trainer.ddp)
+    sync_shared_embedding_grads(trainer.chunks, trainer.parallel, trainer.ddp)
     trainer.timers.start("optimizer", level=1)
     result = optimizer.step(trainer.scheduler.lr)
     trainer.timers.stop("optimizer")
     if result.update_successful:
         trainer.scheduler.step()
-    return sum(losses) / len(losses), result
+    return trainer.ddp.average_over_dp(mean_loss(losses)), result
+
+
+def mean_loss(losses: list[float]) -> float:
+    """Mean micro-batch loss; 0.0 on pipeline stages that hold no loss (only the last stage does)."""
+    return sum(losses) / len(losses) if losses else 0.0
+
+
+def forward_backward_pipelined(trainer: Trainer, data_iterator, loss_scale: float, forward_only: bool = False,
+                               record: PipelineRecord | None = None) -> list[float]:
+    """One global batch through this rank's stages with 1F1B, interleaved 1F1B or GPipe."""
+    cfg, comm = trainer.config, trainer.pipeline
+    batches = [next(data_iterator) for _ in range(cfg.num_microbatches)]   # every stage stays in step
+    chunks = len(trainer.chunks)
+    if chunks > 1:
+        order = interleaved_order(comm.size, comm.rank, len(batches), chunks)
+    elif cfg.parallel.pipeline_schedule == "gpipe":
+        order = gpipe_order(comm.size, comm.rank, len(batches))
+    else:
+        order = one_f_one_b_order(comm.size, comm.rank, len(batches))
+    if forward_only:
+        order = forward_only_order(order)
+    record = record or PipelineRecord(comm.rank)
+    losses = run_pipeline_schedule(order, chunk_forward(trainer.chunks, trainer.device), batches, comm, chunks,
+                                   loss_scale, forward_only, record)
+    trainer.timers.add("pipeline-receive-wait", record.wait_seconds, level=2)
+    return losses
 
 
 def evaluate(trainer: Trainer, data_iterator, num_batches: int) -> float:
-    trainer.model.eval()
+    for chunk in trainer.chunks:
+        chunk.eval()
     loss_fn = make_loss_fn(trainer.model, trainer.device)
     losses = []
     for _ in range(num_batches):
-        losses += forward_backward_no_pipelining(loss_fn, data_iterator, trainer.config.num_microbatches,
-                                                 forward_only=True)
-    trainer.model.train()
-    return sum(losses) / len(losses)
+        if trainer.pipeline is None:
+            losses += forward_backward_no_pipelining(loss_fn, data_iterator, trainer.config.num_microbatches,
+                                                     forward_only=True)
+        else:
+            losses += forward_backward_pipelined(trainer, data_iterator, 1.0, forward_only=True)
+    for chunk in trainer.chunks:
+        chunk.train()
+    return trainer.ddp.average_over_dp(mean_loss(losses)) if trainer.ddp else mean_loss(losses)
 
 
 # ---- the loop ------------------------------------------------------------------------------------
@@ -135,8 +202,10 @@ def pretrain(config: MegaliteConfig, print_fn=print) -> TrainState:
     log = print_fn if trainer.parallel.is_logging_rank else (lambda *_: None)
     sinks = MetricsSinks(config.training, dataclasses.asdict(config)) if trainer.parallel.is_logging_rank else None
     report_parameters(trainer, log)
+    report_memory(trainer.ddp, trainer.optimizer, trainer.parallel.rank, print_fn)
     try:
         train(trainer, train_iter, valid_iter, log, sinks)
+        trainer.ddp.wait_for_param_gather()
         t = config.training
         if valid_iter is not None and t.eval_iters > 0:
             loss = evaluate(trainer, valid_iter, t.eval_iters)

@@ -87,7 +87,7 @@ def test_gradient_accumulation_derived_from_dp_size():
     ({"min_lr": 1.0}, "--min-lr 1.0 must be in [0, --lr"),
     ({"lr": -1}, "--lr must be > 0"),
     ({"lr_warmup_iters": 2, "lr_warmup_fraction": 0.1}, "are exclusive; give one warm-up"),
-    ({"lr_warmup_iters": 10}, "the warm-up (10 iterations) is longer than the decay (4 iterations)"),
+    ({"lr_warmup_iters": 10, "lr_decay_iters": 4}, "the warm-up (10 iterations) is longer than the decay (4 iterations)"),
     ({"lr_decay_style": "WSD"}, "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
     ({"lr_decay_style": "exotic"}, "argument --lr-decay-style: invalid choice"),
     ({"normalization": "BatchNorm"}, "argument --normalization: invalid choice"),
@@ -103,6 +103,14 @@ def test_gradient_accumulation_derived_from_dp_size():
     ({"fp16": True, "loss_scale": -1}, "--loss-scale must be > 0"),
     ({"kv_channels": 15, "hidden_size": 60}, "rope needs an even head dimension"),
     ({"bogus_flag": 3}, "unrecognized arguments: --bogus-flag 3"),
+    ({"tensor_model_parallel_size": 3}, "--num-attention-heads 4 must be divisible by --tensor-model-parallel-size 3"),
+    ({"tensor_model_parallel_size": 2, "ffn_hidden_size": 175}, "--ffn-hidden-size 175 must be divisible"),
+    ({"num_attention_heads": 12, "num_query_groups": 4, "tensor_model_parallel_size": 6, "hidden_size": 96},
+     "--tensor-model-parallel-size 6 must be a multiple of --num-query-groups 4"),
+    ({"tensor_model_parallel_size": 4, "sequence_parallel": True, "seq_length": 30, "max_position_embeddings": 30},
+     "--sequence-parallel needs --seq-length 30 divisible by --tensor-model-parallel-size 4"),
+    ({"recompute_granularity": "full"}, "--recompute-granularity full needs --recompute-method"),
+    ({"recompute_granularity": "selective", "recompute_method": "block"}, "apply only to --recompute-granularity full"),
 ])
 def test_bad_combinations_give_one_line_naming_the_flag(overrides, message):
     with pytest.raises(UserError) as err:
@@ -113,16 +121,9 @@ def test_bad_combinations_give_one_line_naming_the_flag(overrides, message):
 
 
 @pytest.mark.parametrize("overrides, flag", [
-    ({"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size"),
-    ({"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size"),
-    ({"num_layers_per_virtual_pipeline_stage": 1}, "--num-layers-per-virtual-pipeline-stage"),
-    ({"sequence_parallel": True}, "--sequence-parallel"),
     ({"context_parallel_size": 2}, "--context-parallel-size"),
-    ({"use_distributed_optimizer": True}, "--use-distributed-optimizer"),
-    ({"overlap_grad_reduce": True}, "--overlap-grad-reduce"),
     ({"save": "/tmp/x"}, "--save"),
     ({"load": "/tmp/x"}, "--load"),
-    ({"recompute_granularity": "full"}, "--recompute-granularity"),
     ({"exit_signal_handler": True}, "--exit-signal-handler"),
 ])
 def test_flags_of_later_features_are_refused_not_ignored(overrides, flag):
@@ -131,9 +132,50 @@ def test_flags_of_later_features_are_refused_not_ignored(overrides, flag):
     assert str(err.value).startswith(flag) and "not available" in str(err.value)
 
 
-def test_more_than_one_process_is_refused_until_data_parallelism():
-    with pytest.raises(UserError, match="WORLD_SIZE=2 gives data-parallel size 2"):
-        parse(TINY_LLAMA_ARGS, world_size=2)
+def test_a_run_shorter_than_its_warm_up_is_accepted():
+    cfg = parse(with_flags(TINY_LLAMA_ARGS, train_iters=1, lr_warmup_iters=2))      # smoke tests do this
+    assert cfg.optimizer.lr_warmup_iters == 2 and cfg.optimizer.lr_decay_iters == 1
+
+
+def test_data_parallel_flags_map_onto_parallel_config():
+    cfg = parse(with_flags(TINY_LLAMA_ARGS, global_batch_size=8), world_size=4)
+    assert cfg.parallel.data_parallel_size == 4 and cfg.num_microbatches == 1
+    assert cfg.parallel.data_parallel_sharding_strategy == "no_shard" and not cfg.parallel.use_distributed_optimizer
+    cfg = parse(TINY_LLAMA_ARGS + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                                   "--ddp-bucket-size", "1000"], world_size=2)
+    p = cfg.parallel
+    assert (p.data_parallel_sharding_strategy, p.use_distributed_optimizer, p.overlap_grad_reduce,
+            p.overlap_param_gather, p.ddp_bucket_size) == ("optim", True, True, True, 1000)
+    for strategy in ("optim_grads", "optim_grads_params"):
+        cfg = parse(TINY_LLAMA_ARGS + ["--data-parallel-sharding-strategy", strategy], world_size=2)
+        assert cfg.parallel.data_parallel_sharding_strategy == strategy and cfg.parallel.use_distributed_optimizer
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "no_shard"],
+     "--use-distributed-optimizer shards the optimizer state but --data-parallel-sharding-strategy no_shard"),
+    (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
+    (["--data-parallel-sharding-strategy", "zero9"], "--data-parallel-sharding-strategy: invalid choice"),
+    (["--ddp-bucket-size", "0"], "--ddp-bucket-size: must be a positive integer"),
+])
+def test_bad_data_parallel_flags_give_one_line(flags, message):
+    with pytest.raises(UserError) as err:
+        parse(TINY_LLAMA_ARGS + flags, world_size=2)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    ({"pipeline_model_parallel_size": 2}, 1, "world size 1 is not divisible by --tensor-model-parallel-size 1 x "
+                                             "--pipeline-model-parallel-size 2"),
+    ({"pipeline_model_parallel_size": 2, "num_layers": 3}, 2, "--num-layers 3 must be divisible by --pipeline-model"),
+    ({"pipeline_model_parallel_size": 2, "num_layers": 4, "num_layers_per_virtual_pipeline_stage": 1,
+      "global_batch_size": 6}, 2, "needs the number of micro-batches (3) to be a multiple of"),
+    ({"pipeline_schedule": "zigzag"}, 1, "argument --pipeline-schedule: invalid choice"),
+])
+def test_bad_pipeline_flags(overrides, world, message):
+    with pytest.raises(UserError) as err:
+        parse(with_flags(TINY_LLAMA_ARGS, **overrides), world_size=world)
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_compat_flags_are_accepted():

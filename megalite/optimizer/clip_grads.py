@@ -1,15 +1,108 @@
-"""Gradient clipping over the global L2 norm (Megatron: coefficient max_norm / (norm + 1e-6))."""
+"""Gradient clipping over the global L2 norm (Megatron: coefficient max_norm / (norm + 1e-6)).
+
+"Global" means the norm of the whole model's gradient, whatever the layout:
+- tensor parallelism: a TP-sharded parameter (``param.tensor_model_parallel``) counts on every TP rank;
+  a replicated one only on TP rank 0; rows that a TP-sharded parameter replicates over r ranks
+  (``param.replicated_rows = (first_row, end_row, r)``) count 1/r on each;
+- pipeline parallelism: every stage counts its own parameters; a second copy of a shared parameter
+  (``param.shared``, e.g. the tied word embedding on the last stage) is not counted;
+- ZeRO (sharded gradients): every data-parallel rank counts its own shard.
+Each rank sums the squares of what it counts; the sums are all-reduced over the model-parallel group
+(tp x pp) and, for sharded gradients, over the data-parallel group.
+"""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 @torch.no_grad()
-def clip_by_global_norm(flat_grads: torch.Tensor, max_norm: float) -> float:
-    """Clips ``flat_grads`` in place when ``max_norm`` > 0; returns the norm before clipping."""
-    norm = float(torch.linalg.vector_norm(flat_grads, 2.0, dtype=torch.float32))
+def clip_by_global_norm(flat_grads: torch.Tensor, max_norm: float, total_norm: float | None = None) -> float:
+    """Clips ``flat_grads`` in place when ``max_norm`` > 0; returns the norm before clipping.
+
+    ``total_norm`` is the norm over all ranks when this rank holds only part of the gradients."""
+    if total_norm is not None:
+        norm = total_norm
+    else:
+        norm = float(torch.linalg.vector_norm(flat_grads, 2.0, dtype=torch.float32))
+    clip_pieces([flat_grads], max_norm, norm)
+    return norm
+
+
+@torch.no_grad()
+def clip_pieces(grads: list[torch.Tensor], max_norm: float, norm: float) -> None:
     if max_norm > 0.0:
         coefficient = max_norm / (norm + 1.0e-6)
         if coefficient < 1.0:
-            flat_grads.mul_(coefficient)
-    return norm
+            for g in grads:
+                g.mul_(coefficient)
+
+
+def norm_weights(named_params, slots, tp_rank: int) -> list[tuple[int, int, float]]:
+    """(start, end, weight) segments of the flat buffer layout: how much each gradient element counts
+    in this rank's share of the squared global norm (rules in the module docstring)."""
+    segments = []
+    for name, param in named_params:
+        slot = slots[name]
+        if getattr(param, "shared", False):
+            continue
+        if not getattr(param, "tensor_model_parallel", False):
+            if tp_rank == 0:
+                segments.append((slot.start, slot.end, 1.0))
+            continue
+        rows = getattr(param, "replicated_rows", None)
+        if not rows:
+            segments.append((slot.start, slot.end, 1.0))
+            continue
+        first, end, replicas = rows
+        row = param.numel() // param.shape[0]
+        lo, hi = slot.start + first * row, slot.start + end * row
+        segments += [(slot.start, lo, 1.0), (lo, hi, 1.0 / replicas), (hi, slot.end, 1.0)]
+    merged: list[tuple[int, int, float]] = []
+    for start, end, w in sorted(s for s in segments if s[1] > s[0]):
+        if merged and merged[-1][1] == start and merged[-1][2] == w:
+            merged[-1] = (merged[-1][0], end, w)
+        else:
+            merged.append((start, end, w))
+    return merged
+
+
+def local_segments(segments, start: int, end: int) -> list[tuple[int, int, float]]:
+    """The weighted segments inside [start, end), as offsets from ``start``."""
+    out = []
+    for s, e, w in segments:
+        lo, hi = max(s, start), min(e, end)
+        if lo < hi:
+            out.append((lo - start, hi - start, w))
+    return out
+
+
+@torch.no_grad()
+def global_grad_norm(grads: list[torch.Tensor], segments: list[list[tuple[int, int, float]]],
+                     groups: list) -> float:
+    """sqrt of the sum over ranks of sum(weight * grad^2): ``segments[i]`` weights ``grads[i]``;
+    the per-rank sums are all-reduced over every group in ``groups``."""
+    norms, weights = [], []
+    for g, segs in zip(grads, segments):
+        for lo, hi, w in segs:
+            norms.append(torch.linalg.vector_norm(g[lo:hi], 2.0, dtype=torch.float32))
+            weights.append(w)
+    if norms:
+        stacked = torch.stack(norms)
+        squared = (stacked.square() * torch.tensor(weights, dtype=torch.float32, device=stacked.device)).sum()
+    else:
+        squared = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    squared = squared.reshape(1)
+    for group in groups:
+        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=group)
+    return float(squared.sqrt())
+
+
+@torch.no_grad()
+def any_not_finite(grads: list[torch.Tensor], groups: list) -> bool:
+    """True when any rank of ``groups`` holds an inf/NaN gradient (fp16 overflow check)."""
+    finite = all(bool(torch.isfinite(g).all()) for g in grads)
+    flag = torch.tensor([0.0 if finite else 1.0], device=grads[0].device if grads else "cpu")
+    for group in groups:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item() > 0)

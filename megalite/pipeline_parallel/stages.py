@@ -61,11 +61,16 @@ def shared_embedding_params(chunks: list[GPTModel]) -> list[torch.nn.Parameter]:
     return params
 
 
-def sync_shared_embedding_grads(chunks: list[GPTModel], state: ParallelState) -> None:
-    """Sum the gradients of the tied embedding's two copies so both receive the same update."""
+def sync_shared_embedding_grads(chunks: list[GPTModel], state: ParallelState, ddp=None) -> None:
+    """Sum the gradients of the tied embedding's two copies so both receive the same update
+    (through ``ddp.all_reduce_param_grads`` when gradients may be ZeRO-sharded)."""
     if state.pp_size == 1:
         return
-    for param in shared_embedding_params(chunks):
+    params = shared_embedding_params(chunks)
+    if ddp is not None:
+        ddp.all_reduce_param_grads([(p, None) for p in params], state.group("embedding"))
+        return
+    for param in params:
         dist.all_reduce(param.main_grad, op=dist.ReduceOp.SUM, group=state.group("embedding"))
 
 

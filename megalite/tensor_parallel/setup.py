@@ -40,18 +40,24 @@ def _kv_replica_group(state: ParallelState, num_query_groups: int):
     return mine
 
 
-def finalize_tensor_parallel_grads(params, tp: TensorParallel) -> None:
-    """Sum the per-rank partial gradients described above (call after backward, before clipping)."""
+def finalize_tensor_parallel_grads(params, tp: TensorParallel, ddp=None) -> None:
+    """Sum the per-rank partial gradients described above (after backward and the DP reduction).
+
+    With a DistributedDataParallel, its ``all_reduce_param_grads`` reduces whatever part of each
+    gradient this rank holds (full, or a ZeRO shard); without one, ``param.main_grad`` is used."""
     if tp.size == 1:
         return
+    all_reduce = ddp.all_reduce_param_grads if ddp is not None else all_reduce_main_grads
     if tp.sequence_parallel:
-        _all_reduce_coalesced([p.main_grad for p in params if getattr(p, "sequence_parallel", False)], tp.group)
-    replicated = [p for p in params if getattr(p, "replicated_rows", None)]
-    _all_reduce_coalesced([p.main_grad[slice(*p.replicated_rows[:2])] for p in replicated],
-                          getattr(tp, "kv_replica_group", None))
+        all_reduce([(p, None) for p in params if getattr(p, "sequence_parallel", False)], tp.group)
+    replicated = [(p, p.replicated_rows[:2]) for p in params if getattr(p, "replicated_rows", None)]
+    if replicated:
+        all_reduce(replicated, tp.kv_replica_group)
 
 
-def _all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
+def all_reduce_main_grads(selection: list, group) -> None:
+    """Sum ``param.main_grad`` (or rows ``(first, end)`` of it) over ``group``, coalesced in one call."""
+    tensors = [p.main_grad if rows is None else p.main_grad[rows[0]:rows[1]] for p, rows in selection]
     if not tensors or group is None:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])

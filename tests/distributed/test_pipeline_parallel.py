@@ -62,13 +62,13 @@ def _pipeline(rank, world, argv, pp, tp, schedule, chunks_per_rank):
     return losses, (grads if tp == 1 else {})
 
 
-@pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("pp, tp, schedule, chunks, sp", [
-    (2, 1, "1f1b", 1, False),
-    (4, 1, "1f1b", 1, False),
-    (2, 1, "gpipe", 1, False),
-    (2, 1, "1f1b", 2, False),
-    (2, 2, "1f1b", 1, True),
+# every layout's losses are also checked through the training loop below; here, gradients per parameter
+@pytest.mark.parametrize("pp, tp, schedule, chunks, sp, tied", [
+    (2, 1, "1f1b", 1, False, False),
+    (4, 1, "1f1b", 1, False, True),
+    (2, 1, "gpipe", 1, False, True),
+    (2, 1, "1f1b", 2, False, True),
+    (2, 2, "1f1b", 1, True, False),
 ])
 def test_pipeline_losses_and_gradients_equal_one_process(pp, tp, schedule, chunks, sp, tied):
     argv = with_flags(ARGS, untie_embeddings_and_output_weights=not tied, sequence_parallel=sp)
@@ -110,3 +110,36 @@ def test_bad_pipeline_configurations(layers, pp, per_virtual, micro, message):
     with pytest.raises(UserError) as err:
         check_pipeline_split(layers, pp, per_virtual, micro)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# ---- through the real training loop --------------------------------------------------------------
+LOOP_ARGS = with_flags(TINY_LLAMA_ARGS, num_layers=4, train_iters=10, global_batch_size=8,
+                       make_vocab_size_divisible_by=32, lr_warmup_iters=2, lr_decay_style="cosine", clip_grad=0.5,
+                       weight_decay=0.1)
+
+
+def _pretrain_histories(rank, world, layouts):
+    from megalite.training import pretrain
+    return [pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history for argv in layouts]
+
+
+def _loop_layouts(world):
+    layouts = {2: [{"pipeline_model_parallel_size": 2},
+                   {"pipeline_model_parallel_size": 2, "pipeline_schedule": "gpipe"},
+                   {"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1}],
+               4: [{"pipeline_model_parallel_size": 4},
+                   {"pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True}]}
+    return [with_flags(LOOP_ARGS, untie_embeddings_and_output_weights=not tied, **layout)
+            for layout in layouts[world] for tied in (False, True)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_training_loop_with_pipelining_equals_one_process(world):
+    serial = {tied: _pretrain_histories(0, 1, [with_flags(LOOP_ARGS, untie_embeddings_and_output_weights=not tied)])[0]
+              for tied in (False, True)}
+    layouts = _loop_layouts(world)
+    last_rank = run_ranks(world, _pretrain_histories, layouts)[-1]      # the last rank logs the loss
+    for argv, history in zip(layouts, last_rank):
+        ref = serial["--untie-embeddings-and-output-weights" not in argv]
+        assert len(history) == 10
+        assert history == pytest.approx(ref, rel=1e-5), argv

@@ -1,0 +1,177 @@
+"""Data parallelism and ZeRO: the training step at DP=2 and DP=4 with every sharding strategy, with and
+without overlap, equals the single-process run; memory per rank, bytes per collective and the timing
+of reductions match what the design promises. Each spawn serves many checks (module fixtures)."""
+import pytest
+
+from dp_workloads import (STRATEGIES, collective_traffic, equivalence_and_eval, layout_flags, memory_by_strategy,
+                          overlap_timeline, zero3_gather_trace)
+from harness import run_ranks
+
+FP32_LAYOUTS = [(s, overlap) for s in STRATEGIES for overlap in (False, True)]
+# mixed precision: fp32 master weights and (fp16) the loss scaler under the distributed optimizer
+MIXED = [("bf16", "optim"), ("bf16", "optim_grads_params"), ("fp16", "optim"), ("fp16", "optim_grads")]
+OVERFLOW = dict(fp16=True, initial_loss_scale=2.0 ** 40, hysteresis=1)   # the first steps overflow and skip
+
+
+def mixed_flags(precision):
+    return {precision: True, "initial_loss_scale": 4096} if precision == "fp16" else {precision: True}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The single-process runs every layout is compared with."""
+    runs = {"fp32": layout_flags("no_shard", False), "overflow": layout_flags("no_shard", False, **OVERFLOW)}
+    for precision in ("bf16", "fp16"):
+        runs[precision] = layout_flags("no_shard", False, **mixed_flags(precision))
+    return {k: equivalence_and_eval(0, 1, [argv])[0] for k, argv in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def dp2():
+    layouts = [layout_flags(s, o) for s, o in FP32_LAYOUTS]
+    layouts += [layout_flags(s, True, **mixed_flags(p)) for p, s in MIXED]
+    layouts += [layout_flags("optim_grads_params", True, **OVERFLOW)]
+    return {"results": run_ranks(2, equivalence_and_eval, layouts)}
+
+
+@pytest.fixture(scope="module")
+def dp4():
+    layouts = [layout_flags(s, o) for s, o in FP32_LAYOUTS]
+    return run_ranks(4, _dp4_everything, layouts)
+
+
+def _dp4_everything(rank, world, layouts):
+    return {"equivalence": equivalence_and_eval(rank, world, layouts),
+            "memory": memory_by_strategy(rank, world, ["bf16", "fp32"]),
+            "traffic": collective_traffic(rank, world, list(STRATEGIES)),
+            "timeline": overlap_timeline(rank, world, [(s, o) for s in ("no_shard", "optim", "optim_grads")
+                                                       for o in (False, True)]),
+            "zero3": zero3_gather_trace(rank, world, overlap=True)}
+
+
+def assert_matches(ref, got, rel, what):
+    for i, (a, b) in enumerate(zip(ref["losses"], got["losses"])):
+        assert b == pytest.approx(a, rel=rel), f"{what}: loss of step {i + 1}"
+    for i, (a, b) in enumerate(zip(ref["norms"], got["norms"])):
+        if a is None:
+            assert b is None, f"{what}: step {i + 1} should have been skipped"
+        else:
+            assert b == pytest.approx(a, rel=10 * rel), f"{what}: grad norm of step {i + 1}"
+    assert got["updated"] == ref["updated"], what
+    assert got["eval"] == pytest.approx(ref["eval"], rel=rel), f"{what}: held-out loss of the final model"
+
+
+# ---- equivalence with the single-process run ------------------------------------------------------
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_strategy_with_and_without_overlap_equals_one_process(world, reference, dp2, dp4):
+    results = dp2["results"] if world == 2 else [r["equivalence"] for r in dp4]
+    for i, (strategy, overlap) in enumerate(FP32_LAYOUTS):
+        what = f"DP={world} {strategy} overlap={overlap}"
+        for rank in range(world):                    # every rank logs the DP-averaged loss
+            assert_matches(reference["fp32"], results[rank][i], 1e-5, f"{what} rank {rank}")
+
+
+def test_bf16_and_fp16_keep_fp32_masters_and_the_loss_scaler_under_zero(reference, dp2):
+    results = dp2["results"][0]
+    for j, (precision, strategy) in enumerate(MIXED):
+        got = results[len(FP32_LAYOUTS) + j]
+        assert got["master_dtype"] == "torch.float32"
+        # same updates; low-precision rounding of the forward differs only through reduction order
+        assert_matches(reference[precision], got, 1e-4, f"{precision} {strategy}")
+
+
+def test_fp16_overflow_skips_the_same_steps_on_every_rank(reference, dp2):
+    got = [r[-1] for r in dp2["results"]]
+    ref = reference["overflow"]
+    assert not ref["updated"][0], "the reference must overflow at first"
+    for rank_result in got:
+        assert rank_result["updated"] == ref["updated"]
+        assert rank_result["loss_scale"] == ref["loss_scale"]
+        assert_matches(ref, rank_result, 1e-4, "fp16 overflow ZeRO-3")
+
+
+# ---- memory per rank --------------------------------------------------------------------------------
+def test_sharded_bytes_per_rank_follow_the_zero_formulas(dp4):
+    d = 4
+    for rank, result in enumerate(dp4):
+        mem = result["memory"]
+        for (precision, strategy), m in mem.items():
+            psi = m["psi"]
+            elt = 2 if precision == "bf16" else 4
+            shards = 1 if strategy == "no_shard" else d
+            opt_per_param = 12 if precision == "bf16" else 8          # fp32 models: weights are the master
+            assert m["optimizer"] == pytest.approx(opt_per_param * psi / shards, rel=0.02), (precision, strategy)
+            assert m["theoretical"] == round(opt_per_param * psi / shards)
+            grad_shards = d if strategy in ("optim_grads", "optim_grads_params") else 1
+            assert m["gradients"] == pytest.approx(4 * psi / grad_shards, rel=0.02), (precision, strategy)
+            param_shards = d if strategy == "optim_grads_params" else 1
+            assert m["parameters"] == pytest.approx(elt * psi / param_shards, rel=0.02), (precision, strategy)
+
+
+def test_zero3_gathers_one_layer_at_a_time_and_frees_it(dp4):
+    z = dp4[0]["zero3"]
+    assert z["start"] == z["shard"] == z["after"], "only the shard is held outside forward/backward"
+    for layer, gathered in z["trace"]:
+        assert layer in gathered
+        assert all(j in (layer, layer + 1) for j in gathered), f"layer {layer}: gathered {gathered}"  # +1: prefetch
+    assert z["peak"] < 0.75 * z["full"] + z["shard"]
+
+
+# ---- bytes moved per step (REFERENCE §6) --------------------------------------------------------------
+def ring_bytes_per_rank(calls, d):
+    """Bytes each rank sends with ring algorithms: all-reduce 2(d-1)/d, reduce-scatter and all-gather
+    (d-1)/d of the full tensor."""
+    factor = {"all_reduce": 2 * (d - 1) / d, "reduce_scatter": (d - 1) / d, "all_gather_single": (d - 1) / d}
+    return sum(factor[op] * nbytes for op, nbytes in calls)
+
+
+def test_collectives_move_the_bytes_of_reference_section_6(dp4):
+    d = 4
+    for rank, result in enumerate(dp4):
+        traffic = result["traffic"]
+        for strategy, t in traffic.items():
+            m, numel, psi = t["microbatches"], t["numel"], t["psi"]
+            assert numel - psi <= d * len(t["bucket_numels"])           # padding only
+            grads = [(op, b) for op, b in t["calls"] if b > 64]           # the loss / norm scalars are not counted
+            by_op = {}
+            for op, nbytes in grads:
+                by_op.setdefault(op, []).append(nbytes)
+            fp32_grads = [4 * n for n in t["bucket_numels"]]
+            if strategy == "no_shard":
+                assert sorted(by_op) == ["all_reduce"]
+                assert sorted(by_op["all_reduce"]) == sorted(fp32_grads)   # every bucket once, after the last micro-batch
+                expected = 2 * (d - 1) / d * 4 * psi
+            elif strategy == "optim":
+                assert sorted(by_op) == ["all_gather_single", "reduce_scatter"]
+                assert sorted(by_op["reduce_scatter"]) == sorted(fp32_grads)
+                assert sorted(by_op["all_gather_single"]) == sorted(4 * n for n in t["bucket_numels"])
+                expected = (d - 1) / d * (4 * psi + 4 * psi)
+            elif strategy == "optim_grads":                          # reduce-scatter every micro-batch
+                assert sorted(by_op["reduce_scatter"]) == sorted(fp32_grads * m)
+                assert sum(by_op["all_gather_single"]) == 4 * numel
+                expected = (d - 1) / d * (m * 4 * psi + 4 * psi)
+            else:                                                    # ZeRO-3: gather in forward and backward
+                layers = sum(t["layer_bucket_numels"])
+                assert sorted(by_op["reduce_scatter"]) == sorted(fp32_grads * m)
+                assert sum(by_op["all_gather_single"]) == 4 * m * (numel + layers)
+                expected = (d - 1) / d * m * (4 * psi + 4 * psi + 4 * layers)
+            assert ring_bytes_per_rank(grads, d) == pytest.approx(expected, rel=1e-3), strategy
+
+
+# ---- when reductions happen ---------------------------------------------------------------------------
+def test_overlap_starts_reductions_during_the_last_backward_only(dp4):
+    for (strategy, overlap), t in dp4[0]["timeline"].items():
+        events, m = t["events"], t["microbatches"]
+        assert m == 2 and t["buckets"] > 2
+        grads = [i for i, e in enumerate(events) if e == "grad"]
+        reduces = [i for i, e in enumerate(events) if e == "reduce"]
+        assert len(grads) == m and reduces
+        if strategy == "optim_grads":        # ZeRO-2 keeps no full gradient: reduce-scatter every micro-batch
+            assert sum(r < grads[0] for r in reduces) == t["buckets"]
+            assert len(reduces) == m * t["buckets"]
+            continue
+        assert min(reduces) > grads[m - 2], f"{strategy}: a reduction before the last micro-batch"
+        if overlap:
+            assert min(reduces) < grads[-1], f"{strategy}: no reduction overlapped the last backward"
+        else:
+            assert min(reduces) > grads[-1], f"{strategy}: reduction before backward finished"
