@@ -36,8 +36,7 @@ from megalite.pipeline_parallel.schedules import (PipelineRecord, forward_backwa
                                                   run_pipeline_schedule)
 from megalite.pipeline_parallel.stages import (build_model_chunks, check_pipeline_split, chunk_forward,
                                                sync_shared_embedding_grads)
-from megalite.tensor_parallel.setup import (build_tensor_parallel, finalize_tensor_parallel_grads,
-                                            tensor_parallel_grad_norm)
+from megalite.tensor_parallel.setup import build_tensor_parallel, finalize_tensor_parallel_grads
 
 
 @dataclass

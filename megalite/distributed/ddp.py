@@ -28,6 +28,17 @@ the all-gather of updated parameters (ZeRO-1/2) is started asynchronously after 
 and each unit's forward pre-hook waits only for the buckets it needs; for ZeRO-3 the next unit's
 gather is prefetched during the current unit's forward (and the previous unit's during backward).
 
+Why not FSDP2 (``torch.distributed.fsdp.fully_shard``) for ZeRO-3: it replaces every parameter by a
+DTensor with its own per-parameter padded storage, while here parameters are views into one flat
+buffer that the optimizer (fused AdamW over flat shards), clipping, the bucketed reductions, the
+memory report and the tensor-/pipeline-parallel gradient fix-ups (``all_reduce_param_grads``) all
+work on. Sharding that same buffer per unit keeps one code path and one numerics for all four
+strategies (ZeRO-3 equals DP=1 to fp32 rounding) and composes with TP, SP and interleaved PP as is.
+
+Pipeline parallelism: pass the rank's model chunks as a list (one buffer for all of them, parameter
+names prefixed ``chunk{i}.``); the count of backward passes per step is ``num_microbatches`` for every
+chunk, whatever the schedule's order.
+
 Bytes moved per step per rank (ring algorithms, REFERENCE §6), Ψ parameters, d data-parallel ranks:
 no_shard all-reduce 2(d-1)/d·4Ψ; optim/optim_grads reduce-scatter (d-1)/d·4Ψ (ZeRO-2: per
 micro-batch) + all-gather (d-1)/d·Ψ·bytes(param dtype); ZeRO-3 adds the parameter all-gathers of

@@ -39,7 +39,7 @@ class BufferSlot:
     shape: tuple
 
 
-@dataclass
+@dataclass(eq=False)                 # identity: buckets are compared and looked up as objects
 class Bucket:
     index: int
     start: int                       # offsets in the (padded) flat layout

@@ -172,14 +172,9 @@ class MLP(nn.Module):
             raise UserError(f"--ffn-hidden-size {ffn} must be divisible by --tensor-model-parallel-size {tp.size}")
         self.swiglu = config.swiglu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
-        local_rows = None
-        if config.swiglu:
-            def local_rows(full: torch.Tensor) -> torch.Tensor:
-                halves = full.view(2, ffn, *full.shape[1:])
-                return tp.chunk(halves, dim=1).reshape(-1, *full.shape[1:])
         fc1_out = 2 * ffn if config.swiglu else ffn
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, fc1_out, config.add_bias_linear, dtype, tp,
-                                               local_rows=local_rows)
+                                               local_rows=_swiglu_rows(ffn, tp) if config.swiglu else None)
         self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, config.add_bias_linear, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,6 +185,14 @@ class MLP(nn.Module):
         else:
             h = F.gelu(h, approximate=self.gelu_approximate)
         return self.linear_fc2(h)
+
+
+def _swiglu_rows(ffn: int, tp: TensorParallel):
+    """This rank's [gate_r ; up_r] rows of a full [gate ; up] fc1 weight or bias."""
+    def local_rows(full: torch.Tensor) -> torch.Tensor:
+        halves = full.view(2, ffn, *full.shape[1:])
+        return tp.chunk(halves, dim=1).reshape(-1, *full.shape[1:])
+    return local_rows
 
 
 class TransformerLayer(nn.Module):

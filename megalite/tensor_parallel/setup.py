@@ -66,29 +66,3 @@ def all_reduce_main_grads(selection: list, group) -> None:
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
-
-
-def tensor_parallel_norm_share(param: torch.nn.Parameter, grad: torch.Tensor, tp_size: int) -> torch.Tensor:
-    """This rank's share of sum(grad^2) so that summing shares over TP counts every element once.
-
-    Sharded parameters count fully; parameters replicated on all TP ranks count 1/tp on each;
-    K/V rows replicated on r ranks count 1/r.
-    """
-    squared = grad.float().square().sum()
-    if not getattr(param, "tensor_model_parallel", False):
-        return squared / tp_size
-    rows = getattr(param, "replicated_rows", None)
-    if rows:
-        start, end, replicas = rows
-        squared = squared - grad[start:end].float().square().sum() * (1.0 - 1.0 / replicas)
-    return squared
-
-
-def tensor_parallel_grad_norm(params, tp: TensorParallel):
-    """A function computing the global L2 norm of ``params``' main_grads over the TP group."""
-    def grad_norm() -> float:
-        squared = sum(tensor_parallel_norm_share(p, p.main_grad, tp.size) for p in params)
-        squared = torch.as_tensor(squared, dtype=torch.float32)
-        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=tp.group)
-        return float(squared.sqrt())
-    return grad_norm

@@ -175,3 +175,19 @@ def test_overlap_starts_reductions_during_the_last_backward_only(dp4):
             assert min(reduces) < grads[-1], f"{strategy}: no reduction overlapped the last backward"
         else:
             assert min(reduces) > grads[-1], f"{strategy}: reduction before backward finished"
+
+
+# ---- composed with tensor and pipeline parallelism ----------------------------------------------------
+def test_tp2_sp_pp2_interleaved_dp2_with_zero1_and_zero3_equals_one_process():
+    extra = dict(num_layers=4, tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2,
+                 num_layers_per_virtual_pipeline_stage=1)
+    reference = equivalence_and_eval(0, 1, [layout_flags("no_shard", False, num_layers=4)])[0]
+    layouts = [layout_flags(s, True, **extra) for s in ("optim", "optim_grads_params")]
+    results = run_ranks(8, equivalence_and_eval, layouts)
+    for i, strategy in enumerate(("optim", "optim_grads_params")):
+        for rank in range(8):
+            got = results[rank][i]
+            for a, b in zip(reference["norms"], got["norms"]):          # every rank clips by the global norm
+                assert b == pytest.approx(a, rel=1e-4), f"{strategy} rank {rank}"
+            if rank >= 4:                                              # the last stage holds the loss
+                assert_matches(reference, got, 1e-5, f"TP2 SP PP2 VPP DP2 {strategy} rank {rank}")
