@@ -8,6 +8,8 @@ Sections (each a function returning table rows; add one to SECTIONS to extend):
   iteration, tokens/s, and the gradient-sync time left exposed after backward (the part of
   communication that overlap hides). Figures: DP=2 / DP=1 throughput, and the overlap gain
   (no-overlap ms / overlap ms).
+- tp: tensor parallelism. TP=1 (one process using every core) vs TP=2 (two gloo ranks), with and
+  without sequence parallelism, same global batch. Figure: TP=2 / TP=1 throughput.
 
     python bench/bench_parallel.py                    # every section, writes bench/RESULTS.md sections
     python bench/bench_parallel.py --sections dp --steps 4
@@ -115,18 +117,25 @@ DP_LAYOUTS = [
 ]
 
 
-def bench_data_parallel(args) -> tuple[list[str], str]:
+def measure_layouts(layouts, args) -> tuple[dict, dict]:
+    """Step and gradient-sync times per layout, on all cores split evenly over each layout's processes."""
     cores = os.cpu_count() or 1
-    load_before = os.getloadavg()[0]
-    runs = {name: {"step": [], "sync": []} for name, _, _ in DP_LAYOUTS}
+    runs = {name: {"step": [], "sync": []} for name, _, _ in layouts}
     meta = {}
     for _ in range(args.rounds):                  # rounds interleave layouts so machine noise hits all alike
-        for name, world, flags in DP_LAYOUTS:
+        for name, world, flags in layouts:
             results = spawn(world, max(1, cores // world), _time_dp_steps, flags, args.steps, args.warmup)
             # a step ends when the slowest rank ends: per step, the max over ranks
             runs[name]["step"] += [max(r["step"][i] for r in results) for i in range(args.steps)]
             runs[name]["sync"] += [max(r["sync"][i] for r in results) for i in range(args.steps)]
             meta[name] = results[0]
+    return runs, meta
+
+
+def bench_data_parallel(args) -> tuple[list[str], str]:
+    cores = os.cpu_count() or 1
+    load_before = os.getloadavg()[0]
+    runs, meta = measure_layouts(DP_LAYOUTS, args)
     base = statistics.median(runs["DP=1"]["step"])
     tokens = GBS * SEQ
     rows = ["| layout | processes x threads | buckets | ms / iteration | tokens/s | vs DP=1 | exposed grad sync ms |",
@@ -152,7 +161,34 @@ def bench_data_parallel(args) -> tuple[list[str], str]:
     return rows, header
 
 
-SECTIONS = {"dp": ("bench_parallel_dp", "Data parallelism on the same cores", bench_data_parallel)}
+TP_LAYOUTS = [
+    ("TP=1", 1, []),
+    ("TP=2", 2, ["--tensor-model-parallel-size", "2"]),
+    ("TP=2 + sequence parallelism", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+]
+
+
+def bench_tensor_parallel(args) -> tuple[list[str], str]:
+    """The same model and global batch: one process on every core vs two TP ranks sharing them."""
+    cores = os.cpu_count() or 1
+    load_before = os.getloadavg()[0]
+    runs, _ = measure_layouts(TP_LAYOUTS, args)
+    base = statistics.median(runs["TP=1"]["step"])
+    rows = ["| layout | processes x threads | ms / iteration | tokens/s | vs TP=1 |", "|---|---|---|---|---|"]
+    for name, world, _ in TP_LAYOUTS:
+        ms = statistics.median(runs[name]["step"]) * 1000
+        rows.append(f"| {name} | {world} x {max(1, cores // world)} | {ms:.0f} | {GBS * SEQ / ms * 1000:.0f} | "
+                    f"{base * 1000 / ms:.2f}x |")
+    header = (f"Same model and batch as the DP section; fp32, gloo on localhost. TP splits every matmul across "
+              f"ranks and adds 2 all-reduces (or all-gather + reduce-scatter with SP) per layer in forward and "
+              f"in backward; on one CPU socket it cannot beat one process using every core, so the figure is "
+              f"the cost of the communication. Median of {args.rounds * args.steps} steps after {args.warmup} "
+              f"warm-up. Load average before/after: {load_before:.1f}/{os.getloadavg()[0]:.1f}.")
+    return rows, header
+
+
+SECTIONS = {"dp": ("bench_parallel_dp", "Data parallelism on the same cores", bench_data_parallel),
+            "tp": ("bench_parallel_tp", "Tensor parallelism on the same cores", bench_tensor_parallel)}
 
 
 def write_section(key: str, title: str, header: str, rows: list[str], command: str) -> None:

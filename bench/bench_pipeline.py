@@ -4,7 +4,7 @@
 Each row runs one step of a small model through megalite's real schedule executor on 2 gloo ranks
 (one per core here) and measures 1 - busy/wall per rank (tools/plot_pipeline.py). Theory (REFERENCE §6):
 (p-1)/(m+p-1) for 1F1B and (p-1)/(v*m+p-1) interleaved. Writes a section of bench/RESULTS.md and a
-timeline PNG per schedule under runs/.
+timeline PNG per schedule in bench/.
 
     python bench/bench_pipeline.py
 """
@@ -33,7 +33,7 @@ def main() -> None:
             print(row, flush=True)
             rows.append(row)
             if m == 8:
-                path = os.path.join(ROOT, "runs", f"pipeline_{'1f1b' if vpp == 1 else 'interleaved'}_m8.png")
+                path = os.path.join(ROOT, "bench", f"pipeline_{'1f1b' if vpp == 1 else 'interleaved'}_m8.png")
                 draw(records, path, f"{name}, pp={PP}, m={m}")
     write_results(rows)
 

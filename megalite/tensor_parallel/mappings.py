@@ -17,6 +17,10 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single; older releases have only the first
+_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _world(group) -> int:
     return dist.get_world_size(group)
 
@@ -47,7 +51,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     if x.shape[0] % world:
         raise ValueError(f"dimension {dim} of size {x.shape[0]} is not divisible by {world} ranks")
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group)
+    _reduce_scatter_into(out, x, op=dist.ReduceOp.SUM, group=group)
     return out.movedim(0, dim)
 
 
