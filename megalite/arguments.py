@@ -188,7 +188,6 @@ NOT_YET_AVAILABLE = {
     "--exit-signal-handler": (lambda a: a.exit_signal_handler, "signal handling (issue 9)"),
     "--exit-duration-in-mins": (lambda a: a.exit_duration_in_mins is not None, "timed exit (issue 9)"),
     "--exit-interval": (lambda a: a.exit_interval is not None, "exit interval (issue 9)"),
-    "--context-parallel-size": (lambda a: a.context_parallel_size > 1, "context parallelism (issue 10)"),
 }
 
 
@@ -276,6 +275,15 @@ def _validate_tensor_parallel(args) -> None:
     if args.sequence_parallel and tp > 1 and args.seq_length % tp:
         raise UserError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by "
                         f"--tensor-model-parallel-size {tp}")
+    cp = args.context_parallel_size
+    if cp > 1:
+        split = 2 * cp * (tp if args.sequence_parallel and tp > 1 else 1)
+        if args.seq_length % split:
+            raise UserError(f"--context-parallel-size {cp} needs --seq-length {args.seq_length} divisible by {split} "
+                            f"(2 x cp chunks{' x --tensor-model-parallel-size with --sequence-parallel' if split > 2 * cp else ''})")
+        if args.attention_dropout > 0:
+            raise UserError(f"--context-parallel-size {cp} needs --attention-dropout 0 (ring attention has no "
+                            f"attention dropout; got {args.attention_dropout})")
 
 
 def _validate_recompute(args) -> None:

@@ -16,6 +16,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from megalite.config import MegaliteConfig
+from megalite.context_parallel.ring_attention import (build_context_parallel, context_parallel_loss,
+                                                      slice_for_context_parallel)
 from megalite.data.builder import build_train_valid_test_datasets
 from megalite.data.samplers import MegatronPretrainingSampler
 from megalite.data.tokenizers import build_tokenizer
@@ -70,10 +72,11 @@ def build_trainer(config: MegaliteConfig) -> Trainer:
     set_seed(config.training.seed)
     tp = build_tensor_parallel(parallel, config.parallel.sequence_parallel, config.training.seed, device,
                                config.model.num_query_groups)
+    cp = build_context_parallel(parallel)
     num_chunks = check_pipeline_split(config.model.num_layers, parallel.pp_size,
                                       config.parallel.num_layers_per_virtual_pipeline_stage, config.num_microbatches)
     chunks = [c.to(device) for c in build_model_chunks(config.model, config.training.seed, tp, parallel.pp_rank,
-                                                        parallel.pp_size, num_chunks)]
+                                                        parallel.pp_size, num_chunks, cp)]
     model = chunks[0]
     ddp = DistributedDataParallel(chunks if len(chunks) > 1 or parallel.pp_size > 1 else model, config.parallel,
                                   parallel, config.num_microbatches)
@@ -81,7 +84,7 @@ def build_trainer(config: MegaliteConfig) -> Trainer:
     scheduler = LRScheduler(config.optimizer, config.training.train_iters)
     comm = None
     if parallel.pp_size > 1:
-        seq = config.model.seq_length // (tp.size if tp.sequence_parallel else 1)
+        seq = config.model.seq_length // cp.size // (tp.size if tp.sequence_parallel else 1)
         comm = PipelineComm(parallel.group("pp"), parallel.pp_rank, parallel.pp_size,
                             (seq, config.training.micro_batch_size, config.model.hidden_size),
                             DTYPES[config.model.params_dtype], device)
@@ -112,14 +115,18 @@ def build_data_iterators(trainer: Trainer, tokenizer):
 
 
 def make_loss_fn(model: torch.nn.Module, device: torch.device):
-    """Per micro-batch: mean of the per-token losses where loss_mask is 1."""
+    """Per micro-batch: mean of the per-token losses where loss_mask is 1 (over whole sequences: with
+    context parallelism each rank computes its chunks and the sums are combined over the CP group)."""
+    cp = getattr(model, "cp", None)
+
     def loss_fn(batch: dict):
+        if cp is not None and cp.size > 1:
+            batch = slice_for_context_parallel(batch, cp.rank, cp.size)
         tokens = batch["tokens"].to(device, non_blocking=True)
         labels = batch["labels"].to(device, non_blocking=True)
         loss_mask = batch["loss_mask"].to(device, non_blocking=True).float()
         per_token = model(tokens, batch["position_ids"].to(device, non_blocking=True), labels=labels)
-        num_tokens = loss_mask.sum()
-        return (per_token * loss_mask).sum() / num_tokens.clamp(min=1.0), num_tokens
+        return context_parallel_loss(per_token, loss_mask, cp)
     return loss_fn
 
 

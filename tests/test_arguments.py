@@ -121,7 +121,6 @@ def test_bad_combinations_give_one_line_naming_the_flag(overrides, message):
 
 
 @pytest.mark.parametrize("overrides, flag", [
-    ({"context_parallel_size": 2}, "--context-parallel-size"),
     ({"save": "/tmp/x"}, "--save"),
     ({"load": "/tmp/x"}, "--load"),
     ({"exit_signal_handler": True}, "--exit-signal-handler"),

@@ -13,6 +13,7 @@ from torch import nn
 from contextlib import nullcontext
 
 from megalite.config import ModelConfig
+from megalite.context_parallel.ring_attention import ContextParallel, local_positions
 from megalite.errors import UserError
 from megalite.model.init import initialize_parameter
 from megalite.model.transformer import RotaryEmbedding, TransformerLayer, build_norm
@@ -56,10 +57,14 @@ class Embedding(nn.Module):
 class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, seed: int = 1234, pre_process: bool = True,
                  post_process: bool = True, layer_offset: int = 0, num_local_layers: int | None = None,
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, cp: ContextParallel | None = None):
         super().__init__()
         self.config = config
         self.tp = tp = tp or TensorParallel()
+        self.cp = cp = cp or ContextParallel()
+        if cp.size > 1 and config.seq_length % (2 * cp.size * (tp.size if tp.sequence_parallel else 1)):
+            raise UserError(f"--context-parallel-size {cp.size} needs --seq-length {config.seq_length} divisible by "
+                            f"2 x {cp.size}" + (f" x --tensor-model-parallel-size {tp.size}" if tp.sequence_parallel else ""))
         if config.padded_vocab_size % tp.size:
             raise UserError(f"padded vocabulary {config.padded_vocab_size} is not divisible by "
                             f"--tensor-model-parallel-size {tp.size}")
@@ -77,7 +82,7 @@ class GPTModel(nn.Module):
                        if config.use_rope else None)
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleList(
-            TransformerLayer(config, layer_offset + i + 1, dtype, tp) for i in range(n_local))
+            TransformerLayer(config, layer_offset + i + 1, dtype, tp, cp) for i in range(n_local))
         if post_process:
             self.decoder.final_layernorm = build_norm(config, dtype, tp)
             if not (self.share_embeddings_and_output_weights and pre_process):
@@ -128,7 +133,12 @@ class GPTModel(nn.Module):
         """
         x = self.embedding(input_ids, position_ids) if self.pre_process else hidden_states
         full_seq = x.shape[0] * (self.tp.size if self.tp.sequence_parallel else 1)
-        rotary = self.rotary.tables(None, full_seq, x.dtype) if self.rotary is not None else None
+        rotary = None
+        if self.rotary is not None and self.cp.size > 1:     # this rank's two chunks of the sequence
+            positions = local_positions(full_seq * self.cp.size, self.cp.rank, self.cp.size, self.rotary.cos.device)
+            rotary = self.rotary.tables(positions, full_seq, x.dtype)
+        elif self.rotary is not None:
+            rotary = self.rotary.tables(None, full_seq, x.dtype)
         x = self.run_layers(x, rotary)
         if not self.post_process:
             return x

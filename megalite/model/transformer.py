@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.context_parallel.ring_attention import ContextParallel, ring_attention
 from megalite.errors import UserError
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, TensorParallel
 from megalite.tensor_parallel.random import checkpoint
@@ -84,11 +85,14 @@ class SelfAttention(nn.Module):
     replicated across the ranks sharing the group (their gradients are summed over those ranks).
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel, cp: ContextParallel | None = None):
         super().__init__()
         nq, nkv, d, h = config.num_attention_heads, config.num_query_groups, config.kv_channels, config.hidden_size
         check_attention_split(nq, nkv, tp.size)
         self.tp = tp
+        self.cp = cp if cp is not None and cp.size > 1 else None
+        if self.cp is not None and config.attention_dropout > 0:
+            raise UserError("--context-parallel-size > 1 needs --attention-dropout 0 (ring attention has no dropout)")
         self.head_dim = d
         self.num_heads = nq // tp.size                              # local to this rank
         self.num_groups = max(1, nkv // tp.size)
@@ -115,6 +119,8 @@ class SelfAttention(nn.Module):
 
     def core_attention(self, q, k, v) -> torch.Tensor:
         """[s, b, heads, d] inputs -> [s, b, heads * d] output."""
+        if self.cp is not None:
+            return ring_attention(q, k, v, self.cp)
         s, b = q.shape[0], q.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))            # [b, heads, s, d]
         if self.num_groups != self.num_heads:
@@ -198,12 +204,13 @@ def _swiglu_rows(ffn: int, tp: TensorParallel):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
-    def __init__(self, config: ModelConfig, layer_number: int, dtype: torch.dtype, tp: TensorParallel):
+    def __init__(self, config: ModelConfig, layer_number: int, dtype: torch.dtype, tp: TensorParallel,
+                 cp: ContextParallel | None = None):
         super().__init__()
         self.layer_number = layer_number          # global, 1-based (as Megatron)
         self.hidden_dropout = config.hidden_dropout
         self.input_layernorm = build_norm(config, dtype, tp)
-        self.self_attention = SelfAttention(config, dtype, tp)
+        self.self_attention = SelfAttention(config, dtype, tp, cp)
         self.pre_mlp_layernorm = build_norm(config, dtype, tp)
         self.mlp = MLP(config, dtype, tp)
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.config import ModelConfig
+from megalite.context_parallel.ring_attention import ContextParallel, context_parallel_loss, slice_for_context_parallel
 from megalite.errors import UserError
 from megalite.model.gpt import GPTModel
 from megalite.parallel_state import ParallelState
@@ -37,14 +38,14 @@ def check_pipeline_split(num_layers: int, pp: int, layers_per_virtual_stage: int
 
 
 def build_model_chunks(config: ModelConfig, seed: int, tp: TensorParallel, pp_rank: int, pp_size: int,
-                       num_chunks: int) -> list[GPTModel]:
+                       num_chunks: int, cp: ContextParallel | None = None) -> list[GPTModel]:
     per_chunk = config.num_layers // (pp_size * num_chunks)
     chunks = []
     for chunk in range(num_chunks):
         virtual_stage = chunk * pp_size + pp_rank
         chunks.append(GPTModel(config, seed=seed, pre_process=virtual_stage == 0,
                                post_process=virtual_stage == pp_size * num_chunks - 1,
-                               layer_offset=virtual_stage * per_chunk, num_local_layers=per_chunk, tp=tp))
+                               layer_offset=virtual_stage * per_chunk, num_local_layers=per_chunk, tp=tp, cp=cp))
     return chunks
 
 
@@ -78,6 +79,7 @@ def chunk_forward(chunks: list[GPTModel], device: torch.device):
     """forward_fn for run_pipeline_schedule: a chunk's output activation, or the micro-batch mean loss."""
     def forward(chunk_index: int, input_tensor, batch: dict, is_last_stage: bool):
         chunk = chunks[chunk_index]
+        batch = slice_for_context_parallel(batch, chunk.cp.rank, chunk.cp.size)
         tokens = batch["tokens"].to(device, non_blocking=True) if chunk.pre_process else None
         positions = batch["position_ids"].to(device, non_blocking=True) if chunk.pre_process else None
         labels = batch["labels"].to(device, non_blocking=True) if chunk.post_process else None
@@ -85,5 +87,5 @@ def chunk_forward(chunks: list[GPTModel], device: torch.device):
         if not is_last_stage:
             return out
         loss_mask = batch["loss_mask"].to(device, non_blocking=True).float()
-        return (out * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+        return context_parallel_loss(out, loss_mask, chunk.cp)[0]
     return forward
