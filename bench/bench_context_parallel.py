@@ -15,6 +15,9 @@ import socket
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results import replace_section  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -105,23 +108,15 @@ def main() -> None:
 
 
 def write_results(rows) -> None:
-    path = os.path.join(ROOT, "bench", "RESULTS.md")
-    begin, end = "<!-- bench_context_parallel begin -->", "<!-- bench_context_parallel end -->"
-    section = "\n".join([
-        begin, "## Context parallelism: activation memory per rank vs sequence length",
+    replace_section("bench_context_parallel", [
+        "## Context parallelism: activation memory per rank vs sequence length",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}. "
         "Command: `python bench/bench_context_parallel.py`. Llama-style GPTModel, 2 layers, hidden 128, 4 heads "
         "/ 2 KV groups, vocab 1000, micro-batch 1, fp32; one forward with its loss on cp gloo ranks. Figure: bytes "
         "of the tensors autograd saves for backward on CP rank 0 (parameters excluded), in brackets relative to cp=1. "
         "Ring attention saves only the local queries, keys/values, output and log-sum-exp (no s x s "
         "probabilities), so the saved activations fall as 1/cp.",
-        "", "| seq length | cp=1 | cp=2 | cp=4 |", "|---|---|---|---|", *rows, end])
-    text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-    if begin in text:
-        text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    open(path, "w").write(text)
+        "", "| seq length | cp=1 | cp=2 | cp=4 |", "|---|---|---|---|", *rows])
 
 
 if __name__ == "__main__":

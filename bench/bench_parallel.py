@@ -24,6 +24,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results import replace_section  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -192,18 +195,8 @@ SECTIONS = {"dp": ("bench_parallel_dp", "Data parallelism on the same cores", be
 
 
 def write_section(key: str, title: str, header: str, rows: list[str], command: str) -> None:
-    path = os.path.join(ROOT, "bench", "RESULTS.md")
-    text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
     machine = f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()}; {time.strftime('%Y-%m-%d')}."
-    block = "\n".join([f"<!-- {key} begin -->", f"## {title}", f"{machine} Command: `{command}`.", header, "",
-                       *rows, f"<!-- {key} end -->"])
-    begin, end = f"<!-- {key} begin -->", f"<!-- {key} end -->"
-    if begin in text and end in text:
-        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(text)
+    replace_section(key, [f"## {title}", f"{machine} Command: `{command}`.", header, "", *rows])
 
 
 def main(argv=None) -> None:

@@ -13,6 +13,9 @@ import platform
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results import replace_section  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 sys.path.insert(0, ROOT)
@@ -39,20 +42,12 @@ def main() -> None:
 
 
 def write_results(rows) -> None:
-    path = os.path.join(ROOT, "bench", "RESULTS.md")
-    begin, end = "<!-- bench_pipeline begin -->", "<!-- bench_pipeline end -->"
-    section = "\n".join([
-        begin, "## Pipeline bubble, measured vs theory",
+    replace_section("bench_pipeline", [
+        "## Pipeline bubble, measured vs theory",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}. "
         "Command: `python bench/bench_pipeline.py`. pp=2 gloo ranks, 2 layers per model chunk, hidden 128, seq 128, "
         "micro-batch 2. Bubble share = 1 - busy/wall of one step, averaged over ranks.",
-        "", "| schedule | micro-batches | measured | theory |", "|---|---|---|---|", *rows, end])
-    text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-    if begin in text:
-        text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    open(path, "w").write(text)
+        "", "| schedule | micro-batches | measured | theory |", "|---|---|---|---|", *rows])
 
 
 if __name__ == "__main__":

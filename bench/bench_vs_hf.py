@@ -21,6 +21,9 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results import replace_section  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -159,22 +162,14 @@ def main() -> None:
 
 def write_results(path: str, lines: list[str]) -> None:
     """Replace this benchmark's section of RESULTS.md, keeping the others."""
-    begin, end = "<!-- bench_vs_hf begin -->", "<!-- bench_vs_hf end -->"
-    section = "\n".join([
-        begin, "## megalite vs transformers, single-process training",
+    replace_section("bench_vs_hf", [
+        "## megalite vs transformers, single-process training",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.system()}; "
         f"{time.strftime('%Y-%m-%d')}. Command: `python bench/bench_vs_hf.py`.",
         f"Llama {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads / {KV_HEADS} KV heads, SwiGLU {FFN}, vocab {VOCAB}, "
         f"seq {SEQ}, micro-batch {MBS}; AdamW + clip 1.0. Ratio = HF ms / megalite ms (median per iteration).",
         "", "| dtype | HF ms | megalite ms | ratio | megalite FLOP/s share of matmul peak | HF share | peak TFLOP/s | steps |",
-        "|---|---|---|---|---|---|---|---|", *lines, end])
-    text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-    if begin in text:
-        text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    with open(path, "w") as f:
-        f.write(text)
+        "|---|---|---|---|---|---|---|---|", *lines], path)
 
 
 if __name__ == "__main__":
