@@ -28,17 +28,15 @@ TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTok
 
 
 class MegatronTokenizer(ABC):
-    """What the data pipeline and the model need from any tokenizer."""
+    """What the data pipeline and the model need from any tokenizer.
 
-    @property
-    @abstractmethod
-    def vocab_size(self) -> int:
-        """Number of ids the tokenizer can produce (before padding for the model)."""
+    Every tokenizer sets, in its ``__init__``:
+      vocab_size  number of ids it can produce (before padding for the model)
+      eod         end-of-document id appended by ``--append-eod``
+    """
 
-    @property
-    @abstractmethod
-    def eod(self) -> int:
-        """End-of-document id appended by ``--append-eod``."""
+    vocab_size: int
+    eod: int
 
     @abstractmethod
     def tokenize(self, text: str) -> list[int]: ...
@@ -51,19 +49,18 @@ class MegatronTokenizer(ABC):
         return [self.tokenize(t) for t in texts]
 
 
+def _first_line(error: Exception) -> str:
+    """An exception's first line, for one-line error messages."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 class NullTokenizer(MegatronTokenizer):
     """Text is whitespace-separated integer ids; eod is one id past ``--vocab-size`` (as in Megatron)."""
 
     def __init__(self, vocab_size: int):
-        self._vocab_size_without_eod = int(vocab_size)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size_without_eod + 1
-
-    @property
-    def eod(self) -> int:
-        return self._vocab_size_without_eod
+        self.eod = int(vocab_size)
+        self.vocab_size = self.eod + 1
 
     def tokenize(self, text: str) -> list[int]:
         return [int(tok) for tok in text.split()]
@@ -92,21 +89,13 @@ class GPT2BPETokenizer(MegatronTokenizer):
             self._tok = ByteLevelBPETokenizer.from_file(vocab_file, merge_file)
         except Exception as e:  # the library's messages do not name our flags
             raise UserError(f"--vocab-file {vocab_file} / --merge-file {merge_file}: not a GPT-2 BPE "
-                            f"vocabulary and merges pair ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+                            f"vocabulary and merges pair ({_first_line(e)})")
         eod = self._tok.token_to_id(self.EOD_TOKEN)
         if eod is None:
             raise UserError(f"--vocab-file {vocab_file} has no {self.EOD_TOKEN} token, which "
                             "GPT2BPETokenizer uses as end of document")
-        self._eod = int(eod)
-        self._vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eod(self) -> int:
-        return self._eod
+        self.eod = int(eod)
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
@@ -128,21 +117,13 @@ class SentencePieceTokenizer(MegatronTokenizer):
             self._sp = spm.SentencePieceProcessor(model_file=model_file)
         except Exception as e:
             raise UserError(f"--tokenizer-model {model_file}: not a SentencePiece model "
-                            f"({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+                            f"({_first_line(e)})")
         eos = self._sp.eos_id()
         if eos < 0:
             raise UserError(f"--tokenizer-model {model_file} has no eos piece to use as end of document; "
                             "train it with an eos id (tools/train_tokenizer.py does)")
-        self._eod = int(eos)
-        self._vocab_size = int(self._sp.get_piece_size())
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eod(self) -> int:
-        return self._eod
+        self.eod = int(eos)
+        self.vocab_size = int(self._sp.get_piece_size())
 
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode(text)
@@ -171,22 +152,13 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         try:
             tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
         except Exception as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"--tokenizer-model {path}: cannot load a Hugging Face tokenizer from it ({first})")
+            raise UserError(f"--tokenizer-model {path}: cannot load a Hugging Face tokenizer from it ({_first_line(e)})")
         if tok.eos_token_id is None:
             raise UserError(f"--tokenizer-model {path}: the tokenizer has no eos token to use as end of document")
         tok.model_max_length = sys.maxsize  # documents are long; no truncation warnings
         self._tok = tok
-        self._eod = int(tok.eos_token_id)
-        self._vocab_size = int(len(tok))
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eod(self) -> int:
-        return self._eod
+        self.eod = int(tok.eos_token_id)
+        self.vocab_size = int(len(tok))
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok(text, add_special_tokens=False)["input_ids"]
