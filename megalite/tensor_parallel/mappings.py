@@ -63,109 +63,41 @@ def split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return x.chunk(world, dim=dim)[_rank(group)].contiguous()
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
+def _identity(x: torch.Tensor, group) -> torch.Tensor:
+    return x
+
+
+def _all_reduce_copy(x: torch.Tensor, group) -> torch.Tensor:
+    return all_reduce(x.clone(), group)          # the input may be saved for backward: don't overwrite it
+
+
+class _Mapping(torch.autograd.Function):
+    """A collective in forward paired with its adjoint in backward (each ``op(tensor, group)``)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad, ctx.group), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather(x, group, dim=-1)
+    def forward(ctx, x, group, forward_op, backward_op):
+        ctx.group, ctx.backward_op = group, backward_op
+        return forward_op(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return split(grad, ctx.group, dim=-1), None
+        return ctx.backward_op(grad, ctx.group), None, None, None
 
 
-class _ScatterLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split(x, group, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group, dim=-1), None
+def _mapping(forward_op, backward_op):
+    def apply(x: torch.Tensor, group) -> torch.Tensor:
+        return x if group is None else _Mapping.apply(x, group, forward_op, backward_op)
+    return apply
 
 
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather(x, group, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.group, dim=0), None
+def _along(op, dim: int):
+    return lambda x, group: op(x, group, dim=dim)
 
 
-class _ReduceScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter(x, group, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group, dim=0), None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split(x, group, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group, dim=0), None
-
-
-def _apply(fn, x, group):
-    return x if group is None else fn.apply(x, group)
-
-
-def copy_to_tp_region(x, group):
-    return _apply(_CopyToRegion, x, group)
-
-
-def reduce_from_tp_region(x, group):
-    return _apply(_ReduceFromRegion, x, group)
-
-
-def gather_from_tp_region(x, group):
-    return _apply(_GatherLastDim, x, group)
-
-
-def scatter_to_tp_region(x, group):
-    return _apply(_ScatterLastDim, x, group)
-
-
-def gather_from_sp_region(x, group):
-    return _apply(_GatherSequence, x, group)
-
-
-def reduce_scatter_to_sp_region(x, group):
-    return _apply(_ReduceScatterSequence, x, group)
-
-
-def scatter_to_sp_region(x, group):
-    return _apply(_ScatterSequence, x, group)
+copy_to_tp_region = _mapping(_identity, all_reduce)
+reduce_from_tp_region = _mapping(_all_reduce_copy, _identity)
+gather_from_tp_region = _mapping(_along(all_gather, -1), _along(split, -1))
+scatter_to_tp_region = _mapping(_along(split, -1), _along(all_gather, -1))
+gather_from_sp_region = _mapping(_along(all_gather, 0), _along(reduce_scatter, 0))
+reduce_scatter_to_sp_region = _mapping(_along(reduce_scatter, 0), _along(all_gather, 0))
+scatter_to_sp_region = _mapping(_along(split, 0), _along(all_gather, 0))
