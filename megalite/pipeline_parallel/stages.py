@@ -7,7 +7,6 @@ normalises, projects to the vocabulary and computes the loss.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megalite.config import ModelConfig
 from megalite.context_parallel.ring_attention import ContextParallel, context_parallel_loss, slice_for_context_parallel
@@ -15,6 +14,7 @@ from megalite.errors import UserError
 from megalite.model.gpt import GPTModel
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.layers import TensorParallel
+from megalite.tensor_parallel.setup import all_reduce_main_grads
 
 
 def check_pipeline_split(num_layers: int, pp: int, layers_per_virtual_stage: int | None,
@@ -67,12 +67,8 @@ def sync_shared_embedding_grads(chunks: list[GPTModel], state: ParallelState, dd
     (through ``ddp.all_reduce_param_grads`` when gradients may be ZeRO-sharded)."""
     if state.pp_size == 1:
         return
-    params = shared_embedding_params(chunks)
-    if ddp is not None:
-        ddp.all_reduce_param_grads([(p, None) for p in params], state.group("embedding"))
-        return
-    for param in params:
-        dist.all_reduce(param.main_grad, op=dist.ReduceOp.SUM, group=state.group("embedding"))
+    all_reduce = ddp.all_reduce_param_grads if ddp is not None else all_reduce_main_grads
+    all_reduce([(p, None) for p in shared_embedding_params(chunks)], state.group("embedding"))
 
 
 def chunk_forward(chunks: list[GPTModel], device: torch.device):
