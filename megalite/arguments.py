@@ -178,13 +178,6 @@ COMPAT_NO_EFFECT = ["--use-mcore-models", "--use-flash-attn", "--no-masked-softm
 
 # flag -> (is it set?, the capability and issue that brings it). Removed entry by entry as they land.
 NOT_YET_AVAILABLE = {
-    "--save": (lambda a: a.save is not None, "checkpointing (issue 7)"),
-    "--load": (lambda a: a.load is not None, "checkpointing (issue 7)"),
-    "--save-interval": (lambda a: a.save_interval is not None, "checkpointing (issue 7)"),
-    "--no-load-optim": (lambda a: a.no_load_optim, "checkpointing (issue 7)"),
-    "--no-load-rng": (lambda a: a.no_load_rng, "checkpointing (issue 7)"),
-    "--finetune": (lambda a: a.finetune, "checkpointing (issue 7)"),
-    "--use-checkpoint-args": (lambda a: a.use_checkpoint_args, "checkpointing (issue 7)"),
     "--exit-signal-handler": (lambda a: a.exit_signal_handler, "signal handling (issue 9)"),
     "--exit-duration-in-mins": (lambda a: a.exit_duration_in_mins is not None, "timed exit (issue 9)"),
     "--exit-interval": (lambda a: a.exit_interval is not None, "exit interval (issue 9)"),
@@ -256,6 +249,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _validate_data_parallel(args)
     _validate_lr(args)
     _validate_data(args)
+    _validate_checkpointing(args)
 
 
 def _validate_tensor_parallel(args) -> None:
@@ -371,6 +365,55 @@ def _validate_data(args) -> None:
             raise UserError(f'--split {args.split!r} must be up to 3 non-negative weights like "969,30,1"')
 
 
+def _validate_checkpointing(args) -> None:
+    if args.save_interval is not None and not args.save:
+        raise UserError("--save-interval needs --save DIR (where to write the checkpoints)")
+    for flag, value in (("--finetune", args.finetune), ("--no-load-optim", args.no_load_optim),
+                        ("--no-load-rng", args.no_load_rng)):
+        if value and not args.load:
+            raise UserError(f"{flag} needs --load DIR (the checkpoint to start from)")
+
+
+# ---- --use-checkpoint-args ----------------------------------------------------------------------------
+# model flags (argparse dests) that --use-checkpoint-args takes from the checkpoint's metadata["model"]
+CHECKPOINT_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
+                         "max_position_embeddings", "position_embedding_type", "rotary_base", "normalization",
+                         "norm_epsilon", "swiglu", "openai_gelu", "add_bias_linear", "add_qkv_bias",
+                         "untie_embeddings_and_output_weights")
+
+
+def apply_checkpoint_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Take the model's architecture (and, when not given, --seq-length and the tokenizer) from the
+    --load checkpoint. A model flag given on the command line that contradicts it is an error."""
+    if not args.use_checkpoint_args:
+        return
+    if not args.load:
+        raise UserError("--use-checkpoint-args needs --load DIR (the checkpoint whose model flags to use)")
+    from megalite.checkpoint_files import CheckpointReader
+    reader = CheckpointReader(args.load)
+    model = reader.metadata["model"]
+    saved = {name: model[name] for name in CHECKPOINT_MODEL_ARGS}
+    gqa = model["num_query_groups"] != model["num_attention_heads"]
+    saved.update(group_query_attention=gqa, num_query_groups=model["num_query_groups"] if gqa else None)
+    for dest, value in saved.items():
+        given = getattr(args, dest)
+        if given != parser.get_default(dest) and given != value:
+            raise UserError(f"--{dest.replace('_', '-')} {given} contradicts the checkpoint's {value} "
+                            f"(--use-checkpoint-args takes model flags from {reader.directory}); remove the flag")
+        setattr(args, dest, value)
+    args.checkpoint_vocab_size = model["vocab_size"]
+    if args.seq_length is None:
+        args.seq_length = model["seq_length"]
+    tokenizer = reader.metadata.get("tokenizer")
+    if args.tokenizer_type is None and tokenizer:
+        in_checkpoint = lambda p: p if p is None else os.path.join(reader.directory, p)   # noqa: E731
+        args.tokenizer_type = tokenizer["tokenizer_type"]
+        args.tokenizer_model = in_checkpoint(tokenizer.get("tokenizer_model"))
+        args.vocab_file = in_checkpoint(tokenizer.get("vocab_file"))
+        args.merge_file = in_checkpoint(tokenizer.get("merge_file"))
+        args.vocab_size = args.vocab_size if args.vocab_size is not None else tokenizer.get("vocab_size")
+
+
 def _iters(samples: int | None, iters: int | None, global_batch_size: int) -> float | None:
     """Megatron counts schedules in samples when --*-samples flags are used; megalite in iterations."""
     if samples:
@@ -384,13 +427,19 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None,
     """argv -> MegaliteConfig. ``true_vocab_size`` (the tokenizer's) sizes the padded vocabulary;
     without it the tokenizer named by the flags is built to find it."""
     world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    apply_checkpoint_args(args, parser)
     refuse_unavailable(args, world_size)
     validate(args, world_size)
     data = _data_config(args)
     if true_vocab_size is None:
         from megalite.data.tokenizers import build_tokenizer
         true_vocab_size = build_tokenizer(data).vocab_size
+    if args.use_checkpoint_args:
+        # a converted model may have more embedding rows than its tokenizer has ids (Qwen2: 151936 for
+        # 151646); keep the checkpoint's, the extra ids are simply never seen
+        true_vocab_size = max(true_vocab_size, args.checkpoint_vocab_size)
     return MegaliteConfig(model=_model_config(args, true_vocab_size), parallel=_parallel_config(args, world_size),
                           optimizer=_optimizer_config(args), data=data, training=_training_config(args))
 

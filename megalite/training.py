@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils.data import DataLoader
 
+from megalite.checkpoint_files import check_writable
+from megalite.checkpointing import has_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from megalite.config import MegaliteConfig
 from megalite.context_parallel.ring_attention import (build_context_parallel, context_parallel_loss,
                                                       slice_for_context_parallel)
@@ -45,6 +48,7 @@ from megalite.tensor_parallel.setup import build_tensor_parallel, finalize_tenso
 class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
     skipped_iterations: int = 0
     nan_iterations: int = 0
     history: list = field(default_factory=list)      # per-iteration lm loss, for callers and tests
@@ -65,6 +69,8 @@ class Trainer:
     ddp: DistributedDataParallel | None = None       # data-parallel gradient sync / ZeRO sharding
     chunks: list = field(default_factory=list)      # this rank's model chunks (pipeline stages)
     pipeline: PipelineComm | None = None             # stage-to-stage exchange when pp > 1
+    last_saved_iteration: int | None = None          # iteration of the checkpoint last saved or loaded
+    checkpoint_source: dict | None = None            # metadata["source"] of the loaded checkpoint, kept on save
 
 
 def build_trainer(config: MegaliteConfig) -> Trainer:
@@ -111,7 +117,8 @@ def build_data_iterators(trainer: Trainer, tokenizer):
                             persistent_workers=cfg.data.num_workers > 0)
         return iter(loader)
 
-    return (iterator(train, trainer.state.consumed_train_samples), iterator(valid, 0), iterator(test, 0))
+    return (iterator(train, trainer.state.consumed_train_samples),
+            iterator(valid, trainer.state.consumed_valid_samples), iterator(test, 0))
 
 
 def make_loss_fn(model: torch.nn.Module, device: torch.device):
@@ -202,10 +209,15 @@ def evaluate(trainer: Trainer, data_iterator, num_batches: int) -> float:
 
 # ---- the loop ------------------------------------------------------------------------------------
 def pretrain(config: MegaliteConfig, print_fn=print) -> TrainState:
+    if config.training.save:
+        check_writable(config.training.save)
     trainer = build_trainer(config)
-    tokenizer = build_tokenizer(config.data)
-    train_iter, valid_iter, test_iter = build_data_iterators(trainer, tokenizer)
     log = print_fn if trainer.parallel.is_logging_rank else (lambda *_: None)
+    tokenizer = build_tokenizer(config.data)
+    rng = load_at_start(trainer, log)
+    train_iter, valid_iter, test_iter = build_data_iterators(trainer, tokenizer)
+    if rng is not None:      # after the data loaders, which draw from the generator when created
+        restore_rng(rng, trainer.model.tp.rng)
     sinks = MetricsSinks(config.training, dataclasses.asdict(config)) if trainer.parallel.is_logging_rank else None
     report_parameters(trainer, log)
     report_memory(trainer.ddp, trainer.optimizer, trainer.parallel.rank, print_fn)
@@ -213,6 +225,8 @@ def pretrain(config: MegaliteConfig, print_fn=print) -> TrainState:
         train(trainer, train_iter, valid_iter, log, sinks)
         trainer.ddp.wait_for_param_gather()
         t = config.training
+        if t.save and trainer.state.iteration > 0 and trainer.state.iteration != trainer.last_saved_iteration:
+            save(trainer, log)
         if valid_iter is not None and t.eval_iters > 0:
             loss = evaluate(trainer, valid_iter, t.eval_iters)
             log(format_validation_lines("at the end of training for val data", {"lm loss": loss}))
@@ -225,6 +239,29 @@ def pretrain(config: MegaliteConfig, print_fn=print) -> TrainState:
             if sinks.metrics_path:
                 log(f"metrics written to {sinks.metrics_path}")
     return trainer.state
+
+
+def load_at_start(trainer: Trainer, log):
+    """--load: weights, optimizer and position of a previous run (RNG states returned for later).
+    A --load directory without a checkpoint yet is a fresh start when it is also the --save directory
+    (the usual "--save X --load X" job script re-run after a crash); anywhere else it is a mistake."""
+    t = trainer.config.training
+    if not t.load:
+        return None
+    if not has_checkpoint(t.load) and t.save and os.path.abspath(t.load) == os.path.abspath(t.save):
+        log(f" > no checkpoint in {t.load} yet: starting from scratch")
+        return None
+    rng = load_checkpoint(trainer, t.load, load_optimizer=not t.no_load_optim, load_rng=not t.no_load_rng,
+                          finetune=t.finetune, log=log)
+    trainer.last_saved_iteration = trainer.state.iteration
+    return rng
+
+
+def save(trainer: Trainer, log) -> None:
+    start = time.perf_counter()
+    path = save_checkpoint(trainer, trainer.config.training.save)
+    trainer.last_saved_iteration = trainer.state.iteration
+    log(f" > saved checkpoint at iteration {trainer.state.iteration} to {path} ({time.perf_counter() - start:.2f} s)")
 
 
 def report_parameters(trainer: Trainer, log) -> None:
@@ -260,9 +297,14 @@ def train(trainer: Trainer, train_iter, valid_iter, log, sinks) -> None:
 
         if valid_iter is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
             loss = evaluate(trainer, valid_iter, t.eval_iters)
+            state.consumed_valid_samples += t.eval_iters * t.global_batch_size
             log(format_validation_lines(f"at iteration {state.iteration}", {"lm loss": loss}))
             if sinks is not None:
                 sinks.log(state.iteration, {"validation lm loss": loss})
+            interval_start = time.perf_counter()
+
+        if t.save and t.save_interval and state.iteration % t.save_interval == 0:
+            save(trainer, log)
             interval_start = time.perf_counter()
 
 

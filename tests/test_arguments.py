@@ -121,14 +121,26 @@ def test_bad_combinations_give_one_line_naming_the_flag(overrides, message):
 
 
 @pytest.mark.parametrize("overrides, flag", [
-    ({"save": "/tmp/x"}, "--save"),
-    ({"load": "/tmp/x"}, "--load"),
     ({"exit_signal_handler": True}, "--exit-signal-handler"),
+    ({"exit_interval": 5}, "--exit-interval"),
 ])
 def test_flags_of_later_features_are_refused_not_ignored(overrides, flag):
     with pytest.raises(UserError) as err:
         parse(with_flags(TINY_LLAMA_ARGS, **overrides))
     assert str(err.value).startswith(flag) and "not available" in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"save_interval": 5}, "--save-interval needs --save"),
+    ({"finetune": True}, "--finetune needs --load"),
+    ({"no_load_optim": True}, "--no-load-optim needs --load"),
+    ({"use_checkpoint_args": True}, "--use-checkpoint-args needs --load"),
+    ({"load": "/nonexistent/ckpt", "use_checkpoint_args": True}, "--load /nonexistent/ckpt: no such directory"),
+])
+def test_checkpoint_flag_mistakes(overrides, message):
+    with pytest.raises(UserError) as err:
+        parse(with_flags(TINY_LLAMA_ARGS, **overrides))
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_a_run_shorter_than_its_warm_up_is_accepted():

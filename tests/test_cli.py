@@ -22,7 +22,8 @@ def test_short_run_prints_megatron_lines():
 
 @pytest.mark.parametrize("overrides, env, fragment", [
     ({"global_batch_size": 30, "micro_batch_size": 4}, {}, "--global-batch-size 30 must be divisible"),
-    ({"save": "/tmp/ckpt"}, {}, "--save: checkpointing (issue 7) is not available"),
+    ({"save": "/proc/megalite-ckpt"}, {}, "--save /proc/megalite-ckpt: cannot write there"),
+    ({"load": "/nonexistent/ckpt"}, {}, "--load /nonexistent/ckpt: no such directory"),
     ({"tensor_model_parallel_size": 2}, {}, "world size 1 is not divisible by --tensor-model-parallel-size 2"),
     ({"mock_data": False, "data_path": "/nonexistent/prefix"}, {}, "/nonexistent/prefix"),
     ({"normalization": "Nope"}, {}, "--normalization"),

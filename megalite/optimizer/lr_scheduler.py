@@ -52,7 +52,10 @@ class LRScheduler:
         self.num_steps += 1
 
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps}
+        """The position in the schedule; the schedule's shape is recorded for reference (resuming uses
+        the current flags, like Megatron's --override-opt_param-scheduler)."""
+        return {"num_steps": self.num_steps, "decay_iters": self.decay, "warmup_iters": self.warmup,
+                "max_lr": self.max_lr, "min_lr": self.min_lr, "style": self.style}
 
     def load_state_dict(self, state: dict) -> None:
         self.num_steps = int(state["num_steps"])
