@@ -16,7 +16,7 @@ from megalite.config import ModelConfig
 from megalite.context_parallel.ring_attention import ContextParallel, local_positions
 from megalite.errors import UserError
 from megalite.model.init import initialize_parameter
-from megalite.model.transformer import RotaryEmbedding, TransformerLayer, build_norm
+from megalite.model.transformer import KVCache, RotaryEmbedding, TransformerLayer, build_norm
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import ColumnParallelLinear, TensorParallel, VocabParallelEmbedding, parallel_logits
 from megalite.tensor_parallel.mappings import gather_from_tp_region, reduce_from_tp_region, scatter_to_sp_region
@@ -125,12 +125,22 @@ class GPTModel(nn.Module):
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None):
+                labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None):
         """First stage takes ``input_ids`` [b, s]; later stages take ``hidden_states`` [s, b, h].
 
         Last stage returns per-token losses [b, s] when ``labels`` are given, else logits [b, s, V];
         other stages return hidden states [s, b, h].
+
+        With ``kv_cache`` (inference on a whole model at TP size 1), ``input_ids`` are the tokens after
+        the ``kv_cache.length`` cached ones: they get positions from there and attend to the cache,
+        and the cache grows by them.
         """
+        positions = None
+        if kv_cache is not None:
+            positions = self.cached_positions(input_ids, kv_cache)
+            if position_ids is None:
+                position_ids = positions[None]
         x = self.embedding(input_ids, position_ids) if self.pre_process else hidden_states
         full_seq = x.shape[0] * (self.tp.size if self.tp.sequence_parallel else 1)
         rotary = None
@@ -138,19 +148,34 @@ class GPTModel(nn.Module):
             positions = local_positions(full_seq * self.cp.size, self.cp.rank, self.cp.size, self.rotary.cos.device)
             rotary = self.rotary.tables(positions, full_seq, x.dtype)
         elif self.rotary is not None:
-            rotary = self.rotary.tables(None, full_seq, x.dtype)
-        x = self.run_layers(x, rotary)
+            rotary = self.rotary.tables(positions, full_seq, x.dtype)
+        x = self.run_layers(x, rotary, kv_cache)
+        if kv_cache is not None:
+            kv_cache.length += x.shape[0]
         if not self.post_process:
             return x
         x = self.decoder.final_layernorm(x)
         logits = parallel_logits(x, self.output_weight(), self.tp)      # [s, b, V/tp]
         vocab_start = self.tp.rank * logits.shape[-1]
         mask_padded_vocabulary(logits, vocab_start, self.config.vocab_size)
-        if labels is None:
-            return gather_from_tp_region(logits, self.tp.group).transpose(0, 1)
+        if labels is None:     # [b, s, V] over the tokenizer's true vocabulary (padding dropped)
+            logits = gather_from_tp_region(logits, self.tp.group).transpose(0, 1)
+            return logits[..., :self.config.vocab_size] if self.config.vocab_size > 0 else logits
         return vocab_parallel_cross_entropy(logits, labels.t(), self.tp.group, vocab_start).t()
 
-    def run_layers(self, x: torch.Tensor, rotary) -> torch.Tensor:
+    def cached_positions(self, input_ids: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        """Absolute positions [s] of the tokens following the cached ones (checked to fit)."""
+        if self.tp.size > 1 or self.cp.size > 1 or not (self.pre_process and self.post_process):
+            raise UserError("generation with a KV cache needs the whole model in one process "
+                            "(tensor, context and pipeline parallel size 1)")
+        start, end = kv_cache.length, kv_cache.length + input_ids.shape[1]
+        limit = min(kv_cache.max_length, self.config.max_position_embeddings)
+        if end > limit:
+            raise UserError(f"{end} tokens do not fit: the model has --max-position-embeddings "
+                            f"{self.config.max_position_embeddings} and the KV cache holds {kv_cache.max_length}")
+        return torch.arange(start, end, device=input_ids.device)
+
+    def run_layers(self, x: torch.Tensor, rotary, kv_cache: KVCache | None = None) -> torch.Tensor:
         """The layer stack, with full activation recomputation where --recompute-granularity full asks.
 
         uniform: every chunk of --recompute-num-layers layers is checkpointed as one unit;
@@ -158,9 +183,9 @@ class GPTModel(nn.Module):
         """
         layers = list(self.decoder.layers)
         cfg = self.config
-        if cfg.recompute_granularity != "full" or not self.training:
+        if cfg.recompute_granularity != "full" or not self.training or kv_cache is not None:
             for layer in layers:
-                x = layer(x, rotary)
+                x = layer(x, rotary, kv_cache)
             return x
         n = cfg.recompute_num_layers or 1
         if cfg.recompute_method == "block":

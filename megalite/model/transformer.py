@@ -7,6 +7,7 @@ linear_fc2, input_layernorm, pre_mlp_layernorm) so checkpoints and conversions m
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +77,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+@dataclass
+class KVCache:
+    """Keys and values of the tokens seen so far, for incremental decoding (inference, TP size 1).
+
+    Per layer (by layer number), k and v buffers [max_length, batch, groups, head_dim], allocated on
+    first use; positions ``0..length-1`` are filled. GPTModel.forward advances ``length`` after a step.
+    """
+    max_length: int
+    length: int = 0
+    keys: dict = field(default_factory=dict)
+    values: dict = field(default_factory=dict)
+
+    def update(self, layer_number: int, k: torch.Tensor, v: torch.Tensor):
+        """Append this step's k, v [s, b, groups, d] for one layer; return the layer's cached k, v so far."""
+        if layer_number not in self.keys:
+            self.keys[layer_number] = k.new_empty(self.max_length, *k.shape[1:])
+            self.values[layer_number] = v.new_empty(self.max_length, *v.shape[1:])
+        end = self.length + k.shape[0]
+        self.keys[layer_number][self.length:end] = k
+        self.values[layer_number][self.length:end] = v
+        return self.keys[layer_number][:end], self.values[layer_number][:end]
+
+
 class SelfAttention(nn.Module):
     """Causal self-attention with a fused QKV projection in Megatron's grouped layout.
 
@@ -118,10 +142,17 @@ class SelfAttention(nn.Module):
         return q.reshape(s, b, self.num_heads, self.head_dim), k.squeeze(3), v.squeeze(3)
 
     def core_attention(self, q, k, v) -> torch.Tensor:
-        """[s, b, heads, d] inputs -> [s, b, heads * d] output."""
+        """[s, b, heads, d] queries, [t, b, groups, d] keys/values -> [s, b, heads * d] output.
+
+        t > s only with a KV cache: the queries are the last s of t positions; they attend to every
+        cached key and causally among themselves (one new query needs no mask).
+        """
         if self.cp is not None:
             return ring_attention(q, k, v, self.cp)
-        s, b = q.shape[0], q.shape[1]
+        s, b, total = q.shape[0], q.shape[1], k.shape[0]
+        mask = None
+        if s > 1 and total > s:
+            mask = torch.ones(s, total, dtype=torch.bool, device=q.device).tril(total - s)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))            # [b, heads, s, d]
         if self.num_groups != self.num_heads:
             k = k.repeat_interleave(self.heads_per_group, dim=1)
@@ -129,14 +160,17 @@ class SelfAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         # attention heads are sharded over TP: their dropout draws from this rank's own stream
         with self.tp.rng.fork() if dropout > 0 and self.tp.rng is not None else nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=total == s, dropout_p=dropout)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
 
-    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary=None, kv_cache: KVCache | None = None,
+                layer_number: int = 0) -> torch.Tensor:
         q, k, v = self.split_qkv(self.linear_qkv(x))
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer_number, k, v)
         if self.selective_recompute and self.training:
             out = checkpoint(self.core_attention, q, k, v, tracker=self.tp.rng)
         else:
@@ -214,8 +248,8 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = build_norm(config, dtype, tp)
         self.mlp = MLP(config, dtype, tp)
 
-    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
-        attn = self.self_attention(self.input_layernorm(x), rotary)
+    def forward(self, x: torch.Tensor, rotary=None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        attn = self.self_attention(self.input_layernorm(x), rotary, kv_cache, self.layer_number)
         x = x + F.dropout(attn, self.hidden_dropout, self.training)
         mlp = self.mlp(self.pre_mlp_layernorm(x))
         return x + F.dropout(mlp, self.hidden_dropout, self.training)

@@ -29,7 +29,7 @@ def test_llama_style_parameters_and_shapes():
     assert shapes["output_layer.weight"] == (256, h)                      # untied
     assert not any(n.endswith(".bias") for n in shapes)                   # --disable-bias-linear, RMSNorm
     tokens = torch.randint(0, 201, (3, 32))
-    assert model(tokens).shape == (3, 32, 256)
+    assert model(tokens).shape == (3, 32, 201)                          # logits over the true vocabulary
     assert model(tokens, labels=tokens).shape == (3, 32)
 
 
@@ -44,7 +44,7 @@ def test_gpt2_style_parameters_and_shapes():
     assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == (256, 64)
     assert "output_layer.weight" not in shapes                            # tied to the embedding
     assert model.output_weight() is model.embedding.word_embeddings.weight
-    assert model(torch.randint(0, 201, (2, 32))).shape == (2, 32, 256)
+    assert model(torch.randint(0, 201, (2, 32))).shape == (2, 32, 201)
 
 
 def test_init_follows_megatron_scheme_and_is_per_name_deterministic():
