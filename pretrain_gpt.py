@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # run from a ch
 def main(argv: list[str]) -> int:
     from megalite.arguments import compat_flags_used, parse_args
     from megalite.errors import UserError
+    from megalite.faults import CollectiveFailure
     from megalite.training import pretrain
     try:
         config = parse_args(argv)
@@ -23,10 +24,26 @@ def main(argv: list[str]) -> int:
             print(f" > accepted with no effect (megalite chooses its kernels itself): {' '.join(ignored)}")
         pretrain(config)
         shut_down_distributed()
+    except CollectiveFailure as error:
+        report(error)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)          # the process group is broken: tearing it down would hang or abort
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
+        report(error)
         return 1
     return 0
+
+
+def report(error) -> None:
+    """One line on stderr. Errors every rank hits alike (flags, NaN) are printed by rank 0 only;
+    a rank's own view of a failed collective by that rank, prefixed with it."""
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    if getattr(error, "local", False) and world > 1:
+        print(f"error: rank {rank}: {error}", file=sys.stderr)
+    elif rank == 0:
+        print(f"error: {error}", file=sys.stderr)
 
 
 def shut_down_distributed() -> None:

@@ -194,7 +194,13 @@ class CheckpointReader:
         return int(self.metadata["iteration"])
 
     def _check_file_sizes(self) -> None:
-        for name, size in self.metadata.get("files", {}).items():
+        files = self.metadata.get("files", {})
+        named = {e.get("file") for e in self.index.values()} | set(self.metadata.get("rng_files", {})) | set(files)
+        for name in named:     # a crafted metadata.json must not make us read files outside the checkpoint
+            if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+                raise UserError(f"checkpoint {self.directory}/{METADATA} names the file {name!r} outside the "
+                                "checkpoint directory; refusing to read it")
+        for name, size in files.items():
             path = os.path.join(self.directory, name)
             if not os.path.isfile(path):
                 raise UserError(f"checkpoint file {path} is missing; the checkpoint is incomplete, load an earlier one")

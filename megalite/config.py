@@ -145,7 +145,8 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     exit_duration_in_mins: Optional[float] = None
     exit_interval: Optional[int] = None
-    distributed_timeout_minutes: int = 10
+    skip_nan_iterations: bool = False          # NaN/Inf loss or grad norm: skip the update (default: stop the run)
+    distributed_timeout_minutes: float = 10
 
 
 @dataclass

@@ -21,6 +21,8 @@ from megalite.checkpointing import has_checkpoint, load_checkpoint, restore_rng,
 from megalite.config import MegaliteConfig
 from megalite.context_parallel.ring_attention import (build_context_parallel, context_parallel_loss,
                                                       slice_for_context_parallel)
+from megalite.faults import (ExitConditions, TrainingFault, collective_phase, nonfinite_message,
+                             ranks_with_nonfinite_loss)
 from megalite.data.builder import build_train_valid_test_datasets
 from megalite.data.samplers import MegatronPretrainingSampler
 from megalite.data.tokenizers import build_tokenizer
@@ -51,6 +53,8 @@ class TrainState:
     consumed_valid_samples: int = 0
     skipped_iterations: int = 0
     nan_iterations: int = 0
+    exit_reason: str | None = None                   # why training stopped before --train-iters, if it did
+    last_local_loss: float = 0.0                     # this rank's own loss of the last step (NaN diagnosis)
     history: list = field(default_factory=list)      # per-iteration lm loss, for callers and tests
 
 
@@ -144,25 +148,30 @@ def train_step(trainer: Trainer, data_iterator) -> tuple[float, object]:
     optimizer.zero_grad()
     for chunk in trainer.chunks:
         chunk.train()
+    timeout = trainer.config.training.distributed_timeout_minutes
     trainer.timers.start("forward-backward", level=1)
-    if trainer.pipeline is None:
-        losses = forward_backward_no_pipelining(make_loss_fn(model, trainer.device), data_iterator,
-                                                trainer.config.num_microbatches, optimizer.loss_scale)
-    else:
-        losses = forward_backward_pipelined(trainer, data_iterator, optimizer.loss_scale)
+    with collective_phase("forward-backward (tensor/context-parallel collectives, pipeline send/receive)", timeout):
+        if trainer.pipeline is None:
+            losses = forward_backward_no_pipelining(make_loss_fn(model, trainer.device), data_iterator,
+                                                    trainer.config.num_microbatches, optimizer.loss_scale)
+        else:
+            losses = forward_backward_pipelined(trainer, data_iterator, optimizer.loss_scale)
     trainer.timers.stop("forward-backward")
     trainer.timers.start("all-grads-sync", level=1)
-    trainer.ddp.finish_grad_sync()                 # DP: sum over data-parallel ranks / dp size
+    with collective_phase("the data-parallel gradient reduction", timeout):
+        trainer.ddp.finish_grad_sync()                 # DP: sum over data-parallel ranks / dp size
     trainer.timers.stop("all-grads-sync")
-    # after the DP sync: with --overlap-grad-reduce, DP reductions are in flight until finish_grad_sync
-    finalize_tensor_parallel_grads(trainer.buffer.params, trainer.model.tp, trainer.ddp)
-    sync_shared_embedding_grads(trainer.chunks, trainer.parallel, trainer.ddp)
-    trainer.timers.start("optimizer", level=1)
-    result = optimizer.step(trainer.scheduler.lr)
-    trainer.timers.stop("optimizer")
-    if result.update_successful:
-        trainer.scheduler.step()
-    return trainer.ddp.average_over_dp(mean_loss(losses)), result
+    with collective_phase("the optimizer step (gradient fix-ups, norm all-reduce, parameter all-gather)", timeout):
+        # after the DP sync: with --overlap-grad-reduce, DP reductions are in flight until finish_grad_sync
+        finalize_tensor_parallel_grads(trainer.buffer.params, trainer.model.tp, trainer.ddp)
+        sync_shared_embedding_grads(trainer.chunks, trainer.parallel, trainer.ddp)
+        trainer.timers.start("optimizer", level=1)
+        result = optimizer.step(trainer.scheduler.lr)
+        trainer.timers.stop("optimizer")
+        if result.update_successful:
+            trainer.scheduler.step()
+        trainer.state.last_local_loss = mean_loss(losses)
+        return trainer.ddp.average_over_dp(trainer.state.last_local_loss), result
 
 
 def mean_loss(losses: list[float]) -> float:
@@ -192,6 +201,11 @@ def forward_backward_pipelined(trainer: Trainer, data_iterator, loss_scale: floa
 
 
 def evaluate(trainer: Trainer, data_iterator, num_batches: int) -> float:
+    with collective_phase("evaluation", trainer.config.training.distributed_timeout_minutes):
+        return _evaluate(trainer, data_iterator, num_batches)
+
+
+def _evaluate(trainer: Trainer, data_iterator, num_batches: int) -> float:
     for chunk in trainer.chunks:
         chunk.eval()
     loss_fn = make_loss_fn(trainer.model, trainer.device)
@@ -225,6 +239,8 @@ def pretrain(config: MegaliteConfig, print_fn=print) -> TrainState:
         train(trainer, train_iter, valid_iter, log, sinks)
         trainer.ddp.wait_for_param_gather()
         t = config.training
+        if trainer.state.exit_reason:
+            return trainer.state                 # saved already; the end-of-training evaluation is skipped
         if t.save and trainer.state.iteration > 0 and trainer.state.iteration != trainer.last_saved_iteration:
             save(trainer, log)
         if valid_iter is not None and t.eval_iters > 0:
@@ -251,15 +267,17 @@ def load_at_start(trainer: Trainer, log):
     if not has_checkpoint(t.load) and t.save and os.path.abspath(t.load) == os.path.abspath(t.save):
         log(f" > no checkpoint in {t.load} yet: starting from scratch")
         return None
-    rng = load_checkpoint(trainer, t.load, load_optimizer=not t.no_load_optim, load_rng=not t.no_load_rng,
-                          finetune=t.finetune, log=log)
+    with collective_phase("loading a checkpoint", t.distributed_timeout_minutes):
+        rng = load_checkpoint(trainer, t.load, load_optimizer=not t.no_load_optim, load_rng=not t.no_load_rng,
+                              finetune=t.finetune, log=log)
     trainer.last_saved_iteration = trainer.state.iteration
     return rng
 
 
 def save(trainer: Trainer, log) -> None:
     start = time.perf_counter()
-    path = save_checkpoint(trainer, trainer.config.training.save)
+    with collective_phase("saving a checkpoint", trainer.config.training.distributed_timeout_minutes):
+        path = save_checkpoint(trainer, trainer.config.training.save)
     trainer.last_saved_iteration = trainer.state.iteration
     log(f" > saved checkpoint at iteration {trainer.state.iteration} to {path} ({time.perf_counter() - start:.2f} s)")
 
@@ -276,36 +294,66 @@ def train(trainer: Trainer, train_iter, valid_iter, log, sinks) -> None:
     interval = IntervalStats()
     flops = flops_per_iteration(cfg.model, t.global_batch_size) if t.log_throughput else None
     interval_start = time.perf_counter()
-    while state.iteration < t.train_iters:
-        loss, result = train_step(trainer, train_iter)
-        state.iteration += 1
-        state.consumed_train_samples += t.global_batch_size
-        interval.add(loss, result)
-        state.history.append(loss)
-        if not result.update_successful:
-            state.skipped_iterations += 1
-        if not math.isfinite(loss):
-            state.nan_iterations += 1
+    exits = ExitConditions(t.exit_signal_handler, t.exit_duration_in_mins, t.exit_interval, trainer.device)
+    try:
+        while state.iteration < t.train_iters:
+            loss, result = train_step(trainer, train_iter)
+            state.iteration += 1
+            state.consumed_train_samples += t.global_batch_size
+            interval.add(loss, result)
+            state.history.append(loss)
+            if result.nonfinite or not math.isfinite(loss):
+                state.nan_iterations += 1
+                handle_nonfinite_step(trainer, loss, result, log)
+            elif not result.update_successful:
+                state.skipped_iterations += 1      # fp16 overflow: the loss scaler backs off
+            interval_start = after_iteration(trainer, interval, interval_start, flops, valid_iter, log, sinks)
+            state.exit_reason = exits.check(state.iteration)
+            if state.exit_reason:
+                if t.save and trainer.last_saved_iteration != state.iteration:
+                    save(trainer, log)
+                log(f" > exiting at iteration {state.iteration}: {state.exit_reason}")
+                return
+    finally:
+        exits.close()
 
-        if state.iteration % t.log_interval == 0:
-            elapsed = (time.perf_counter() - interval_start) / interval.iterations
-            metrics = log_iteration(trainer, interval, elapsed, flops, log)
-            if sinks is not None:
-                sinks.log(state.iteration, metrics)
-            interval = IntervalStats()
-            interval_start = time.perf_counter()
 
-        if valid_iter is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
-            loss = evaluate(trainer, valid_iter, t.eval_iters)
-            state.consumed_valid_samples += t.eval_iters * t.global_batch_size
-            log(format_validation_lines(f"at iteration {state.iteration}", {"lm loss": loss}))
-            if sinks is not None:
-                sinks.log(state.iteration, {"validation lm loss": loss})
-            interval_start = time.perf_counter()
+def handle_nonfinite_step(trainer: Trainer, loss: float, result, log) -> None:
+    """A NaN/Inf loss or gradient norm (bf16/fp32): the optimizer refused the update on every rank.
+    Stop, with the ranks whose own loss went bad, unless --skip-nan-iterations."""
+    t, state = trainer.config.training, trainer.state
+    bad_ranks = ranks_with_nonfinite_loss(state.last_local_loss, trainer.device)
+    last = (os.path.join(t.save, f"iter_{trainer.last_saved_iteration:07d}")
+            if t.save and trainer.last_saved_iteration else None)
+    message = nonfinite_message(state.iteration, loss, result.grad_norm, bad_ranks, last, t.skip_nan_iterations)
+    if not t.skip_nan_iterations:
+        raise TrainingFault(message)
+    log(f" > {message}")
 
-        if t.save and t.save_interval and state.iteration % t.save_interval == 0:
-            save(trainer, log)
-            interval_start = time.perf_counter()
+
+def after_iteration(trainer: Trainer, interval, interval_start: float, flops, valid_iter, log, sinks) -> float:
+    """Logging, evaluation and periodic checkpoints after an iteration; returns the new interval start."""
+    t, state = trainer.config.training, trainer.state
+    if state.iteration % t.log_interval == 0:
+        elapsed = (time.perf_counter() - interval_start) / interval.iterations
+        metrics = log_iteration(trainer, interval, elapsed, flops, log)
+        if sinks is not None:
+            sinks.log(state.iteration, metrics)
+        interval.reset()
+        interval_start = time.perf_counter()
+
+    if valid_iter is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
+        loss = evaluate(trainer, valid_iter, t.eval_iters)
+        state.consumed_valid_samples += t.eval_iters * t.global_batch_size
+        log(format_validation_lines(f"at iteration {state.iteration}", {"lm loss": loss}))
+        if sinks is not None:
+            sinks.log(state.iteration, {"validation lm loss": loss})
+        interval_start = time.perf_counter()
+
+    if t.save and t.save_interval and state.iteration % t.save_interval == 0:
+        save(trainer, log)
+        interval_start = time.perf_counter()
+    return interval_start
 
 
 @dataclass
@@ -320,6 +368,9 @@ class IntervalStats:
         self.loss_sum += loss
         if result.grad_norm is not None:
             self.last_grad_norm = result.grad_norm
+
+    def reset(self) -> None:
+        self.iterations, self.loss_sum, self.last_grad_norm = 0, 0.0, None
 
 
 def log_iteration(trainer: Trainer, interval: IntervalStats, seconds_per_iter: float, flops, log) -> dict:

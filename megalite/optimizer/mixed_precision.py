@@ -11,6 +11,7 @@ this one. Adam state (m, v) is allocated eagerly so start-up memory reports meas
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ def uses_weight_decay(name: str, param: nn.Parameter) -> bool:
 class StepResult:
     update_successful: bool
     grad_norm: float | None
+    nonfinite: bool = False      # bf16/fp32: the gradient norm was NaN/Inf, so the update was refused
 
 
 @dataclass
@@ -134,6 +136,8 @@ class MixedPrecisionAdamW:
             grad_norm = self.grad_norm_fn()
         else:
             grad_norm = global_grad_norm(grads, self.norm_segments, groups)
+        if not math.isfinite(grad_norm):     # the same value on every rank: all of them refuse the update
+            return StepResult(False, grad_norm, nonfinite=True)
         clip_pieces(grads, self.config.clip_grad, grad_norm)
         if self.config.weight_decay > 0.0:
             shrink = 1.0 - lr * self.config.weight_decay

@@ -1,0 +1,112 @@
+"""How a long run stops: early-exit conditions (signals, time, iteration count), numerical faults and
+dead or stuck ranks. Each ends with a checkpoint where that is safe, and always with one line saying why.
+
+- ExitConditions: --exit-signal-handler (SIGTERM/SIGINT, as SLURM sends before its time limit),
+  --exit-duration-in-mins and --exit-interval. Every rank checks after each iteration and the ranks
+  agree (one small all-reduce), so all of them save the same checkpoint and leave together even when
+  the signal reached only some of them.
+- NonFiniteStep: a NaN/Inf loss or gradient norm in bf16/fp32. The optimizer has already refused the
+  update (the weights are untouched), so stopping here keeps the weights and checkpoints clean.
+- collective_phase: a collective that times out (--distributed-timeout-minutes) or whose peer died
+  becomes a CollectiveFailure naming what the run was doing, instead of hanging or a long traceback.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from megalite.errors import UserError
+
+SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
+
+
+class TrainingFault(UserError):
+    """The run cannot go on (not a mistake in the command line); one line, exit code 1."""
+
+
+class CollectiveFailure(TrainingFault):
+    """A collective timed out or lost its peer. Only this rank knows its own view, so every rank
+    that hits one reports it (``local``)."""
+    local = True
+
+
+class ExitConditions:
+    def __init__(self, exit_signal_handler: bool, exit_duration_in_mins: float | None, exit_interval: int | None,
+                 device: torch.device):
+        self.duration = exit_duration_in_mins
+        self.interval = exit_interval
+        self.device = device
+        self.received: int | None = None
+        self.start = time.monotonic()
+        self._previous = {}
+        if exit_signal_handler:
+            for signum in SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = signum        # acted on at the end of the current iteration
+
+    def close(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def check(self, iteration: int) -> str | None:
+        """Why to stop after ``iteration`` (None: go on); the same answer on every rank."""
+        if self.interval is not None and iteration % self.interval == 0:
+            return f"--exit-interval {self.interval} reached"
+        if not self._previous and self.duration is None:
+            return None              # nothing that differs between ranks: no need to agree
+        minutes = (time.monotonic() - self.start) / 60.0
+        flags = torch.tensor([self.received or 0, minutes], dtype=torch.float64, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0] > 0:
+            return f"received {SIGNALS.get(int(flags[0]), int(flags[0]))}"
+        if self.duration is not None and flags[1] >= self.duration:
+            return f"--exit-duration-in-mins {self.duration:g} reached"
+        return None
+
+
+def ranks_with_nonfinite_loss(local_loss: float, device: torch.device) -> list[int]:
+    """Collective: the ranks whose own loss is NaN/Inf (only the last pipeline stage has one)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [] if torch.isfinite(torch.tensor(local_loss)) else [0]
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+    flags[dist.get_rank()] = 0.0 if torch.isfinite(torch.tensor(local_loss)) else 1.0
+    dist.all_reduce(flags)
+    return [r for r, bad in enumerate(flags.tolist()) if bad]
+
+
+def nonfinite_message(iteration: int, loss: float, grad_norm, bad_ranks: list[int], last_checkpoint: str | None,
+                      skipping: bool) -> str:
+    where = f"loss {loss} on rank(s) {', '.join(map(str, bad_ranks))}" if bad_ranks else f"loss {loss}"
+    what = f"iteration {iteration}: {where}, gradient norm {grad_norm}; the update was not applied"
+    if skipping:
+        return what + " (--skip-nan-iterations: going on)"
+    saved = f"the latest checkpoint ({last_checkpoint}) is intact" if last_checkpoint else "nothing was saved"
+    return f"{what} and {saved}; lower --lr, or pass --skip-nan-iterations to skip such steps"
+
+
+COMMUNICATION_FAILURES = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
+                          "connection refused", "nccl", "gloo")
+
+
+@contextmanager
+def collective_phase(what: str, timeout_minutes: float):
+    """Turn a failed collective inside the block into a one-line CollectiveFailure naming ``what``."""
+    try:
+        yield
+    except RuntimeError as error:     # torch.distributed.DistBackendError is a RuntimeError
+        text = str(error)
+        if isinstance(error, UserError) or not any(k in text.lower() for k in COMMUNICATION_FAILURES):
+            raise
+        first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+        first = first.split("] ", 1)[-1][:160]          # drop gloo's source-file prefix
+        cause = (f"no answer within --distributed-timeout-minutes {timeout_minutes:g}" if "time" in text.lower()
+                 else "a peer rank died")
+        raise CollectiveFailure(f"{cause} during {what} ({first}); another rank died or hung, see its log") from None
