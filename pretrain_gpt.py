@@ -38,12 +38,18 @@ def main(argv: list[str]) -> int:
 def report(error) -> None:
     """One line on stderr. Errors every rank hits alike (flags, NaN) are printed by rank 0 only;
     a rank's own view of a failed collective by that rank, prefixed with it."""
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    if getattr(error, "local", False) and world > 1:
-        print(f"error: rank {rank}: {error}", file=sys.stderr)
-    elif rank == 0:
+    rank, world = _env_int("RANK", "SLURM_PROCID", 0), _env_int("WORLD_SIZE", "SLURM_NTASKS", 1)
+    if getattr(error, "local", False):
+        print(f"error: rank {rank}: {error}" if world > 1 else f"error: {error}", file=sys.stderr)
+    elif rank == 0 or world <= 1:
         print(f"error: {error}", file=sys.stderr)
+
+
+def _env_int(name: str, slurm_name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, os.environ.get(slurm_name, default)))
+    except ValueError:       # garbage is reported by the launch-environment check itself
+        return default
 
 
 def shut_down_distributed() -> None:

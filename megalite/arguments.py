@@ -1,8 +1,7 @@
 """Megatron-LM's pretrain_gpt.py command line, mapped onto megalite's config dataclasses.
 
 Flag names, defaults and meanings follow Megatron (REFERENCE.md §5) so users' launch scripts carry
-over. Every mistake becomes a ``UserError`` with one line naming the flag and the fix. Flags whose
-feature has not landed yet are parsed and refused explicitly (``NOT_YET_AVAILABLE``), never ignored.
+over. Every mistake becomes a ``UserError`` with one line naming the flag and the fix.
 """
 from __future__ import annotations
 
@@ -14,22 +13,51 @@ from megalite.config import DataConfig, MegaliteConfig, ModelConfig, OptimizerCo
 from megalite.errors import UserError
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag raises UserError (one line) instead of printing usage and exiting."""
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag raises UserError (one line) instead of printing usage and exiting 2.
+    The tools/ command lines use it too, so every entry point reports mistakes the same way."""
 
     def error(self, message: str):
-        raise UserError(f"{message} (see python pretrain_gpt.py --help)")
+        raise UserError(f"{' '.join(message.split())} (see python {self.prog} --help)")
+
+
+_Parser = OneLineArgumentParser
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    """A finite number: nan and inf would slip through every later range check (nan > 0 is False)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = _float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
@@ -49,17 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-length", type=_positive_int)
     g.add_argument("--max-position-embeddings", type=_positive_int, help="default --seq-length")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
-    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--rotary-base", type=_float, default=10000.0)
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--norm-epsilon", type=_float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--openai-gelu", action="store_true", help="tanh-approximated GELU (GPT-2)")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--add-qkv-bias", action="store_true", help="q/k/v biases even with --disable-bias-linear (Qwen2)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=_float, default=0.02)
+    g.add_argument("--attention-dropout", type=_float, default=0.1)
+    g.add_argument("--hidden-dropout", type=_float, default=0.1)
     g.add_argument("--make-vocab-size-divisible-by", type=_positive_int, default=128)
 
     g = p.add_argument_group("parallelism")
@@ -86,33 +114,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-iters", type=_positive_int)
     g.add_argument("--train-samples", type=_positive_int)
     g.add_argument("--optimizer", choices=["adam"], default="adam", help="AdamW (decoupled weight decay)")
-    g.add_argument("--lr", type=float)
-    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr", type=_float)
+    g.add_argument("--min-lr", type=_float, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
                    default="linear")
     g.add_argument("--lr-decay-iters", type=_positive_int)
     g.add_argument("--lr-decay-samples", type=_positive_int)
     g.add_argument("--lr-warmup-iters", type=_non_negative_int, default=0)
     g.add_argument("--lr-warmup-samples", type=_non_negative_int, default=0)
-    g.add_argument("--lr-warmup-fraction", type=float)
-    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--lr-warmup-fraction", type=_float)
+    g.add_argument("--lr-warmup-init", type=_float, default=0.0)
     g.add_argument("--lr-wsd-decay-style", choices=["exponential", "linear", "cosine", "minus_sqrt"],
                    default="exponential")
     g.add_argument("--lr-wsd-decay-iters", type=_positive_int)
     g.add_argument("--lr-wsd-decay-samples", type=_positive_int)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--weight-decay", type=_float, default=0.01)
+    g.add_argument("--adam-beta1", type=_float, default=0.9)
+    g.add_argument("--adam-beta2", type=_float, default=0.999)
+    g.add_argument("--adam-eps", type=_float, default=1e-8)
+    g.add_argument("--clip-grad", type=_float, default=1.0)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=float, help="static fp16 loss scale; dynamic when absent")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale", type=_float, help="static fp16 loss scale; dynamic when absent")
+    g.add_argument("--initial-loss-scale", type=_float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=_float, default=1.0)
     g.add_argument("--loss-scale-window", type=_positive_int, default=1000)
     g.add_argument("--hysteresis", type=_positive_int, default=2)
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=_int, default=1234)
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=[], help='PREFIX, or "W1 PREFIX1 W2 PREFIX2 ..."')
@@ -139,9 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--use-checkpoint-args", action="store_true")
-    g.add_argument("--exit-signal-handler", action="store_true")
-    g.add_argument("--exit-duration-in-mins", type=float)
-    g.add_argument("--exit-interval", type=_positive_int)
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM/SIGINT finish the iteration, save a checkpoint (with --save) and exit 0")
+    g.add_argument("--exit-duration-in-mins", type=_positive_float,
+                   help="stop (saving a checkpoint with --save) once training has run this long")
+    g.add_argument("--exit-interval", type=_positive_int,
+                   help="stop (saving a checkpoint with --save) at the first iteration that is a multiple of this")
+    g.add_argument("--skip-nan-iterations", action="store_true",
+                   help="a NaN/Inf loss or gradient norm skips that update and training goes on (default: stop)")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=_positive_int, default=100)
@@ -153,8 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-exp-name")
     g.add_argument("--wandb-save-dir")
     g.add_argument("--metrics-file", help="JSON-lines metrics; default metrics.jsonl in --save/--tensorboard-dir/--wandb-save-dir")
-    g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0)
-    g.add_argument("--distributed-timeout-minutes", type=_positive_int, default=10)
+    g.add_argument("--timing-log-level", type=_int, choices=[0, 1, 2], default=0)
+    g.add_argument("--distributed-timeout-minutes", type=_positive_float, default=10,
+                   help="a collective waiting longer than this (a rank died or hung) ends the run with an error")
 
     g = p.add_argument_group("activation recomputation")
     g.add_argument("--recompute-granularity", choices=["full", "selective"])
@@ -175,21 +209,6 @@ COMPAT_NO_EFFECT = ["--use-mcore-models", "--use-flash-attn", "--no-masked-softm
                     "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
                     "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--attention-softmax-in-fp32",
                     "--accumulate-allreduce-grads-in-fp32", "--use-rotary-position-embeddings"]
-
-# flag -> (is it set?, the capability and issue that brings it). Removed entry by entry as they land.
-NOT_YET_AVAILABLE = {
-    "--exit-signal-handler": (lambda a: a.exit_signal_handler, "signal handling (issue 9)"),
-    "--exit-duration-in-mins": (lambda a: a.exit_duration_in_mins is not None, "timed exit (issue 9)"),
-    "--exit-interval": (lambda a: a.exit_interval is not None, "exit interval (issue 9)"),
-}
-
-
-def refuse_unavailable(args: argparse.Namespace, world_size: int) -> None:
-    for flag, (is_set, feature) in NOT_YET_AVAILABLE.items():
-        if is_set(args):
-            raise UserError(f"{flag}: {feature} is not available in this version of megalite yet; "
-                            "remove the flag to train without it")
-
 
 # ---- derived values and validation ----------------------------------------------------------------
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
@@ -243,6 +262,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             raise UserError(f"--{flag.replace('_', '-')} must be in [0, 1), got {getattr(args, flag)}")
     if args.init_method_std <= 0:
         raise UserError(f"--init-method-std must be > 0, got {args.init_method_std}")
+    _validate_ranges(args)
     _validate_tensor_parallel(args)
     _validate_recompute(args)
     _validate_batch(args, world_size)
@@ -250,6 +270,26 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _validate_lr(args)
     _validate_data(args)
     _validate_checkpointing(args)
+    _validate_output_paths(args)
+
+
+# flag -> (smallest allowed value, is the bound itself allowed?); every other number flag is range-checked
+# where it is used. These would otherwise fail deep inside torch/numpy, or silently train nonsense.
+NUMBER_RANGES = {
+    "--norm-epsilon": (0.0, False), "--rotary-base": (0.0, False), "--weight-decay": (0.0, True),
+    "--adam-eps": (0.0, False), "--clip-grad": (0.0, True), "--lr-warmup-init": (0.0, True),
+    "--initial-loss-scale": (0.0, False), "--min-loss-scale": (0.0, False), "--seed": (0, True),
+}
+MAX_SEED = 2 ** 32 - 1           # numpy's seeding range
+
+
+def _validate_ranges(args) -> None:
+    for flag, (low, inclusive) in NUMBER_RANGES.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value < low or (value == low and not inclusive):
+            raise UserError(f"{flag} must be {'>=' if inclusive else '>'} {low:g}, got {value:g}")
+    if args.seed > MAX_SEED:
+        raise UserError(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
 
 
 def _validate_tensor_parallel(args) -> None:
@@ -312,9 +352,16 @@ def _validate_batch(args, world_size: int) -> None:
                         * args.context_parallel_size)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
+    if args.global_batch_size < args.micro_batch_size * dp:
+        raise UserError(f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp} exceeds "
+                        f"--global-batch-size {args.global_batch_size}; lower --micro-batch-size or raise "
+                        "--global-batch-size")
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise UserError(f"--global-batch-size {args.global_batch_size} must be divisible by --micro-batch-size "
                         f"{args.micro_batch_size} x data-parallel size {dp}")
+    if args.train_samples is not None and args.train_samples < args.global_batch_size:
+        raise UserError(f"--train-samples {args.train_samples} is less than one global batch (--global-batch-size "
+                        f"{args.global_batch_size}); train for at least one iteration")
     from megalite.pipeline_parallel.stages import check_pipeline_split
     check_pipeline_split(args.num_layers, args.pipeline_model_parallel_size,
                          args.num_layers_per_virtual_pipeline_stage,
@@ -374,6 +421,32 @@ def _validate_checkpointing(args) -> None:
             raise UserError(f"{flag} needs --load DIR (the checkpoint to start from)")
 
 
+def _validate_output_paths(args) -> None:
+    """Folders the run will write (checkpoints, logs, metrics) can be written, known before any time is
+    spent: a path through an existing file, or below a folder we may not write, is refused. Nothing is
+    created here."""
+    folders = [("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir),
+               ("--wandb-save-dir", args.wandb_save_dir)]
+    for flag, path in folders + [("--metrics-file", args.metrics_file)]:
+        if not path:
+            continue
+        if flag == "--metrics-file":
+            if os.path.isdir(path):
+                raise UserError(f"--metrics-file {path} is a folder; give a file name (e.g. {path}/metrics.jsonl)")
+            path_folder = os.path.dirname(os.path.abspath(path))
+        else:
+            path_folder = os.path.abspath(path)
+        existing = path_folder
+        while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise UserError(f"{flag} {path}: cannot write there ({existing} is a file, not a folder); choose "
+                            "another path")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise UserError(f"{flag} {path}: cannot write there (no write permission in {existing}); choose a "
+                            "writable path")
+
+
 # ---- --use-checkpoint-args ----------------------------------------------------------------------------
 # model flags (argparse dests) that --use-checkpoint-args takes from the checkpoint's metadata["model"]
 CHECKPOINT_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
@@ -414,6 +487,19 @@ def apply_checkpoint_args(args: argparse.Namespace, parser: argparse.ArgumentPar
         args.vocab_size = args.vocab_size if args.vocab_size is not None else tokenizer.get("vocab_size")
 
 
+def check_load_dir(args: argparse.Namespace) -> None:
+    """--load names a readable megalite checkpoint (or is the --save directory of a run that has not
+    saved yet): known before a process group or a model is built. Reads metadata.json only (JSON;
+    nothing is unpickled)."""
+    if not args.load or args.use_checkpoint_args:        # apply_checkpoint_args has read it already
+        return
+    from megalite.checkpoint_files import METADATA, TRACKER, CheckpointReader
+    fresh = not any(os.path.isfile(os.path.join(args.load, name)) for name in (TRACKER, METADATA))
+    if fresh and args.save and os.path.abspath(args.load) == os.path.abspath(args.save):
+        return
+    CheckpointReader(args.load)
+
+
 def _iters(samples: int | None, iters: int | None, global_batch_size: int) -> float | None:
     """Megatron counts schedules in samples when --*-samples flags are used; megalite in iterations."""
     if samples:
@@ -421,17 +507,32 @@ def _iters(samples: int | None, iters: int | None, global_batch_size: int) -> fl
     return iters
 
 
+def world_size_from_env(env=None) -> int:
+    """WORLD_SIZE as torchrun sets it (SLURM_NTASKS under srun), 1 for a plain ``python pretrain_gpt.py``."""
+    env = os.environ if env is None else env
+    name = "WORLD_SIZE" if "RANK" in env or "SLURM_PROCID" not in env else "SLURM_NTASKS"   # as read_launch_env
+    text = env.get(name, "1")
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise UserError(f"{name}={text!r} is not a number of processes >= 1; launch with torchrun (or srun), "
+                        f"or unset {name} for one process")
+    return value
+
+
 # ---- building the configs --------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None, world_size: int | None = None,
                true_vocab_size: int | None = None) -> MegaliteConfig:
     """argv -> MegaliteConfig. ``true_vocab_size`` (the tokenizer's) sizes the padded vocabulary;
     without it the tokenizer named by the flags is built to find it."""
-    world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = world_size if world_size is not None else world_size_from_env()
     parser = build_parser()
     args = parser.parse_args(argv)
     apply_checkpoint_args(args, parser)
-    refuse_unavailable(args, world_size)
     validate(args, world_size)
+    check_load_dir(args)
     data = _data_config(args)
     if true_vocab_size is None:
         from megalite.data.tokenizers import build_tokenizer
@@ -526,6 +627,7 @@ def _training_config(args) -> TrainingConfig:
         no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
         use_checkpoint_args=args.use_checkpoint_args, exit_signal_handler=args.exit_signal_handler,
         exit_duration_in_mins=args.exit_duration_in_mins, exit_interval=args.exit_interval,
+        skip_nan_iterations=args.skip_nan_iterations,
         distributed_timeout_minutes=args.distributed_timeout_minutes)
 
 

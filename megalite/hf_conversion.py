@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import warnings
 import os
 import re
 import shutil
@@ -205,9 +206,17 @@ class HFWeights:
     def _bin(self, path: str) -> dict:
         if path not in self._bins:
             try:
-                self._bins[path] = torch.load(path, map_location="cpu", weights_only=True)
+                with warnings.catch_warnings():      # torch warns about old pickle protocols on stderr
+                    warnings.simplefilter("ignore")
+                    self._bins[path] = torch.load(path, map_location="cpu", weights_only=True)
             except Exception as e:      # pickle, zip and unpickler errors come in many types
-                raise UserError(f"{path} cannot be read with torch.load(weights_only=True) ({_first_line(e)})") from None
+                text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+                found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
+                why = (f"it holds pickled objects, not only tensors ({found.group(1).strip()[:120]})" if found
+                       else _first_line(Exception(text)))
+                raise UserError(f"{path} cannot be read with torch.load(weights_only=True): {why}; refusing it (never "
+                                "load it with weights_only=False unless you trust its source), or use the model's "
+                                "safetensors files") from None
         return self._bins[path]
 
     def names(self) -> list[str]:

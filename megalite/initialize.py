@@ -34,14 +34,33 @@ class LaunchEnv:
 
 
 def read_launch_env(env=None) -> LaunchEnv:
-    """torchrun's variables win; SLURM's are used when only they are set (``srun python ...``)."""
+    """torchrun's variables win; SLURM's are used when only they are set (``srun python ...``).
+    A value that is not a number, or a rank outside the world, is a one-line error (not a hang)."""
     env = os.environ if env is None else env
+
+    def number(name: str, default: int, low: int, high: int | None = None) -> int:
+        text = env.get(name, str(default))
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+            raise rank_error(f"{name}={text!r} must be {allowed}; fix the launcher's environment (torchrun and srun "
+                             "set it)")
+        return value
+
+    port = number("MASTER_PORT", DEFAULT_MASTER_PORT, 1, 65535)
     if "RANK" in env or "SLURM_PROCID" not in env:
-        return LaunchEnv(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)),
-                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT)))
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
-    return LaunchEnv(int(env["SLURM_PROCID"]), int(env.get("SLURM_NTASKS", 1)), int(env.get("SLURM_LOCALID", 0)),
-                     env.get("MASTER_ADDR", first_host(nodelist)), int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT)))
+        world = number("WORLD_SIZE", 1, 1)
+        launch = LaunchEnv(number("RANK", 0, 0, world - 1), world, number("LOCAL_RANK", 0, 0),
+                           env.get("MASTER_ADDR", "127.0.0.1"), port)
+    else:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+        world = number("SLURM_NTASKS", 1, 1)
+        launch = LaunchEnv(number("SLURM_PROCID", 0, 0, world - 1), world, number("SLURM_LOCALID", 0, 0),
+                           env.get("MASTER_ADDR", first_host(nodelist)), port)
+    return launch
 
 
 def first_host(nodelist: str) -> str:
@@ -59,13 +78,16 @@ def first_host(nodelist: str) -> str:
 def device_for(local_rank: int) -> torch.device:
     """The one place that decides between CUDA and CPU."""
     if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise rank_error(f"LOCAL_RANK {local_rank} but this node has {torch.cuda.device_count()} GPU(s); launch "
+                             "at most one process per GPU (torchrun --nproc_per_node)")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     keep_freed_memory_in_process()
     return torch.device("cpu")
 
 
-def initialize_distributed(parallel: ParallelConfig, timeout_minutes: int = 10,
+def initialize_distributed(parallel: ParallelConfig, timeout_minutes: float = 10,
                            env: LaunchEnv | None = None) -> tuple[ParallelState, torch.device]:
     """Start the process group (NCCL with CUDA, gloo otherwise) and build the rank grid."""
     env = env or read_launch_env()
@@ -74,11 +96,38 @@ def initialize_distributed(parallel: ParallelConfig, timeout_minutes: int = 10,
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(minutes=timeout_minutes))
+        try:
+            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                    timeout=timedelta(minutes=timeout_minutes))
+        except dist.DistError as e:
+            raise rank_error(rendezvous_error(e, env.rank, env.world_size, timeout_minutes)) from None
     state = ParallelState.build(env.world_size, env.rank, parallel.tensor_model_parallel_size,
-                                parallel.context_parallel_size, parallel.pipeline_model_parallel_size)
+                                parallel.context_parallel_size, parallel.pipeline_model_parallel_size,
+                                timeout=timedelta(minutes=timeout_minutes))
     return state, device
+
+
+def rank_error(message: str) -> UserError:
+    """A start-up error only this rank may see (its environment, its rendezvous): every rank that hits
+    one reports it, not only rank 0 (``local``, as pretrain_gpt.py's report() reads it)."""
+    error = UserError(message)
+    error.local = True
+    return error
+
+
+def rendezvous_error(error: Exception, rank: int, world_size: int, timeout_minutes: float) -> str:
+    """One line for a failed torch.distributed start: the address in use, or who did not show up."""
+    addr, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+    text = " ".join(str(error).split())
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return (f"MASTER_PORT {port} on MASTER_ADDR {addr} is already in use (another run or program holds it); "
+                "choose a free MASTER_PORT, or let torchrun --standalone pick one")
+    if isinstance(error, dist.DistStoreError) or "timed out" in text.lower() or "timeout" in text.lower():
+        return (f"rank {rank} of {world_size}: the other ranks did not all join at MASTER_ADDR {addr} MASTER_PORT "
+                f"{port} within --distributed-timeout-minutes {timeout_minutes:g}; start every rank with the same "
+                f"MASTER_ADDR/MASTER_PORT/WORLD_SIZE ({text[:200]})")
+    return (f"rank {rank} of {world_size} cannot start torch.distributed at MASTER_ADDR {addr} MASTER_PORT {port} "
+            f"({text[:200]}); check that the address is reachable from every node")
 
 
 def keep_freed_memory_in_process() -> None:

@@ -7,6 +7,7 @@ it describes a single process and holds no groups.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from itertools import product
 
 import torch.distributed as dist
@@ -51,6 +52,10 @@ class ParallelState:
     cp_size: int = 1
     pp_size: int = 1
     groups: dict = field(default_factory=dict)   # name -> process group of this rank (None when size 1)
+    timeout: timedelta | None = None              # of every group (new groups would get torch's 30 min)
+
+    def new_group(self, members: list[int]):
+        return dist.new_group(members, timeout=self.timeout)
 
     @property
     def dp_size(self) -> int:
@@ -89,22 +94,23 @@ class ParallelState:
         return self.groups.get(name)
 
     @classmethod
-    def build(cls, world_size: int, rank: int, tp: int = 1, cp: int = 1, pp: int = 1) -> "ParallelState":
+    def build(cls, world_size: int, rank: int, tp: int = 1, cp: int = 1, pp: int = 1,
+              timeout: timedelta | None = None) -> "ParallelState":
         """Create every process group (collectively: all ranks must call this in the same order)."""
         validate_sizes(world_size, tp, cp, pp)
-        state = cls(world_size, rank, tp, cp, pp)
+        state = cls(world_size, rank, tp, cp, pp, timeout=timeout)
         if world_size == 1:
             return state
         for name, varying in {"tp": "t", "cp": "c", "dp": "d", "pp": "p", "dp_cp": "cd", "mp": "tp",
                               "tp_cp": "tc"}.items():
             for members in rank_grid_groups(world_size, tp, cp, pp, varying):
-                group = dist.new_group(members)               # every rank creates every group
+                group = state.new_group(members)              # every rank creates every group
                 if rank in members:
                     state.groups[name] = group
         # first and last pipeline stage of each pipeline: they share the (tied) word embeddings
         for members in rank_grid_groups(world_size, tp, cp, pp, "p"):
             ends = sorted({members[0], members[-1]})
-            group = dist.new_group(ends)
+            group = state.new_group(ends)
             if rank in ends:
                 state.groups["embedding"] = group
         return state

@@ -120,16 +120,6 @@ def test_bad_combinations_give_one_line_naming_the_flag(overrides, message):
     assert "\n" not in text
 
 
-@pytest.mark.parametrize("overrides, flag", [
-    ({"exit_signal_handler": True}, "--exit-signal-handler"),
-    ({"exit_interval": 5}, "--exit-interval"),
-])
-def test_flags_of_later_features_are_refused_not_ignored(overrides, flag):
-    with pytest.raises(UserError) as err:
-        parse(with_flags(TINY_LLAMA_ARGS, **overrides))
-    assert str(err.value).startswith(flag) and "not available" in str(err.value)
-
-
 @pytest.mark.parametrize("overrides, message", [
     ({"save_interval": 5}, "--save-interval needs --save"),
     ({"finetune": True}, "--finetune needs --load"),

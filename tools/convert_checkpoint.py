@@ -25,6 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megalite.arguments import OneLineArgumentParser  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
 FORMATS = ("hf", "megalite")
@@ -32,8 +33,8 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(prog="tools/convert_checkpoint.py", description=__doc__.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--from", dest="source", required=True, choices=FORMATS, help="format of --input")
     parser.add_argument("--to", dest="target", required=True, choices=FORMATS, help="format of --output")
     parser.add_argument("--input", required=True, help="Hugging Face model directory or megalite checkpoint directory")
@@ -59,8 +60,8 @@ def run(args: argparse.Namespace) -> str:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         written = run(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megalite.arguments import OneLineArgumentParser  # noqa: E402
 from megalite.config import DataConfig  # noqa: E402
 from megalite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
@@ -28,7 +29,7 @@ from megalite.generation import check_sampling, generate  # noqa: E402
 
 
 def get_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Generate text from a megalite checkpoint.")
+    p = OneLineArgumentParser(prog="tools/generate.py", description="Generate text from a megalite checkpoint.")
     p.add_argument("--load", required=True, help="checkpoint save directory or iter_N directory")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens (default 64)")
@@ -102,9 +103,8 @@ def run(args: argparse.Namespace) -> str:
 
 
 def main(argv=None) -> int:
-    args = get_args(argv)
     try:
-        text = run(args)
+        text = run(get_args(argv))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1

@@ -11,7 +11,6 @@ merged in sorted order. All inputs must share one token dtype. Existing outputs 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, data_file_path,  # noqa: E402
                                            index_file_path, normalize_prefix)
+from megalite.arguments import OneLineArgumentParser  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
 
@@ -61,13 +61,13 @@ def merge(inputs: list[str], output_prefix: str, overwrite: bool = False) -> Ind
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Merge Megatron .bin/.idx datasets into one.")
+    p = OneLineArgumentParser(prog="tools/merge_datasets.py", description="Merge Megatron .bin/.idx datasets into one.")
     p.add_argument("--input", nargs="+", required=True, help="dataset prefixes, or one folder of them")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    args = p.parse_args(argv)
     start = time.time()
     try:
+        args = p.parse_args(argv)
         builder = merge(args.input, args.output_prefix, args.overwrite)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -14,7 +14,6 @@ line without the key stops the run with its file and line number, unless --skip-
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import itertools
@@ -28,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from megalite.arguments import OneLineArgumentParser  # noqa: E402
 from megalite.config import DataConfig  # noqa: E402
 from megalite.data.indexed_dataset import (DTYPE_NAMES, IndexedDatasetBuilder, best_dtype,  # noqa: E402
                                            check_vocab_fits, data_file_path, index_file_path)
@@ -163,10 +163,25 @@ class Encoder:
         self.vocab_size = tokenizer.vocab_size
         self.eod = tokenizer.eod
 
+    def _tokenize(self, texts: list[str], path: str, linenos: list[int]) -> list[list[int]]:
+        try:
+            return self.tokenizer.tokenize_batch(texts)
+        except (ValueError, TypeError) as batch_error:   # e.g. NullTokenizer given words instead of ids
+            where, error = path, batch_error
+            for text, lineno in zip(texts, linenos):      # the first document that fails, for the message
+                try:
+                    self.tokenizer.tokenize(text)
+                except (ValueError, TypeError) as e:
+                    where, error = f"{path}:{lineno}", e
+                    break
+            reason = " ".join(str(error).split())[:200]
+            raise UserError(f"{where}: {type(self.tokenizer).__name__} cannot tokenize this text ({reason}); "
+                            "is --tokenizer-type right for this input?") from None
+
     def encode(self, batch):
         kind, path, items, nbytes = batch
         texts = {k: [] for k in self.keys}
-        errors, docs = [], 0
+        errors, docs, linenos = [], 0, []
         for lineno, raw in items:
             if kind == "jsonl":
                 try:
@@ -196,10 +211,11 @@ class Encoder:
                 continue
             for k in self.keys:
                 texts[k].append(record[k])
+            linenos.append(lineno)
             docs += 1
         out, tokens, empty = {}, 0, 0
         for k in self.keys:
-            ids = [d for d in self.tokenizer.tokenize_batch(texts[k]) if len(d)] if texts[k] else []
+            ids = [d for d in self._tokenize(texts[k], path, linenos) if len(d)] if texts[k] else []
             empty += len(texts[k]) - len(ids)
             if self.append_eod:
                 for d in ids:
@@ -301,7 +317,8 @@ class Progress:
 
 # ------------------------------------------------------------------------------------------- main
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description="Tokenize JSONL/Parquet/Arrow text into Megatron .bin/.idx files.")
+    p = OneLineArgumentParser(prog="tools/preprocess_data.py",
+                              description="Tokenize JSONL/Parquet/Arrow text into Megatron .bin/.idx files.")
     g = p.add_argument_group("input")
     g.add_argument("--input", nargs="+", required=True,
                    help="files, globs or datasets.save_to_disk folders (JSONL unless .parquet/.arrow)")
@@ -413,9 +430,8 @@ def preprocess(args) -> dict:
 
 
 def main(argv=None) -> int:
-    args = get_args(argv)
     try:
-        preprocess(args)
+        preprocess(get_args(argv))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1

@@ -14,7 +14,6 @@ Special ids: unk 0, bos 1, eos 2 (the end-of-document id), no pad.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -22,6 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megalite.arguments import OneLineArgumentParser  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
 
@@ -131,7 +131,8 @@ def train(args) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
+    p = OneLineArgumentParser(
+        prog="tools/train_tokenizer.py",
         description="Train a SentencePiece tokenizer for --tokenizer-type SentencePieceTokenizer.")
     p.add_argument("--input", nargs="+", required=True, help="JSONL (.jsonl/.json) or plain text files, globs allowed")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL keys holding the text (default: text)")
@@ -144,9 +145,8 @@ def main(argv=None) -> int:
     p.add_argument("--character-coverage", type=float, default=0.9999)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.model/.vocab")
-    args = p.parse_args(argv)
     try:
-        train(args)
+        train(p.parse_args(argv))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1

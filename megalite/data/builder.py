@@ -70,6 +70,7 @@ class _Builder:
         self.tokenizer = tokenizer
         self.seed = seed
         self.verbose = verbose
+        self.check_vocab = verbose          # rank 0 scans the tokens; the other ranks open the same files
         self._indexed: dict[str, IndexedDataset] = {}
 
     def indexed(self, prefix: str) -> IndexedDataset:
@@ -78,6 +79,8 @@ class _Builder:
             ds = IndexedDataset(prefix)
             if len(ds) == 0:
                 raise UserError(f"dataset {prefix} holds no documents; check the preprocessing input")
+            if self.check_vocab:
+                check_tokens_fit(ds, self.tokenizer.vocab_size, self.data)
             self._indexed[prefix] = ds
         return self._indexed[prefix]
 
@@ -122,6 +125,8 @@ class _Builder:
         per_split = (data.train_data_path, data.valid_data_path, data.test_data_path)
         if data.data_path and any(per_split):
             raise UserError("pass either --data-path (with --split) or --train/valid/test-data-path, not both")
+        for prefix in dataset_prefixes(data):    # every file named is checked, even a split that is not used
+            self.indexed(prefix)
         if data.data_path:
             prefixes, weights = parse_data_path(data.data_path)
             fractions = parse_split(data.split)
@@ -155,14 +160,45 @@ def build_train_valid_test_datasets(data: DataConfig, tokenizer, num_samples: tu
                                     data.eod_mask_loss) if n > 0 else None
                      for i, n in enumerate(num_samples))
     rank, world, dist = _rank_and_world()
-    result = None
+    result, error = None, None
     if rank == 0:
-        result = _Builder(data, tokenizer, seed, verbose=True).build(num_samples)
+        try:
+            result = _Builder(data, tokenizer, seed, verbose=True).build(num_samples)
+        except UserError as e:
+            if dist is None or world == 1:
+                raise
+            error = str(e)
     if dist is not None and world > 1:
-        dist.barrier()
+        # rank 0's verdict reaches every rank (instead of a barrier the others would wait at forever
+        # when rank 0 stops at a bad file): all of them fail with the same one line
+        verdict = [error]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            raise UserError(verdict[0])
     if rank != 0:
         result = _Builder(data, tokenizer, seed, verbose=False).build(num_samples)
     return result
+
+
+def check_tokens_fit(ds: IndexedDataset, vocab_size: int, data: Optional[DataConfig] = None,
+                     max_tokens_scanned: Optional[int] = 1 << 28) -> None:
+    """Before training: every token id of ``ds`` is an id of the tokenizer (a dataset preprocessed with a
+    bigger vocabulary would index past the embedding table, or train on rows no token maps to)."""
+    if ds.dtype.kind not in "iu":
+        raise UserError(f"dataset {ds.prefix}: token dtype {ds.dtype.name} is not an integer type; "
+                        "preprocess the text with tools/preprocess_data.py")
+    hi = ds.max_token(max_tokens_scanned)
+    if hi >= vocab_size:
+        which = "the tokenizer"
+        if data is not None and data.tokenizer_type == "NullTokenizer":
+            which = f"--tokenizer-type NullTokenizer --vocab-size {data.vocab_size} (ids 0..{vocab_size - 1} with eod)"
+        elif data is not None and data.tokenizer_type:
+            which = f"--tokenizer-type {data.tokenizer_type}"
+        raise UserError(f"dataset {ds.prefix}: token id {hi} is outside the vocabulary of {vocab_size} of {which}; "
+                        "the data was preprocessed with another tokenizer: preprocess it again with the training "
+                        "tokenizer, or train with the tokenizer it was made with")
+    if ds.dtype.kind == "i" and ds.num_tokens and ds.min_token() < 0:
+        raise UserError(f"dataset {ds.prefix}: negative token id {ds.min_token()}: the file is corrupt")
 
 
 # ------------------------------------------------------------------------------ vocabulary check

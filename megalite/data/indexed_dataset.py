@@ -157,6 +157,35 @@ class _Index:
             if needed != bin_size:
                 raise UserError(f"{path}: the index describes {needed} bytes of tokens but the .bin has "
                                 f"{bin_size}; the .bin and .idx do not belong together or one is truncated")
+            self._check_arrays(bin_size)
+
+    CHECK_CHUNK = 1 << 22   # entries per vectorised check (bounded memory on huge indexes)
+
+    def _check_arrays(self, bin_size: int) -> None:
+        """Sequences lie back to back from byte 0 (as every Megatron writer lays them out, and as slices
+        read them) and the documents are in order, so no read can go out of bounds whatever the file
+        says. Linear in the number of sequences; chunked to bound memory."""
+        n, itemsize = self.sequence_count, self.dtype.itemsize
+        expected_start = 0
+        for start in range(0, n, self.CHECK_CHUNK):
+            lengths = self.sequence_lengths[start:start + self.CHECK_CHUNK].astype(np.int64)
+            pointers = self.sequence_pointers[start:start + self.CHECK_CHUNK]
+            ends = expected_start + np.cumsum(lengths * itemsize)
+            expected = np.concatenate(([expected_start], ends[:-1]))
+            bad = (lengths < 0) | (pointers != expected)
+            if bad.any():
+                i = start + int(np.argmax(bad))
+                raise UserError(f"{self.path}: sequence {i} (length {int(self.sequence_lengths[i])}, byte offset "
+                                f"{int(self.sequence_pointers[i])}) does not follow the one before it in the "
+                                f"{bin_size}-byte .bin; the index is corrupt, rebuild it with tools/preprocess_data.py")
+            expected_start = int(ends[-1])
+        docs = self.document_indices
+        for start in range(0, len(docs) - 1, self.CHECK_CHUNK):
+            chunk = docs[start:start + self.CHECK_CHUNK + 1]
+            if (np.diff(chunk) < 0).any():
+                i = start + int(np.argmax(np.diff(chunk) < 0))
+                raise UserError(f"{self.path}: document_indices decrease at document {i}; the index is corrupt, "
+                                "rebuild it with tools/preprocess_data.py")
 
 
 class IndexedDataset:
@@ -294,8 +323,12 @@ class IndexedDatasetBuilder:
         self._min_id = 0 if self.dtype.kind in "uf" else int(np.iinfo(self.dtype).min)
         self._tmp_suffix = f".tmp.{os.getpid()}"
         self._bin_tmp = data_file_path(prefix) + self._tmp_suffix
-        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-        self._bin = open(self._bin_tmp, "wb")
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+            self._bin = open(self._bin_tmp, "wb")
+        except OSError as e:
+            raise UserError(f"cannot write {data_file_path(prefix)} ({e.strerror}: {e.filename}); choose an output "
+                            "prefix in a writable directory") from None
         self._lengths: list[np.ndarray] = []
         self._doc_ends: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]   # document_indices, in pieces
         self._num_documents = 0

@@ -34,7 +34,7 @@ def _kv_replica_group(state: ParallelState, num_query_groups: int):
     for tp_ranks in rank_grid_groups(state.world_size, state.tp_size, state.cp_size, state.pp_size, "t"):
         for g in range(num_query_groups):
             members = tp_ranks[g * replicas:(g + 1) * replicas]
-            group = dist.new_group(members)
+            group = state.new_group(members)
             if state.rank in members:
                 mine = group
     return mine
