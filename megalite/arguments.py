@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=_positive_int, default=1000)
     g.add_argument("--eval-iters", type=_non_negative_int, default=100)
     g.add_argument("--log-throughput", action="store_true")
+    g.add_argument("--peak-flops", type=_positive_float,
+                   help="one device's peak FLOP/s (e.g. 989e12 for an H100 in bf16), for the MFU in the log; "
+                        "default: a table of known GPUs; MFU is left out on CPUs without it")
     g.add_argument("--tensorboard-dir")
     g.add_argument("--wandb-project")
     g.add_argument("--wandb-exp-name")
@@ -627,7 +630,7 @@ def _training_config(args) -> TrainingConfig:
         no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng, finetune=args.finetune,
         use_checkpoint_args=args.use_checkpoint_args, exit_signal_handler=args.exit_signal_handler,
         exit_duration_in_mins=args.exit_duration_in_mins, exit_interval=args.exit_interval,
-        skip_nan_iterations=args.skip_nan_iterations,
+        skip_nan_iterations=args.skip_nan_iterations, peak_flops=args.peak_flops,
         distributed_timeout_minutes=args.distributed_timeout_minutes)
 
 

@@ -145,6 +145,7 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     exit_duration_in_mins: Optional[float] = None
     exit_interval: Optional[int] = None
+    peak_flops: Optional[float] = None         # one device's peak FLOP/s for MFU (default: known-GPU table)
     skip_nan_iterations: bool = False          # NaN/Inf loss or grad norm: skip the update (default: stop the run)
     distributed_timeout_minutes: float = 10
 

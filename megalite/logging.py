@@ -36,7 +36,9 @@ def flops_per_iteration(model: ModelConfig, batch_size: int) -> float:
 def format_training_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
                          learning_rate: float, global_batch_size: int, losses: dict[str, float],
                          loss_scale: float, grad_norm: float | None, skipped_iterations: int,
-                         nan_iterations: int, tflops_per_gpu: float | None = None) -> str:
+                         nan_iterations: int, tflops_per_gpu: float | None = None,
+                         extra: dict[str, str] | None = None) -> str:
+    """Megatron's line, field for field; megalite's own fields (``extra``: tokens/s, MFU, memory) follow it."""
     line = f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
     line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
@@ -51,6 +53,8 @@ def format_training_line(*, iteration: int, train_iters: int, consumed_samples: 
         line += f" grad norm: {grad_norm:.3f} |"
     line += f" number of skipped iterations: {skipped_iterations:3d} |"
     line += f" number of nan iterations: {nan_iterations:3d} |"
+    for key, value in (extra or {}).items():
+        line += f" {key}: {value} |"
     return line
 
 
@@ -86,15 +90,19 @@ class Timers:
         if name in self._start:
             self._elapsed[name] = self._elapsed.get(name, 0.0) + time.perf_counter() - self._start.pop(name)
 
-    def report(self, iterations: int) -> str | None:
-        """Megatron-style block of average ms per iteration since the last report; resets."""
-        if not self._elapsed:
-            return None
-        lines = ["times across ranks (ms):"]
-        for name, seconds in self._elapsed.items():
-            lines.append(f"    {name:.<60s}: {1000.0 * seconds / max(1, iterations):.2f}")
+    def report(self, iterations: int) -> dict[str, float]:
+        """Average ms per iteration of each timer since the last report; resets."""
+        values = {name: 1000.0 * seconds / max(1, iterations) for name, seconds in self._elapsed.items()}
         self._elapsed.clear()
-        return "\n".join(lines)
+        return values
+
+
+def format_timers(values: dict[str, float]) -> str:
+    """Megatron's block of timer lines."""
+    lines = ["times across ranks (ms):"]
+    for name, ms in values.items():
+        lines.append(f"    {name:.<60s}: {ms:.2f}")
+    return "\n".join(lines)
 
 
 # ---- metric sinks ----------------------------------------------------------------------------------

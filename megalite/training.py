@@ -29,13 +29,14 @@ from megalite.data.tokenizers import build_tokenizer
 from megalite.distributed.ddp import DistributedDataParallel
 from megalite.distributed.grad_buffer import ParamAndGradBuffer
 from megalite.initialize import initialize_distributed, set_seed
-from megalite.logging import (MetricsSinks, Timers, flops_per_iteration, format_training_line,
+from megalite.logging import (MetricsSinks, Timers, flops_per_iteration, format_timers, format_training_line,
                               format_validation_lines)
 from megalite.model.gpt import DTYPES, GPTModel
 from megalite.memory_report import report_memory
 from megalite.optimizer.distrib_optimizer import build_optimizer
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.optimizer.mixed_precision import MixedPrecisionAdamW
+from megalite.performance import Throughput, memory_usage, peak_flops_per_device
 from megalite.parallel_state import ParallelState
 from megalite.pipeline_parallel.p2p import PipelineComm
 from megalite.pipeline_parallel.schedules import (PipelineRecord, forward_backward_no_pipelining, forward_only_order,
@@ -293,6 +294,10 @@ def train(trainer: Trainer, train_iter, valid_iter, log, sinks) -> None:
     cfg, t, state = trainer.config, trainer.config.training, trainer.state
     interval = IntervalStats()
     flops = flops_per_iteration(cfg.model, t.global_batch_size) if t.log_throughput else None
+    peak, peak_source = peak_flops_per_device(t.peak_flops, trainer.device)
+    log(f" > MFU against {peak / 1e12:g} TFLOP/s per device from {peak_source}" if peak
+        else f" > MFU not reported: {peak_source}")
+    throughput = Throughput(cfg.model, t.global_batch_size, trainer.parallel.world_size, peak)
     interval_start = time.perf_counter()
     exits = ExitConditions(t.exit_signal_handler, t.exit_duration_in_mins, t.exit_interval, trainer.device)
     try:
@@ -307,7 +312,8 @@ def train(trainer: Trainer, train_iter, valid_iter, log, sinks) -> None:
                 handle_nonfinite_step(trainer, loss, result, log)
             elif not result.update_successful:
                 state.skipped_iterations += 1      # fp16 overflow: the loss scaler backs off
-            interval_start = after_iteration(trainer, interval, interval_start, flops, valid_iter, log, sinks)
+            interval_start = after_iteration(trainer, interval, interval_start, (flops, throughput), valid_iter,
+                                             log, sinks)
             state.exit_reason = exits.check(state.iteration)
             if state.exit_reason:
                 if t.save and trainer.last_saved_iteration != state.iteration:
@@ -331,12 +337,13 @@ def handle_nonfinite_step(trainer: Trainer, loss: float, result, log) -> None:
     log(f" > {message}")
 
 
-def after_iteration(trainer: Trainer, interval, interval_start: float, flops, valid_iter, log, sinks) -> float:
-    """Logging, evaluation and periodic checkpoints after an iteration; returns the new interval start."""
+def after_iteration(trainer: Trainer, interval, interval_start: float, speed, valid_iter, log, sinks) -> float:
+    """Logging, evaluation and periodic checkpoints after an iteration; returns the new interval start.
+    ``speed`` is (Megatron's FLOPs per iteration or None, a Throughput)."""
     t, state = trainer.config.training, trainer.state
     if state.iteration % t.log_interval == 0:
         elapsed = (time.perf_counter() - interval_start) / interval.iterations
-        metrics = log_iteration(trainer, interval, elapsed, flops, log)
+        metrics = log_iteration(trainer, interval, elapsed, *speed, log)
         if sinks is not None:
             sinks.log(state.iteration, metrics)
         interval.reset()
@@ -373,24 +380,50 @@ class IntervalStats:
         self.iterations, self.loss_sum, self.last_grad_norm = 0, 0.0, None
 
 
-def log_iteration(trainer: Trainer, interval: IntervalStats, seconds_per_iter: float, flops, log) -> dict:
+def log_iteration(trainer: Trainer, interval: IntervalStats, seconds_per_iter: float, flops,
+                  throughput: Throughput, log) -> dict:
     t, state = trainer.config.training, trainer.state
     loss = interval.loss_sum / interval.iterations
     tflops = flops / seconds_per_iter / trainer.parallel.world_size / 1e12 if flops is not None else None
-    tokens_per_sec = t.global_batch_size * trainer.config.model.seq_length / seconds_per_iter
+    rates = throughput.rates(seconds_per_iter)
+    memory = memory_over_ranks(trainer)
     log(format_training_line(
         iteration=state.iteration, train_iters=t.train_iters, consumed_samples=state.consumed_train_samples,
         elapsed_ms=1000.0 * seconds_per_iter, learning_rate=trainer.scheduler.lr,
         global_batch_size=t.global_batch_size, losses={"lm loss": loss}, loss_scale=trainer.optimizer.loss_scale,
         grad_norm=interval.last_grad_norm, skipped_iterations=state.skipped_iterations,
-        nan_iterations=state.nan_iterations, tflops_per_gpu=tflops))
+        nan_iterations=state.nan_iterations, tflops_per_gpu=tflops, extra=line_extras(rates, memory)))
     timing = trainer.timers.report(interval.iterations)
     if timing:
-        log(timing)
+        log(format_timers(timing))
     metrics = {"lm loss": loss, "learning rate": trainer.scheduler.lr, "grad norm": interval.last_grad_norm,
                "loss scale": trainer.optimizer.loss_scale, "consumed samples": state.consumed_train_samples,
-               "elapsed time per iteration (ms)": 1000.0 * seconds_per_iter, "tokens per second": tokens_per_sec,
-               "skipped iterations": state.skipped_iterations, "nan iterations": state.nan_iterations}
+               "elapsed time per iteration (ms)": 1000.0 * seconds_per_iter,
+               "skipped iterations": state.skipped_iterations, "nan iterations": state.nan_iterations,
+               **rates, **{f"memory {key} (MB)": mb for key, mb in memory.items()},
+               **{f"time {name} (ms)": ms for name, ms in timing.items()}}
     if tflops is not None:
         metrics["throughput (TFLOP/s/GPU)"] = tflops
     return metrics
+
+
+def line_extras(rates: dict[str, float], memory: dict[str, float]) -> dict[str, str]:
+    """megalite's fields after Megatron's: tokens/s, MFU when the peak is known, the largest rank's memory."""
+    extras = {"tokens per second": f"{rates['tokens per second']:.1f}"}
+    if "MFU" in rates:
+        extras["MFU"] = f"{100 * rates['MFU']:.1f}%"
+    peak_key = "max allocated" if "max allocated" in memory else "max rss"
+    extras[f"{peak_key} (MB)"] = f"{memory[peak_key]:.1f}"
+    return extras
+
+
+def memory_over_ranks(trainer: Trainer) -> dict[str, float]:
+    """Each memory figure's maximum over all ranks (the device that runs out first), in MB.
+    Every rank calls it at the same log iterations: one all-reduce of a few numbers."""
+    memory = memory_usage(trainer.device)
+    if trainer.parallel.world_size == 1:
+        return memory
+    values = torch.tensor(list(memory.values()), dtype=torch.float64, device=trainer.device)
+    with collective_phase("logging (memory all-reduce)", trainer.config.training.distributed_timeout_minutes):
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+    return dict(zip(memory, values.tolist()))

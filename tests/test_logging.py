@@ -17,7 +17,8 @@ MEGATRON_LINE = re.compile(
     r"( throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \|)?"
     r" learning rate: \d\.\d{6}E[+-]\d\d \| global batch size: +(\d+) \|"
     r" lm loss: \d\.\d{6}E[+-]\d\d \| loss scale: [\d.]+ \|( grad norm: [\d.]+ \|)?"
-    r" number of skipped iterations: +\d+ \| number of nan iterations: +\d+ \|$")
+    r" number of skipped iterations: +\d+ \| number of nan iterations: +\d+ \|"
+    r"(?P<extras>( [^|:]+: [^|]+ \|)*)$")
 
 
 def test_line_matches_megatron_field_for_field():
@@ -48,7 +49,7 @@ def test_run_logs_lines_jsonl_wandb_and_tensorboard(tmp_path, capsys):
     run_dir = tmp_path / "run"
     argv = with_flags(TINY_LLAMA_ARGS, train_iters=6, log_interval=2, log_throughput=True,
                       wandb_project="megalite-test", wandb_exp_name="t1", wandb_save_dir=str(run_dir),
-                      tensorboard_dir=str(tmp_path / "tb"), timing_log_level=1)
+                      tensorboard_dir=str(tmp_path / "tb"), timing_log_level=1, peak_flops="2e11")
     os.environ["WANDB_MODE"] = "offline"
     pretrain(parse_args(argv, world_size=1))
     out = capsys.readouterr().out
@@ -63,6 +64,13 @@ def test_run_logs_lines_jsonl_wandb_and_tensorboard(tmp_path, capsys):
     logged = [float(re.search(r"lm loss: (\S+)", l).group(1)) for l in lines]
     assert [r["lm loss"] for r in records] == pytest.approx(logged, rel=1e-6)
     assert all(r["tokens per second"] > 0 and "throughput (TFLOP/s/GPU)" in r for r in records)
+    for record, line in zip(records, lines):
+        extras = MEGATRON_LINE.match(line).group("extras")
+        assert re.fullmatch(r" tokens per second: [\d.]+ \| MFU: [\d.]+% \| max rss \(MB\): [\d.]+ \|", extras), extras
+        # PaLM's 6N + 12Lhs equals Megatron's count when heads * head dim = hidden: one figure, two names
+        assert record["model TFLOP/s per device"] == pytest.approx(record["throughput (TFLOP/s/GPU)"], rel=1e-9)
+        assert record["MFU"] == pytest.approx(record["model TFLOP/s per device"] * 1e12 / 2e11, rel=1e-9)
+        assert 50 < record["memory max rss (MB)"] < 4096 and record["time forward-backward (ms)"] > 0
 
     # wandb offline: the run's history file holds our metrics
     history = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
@@ -73,5 +81,11 @@ def test_run_logs_lines_jsonl_wandb_and_tensorboard(tmp_path, capsys):
         assert repr(record["lm loss"]).encode() in content, record
         assert repr(record["learning rate"]).encode() in content, record
 
-    if glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*")) == []:
-        pytest.fail("tensorboard wrote no event file")
+    events = glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+    assert events, "tensorboard wrote no event file"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    scalars = EventAccumulator(events[0])
+    scalars.Reload()
+    for key in ("lm loss", "MFU", "tokens per second", "memory max rss (MB)", "time forward-backward (ms)"):
+        assert [e.step for e in scalars.Scalars(key)] == [2, 4, 6], key
+    assert [e.value for e in scalars.Scalars("MFU")] == pytest.approx([r["MFU"] for r in records], rel=1e-6)
