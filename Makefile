@@ -25,9 +25,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	WANDB_MODE=offline $(PY) -m pytest -q tests
 
+# Every benchmark, written to bench/RESULTS.md (bench/run_all.py); BENCH_ARGS=--quick for a smoke test
+# written to bench/quick/RESULTS.md instead.
 bench: $(STAMP)
-	$(PY) bench/bench_vs_hf.py
-	$(PY) bench/bench_data.py
+	$(PY) bench/run_all.py $(BENCH_ARGS)
 
 clean-demo:
 	rm -rf data/stdlib* data/cache runs/demo

@@ -8,15 +8,15 @@ holds between forward and backward; with ring attention it should fall ~1/cp. Wr
 bench/RESULTS.md.
 
     python bench/bench_context_parallel.py
+    python bench/bench_context_parallel.py --quick      # smoke test: seq 256 and 512, cp 1 and 2
 """
+import argparse
 import os
-import platform
 import socket
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results import replace_section  # noqa: E402
+from results import Headline, add_common_args, command_line, publish  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -30,8 +30,8 @@ from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.arguments import parse_args  # noqa: E402
 from megalite.parallel_state import ParallelState  # noqa: E402
 
-SEQ_LENGTHS = (256, 512, 1024, 2048)
-CPS = (1, 2, 4)
+SEQ_LENGTHS, QUICK_SEQ_LENGTHS = (256, 512, 1024, 2048), (256, 512)
+CPS, QUICK_CPS = (1, 2, 4), (1, 2)
 MODEL = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "352", "--num-attention-heads", "4",
          "--group-query-attention", "--num-query-groups", "2", "--position-embedding-type", "rope",
          "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
@@ -69,12 +69,12 @@ def saved_activation_bytes(cp_size: int, rank: int, seq: int) -> int:
     return total[0]
 
 
-def _rank(rank: int, cp_size: int, port: int, queue) -> None:
+def _rank(rank: int, cp_size: int, port: int, seq_lengths: tuple, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=cp_size)
     torch.set_num_threads(1)
     try:
-        for seq in SEQ_LENGTHS:
+        for seq in seq_lengths:
             result = saved_activation_bytes(cp_size, rank, seq)
             if rank == 0:
                 queue.put((seq, result))
@@ -82,12 +82,12 @@ def _rank(rank: int, cp_size: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
-def measure(cp_size: int) -> dict:
+def measure(cp_size: int, seq_lengths: tuple) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_rank, args=(cp_size, port, queue), nprocs=cp_size, join=True)
+    mp.spawn(_rank, args=(cp_size, port, seq_lengths, queue), nprocs=cp_size, join=True)
     results = {}
     while not queue.empty():
         seq, value = queue.get()
@@ -95,29 +95,32 @@ def measure(cp_size: int) -> dict:
     return results
 
 
-def main() -> None:
-    table = {cp: measure(cp) for cp in CPS}
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    seq_lengths, cps = (QUICK_SEQ_LENGTHS, QUICK_CPS) if args.quick else (SEQ_LENGTHS, CPS)
+    table = {cp: measure(cp, seq_lengths) for cp in cps}
     rows = []
-    for seq in SEQ_LENGTHS:
+    for seq in seq_lengths:
         base = table[1][seq]
-        cells = [f"{table[cp][seq] / 2**20:.2f} MiB ({table[cp][seq] / base:.2f}x)" for cp in CPS]
-        row = f"| {seq} | " + " | ".join(cells) + " |"
-        print(row, flush=True)
-        rows.append(row)
-    write_results(rows)
-
-
-def write_results(rows) -> None:
-    replace_section("bench_context_parallel", [
-        "## Context parallelism: activation memory per rank vs sequence length",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}. "
-        "Command: `python bench/bench_context_parallel.py`. Llama-style GPTModel, 2 layers, hidden 128, 4 heads "
-        "/ 2 KV groups, vocab 1000, micro-batch 1, fp32; one forward with its loss on cp gloo ranks. Figure: bytes "
-        "of the tensors autograd saves for backward on CP rank 0 (parameters excluded), in brackets relative to cp=1. "
-        "Ring attention saves only the local queries, keys/values, output and log-sum-exp (no s x s "
-        "probabilities), so the saved activations fall as 1/cp.",
-        "", "| seq length | cp=1 | cp=2 | cp=4 |", "|---|---|---|---|", *rows])
+        cells = [f"{table[cp][seq] / 2**20:.2f} MiB ({table[cp][seq] / base:.2f}x)" for cp in cps]
+        rows.append(f"| {seq} | " + " | ".join(cells) + " |")
+        print(rows[-1], flush=True)
+    command = command_line("bench_context_parallel.py", argv)
+    longest = seq_lengths[-1]
+    headlines = [Headline(f"context parallel activation memory per rank, cp={cp}, seq {longest}",
+                          f"cp=1 (one rank holds the whole sequence); ideal 1/{cp} = {1 / cp:.2f}x",
+                          f"{table[cp][longest] / table[1][longest]:.2f}x", command) for cp in cps[1:]]
+    body = ["Llama-style GPTModel, 2 layers, hidden 128, 4 heads / 2 KV groups, vocab 1000, micro-batch 1, fp32; one "
+            "forward with its loss on cp gloo ranks. Figure: bytes of the tensors autograd saves for backward on CP "
+            "rank 0 (parameters excluded), in brackets relative to cp=1. Ring attention saves only the local "
+            "queries, keys/values, output and log-sum-exp (no s x s probabilities), so the saved activations fall "
+            "as 1/cp.",
+            "", "| seq length | " + " | ".join(f"cp={cp}" for cp in cps) + " |", "|---|" + "---|" * len(cps), *rows]
+    publish(args, "bench_context_parallel", "Context parallelism: activation memory per rank vs sequence length",
+            command, headlines, body)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

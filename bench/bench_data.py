@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Data-pipeline benchmarks, measured side by side in one run, appended to bench/RESULTS_data.md.
+"""Data-pipeline benchmarks, measured side by side in one run; writes a section of bench/RESULTS.md.
 
 1. Preprocessing throughput vs the bare tokenizer on the same text (the Python standard library as
    JSONL, a SentencePiece BPE tokenizer): tools/preprocess_data.py with 1 and 2 workers against
@@ -10,18 +10,20 @@
 3. Blending indices per sample, and GPTDataset item reads per second on the tokenized corpus.
 
     python bench/bench_data.py [--repeats 3] [--docs 1e7] [--tokens 1e9] [--no-write]
+    python bench/bench_data.py --quick    # smoke test: 3 MB corpus, 1e8 tokens / 1e6 documents, best of 1
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import resource
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results import Headline, add_common_args, command_line, publish  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -55,9 +57,9 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def bench_preprocess(workdir: str, repeats: int) -> dict:
+def bench_preprocess(workdir: str, repeats: int, corpus_mb: float) -> dict:
     corpus = os.path.join(workdir, "stdlib.jsonl")
-    stdlib_corpus.write_corpus(corpus, max_mb=20, include_tests=False)
+    stdlib_corpus.write_corpus(corpus, max_mb=corpus_mb, include_tests=False)
     tok_prefix = os.path.join(workdir, "sp")
     with open(os.devnull, "w") as devnull:
         stdout, sys.stdout = sys.stdout, devnull
@@ -126,7 +128,7 @@ def bench_blend(size: int) -> dict:
     return {"blend_samples": size, "blend_s": t}
 
 
-def bench_reads(prefix: str, seq_length: int = 1024, n: int = 20000) -> dict:
+def bench_reads(prefix: str, n: int, seq_length: int = 1024) -> dict:
     ds = IndexedDataset(prefix)
     gpt = GPTDataset(ds, (0, len(ds)), None, seq_length, 1234, 2, cache_dir=False, verbose=False)
     n = min(n, len(gpt))
@@ -136,40 +138,12 @@ def bench_reads(prefix: str, seq_length: int = 1024, n: int = 20000) -> dict:
     return {"reads": n, "read_seq_length": seq_length, "reads_per_s": n / (time.perf_counter() - t0)}
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    return (f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} logical CPUs; Python "
-            f"{platform.python_version()}, numpy {np.__version__}")
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="megalite data pipeline benchmarks")
-    p.add_argument("--repeats", type=int, default=3, help="best of N for each timing (default 3)")
-    p.add_argument("--docs", type=float, default=1e7)
-    p.add_argument("--tokens", type=float, default=1e9)
-    p.add_argument("--seq-length", type=int, default=4096)
-    p.add_argument("--blend-samples", type=int, default=1_000_000)
-    p.add_argument("--no-write", action="store_true", help="print only; do not append to bench/RESULTS_data.md")
-    args = p.parse_args(argv)
-
-    load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as work:
-        pre = bench_preprocess(work, args.repeats)
-        reads = bench_reads(pre["prefix"])
-    idx = bench_indices(int(args.docs), int(args.tokens), args.seq_length, args.repeats)
-    blend = bench_blend(args.blend_samples)
-
+def report_lines(pre: dict, idx: dict, blend: dict, reads: dict) -> list[str]:
     ovh1 = pre["pipeline_1w_s"] / pre["bare_s"] - 1
     speedup2 = pre["pipeline_1w_s"] / pre["pipeline_2w_s"]
     cpu_eff2 = pre["pipeline_1w_cpu_s"] / pre["pipeline_2w_cpu_s"]
     idx_total = idx["document_index_s"] + idx["sample_index_s"] + idx["shuffle_index_s"]
-    lines = [
+    return [
         f"| preprocess: bare tokenizer (tokenize_batch, 1 thread) | {pre['bare_s']:.2f} s "
         f"({pre['corpus_mb'] / pre['bare_s']:.2f} MB/s, {pre['tokens'] / pre['bare_s'] / 1e6:.2f} M tokens/s) |",
         f"| preprocess_data.py --workers 1 | {pre['pipeline_1w_s']:.2f} s "
@@ -188,26 +162,51 @@ def main(argv=None) -> int:
         f"({1e6 * blend['blend_s'] / blend['blend_samples']:.2f} us/sample) |",
         f"| GPTDataset reads (seq {reads['read_seq_length']}, shuffled) | {reads['reads_per_s']:,.0f} samples/s |",
     ]
-    header = [f"## {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}", "",
-              f"Machine: {machine()}; load average at start {load:.2f} (other processes compete for the cores "
-              "when it is above 0)",
-              "Command: `" + " ".join(["python bench/bench_data.py"] + list(argv if argv is not None
-                                                                            else sys.argv[1:])) + "`",
-              f"Corpus: Python stdlib, {pre['corpus_docs']} documents, {pre['corpus_mb']:.1f} MB, "
-              f"{pre['tokens']:,} tokens (SentencePiece BPE 4096); best of {args.repeats}.", "",
-              "| what | result |", "|---|---|"]
-    report = "\n".join(header + lines) + "\n"
-    print(report)
-    if not args.no_write:
-        path = os.path.join(ROOT, "bench", "RESULTS_data.md")
-        new = not os.path.exists(path)
-        with open(path, "a") as f:
-            if new:
-                f.write("# Data pipeline benchmarks (bench/bench_data.py)\n\n")
-            f.write(report + "\n")
-        print(f"appended to {path}")
+
+
+def headlines(pre: dict, idx: dict, command: str) -> list[Headline]:
+    idx_total = idx["document_index_s"] + idx["sample_index_s"] + idx["shuffle_index_s"]
+    return [
+        Headline("preprocess_data.py --workers 1 throughput", "the bare tokenizer (tokenize_batch) on the same text",
+                 f"{pre['bare_s'] / pre['pipeline_1w_s']:.2f}x (overhead {100 * (pre['pipeline_1w_s'] / pre['bare_s'] - 1):+.1f}%, "
+                 "goal <= 15%)", command),
+        Headline("preprocess_data.py --workers 2 throughput", "--workers 1",
+                 f"{pre['pipeline_1w_s'] / pre['pipeline_2w_s']:.2f}x (ideal 2x on an idle machine)", command),
+        Headline(f"GPT index building, {idx['tokens'] / 1e9:.2f}e9 tokens / {idx['docs'] / 1e6:.0f}e6 documents",
+                 "none (goal: seconds)", f"{idx_total:.2f} s", command),
+    ]
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description="megalite data pipeline benchmarks")
+    p.add_argument("--repeats", type=int, help="best of N for each timing (default 3; 1 with --quick)")
+    p.add_argument("--docs", type=float, help="documents for the index benchmark (default 1e7; 1e6 with --quick)")
+    p.add_argument("--tokens", type=float, help="tokens for the index benchmark (default 1e9; 1e8 with --quick)")
+    p.add_argument("--seq-length", type=int, default=4096)
+    p.add_argument("--blend-samples", type=int, help="default 1,000,000 (100,000 with --quick)")
+    p.add_argument("--no-write", action="store_true", help="print only; leave the results file alone")
+    add_common_args(p)
+    args = p.parse_args(argv)
+    quick = args.quick
+    repeats = args.repeats or (1 if quick else 3)
+    docs, tokens = int(args.docs or (1e6 if quick else 1e7)), int(args.tokens or (1e8 if quick else 1e9))
+    blend_samples = args.blend_samples or (100_000 if quick else 1_000_000)
+
+    with tempfile.TemporaryDirectory() as work:
+        pre = bench_preprocess(work, repeats, corpus_mb=3 if quick else 20)
+        reads = bench_reads(pre["prefix"], n=2000 if quick else 20000)
+    idx = bench_indices(docs, tokens, args.seq_length, repeats)
+    blend = bench_blend(blend_samples)
+
+    command = command_line("bench_data.py", argv)
+    body = [f"Corpus: Python stdlib as JSONL, {pre['corpus_docs']} documents, {pre['corpus_mb']:.1f} MB, "
+            f"{pre['tokens']:,} tokens (SentencePiece BPE 4096); best of {repeats}; numpy {np.__version__}.", "",
+            "| what | result |", "|---|---|", *report_lines(pre, idx, blend, reads)]
+    print("\n".join(body), flush=True)
+    publish(args, "bench_data", "Data pipeline: preprocessing, indices, blending, reads", command,
+            headlines(pre, idx, command), body)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

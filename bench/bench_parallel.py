@@ -13,34 +13,61 @@ Sections (each a function returning table rows; add one to SECTIONS to extend):
 
     python bench/bench_parallel.py                    # every section, writes bench/RESULTS.md sections
     python bench/bench_parallel.py --sections dp --steps 4
+    python bench/bench_parallel.py --quick            # smoke test: 2 layers, seq 128, one timed step each
 """
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results import replace_section  # noqa: E402
+from results import Headline, add_common_args, command_line, publish  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB, SEQ, MBS, GBS = 4, 512, 1408, 8, 2, 8192, 256, 4, 16
 
-MODEL_ARGS = [
-    "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--ffn-hidden-size", str(FFN),
-    "--num-attention-heads", str(HEADS), "--group-query-attention", "--num-query-groups", str(KV_HEADS),
-    "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--position-embedding-type", "rope",
-    "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--micro-batch-size", str(MBS),
-    "--global-batch-size", str(GBS), "--lr", "1e-4", "--weight-decay", "0.1", "--clip-grad", "1.0",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1), "--train-iters", "1000",
-    "--eval-iters", "0"]
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 4
+    hidden: int = 512
+    ffn: int = 1408
+    heads: int = 8
+    kv_heads: int = 2
+    vocab: int = 8192
+    seq: int = 256
+    mbs: int = 4
+    gbs: int = 16
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per iteration (global batch)."""
+        return self.gbs * self.seq
+
+    def describe(self) -> str:
+        return (f"Llama {self.layers} layers, hidden {self.hidden}, {self.heads} heads / {self.kv_heads} KV heads, "
+                f"SwiGLU {self.ffn}, vocab {self.vocab}, seq {self.seq}")
+
+
+FULL = Shape()
+QUICK = replace(FULL, layers=2, seq=128, gbs=8)
+
+
+def model_args(shape: Shape) -> list[str]:
+    return [
+        "--num-layers", str(shape.layers), "--hidden-size", str(shape.hidden), "--ffn-hidden-size", str(shape.ffn),
+        "--num-attention-heads", str(shape.heads), "--group-query-attention", "--num-query-groups", str(shape.kv_heads),
+        "--seq-length", str(shape.seq), "--max-position-embeddings", str(shape.seq), "--position-embedding-type",
+        "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+        "--micro-batch-size", str(shape.mbs), "--global-batch-size", str(shape.gbs), "--lr", "1e-4",
+        "--weight-decay", "0.1", "--clip-grad", "1.0", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", str(shape.vocab - 1), "--train-iters", "1000", "--eval-iters", "0"]
 
 
 # ---- running N gloo ranks -------------------------------------------------------------------------------
@@ -74,19 +101,19 @@ def spawn(world: int, threads: int, fn, *args) -> list:
 
 
 # ---- data parallelism -------------------------------------------------------------------------------------
-def _time_dp_steps(rank, world, flags, steps, warmup):
+def _time_dp_steps(rank, world, shape, flags, steps, warmup):
     """Median wall time per training step and per gradient sync (the exposed part after backward)."""
     import torch
     from megalite.arguments import parse_args
     from megalite.training import build_trainer, train_step
-    trainer = build_trainer(parse_args(MODEL_ARGS + flags, world_size=world))
+    trainer = build_trainer(parse_args(model_args(shape) + flags, world_size=world))
     g = torch.Generator().manual_seed(rank)
 
     def batches():
         while True:
-            x = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
-            yield {"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": torch.ones(MBS, SEQ),
-                   "position_ids": torch.arange(SEQ).expand(MBS, SEQ)}
+            x = torch.randint(0, shape.vocab, (shape.mbs, shape.seq + 1), generator=g)
+            yield {"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": torch.ones(shape.mbs, shape.seq),
+                   "position_ids": torch.arange(shape.seq).expand(shape.mbs, shape.seq)}
 
     ddp, sync_times = trainer.ddp, []
     finish = ddp.finish_grad_sync
@@ -127,7 +154,8 @@ def measure_layouts(layouts, args) -> tuple[dict, dict]:
     meta = {}
     for _ in range(args.rounds):                  # rounds interleave layouts so machine noise hits all alike
         for name, world, flags in layouts:
-            results = spawn(world, max(1, cores // world), _time_dp_steps, flags, args.steps, args.warmup)
+            results = spawn(world, max(1, cores // world), _time_dp_steps, args.shape, flags, args.steps,
+                            args.warmup)
             # a step ends when the slowest rank ends: per step, the max over ranks
             runs[name]["step"] += [max(r["step"][i] for r in results) for i in range(args.steps)]
             runs[name]["sync"] += [max(r["sync"][i] for r in results) for i in range(args.steps)]
@@ -135,33 +163,35 @@ def measure_layouts(layouts, args) -> tuple[dict, dict]:
     return runs, meta
 
 
-def bench_data_parallel(args) -> tuple[list[str], str]:
-    cores = os.cpu_count() or 1
-    load_before = os.getloadavg()[0]
+def bench_data_parallel(args) -> tuple[list[str], str, list[tuple[str, str, str]]]:
+    cores, shape = os.cpu_count() or 1, args.shape
     runs, meta = measure_layouts(DP_LAYOUTS, args)
-    base = statistics.median(runs["DP=1"]["step"])
-    tokens = GBS * SEQ
+
+    def med(name):
+        return statistics.median(runs[name]["step"])
+    base = med("DP=1")
     rows = ["| layout | processes x threads | buckets | ms / iteration | tokens/s | vs DP=1 | exposed grad sync ms |",
             "|---|---|---|---|---|---|---|"]
     for name, world, _ in DP_LAYOUTS:
-        ms = statistics.median(runs[name]["step"]) * 1000
+        ms = med(name) * 1000
         sync = statistics.median(runs[name]["sync"]) * 1000
         rows.append(f"| {name} | {world} x {max(1, cores // world)} | {meta[name]['buckets']} | {ms:.0f} | "
-                    f"{tokens / ms * 1000:.0f} | {base * 1000 / ms:.2f}x | {sync:.1f} |")
-
-    def med(n):
-        return statistics.median(runs[n]["step"])
-    overlap = med(DP_LAYOUTS[1][0]) / med(DP_LAYOUTS[2][0])
-    zero_overlap = med(DP_LAYOUTS[3][0]) / med(DP_LAYOUTS[4][0])
+                    f"{shape.tokens / ms * 1000:.0f} | {base * 1000 / ms:.2f}x | {sync:.1f} |")
+    names = [name for name, _, _ in DP_LAYOUTS]
+    overlap = med(names[1]) / med(names[2])
+    zero_overlap = med(names[3]) / med(names[4])
     params = meta["DP=1"]["params"]
-    header = (f"Llama {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads / {KV_HEADS} KV heads, SwiGLU {FFN}, vocab "
-              f"{VOCAB}, seq {SEQ}; {params / 1e6:.1f}M parameters; global batch {GBS} = micro-batches of {MBS}; "
-              f"fp32, gloo on localhost. Median of {args.rounds * args.steps} steps after {args.warmup} warm-up "
-              f"(per step, the slowest rank). Overlap gain (no-overlap ms / overlap ms): DDP {overlap:.2f}x, "
-              f"ZeRO-1 {zero_overlap:.2f}x. DP=2 / DP=1 throughput: {base / med(DP_LAYOUTS[1][0]):.2f}x. "
-              f"Load average before/after: {load_before:.1f}/{os.getloadavg()[0]:.1f} (other work on the "
-              f"machine makes every figure noisy).")
-    return rows, header
+    header = (f"{shape.describe()}; {params / 1e6:.1f}M parameters; global batch {shape.gbs} = micro-batches of "
+              f"{shape.mbs}; fp32, gloo on localhost. Median of {args.rounds * args.steps} steps after "
+              f"{args.warmup} warm-up (per step, the slowest rank). Overlap gain (no-overlap ms / overlap ms): "
+              f"DDP {overlap:.2f}x, ZeRO-1 {zero_overlap:.2f}x. DP=2 / DP=1 throughput: {base / med(names[1]):.2f}x.")
+    one_process = f"DP=1: one process on the same {cores} cores, same global batch"
+    headlines = [("DP=2 throughput", one_process, f"{base / med(names[1]):.2f}x"),
+                 ("DP=2 ZeRO-1 + overlapped grad reduce / param gather throughput", one_process,
+                  f"{base / med(names[4]):.2f}x"),
+                 ("--overlap-grad-reduce gain at DP=2", "DP=2 without overlap",
+                  f"{overlap:.2f}x (no-overlap ms / overlap ms)")]
+    return rows, header, headlines
 
 
 TP_LAYOUTS = [
@@ -171,49 +201,51 @@ TP_LAYOUTS = [
 ]
 
 
-def bench_tensor_parallel(args) -> tuple[list[str], str]:
+def bench_tensor_parallel(args) -> tuple[list[str], str, list[tuple[str, str, str]]]:
     """The same model and global batch: one process on every core vs two TP ranks sharing them."""
     cores = os.cpu_count() or 1
-    load_before = os.getloadavg()[0]
     runs, _ = measure_layouts(TP_LAYOUTS, args)
     base = statistics.median(runs["TP=1"]["step"])
     rows = ["| layout | processes x threads | ms / iteration | tokens/s | vs TP=1 |", "|---|---|---|---|---|"]
+    speed = {}
     for name, world, _ in TP_LAYOUTS:
         ms = statistics.median(runs[name]["step"]) * 1000
-        rows.append(f"| {name} | {world} x {max(1, cores // world)} | {ms:.0f} | {GBS * SEQ / ms * 1000:.0f} | "
-                    f"{base * 1000 / ms:.2f}x |")
+        speed[name] = base * 1000 / ms
+        rows.append(f"| {name} | {world} x {max(1, cores // world)} | {ms:.0f} | {args.shape.tokens / ms * 1000:.0f} | "
+                    f"{speed[name]:.2f}x |")
     header = (f"Same model and batch as the DP section; fp32, gloo on localhost. TP splits every matmul across "
               f"ranks and adds 2 all-reduces (or all-gather + reduce-scatter with SP) per layer in forward and "
               f"in backward; on one CPU socket it cannot beat one process using every core, so the figure is "
               f"the cost of the communication. Median of {args.rounds * args.steps} steps after {args.warmup} "
-              f"warm-up. Load average before/after: {load_before:.1f}/{os.getloadavg()[0]:.1f}.")
-    return rows, header
+              f"warm-up.")
+    one_process = f"TP=1: one process on the same {cores} cores, same global batch"
+    headlines = [(f"{name} throughput", one_process, f"{speed[name]:.2f}x") for name, _, _ in TP_LAYOUTS[1:]]
+    return rows, header, headlines
 
 
 SECTIONS = {"dp": ("bench_parallel_dp", "Data parallelism on the same cores", bench_data_parallel),
             "tp": ("bench_parallel_tp", "Tensor parallelism on the same cores", bench_tensor_parallel)}
 
 
-def write_section(key: str, title: str, header: str, rows: list[str], command: str) -> None:
-    machine = f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()}; {time.strftime('%Y-%m-%d')}."
-    replace_section(key, [f"## {title}", f"{machine} Command: `{command}`.", header, "", *rows])
-
-
-def main(argv=None) -> None:
+def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, from {list(SECTIONS)}")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    p.add_argument("--steps", type=int, help="timed steps per layout and round (default 5; 1 with --quick)")
+    p.add_argument("--warmup", type=int, help="warm-up steps per layout and round (default 2; 1 with --quick)")
+    p.add_argument("--rounds", type=int, help="rounds over the layouts (default 2; 1 with --quick)")
+    p.add_argument("--no-write", action="store_true", help="print only; leave the results file alone")
+    add_common_args(p)
     args = p.parse_args(argv)
-    command = "python bench/bench_parallel.py" + (f" {' '.join(argv)}" if argv else "")
+    args.shape = QUICK if args.quick else FULL
+    args.steps = args.steps or (1 if args.quick else 5)
+    args.warmup = args.warmup or (1 if args.quick else 2)
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    command = command_line("bench_parallel.py", argv)
     for name in args.sections.split(","):
         key, title, fn = SECTIONS[name]
-        rows, header = fn(args)
-        print(f"## {title}\n{header}\n" + "\n".join(rows))
-        if not args.no_write:
-            write_section(key, title, header, rows, command)
+        rows, header, figures = fn(args)
+        print(f"## {title}\n{header}\n" + "\n".join(rows), flush=True)
+        publish(args, key, title, command, [Headline(*f, command) for f in figures], [header, "", *rows])
 
 
 if __name__ == "__main__":

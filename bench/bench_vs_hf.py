@@ -10,68 +10,91 @@ from medians. Model FLOP/s is reported as a share of a matmul peak measured in t
 
     python bench/bench_vs_hf.py                  # fp32 and bf16, writes a section of bench/RESULTS.md
     python bench/bench_vs_hf.py --dtypes bf16 --rounds 2 --steps 2
+    python bench/bench_vs_hf.py --quick          # smoke test: 2 layers, seq 256, one timed step per side
 """
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass, replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results import replace_section  # noqa: E402
+from results import Headline, add_common_args, command_line, publish  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB, SEQ, MBS = 8, 512, 1408, 8, 2, 8192, 512, 8
 
-MEGALITE_ARGS = [
-    "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--ffn-hidden-size", str(FFN),
-    "--num-attention-heads", str(HEADS), "--group-query-attention", "--num-query-groups", str(KV_HEADS),
-    "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--position-embedding-type", "rope",
-    "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--micro-batch-size", str(MBS),
-    "--global-batch-size", str(MBS), "--lr", "1e-4", "--weight-decay", "0.1", "--adam-beta1", "0.9",
-    "--adam-beta2", "0.95", "--clip-grad", "1.0", "--mock-data", "--tokenizer-type", "NullTokenizer",
-    "--vocab-size", str(VOCAB - 1), "--train-iters", "1000", "--eval-iters", "0"]
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 8
+    hidden: int = 512
+    ffn: int = 1408
+    heads: int = 8
+    kv_heads: int = 2
+    vocab: int = 8192
+    seq: int = 512
+    mbs: int = 8
+
+    def describe(self) -> str:
+        return (f"Llama {self.layers} layers, hidden {self.hidden}, {self.heads} heads / {self.kv_heads} KV heads, "
+                f"SwiGLU {self.ffn}, vocab {self.vocab}, seq {self.seq}, micro-batch {self.mbs}")
 
 
-def random_batches():
+FULL = Shape()
+QUICK = replace(FULL, layers=2, seq=256, mbs=4)
+
+
+def megalite_args(shape: Shape) -> list[str]:
+    return [
+        "--num-layers", str(shape.layers), "--hidden-size", str(shape.hidden), "--ffn-hidden-size", str(shape.ffn),
+        "--num-attention-heads", str(shape.heads), "--group-query-attention", "--num-query-groups", str(shape.kv_heads),
+        "--seq-length", str(shape.seq), "--max-position-embeddings", str(shape.seq), "--position-embedding-type",
+        "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+        "--micro-batch-size", str(shape.mbs), "--global-batch-size", str(shape.mbs), "--lr", "1e-4",
+        "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--clip-grad", "1.0", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(shape.vocab - 1),   # NullTokenizer adds EOD
+        "--train-iters", "1000", "--eval-iters", "0"]
+
+
+def random_batches(shape: Shape):
     import torch
     while True:
-        x = torch.randint(0, VOCAB, (MBS, SEQ + 1))
-        yield {"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": torch.ones(MBS, SEQ),
-               "position_ids": torch.arange(SEQ).expand(MBS, SEQ)}
+        x = torch.randint(0, shape.vocab, (shape.mbs, shape.seq + 1))
+        yield {"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": torch.ones(shape.mbs, shape.seq),
+               "position_ids": torch.arange(shape.seq).expand(shape.mbs, shape.seq)}
 
 
-def megalite_stepper(dtype: str):
+def megalite_stepper(shape: Shape, dtype: str):
     from megalite.arguments import parse_args
     from megalite.training import build_trainer, train_step
-    argv = MEGALITE_ARGS + (["--bf16"] if dtype == "bf16" else [])
+    argv = megalite_args(shape) + (["--bf16"] if dtype == "bf16" else [])
     trainer = build_trainer(parse_args(argv, world_size=1))
-    batches = random_batches()
+    batches = random_batches(shape)
     return lambda: train_step(trainer, batches)
 
 
-def hf_stepper(dtype: str):
+def hf_stepper(shape: Shape, dtype: str):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=SEQ,
+    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
+                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                         num_key_value_heads=shape.kv_heads, max_position_embeddings=shape.seq,
                          tie_word_embeddings=False, attention_dropout=0.0)
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    batches = random_batches()
+    batches = random_batches(shape)
 
     def step():
         batch = next(batches)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-            loss = model(input_ids=batch["tokens"], labels=batch["labels"]).loss
+            loss = model(input_ids=batch["tokens"], labels=batch["tokens"]).loss   # HF shifts labels itself
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -79,8 +102,8 @@ def hf_stepper(dtype: str):
     return step
 
 
-def worker(kind: str, dtype: str, conn) -> None:
-    step = (megalite_stepper if kind == "megalite" else hf_stepper)(dtype)
+def worker(kind: str, shape: Shape, dtype: str, conn) -> None:
+    step = (megalite_stepper if kind == "megalite" else hf_stepper)(shape, dtype)
     conn.send("ready")
     while (n := conn.recv()) > 0:
         times = []
@@ -105,19 +128,19 @@ def matmul_peak_flops(dtype: str) -> float:
     return 2 * 2048 ** 3 / best
 
 
-def model_flops_per_step() -> float:
+def model_flops_per_step(shape: Shape) -> float:
     from megalite.arguments import parse_args
     from megalite.logging import flops_per_iteration
-    config = parse_args(MEGALITE_ARGS, world_size=1)
-    return flops_per_iteration(config.model, MBS)
+    config = parse_args(megalite_args(shape), world_size=1)
+    return flops_per_iteration(config.model, shape.mbs)
 
 
-def compare(dtype: str, rounds: int, steps: int, warmup: int) -> dict:
+def compare(shape: Shape, dtype: str, rounds: int, steps: int, warmup: int) -> dict:
     ctx = mp.get_context("spawn")
     pipes, procs = {}, []
     for kind in ("megalite", "hf"):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(kind, dtype, child), daemon=True)
+        proc = ctx.Process(target=worker, args=(kind, shape, dtype, child), daemon=True)
         proc.start()
         pipes[kind] = parent
         procs.append(proc)
@@ -136,41 +159,43 @@ def compare(dtype: str, rounds: int, steps: int, warmup: int) -> dict:
         proc.join()
     ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
     peak = matmul_peak_flops(dtype)
-    flops = model_flops_per_step()
+    flops = model_flops_per_step(shape)
     return {"dtype": dtype, "megalite_ms": ms["megalite"], "hf_ms": ms["hf"], "ratio": ms["hf"] / ms["megalite"],
             "megalite_util": flops / (ms["megalite"] / 1000) / peak, "hf_util": flops / (ms["hf"] / 1000) / peak,
             "peak_tflops": peak / 1e12, "samples": len(times["megalite"])}
 
 
-def main() -> None:
+def table_row(r: dict) -> str:
+    return (f"| {r['dtype']} | {r['hf_ms']:.0f} | {r['megalite_ms']:.0f} | **{r['ratio']:.2f}x** | "
+            f"{100 * r['megalite_util']:.0f}% | {100 * r['hf_util']:.0f}% | {r['peak_tflops']:.2f} | {r['samples']} |")
+
+
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", default="fp32,bf16")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=2, help="steps per side per round")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--results", default=os.path.join(ROOT, "bench", "RESULTS.md"))
-    args = parser.parse_args()
-    lines = []
+    parser.add_argument("--rounds", type=int, help="rounds of interleaved steps (default 4; 1 with --quick)")
+    parser.add_argument("--steps", type=int, help="steps per side per round (default 2; 1 with --quick)")
+    parser.add_argument("--warmup", type=int, help="warm-up steps per side (default 2; 1 with --quick)")
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    shape = QUICK if args.quick else FULL
+    rounds, steps, warmup = (args.rounds or (1 if args.quick else 4), args.steps or (1 if args.quick else 2),
+                             args.warmup or (1 if args.quick else 2))
+    command = command_line("bench_vs_hf.py", argv)
+    results, rows = [], []
     for dtype in args.dtypes.split(","):
-        r = compare(dtype, args.rounds, args.steps, args.warmup)
-        line = (f"| {dtype} | {r['hf_ms']:.0f} | {r['megalite_ms']:.0f} | **{r['ratio']:.2f}x** | "
-                f"{100 * r['megalite_util']:.0f}% | {100 * r['hf_util']:.0f}% | {r['peak_tflops']:.2f} | {r['samples']} |")
-        print(line, flush=True)
-        lines.append(line)
-    write_results(args.results, lines)
-
-
-def write_results(path: str, lines: list[str]) -> None:
-    """Replace this benchmark's section of RESULTS.md, keeping the others."""
-    replace_section("bench_vs_hf", [
-        "## megalite vs transformers, single-process training",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.system()}; "
-        f"{time.strftime('%Y-%m-%d')}. Command: `python bench/bench_vs_hf.py`.",
-        f"Llama {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads / {KV_HEADS} KV heads, SwiGLU {FFN}, vocab {VOCAB}, "
-        f"seq {SEQ}, micro-batch {MBS}; AdamW + clip 1.0. Ratio = HF ms / megalite ms (median per iteration).",
-        "", "| dtype | HF ms | megalite ms | ratio | megalite FLOP/s share of matmul peak | HF share | peak TFLOP/s | steps |",
-        "|---|---|---|---|---|---|---|---|", *lines], path)
+        results.append(compare(shape, dtype, rounds, steps, warmup))
+        rows.append(table_row(results[-1]))
+        print(rows[-1], flush=True)
+    headlines = [Headline(f"megalite vs transformers, single-process training, {r['dtype']}",
+                          "transformers LlamaForCausalLM, same model, batch and optimizer",
+                          f"{r['ratio']:.2f}x faster (HF ms / megalite ms)", command) for r in results]
+    body = [f"{shape.describe()}; AdamW + clip 1.0. Ratio = HF ms / megalite ms (median per iteration of "
+            f"{rounds * steps} steps per side after {warmup} warm-up, interleaved in {rounds} rounds).",
+            "", "| dtype | HF ms | megalite ms | ratio | megalite FLOP/s share of matmul peak | HF share | "
+            "peak TFLOP/s | steps |", "|---|---|---|---|---|---|---|---|", *rows]
+    publish(args, "bench_vs_hf", "megalite vs transformers, single-process training", command, headlines, body)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
