@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -17,7 +19,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from megalite.checkpoint_files import check_writable
-from megalite.checkpointing import has_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from megalite.checkpointing import (full_shape, has_checkpoint, load_checkpoint, param_entries, restore_rng,
+                                   save_checkpoint)
 from megalite.config import MegaliteConfig
 from megalite.context_parallel.ring_attention import (build_context_parallel, context_parallel_loss,
                                                       slice_for_context_parallel)
@@ -104,6 +107,14 @@ def build_trainer(config: MegaliteConfig) -> Trainer:
 
 
 # ---- data ----------------------------------------------------------------------------------------
+def ignore_stop_signals(_worker_id: int) -> None:
+    """Data-loader workers ignore SIGTERM/SIGINT. torchrun and SLURM signal every process of a rank,
+    and a worker dying first would kill the rank before --exit-signal-handler could save; the rank
+    shuts its workers down itself."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def build_data_iterators(trainer: Trainer, tokenizer):
     cfg, t = trainer.config, trainer.config.training
     evaluations = t.train_iters // t.eval_interval + 1 if t.eval_iters > 0 else 0
@@ -119,7 +130,7 @@ def build_data_iterators(trainer: Trainer, tokenizer):
                                              trainer.parallel.dp_rank, trainer.parallel.dp_size)
         loader = DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.data.num_workers,
                             pin_memory=trainer.device.type == "cuda",
-                            persistent_workers=cfg.data.num_workers > 0)
+                            persistent_workers=cfg.data.num_workers > 0, worker_init_fn=ignore_stop_signals)
         return iter(loader)
 
     return (iterator(train, trainer.state.consumed_train_samples),
@@ -223,7 +234,14 @@ def _evaluate(trainer: Trainer, data_iterator, num_batches: int) -> float:
 
 
 # ---- the loop ------------------------------------------------------------------------------------
-def pretrain(config: MegaliteConfig, print_fn=print) -> TrainState:
+def print_line(text: str) -> None:
+    """One write per line, flushed: ranks share torchrun's stdout, and print()'s separate write of the
+    newline lets another rank's line land in the middle."""
+    sys.stdout.write(f"{text}\n")
+    sys.stdout.flush()
+
+
+def pretrain(config: MegaliteConfig, print_fn=print_line) -> TrainState:
     if config.training.save:
         check_writable(config.training.save)
     trainer = build_trainer(config)
@@ -284,10 +302,24 @@ def save(trainer: Trainer, log) -> None:
 
 
 def report_parameters(trainer: Trainer, log) -> None:
-    n = sum(p.numel() for p in trainer.model.parameters())
+    n = count_model_parameters(trainer)
     log(f" > number of parameters: {n} ({n / 1e6:.2f}M); global batch {trainer.config.training.global_batch_size}"
         f" = {trainer.config.num_microbatches} micro-batches of {trainer.config.training.micro_batch_size}"
         f" x data-parallel {trainer.parallel.dp_size}")
+
+
+def count_model_parameters(trainer: Trainer) -> int:
+    """The whole model's parameters (full, unsharded shapes; vocabulary padded), whatever the layout:
+    each pipeline stage counts its own chunks once (one TP/CP/DP replica), the tied output copy not
+    again, and the stages' counts are summed. Collective: every rank calls it."""
+    p = trainer.parallel
+    counts_here = p.tp_rank == 0 and p.cp_rank == 0 and p.dp_rank == 0
+    local = sum(math.prod(full_shape(e.param)) for e in param_entries(trainer.chunks) if e.stored_here) if counts_here else 0
+    if p.world_size == 1:
+        return local
+    total = torch.tensor([local], dtype=torch.int64, device=trainer.device)
+    torch.distributed.all_reduce(total)
+    return int(total.item())
 
 
 def train(trainer: Trainer, train_iter, valid_iter, log, sinks) -> None:

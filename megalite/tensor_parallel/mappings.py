@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 
 
-# torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single; older releases have only the first
+# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single (the old names warn);
+# older releases have only the old names
 _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _world(group) -> int:
@@ -40,7 +42,7 @@ def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     world = _world(group)
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_into(out, x, group=group)
     return out.movedim(0, dim)
 
 
