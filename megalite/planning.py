@@ -70,7 +70,6 @@ class Layout:
     recompute: str = "none"          # none | selective | full (uniform, one layer per checkpoint)
     sharding: str = "no_shard"       # no_shard | optim (ZeRO-1) | optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3)
     sequence_parallel: bool = True   # only meaningful with tp > 1
-    overlap_grad_reduce: bool = True # what the planner recommends; pinned from a command line by workload_and_layout
 
     @property
     def num_gpus(self) -> int:
@@ -375,15 +374,13 @@ def zero_reduction_buffers(workload: Workload, layout: Layout, params: StagePara
     """ZeRO-2/3 gradient temporaries alive at the activation peak.
 
     Each micro-batch's gradients of a bucket are collected in a full-size fp32 bucket tensor and
-    reduce-scattered into an fp32 chunk; both are freed when that reduction completes (ddp.py
-    ``_finish_inflight``). Without --overlap-grad-reduce that is at once; with it, a bucket's reduction
-    is completed when the next micro-batch's gradients of the same bucket are ready, so the previous
-    micro-batch's temporaries, 4(1 + 1/d) B/param, are still held at the last micro-batch's loss.
-    Plus the current micro-batch's first bucket: ZeRO-2's (all parameters, up to Megatron's
+    reduce-scattered into an fp32 chunk; megalite's data-parallel wrapper keeps both until the next
+    step's zero_grad (ddp.py ``_retired``, kept alive for gloo's asynchronous collectives). At the
+    last micro-batch's loss the m - 1 earlier micro-batches' temporaries are held, 4(1 + 1/d) B/param,
+    plus the current micro-batch's first bucket: ZeRO-2's (all parameters, up to Megatron's
     40M-element bucket), ZeRO-3's root unit (embeddings and output layer) or, on a middle pipeline
     stage, its last layer."""
-    in_flight = 1 if layout.overlap_grad_reduce and num_microbatches > 1 else 0
-    earlier = in_flight * GRAD_BYTES * params.total * (1 + 1 / layout.dp)
+    earlier = (num_microbatches - 1) * GRAD_BYTES * params.total * (1 + 1 / layout.dp)
     if layout.sharding == "optim_grads":
         current = min(params.total, 40_000_000)
     else:
@@ -784,6 +781,5 @@ def workload_and_layout(config: MegaliteConfig) -> tuple[Workload, Layout]:
     layout = Layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.data_parallel_size, chunks,
                     train.micro_batch_size, config.model.recompute_granularity or "none",
                     par.data_parallel_sharding_strategy,
-                    sequence_parallel=par.sequence_parallel or par.tensor_model_parallel_size == 1,   # (moot at TP=1)
-                    overlap_grad_reduce=par.overlap_grad_reduce or par.data_parallel_size == 1)   # (moot at DP=1)
+                    sequence_parallel=par.sequence_parallel or par.tensor_model_parallel_size == 1)   # (moot at TP=1)
     return workload, layout

@@ -139,6 +139,7 @@ class DistributedDataParallel:
         self._param_gather_work: dict[int, object] = {}
         self._gather_work: dict[int, object] = {}
         self._inflight: dict[int, tuple] = {}
+        self._retired: list = []             # ZeRO-2/3 temporaries of finished reductions, freed next step
         self._scalar = torch.zeros(1, dtype=torch.float64, device=self.buffer.params[0].device)
         self._reset_step_state()
         self._hooks = []
@@ -190,6 +191,7 @@ class DistributedDataParallel:
     def zero_grad(self) -> None:
         self.buffer.zero_grad()
         self._reset_step_state()
+        self._retired.clear()
 
     @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
@@ -257,9 +259,10 @@ class DistributedDataParallel:
     def _finish_inflight(self, bucket: Bucket) -> None:
         entry = self._inflight.pop(bucket.index, None)
         if entry is not None:
-            work, out, _ = entry      # the full-bucket temporary is freed here, once its reduction is done
+            work, out, temp = entry
             work.wait()
             self.buffer.local_grad_chunk(bucket).add_(out)
+            self._retired.append((out, temp))
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
