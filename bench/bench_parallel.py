@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama_flags import llama_argv  # noqa: E402
 from results import Headline, add_common_args, command_line, publish  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,15 +60,7 @@ QUICK = replace(FULL, layers=2, seq=128, gbs=8)
 
 
 def model_args(shape: Shape) -> list[str]:
-    return [
-        "--num-layers", str(shape.layers), "--hidden-size", str(shape.hidden), "--ffn-hidden-size", str(shape.ffn),
-        "--num-attention-heads", str(shape.heads), "--group-query-attention", "--num-query-groups", str(shape.kv_heads),
-        "--seq-length", str(shape.seq), "--max-position-embeddings", str(shape.seq), "--position-embedding-type",
-        "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-        "--untie-embeddings-and-output-weights", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
-        "--micro-batch-size", str(shape.mbs), "--global-batch-size", str(shape.gbs), "--lr", "1e-4",
-        "--weight-decay", "0.1", "--clip-grad", "1.0", "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", str(shape.vocab - 1), "--train-iters", "1000", "--eval-iters", "0"]
+    return llama_argv(shape, shape.mbs, shape.gbs)
 
 
 # ---- running N gloo ranks -------------------------------------------------------------------------------

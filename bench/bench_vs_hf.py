@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama_flags import llama_argv  # noqa: E402
 from results import Headline, add_common_args, command_line, publish  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,16 +51,7 @@ QUICK = replace(FULL, layers=2, seq=256, mbs=4)
 
 
 def megalite_args(shape: Shape) -> list[str]:
-    return [
-        "--num-layers", str(shape.layers), "--hidden-size", str(shape.hidden), "--ffn-hidden-size", str(shape.ffn),
-        "--num-attention-heads", str(shape.heads), "--group-query-attention", "--num-query-groups", str(shape.kv_heads),
-        "--seq-length", str(shape.seq), "--max-position-embeddings", str(shape.seq), "--position-embedding-type",
-        "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-        "--untie-embeddings-and-output-weights", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
-        "--micro-batch-size", str(shape.mbs), "--global-batch-size", str(shape.mbs), "--lr", "1e-4",
-        "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--clip-grad", "1.0", "--mock-data",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(shape.vocab - 1),   # NullTokenizer adds EOD
-        "--train-iters", "1000", "--eval-iters", "0"]
+    return llama_argv(shape, shape.mbs, shape.mbs) + ["--adam-beta1", "0.9", "--adam-beta2", "0.95"]
 
 
 def random_batches(shape: Shape):

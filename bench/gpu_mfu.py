@@ -37,6 +37,7 @@ import traceback
 from dataclasses import dataclass, replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama_flags import llama_argv  # noqa: E402
 from results import Headline, add_common_args, command_line, publish  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,16 +129,8 @@ def peak_tflops(device_name: str, override: float | None = None) -> float | None
 # ---- the two sides (run inside worker processes) --------------------------------------------------
 def megalite_argv(run: Run) -> list[str]:
     s = run.shape
-    argv = [
-        "--num-layers", str(s.layers), "--hidden-size", str(s.hidden), "--ffn-hidden-size", str(s.ffn),
-        "--num-attention-heads", str(s.heads), "--group-query-attention", "--num-query-groups", str(s.kv_heads),
-        "--seq-length", str(s.seq), "--max-position-embeddings", str(s.seq), "--position-embedding-type", "rope",
-        "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-        "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--bf16",
-        "--micro-batch-size", str(run.micro_batch), "--global-batch-size", str(run.micro_batch * run.accumulation),
-        "--lr", "1e-4", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--clip-grad", "1.0",
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(s.vocab - 1),   # + EOD = vocab
-        "--train-iters", "1000", "--eval-iters", "0"]
+    argv = llama_argv(s, run.micro_batch, run.micro_batch * run.accumulation) + [
+        "--bf16", "--adam-beta1", "0.9", "--adam-beta2", "0.95"]
     if run.recompute:
         argv += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     return argv

@@ -93,13 +93,16 @@ def peak_rss_bytes() -> int:
 
 
 class Throughput:
-    """Per-interval rates for one run: tokens/s, model TFLOP/s per device and MFU."""
+    """Per-interval rates for one run: tokens/s, model TFLOP/s per device, MFU, and Megatron's
+    "throughput per GPU (TFLOP/s/GPU)" when given Megatron's FLOPs per iteration (--log-throughput)."""
 
-    def __init__(self, model: ModelConfig, global_batch_size: int, world_size: int, peak_flops: float | None):
+    def __init__(self, model: ModelConfig, global_batch_size: int, world_size: int, peak_flops: float | None,
+                 megatron_flops_per_iteration: float | None = None):
         self.tokens_per_iteration = global_batch_size * model.seq_length
         self.flops_per_token = model_flops_per_token(model)
         self.world_size = world_size
         self.peak_flops = peak_flops
+        self.megatron_flops_per_iteration = megatron_flops_per_iteration
 
     def rates(self, seconds_per_iteration: float) -> dict[str, float]:
         tokens_per_second = self.tokens_per_iteration / seconds_per_iteration
@@ -108,4 +111,7 @@ class Throughput:
                  "model TFLOP/s per device": per_device * self.flops_per_token / 1e12}
         if self.peak_flops:
             rates["MFU"] = per_device * self.flops_per_token / self.peak_flops
+        if self.megatron_flops_per_iteration is not None:
+            rates["throughput (TFLOP/s/GPU)"] = (self.megatron_flops_per_iteration / seconds_per_iteration
+                                                 / self.world_size / 1e12)
         return rates

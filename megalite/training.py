@@ -325,11 +325,11 @@ def count_model_parameters(trainer: Trainer) -> int:
 def train(trainer: Trainer, train_iter, valid_iter, log, sinks) -> None:
     cfg, t, state = trainer.config, trainer.config.training, trainer.state
     interval = IntervalStats()
-    flops = flops_per_iteration(cfg.model, t.global_batch_size) if t.log_throughput else None
     peak, peak_source = peak_flops_per_device(t.peak_flops, trainer.device)
     log(f" > MFU against {peak / 1e12:g} TFLOP/s per device from {peak_source}" if peak
         else f" > MFU not reported: {peak_source}")
-    throughput = Throughput(cfg.model, t.global_batch_size, trainer.parallel.world_size, peak)
+    megatron_flops = flops_per_iteration(cfg.model, t.global_batch_size) if t.log_throughput else None
+    throughput = Throughput(cfg.model, t.global_batch_size, trainer.parallel.world_size, peak, megatron_flops)
     interval_start = time.perf_counter()
     exits = ExitConditions(t.exit_signal_handler, t.exit_duration_in_mins, t.exit_interval, trainer.device)
     try:
@@ -344,7 +344,7 @@ def train(trainer: Trainer, train_iter, valid_iter, log, sinks) -> None:
                 handle_nonfinite_step(trainer, loss, result, log)
             elif not result.update_successful:
                 state.skipped_iterations += 1      # fp16 overflow: the loss scaler backs off
-            interval_start = after_iteration(trainer, interval, interval_start, (flops, throughput), valid_iter,
+            interval_start = after_iteration(trainer, interval, interval_start, throughput, valid_iter,
                                              log, sinks)
             state.exit_reason = exits.check(state.iteration)
             if state.exit_reason:
@@ -369,13 +369,13 @@ def handle_nonfinite_step(trainer: Trainer, loss: float, result, log) -> None:
     log(f" > {message}")
 
 
-def after_iteration(trainer: Trainer, interval, interval_start: float, speed, valid_iter, log, sinks) -> float:
-    """Logging, evaluation and periodic checkpoints after an iteration; returns the new interval start.
-    ``speed`` is (Megatron's FLOPs per iteration or None, a Throughput)."""
+def after_iteration(trainer: Trainer, interval, interval_start: float, throughput: Throughput, valid_iter, log,
+                    sinks) -> float:
+    """Logging, evaluation and periodic checkpoints after an iteration; returns the new interval start."""
     t, state = trainer.config.training, trainer.state
     if state.iteration % t.log_interval == 0:
         elapsed = (time.perf_counter() - interval_start) / interval.iterations
-        metrics = log_iteration(trainer, interval, elapsed, *speed, log)
+        metrics = log_iteration(trainer, interval, elapsed, throughput, log)
         if sinks is not None:
             sinks.log(state.iteration, metrics)
         interval.reset()
@@ -412,11 +412,10 @@ class IntervalStats:
         self.iterations, self.loss_sum, self.last_grad_norm = 0, 0.0, None
 
 
-def log_iteration(trainer: Trainer, interval: IntervalStats, seconds_per_iter: float, flops,
-                  throughput: Throughput, log) -> dict:
+def log_iteration(trainer: Trainer, interval: IntervalStats, seconds_per_iter: float, throughput: Throughput,
+                  log) -> dict:
     t, state = trainer.config.training, trainer.state
     loss = interval.loss_sum / interval.iterations
-    tflops = flops / seconds_per_iter / trainer.parallel.world_size / 1e12 if flops is not None else None
     rates = throughput.rates(seconds_per_iter)
     memory = memory_over_ranks(trainer)
     log(format_training_line(
@@ -424,7 +423,8 @@ def log_iteration(trainer: Trainer, interval: IntervalStats, seconds_per_iter: f
         elapsed_ms=1000.0 * seconds_per_iter, learning_rate=trainer.scheduler.lr,
         global_batch_size=t.global_batch_size, losses={"lm loss": loss}, loss_scale=trainer.optimizer.loss_scale,
         grad_norm=interval.last_grad_norm, skipped_iterations=state.skipped_iterations,
-        nan_iterations=state.nan_iterations, tflops_per_gpu=tflops, extra=line_extras(rates, memory)))
+        nan_iterations=state.nan_iterations, tflops_per_gpu=rates.get("throughput (TFLOP/s/GPU)"),
+        extra=line_extras(rates, memory)))
     timing = trainer.timers.report(interval.iterations)
     if timing:
         log(format_timers(timing))
@@ -434,8 +434,6 @@ def log_iteration(trainer: Trainer, interval: IntervalStats, seconds_per_iter: f
                "skipped iterations": state.skipped_iterations, "nan iterations": state.nan_iterations,
                **rates, **{f"memory {key} (MB)": mb for key, mb in memory.items()},
                **{f"time {name} (ms)": ms for name, ms in timing.items()}}
-    if tflops is not None:
-        metrics["throughput (TFLOP/s/GPU)"] = tflops
     return metrics
 
 

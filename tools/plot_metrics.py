@@ -90,13 +90,13 @@ def plot(paths: list[str], labels: list[str] | None, output_dir: str) -> list[st
     runs = [(labels[i] if labels else (os.path.basename(os.path.dirname(os.path.abspath(p))) if len(paths) > 1
                                         else ""), read_metrics(p)) for i, p in enumerate(paths)]
     os.makedirs(output_dir, exist_ok=True)
-    written = []
+    written, present = [], []
     for panel in PANELS:
         fig, ax = plt.subplots(figsize=(6, 4))
         if draw_panel(ax, panel, runs):
             written.append(_save(fig, os.path.join(output_dir, f"{panel}.png")))
+            present.append(panel)
         plt.close(fig)
-    present = [panel for panel in PANELS if os.path.join(output_dir, f"{panel}.png") in written]
     columns = 2
     rows = (len(present) + columns - 1) // columns
     fig, axes = plt.subplots(rows, columns, figsize=(12, 4 * rows), squeeze=False)
