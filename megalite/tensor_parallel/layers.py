@@ -5,12 +5,15 @@ input columns. Pairing them (QKV -> attention -> output projection; fc1 -> activ
 one all-reduce in forward and one in backward per pair, or with sequence parallelism an all-gather
 before the column layer and a reduce-scatter after the row layer.
 
-Every parameter records ``full_shape`` and ``take_shard(full) -> local`` so initialisation and
-checkpoints work with the unsharded tensor; ``tensor_model_parallel`` marks sharded parameters and
+Every parameter records ``full_shape``, ``partition_dim`` (the dimension its shard selects along, as in
+Megatron) and ``take_shard(full) -> local``; ``shard_positions`` turns those into the full-tensor rows
+and columns of the local elements, so initialisation and checkpoints address the unsharded tensor
+without ever building it. ``tensor_model_parallel`` marks sharded parameters and
 ``sequence_parallel`` replicated ones whose gradients differ per rank under sequence parallelism.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -36,11 +39,32 @@ class TensorParallel:
         return full.chunk(self.size, dim=dim)[self.rank]
 
 
-def _mark(param: nn.Parameter, full_shape, take_shard: Callable, sharded: bool) -> nn.Parameter:
+def _mark(param: nn.Parameter, full_shape, take_shard: Callable, sharded: bool, partition_dim: int = 0) -> nn.Parameter:
     param.full_shape = tuple(full_shape)
     param.take_shard = take_shard
+    param.partition_dim = partition_dim
     param.tensor_model_parallel = sharded
     return param
+
+
+def shard_positions(param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(rows, cols, full_cols): local element (i, j) of ``param`` (viewed as 2-D [rows, cols]) is element
+    (rows[i], cols[j]) of the full tensor viewed as 2-D [full_rows, full_cols], i.e. flat index
+    ``rows[i] * full_cols + cols[j]``. 1-D parameters are [n, 1].
+
+    Only index vectors as long as one dimension are built (never the full tensor): a shard selects
+    whole rows (``partition_dim`` 0: column-parallel weights, fused QKV / SwiGLU, vocabulary) or a block
+    of columns (``partition_dim`` 1: row-parallel weights)."""
+    full = tuple(getattr(param, "full_shape", param.shape))
+    full_rows, full_cols = full[0], (math.prod(full[1:]) if len(full) > 1 else 1)
+    take_shard = getattr(param, "take_shard", None)
+    rows, cols = torch.arange(full_rows), torch.arange(full_cols)
+    if take_shard is not None and getattr(param, "tensor_model_parallel", False):
+        if getattr(param, "partition_dim", 0) == 0:
+            rows = take_shard(rows).reshape(-1)
+        else:
+            cols = take_shard(cols.view(1, full_cols)).reshape(-1)
+    return rows, cols, full_cols
 
 
 class ColumnParallelLinear(nn.Module):
@@ -78,7 +102,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         self.weight = _mark(nn.Parameter(torch.empty(out_features, in_features // tp.size, dtype=dtype)),
-                            (out_features, in_features), lambda full: tp.chunk(full, dim=1), tp.size > 1)
+                            (out_features, in_features), lambda full: tp.chunk(full, dim=1), tp.size > 1,
+                            partition_dim=1)
         self.bias = None
         if bias:   # replicated; added once, after the reduction
             self.bias = _mark(nn.Parameter(torch.empty(out_features, dtype=dtype)), (out_features,),
