@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup bench clean-demo
+.PHONY: demo test test-slow setup bench clean-demo
 
 setup: $(STAMP)
 
@@ -22,8 +22,12 @@ $(STAMP): requirements.txt pyproject.toml
 demo: $(STAMP)
 	PY=$(PY) bash examples/demo.sh
 
+# the default suite; the long runs (marked slow) with: make test-slow
 test: $(STAMP)
-	WANDB_MODE=offline $(PY) -m pytest -q tests
+	WANDB_MODE=offline $(PY) -m pytest -q -m "not slow" tests
+
+test-slow: $(STAMP)
+	WANDB_MODE=offline $(PY) -m pytest -q -m slow tests
 
 # Every benchmark, written to bench/RESULTS.md (bench/run_all.py); BENCH_ARGS=--quick for a smoke test
 # written to bench/quick/RESULTS.md instead.

@@ -4,24 +4,33 @@
     python pretrain_gpt.py --num-layers 12 --hidden-size 768 ... --mock-data --tokenizer-type NullTokenizer ...
     torchrun --nproc_per_node N pretrain_gpt.py ...
 
-User mistakes end the run with one line on stderr and exit code 1.
+User mistakes end the run with one line on stderr and exit code 1; under torchrun the line is also
+its error file's message, so torchrun's "Root Cause" section shows it.
 """
+import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # run from a checkout without installing
 
 
 def main(argv: list[str]) -> int:
-    from megalite.arguments import compat_flags_used, parse_args
+    from megalite.arguments import parse_args, startup_notes
     from megalite.errors import UserError
+    try:
+        # before torch is imported (seconds): a flag mistake is reported at once, under torchrun by
+        # every rank before any of them can be stopped by another's exit
+        config = parse_args(argv)
+    except UserError as error:
+        report(error)
+        return 1
     from megalite.faults import CollectiveFailure
     from megalite.training import pretrain
     try:
-        config = parse_args(argv)
-        ignored = compat_flags_used(argv)
-        if ignored:
-            print(f" > accepted with no effect (megalite chooses its kernels itself): {' '.join(ignored)}")
+        if _is_logging_rank():
+            for note in startup_notes(argv):
+                print(f" > {note}", flush=True)
         pretrain(config)
         shut_down_distributed()
     except CollectiveFailure as error:
@@ -36,13 +45,37 @@ def main(argv: list[str]) -> int:
 
 
 def report(error) -> None:
-    """One line on stderr. Errors every rank hits alike (flags, NaN) are printed by rank 0 only;
-    a rank's own view of a failed collective by that rank, prefixed with it."""
+    """One line on stderr from every rank that failed, before it exits, and the same line in torchrun's
+    error file. Not from rank 0 only: when another rank exits first, torchrun SIGTERMs rank 0, which
+    may not have printed yet, and the user would see no error at all. A rank's own view of a failed
+    collective is prefixed with the rank."""
     rank, world = _env_int("RANK", "SLURM_PROCID", 0), _env_int("WORLD_SIZE", "SLURM_NTASKS", 1)
-    if getattr(error, "local", False):
-        print(f"error: rank {rank}: {error}" if world > 1 else f"error: {error}", file=sys.stderr)
-    elif rank == 0 or world <= 1:
-        print(f"error: {error}", file=sys.stderr)
+    local = getattr(error, "local", False) and world > 1
+    line = f"error: rank {rank}: {error}" if local else f"error: {error}"
+    write_torchrun_error_file(line)
+    # one write() of the whole line: ranks share torchrun's stderr, and print() writes the newline
+    # separately, so two ranks' lines could run together
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), f"{line}\n".encode())
+
+
+def write_torchrun_error_file(message: str) -> None:
+    """torchrun gives each worker TORCHELASTIC_ERROR_FILE; the agent reads the first failed worker's
+    file into its "Root Cause" section (the format torch.distributed.elastic's ErrorHandler writes)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(record, f)
+    except OSError:          # the line on stderr still reaches the user
+        pass
+
+
+def _is_logging_rank() -> bool:
+    """The last rank prints start-up lines, as training's own log (it holds the loss)."""
+    return _env_int("RANK", "SLURM_PROCID", 0) == _env_int("WORLD_SIZE", "SLURM_NTASKS", 1) - 1
 
 
 def _env_int(name: str, slurm_name: str, default: int) -> int:

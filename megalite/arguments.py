@@ -78,8 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-position-embeddings", type=_positive_int, help="default --seq-length")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
     g.add_argument("--rotary-base", type=_float, default=10000.0)
+    g.add_argument("--rotary-percent", type=_float, default=1.0,
+                   help="RoPE on this fraction of each head's dimensions, the rest pass through (partial rotary)")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=_float, default=1e-5)
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="zero-centred norm weights: the norm scales by (weight + 1), weights start at 0")
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--openai-gelu", action="store_true", help="tanh-approximated GELU (GPT-2)")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
@@ -89,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-dropout", type=_float, default=0.1)
     g.add_argument("--hidden-dropout", type=_float, default=0.1)
     g.add_argument("--make-vocab-size-divisible-by", type=_positive_int, default=128)
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="chunked vocabulary-parallel cross-entropy: fp32 logits of a chunk of tokens at a time")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1)
@@ -107,12 +113,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ddp-bucket-size", type=_positive_int,
                    help="elements per data-parallel gradient bucket (default max(40M, 1M x data-parallel size) with "
                         "--overlap-grad-reduce, else one bucket)")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="data-parallel gradient reductions in bf16 (gradient accumulation stays fp32)")
 
     g = p.add_argument_group("batch and optimizer")
     g.add_argument("--micro-batch-size", type=_positive_int)
     g.add_argument("--global-batch-size", type=_positive_int, help="default micro-batch-size x data-parallel size")
     g.add_argument("--train-iters", type=_positive_int)
     g.add_argument("--train-samples", type=_positive_int)
+    g.add_argument("--rampup-batch-size", nargs=3, type=_non_negative_int, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="grow the global batch from START by INCREMENT over SAMPLES samples to --global-batch-size")
+    g.add_argument("--step-batch-size-schedule",
+                   help='global batch size by tokens consumed, "THRESHOLD:BATCH ..." (K/M/B/T suffixes), e.g. '
+                        '"0:16 2.4B:320"; the last batch is the global batch size')
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="loss = sum over every token of the global batch / their count (not a mean of "
+                        "micro-batch means)")
     g.add_argument("--optimizer", choices=["adam"], default="adam", help="AdamW (decoupled weight decay)")
     g.add_argument("--lr", type=_float)
     g.add_argument("--min-lr", type=_float, default=0.0)
@@ -124,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-warmup-samples", type=_non_negative_int, default=0)
     g.add_argument("--lr-warmup-fraction", type=_float)
     g.add_argument("--lr-warmup-init", type=_float, default=0.0)
+    g.add_argument("--decoupled-lr", type=_positive_float,
+                   help="learning rate of the input embedding and output layer (the rest use --lr)")
+    g.add_argument("--decoupled-min-lr", type=_float,
+                   help="minimum learning rate of the input embedding and output layer (with --decoupled-lr)")
     g.add_argument("--lr-wsd-decay-style", choices=["exponential", "linear", "cosine", "minus_sqrt"],
                    default="exponential")
     g.add_argument("--lr-wsd-decay-iters", type=_positive_int)
@@ -158,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=_positive_int, help="vocabulary of NullTokenizer (eod is one past it)")
     g.add_argument("--num-workers", type=_non_negative_int, default=2)
     g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                   help="read each .bin file into memory instead of memory-mapping it")
+    g.add_argument("--tiktoken-pattern", choices=["v1", "v2"],
+                   help="pre-tokenisation pattern of Megatron's TikTokenizer; no other tokenizer uses it")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save")
@@ -173,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop (saving a checkpoint with --save) once training has run this long")
     g.add_argument("--exit-interval", type=_positive_int,
                    help="stop (saving a checkpoint with --save) at the first iteration that is a multiple of this")
+    g.add_argument("--ckpt-format", choices=CKPT_FORMATS,
+                   help="Megatron's checkpoint formats; megalite writes its own reshardable format whatever this says")
     g.add_argument("--skip-nan-iterations", action="store_true",
                    help="a NaN/Inf loss or gradient norm skips that update and training goes on (default: stop)")
 
@@ -190,8 +216,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-save-dir")
     g.add_argument("--metrics-file", help="JSON-lines metrics; default metrics.jsonl in --save/--tensorboard-dir/--wandb-save-dir")
     g.add_argument("--timing-log-level", type=_int, choices=[0, 1, 2], default=0)
+    g.add_argument("--log-params-norm", action="store_true", help="log the L2 norm of all parameters")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true", help="log the number of zero gradient elements")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="timers and Megatron's iteration-time also to tensorboard and wandb (they are always in the JSONL)")
+    g.add_argument("--profile", action="store_true",
+                   help="profile iterations [--profile-step-start, --profile-step-end) on --profile-ranks")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="with --profile on GPUs: torch.profiler traces (default: an nsys capture range); CPUs always "
+                        "use torch.profiler")
+    g.add_argument("--profile-step-start", type=_non_negative_int, default=10)
+    g.add_argument("--profile-step-end", type=_non_negative_int, default=12)
+    g.add_argument("--profile-ranks", nargs="+", type=_non_negative_int, default=[0])
     g.add_argument("--distributed-timeout-minutes", type=_positive_float, default=10,
                    help="a collective waiting longer than this (a rank died or hung) ends the run with an error")
+
+    g = p.add_argument_group("memory")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Python's garbage collector runs only at --manual-gc-interval iterations and around evaluation")
+    g.add_argument("--manual-gc-interval", type=_non_negative_int, default=0,
+                   help="with --manual-gc: collect every N iterations (0: not between training steps)")
+    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                   help="with --manual-gc: no collection before and after evaluation")
+    g.add_argument("--empty-unused-memory-level", type=_int, choices=[0, 1, 2], default=0,
+                   help="free the CUDA caching allocator's unused memory: 1 after forward-backward, 2 also after the "
+                        "optimizer step (no effect on CPUs)")
 
     g = p.add_argument_group("activation recomputation")
     g.add_argument("--recompute-granularity", choices=["full", "selective"])
@@ -202,6 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in COMPAT_NO_EFFECT:
         g.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], help=argparse.SUPPRESS)
+    g.add_argument("--attention-backend", choices=["flash", "fused", "unfused", "local", "auto"], help=argparse.SUPPRESS)
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                   dest="create_attention_mask_in_dataloader", help=argparse.SUPPRESS)
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], help=argparse.SUPPRESS)
+    g.add_argument("--fp8-amax-history-len", type=_positive_int, help=argparse.SUPPRESS)
+    g.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"], help=argparse.SUPPRESS)
+    g.add_argument("--fp8-param-gather", action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], help=argparse.SUPPRESS)
     return p
 
@@ -212,6 +268,42 @@ COMPAT_NO_EFFECT = ["--use-mcore-models", "--use-flash-attn", "--no-masked-softm
                     "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
                     "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--attention-softmax-in-fp32",
                     "--accumulate-allreduce-grads-in-fp32", "--use-rotary-position-embeddings"]
+
+CKPT_FORMATS = ["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"]
+
+
+def startup_notes(argv: list[str]) -> list[str]:
+    """One line per group of Megatron flags that megalite accepts but decides for itself (kernels,
+    formats), saying what it does instead; printed once at start-up."""
+    args = build_parser().parse_args(argv)
+    notes = []
+    ignored = compat_flags_used(argv)
+    if ignored:
+        notes.append(f"accepted with no effect (megalite chooses its kernels itself): {' '.join(ignored)}")
+    if args.attention_backend is not None or not args.create_attention_mask_in_dataloader:
+        given = " ".join(f for f in ("--attention-backend", "--no-create-attention-mask-in-dataloader") if f in argv)
+        notes.append(f"{given}: megalite uses torch's scaled_dot_product_attention (flash/memory-efficient kernels "
+                     "where the device has them) with a causal flag, and its data loader never builds an attention "
+                     "mask")
+    if args.ckpt_format is not None:
+        notes.append(f"--ckpt-format {args.ckpt_format}: megalite writes its own reshardable format (safetensors + "
+                     "metadata.json, loadable at any layout) whatever the format named")
+    fp8 = [f for f in ("--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather")
+           if f in argv]
+    if fp8:
+        notes.append(f"{' '.join(fp8)}: megalite has no FP8 (Transformer Engine) kernels; matrix multiplies run in "
+                     f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}")
+    if args.decoupled_lr is not None:
+        # parsed into OptimizerConfig.decoupled_lr/decoupled_min_lr; the optimizer does not apply them yet
+        notes.append(f"--decoupled-lr {args.decoupled_lr:g}: not applied yet: the input embedding and output layer "
+                     f"train at --lr {args.lr:g} like every other parameter")
+    if "--tokenizer-type" not in argv and args.vocab_file and args.merge_file:
+        notes.append("no --tokenizer-type: --vocab-file and --merge-file are read as GPT2BPETokenizer")
+    if args.tiktoken_pattern is not None and args.tokenizer_type != "TikTokenizer":
+        notes.append(f"--tiktoken-pattern {args.tiktoken_pattern}: only Megatron's TikTokenizer uses it; "
+                     f"--tokenizer-type {args.tokenizer_type} does not")
+    return notes
+
 
 # ---- derived values and validation ----------------------------------------------------------------
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
@@ -257,6 +349,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
     if args.position_embedding_type == "rope" and head_dim % 2:
         raise UserError(f"rope needs an even head dimension, got {head_dim} (--kv-channels or --hidden-size/--num-attention-heads)")
+    _validate_rotary_percent(args, head_dim)
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
         raise UserError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                         f"{args.max_position_embeddings}; raise --max-position-embeddings")
@@ -273,6 +366,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _validate_lr(args)
     _validate_data(args)
     _validate_checkpointing(args)
+    _validate_logging(args)
     _validate_output_paths(args)
 
 
@@ -293,6 +387,24 @@ def _validate_ranges(args) -> None:
             raise UserError(f"{flag} must be {'>=' if inclusive else '>'} {low:g}, got {value:g}")
     if args.seed > MAX_SEED:
         raise UserError(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
+
+
+def rotary_dim(head_dim: int, rotary_percent: float) -> int:
+    """Dimensions of each head that RoPE rotates (Megatron: int(kv_channels * rotary_percent))."""
+    return int(head_dim * rotary_percent)
+
+
+def _validate_rotary_percent(args, head_dim: int) -> None:
+    if not 0.0 < args.rotary_percent <= 1.0:
+        raise UserError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent:g}")
+    if args.rotary_percent == 1.0:
+        return
+    if args.position_embedding_type != "rope":
+        raise UserError(f"--rotary-percent {args.rotary_percent:g} needs --position-embedding-type rope")
+    dim = rotary_dim(head_dim, args.rotary_percent)
+    if dim < 2 or dim % 2:
+        raise UserError(f"--rotary-percent {args.rotary_percent:g} rotates {dim} of the head's {head_dim} dimensions; "
+                        "RoPE needs an even number >= 2: choose a percent giving an even count")
 
 
 def _validate_tensor_parallel(args) -> None:
@@ -362,18 +474,95 @@ def _validate_batch(args, world_size: int) -> None:
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise UserError(f"--global-batch-size {args.global_batch_size} must be divisible by --micro-batch-size "
                         f"{args.micro_batch_size} x data-parallel size {dp}")
-    if args.train_samples is not None and args.train_samples < args.global_batch_size:
-        raise UserError(f"--train-samples {args.train_samples} is less than one global batch (--global-batch-size "
-                        f"{args.global_batch_size}); train for at least one iteration")
+    args.batch_size_schedule = batch_size_schedule(args, dp)
+    first_batch = args.batch_size_schedule[0][1] if args.batch_size_schedule else args.global_batch_size
+    if args.train_samples is not None and args.train_samples < first_batch:
+        raise UserError(f"--train-samples {args.train_samples} is less than one global batch ({first_batch}); "
+                        "train for at least one iteration")
     from megalite.pipeline_parallel.stages import check_pipeline_split
-    check_pipeline_split(args.num_layers, args.pipeline_model_parallel_size,
-                         args.num_layers_per_virtual_pipeline_stage,
-                         args.global_batch_size // (args.micro_batch_size * dp))
+    for batch in sorted({args.global_batch_size, *(b for _, b in args.batch_size_schedule)}):
+        check_pipeline_split(args.num_layers, args.pipeline_model_parallel_size,
+                             args.num_layers_per_virtual_pipeline_stage, batch // (args.micro_batch_size * dp))
+
+
+def batch_size_schedule(args, dp: int) -> list[tuple[int, int]]:
+    """[(consumed samples from which it applies, global batch size), ...] for --rampup-batch-size or
+    --step-batch-size-schedule (empty without one); sets args.global_batch_size to the final size.
+    Every size must split into micro-batches over the data-parallel ranks."""
+    if args.rampup_batch_size and args.step_batch_size_schedule:
+        raise UserError("--rampup-batch-size and --step-batch-size-schedule are exclusive; give one")
+    if args.rampup_batch_size:
+        schedule = _rampup_schedule(args)
+    elif args.step_batch_size_schedule:
+        schedule = _parse_step_schedule(args.step_batch_size_schedule, args.seq_length)
+        final = schedule[-1][1]
+        if args.global_batch_size != final and args.global_batch_size != args.micro_batch_size * dp:
+            raise UserError(f"--global-batch-size {args.global_batch_size} differs from the last batch size {final} "
+                            "of --step-batch-size-schedule; drop --global-batch-size or make them equal")
+        args.global_batch_size = final
+    else:
+        return []
+    unit = args.micro_batch_size * dp
+    for start, batch in schedule:
+        if batch % unit:
+            flag = "--rampup-batch-size" if args.rampup_batch_size else "--step-batch-size-schedule"
+            raise UserError(f"{flag}: the global batch size {batch} (from sample {start}) is not divisible by "
+                            f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}; choose sizes "
+                            f"that are multiples of {unit}")
+    return schedule
+
+
+def _rampup_schedule(args) -> list[tuple[int, int]]:
+    """Megatron's ramp-up: the batch is START + k * INCREMENT once int(consumed / (SAMPLES / n)) >= k, for
+    n = (global batch - START) / INCREMENT increments; the smallest such consumed count is ceil(k * SAMPLES / n)
+    (exact integer arithmetic)."""
+    start, increment, samples = args.rampup_batch_size
+    gbs = args.global_batch_size
+    if start < 1 or increment < 1:
+        raise UserError(f"--rampup-batch-size {start} {increment} {samples}: the start size and the increment must "
+                        "be >= 1")
+    if start > gbs or (gbs - start) % increment:
+        raise UserError(f"--rampup-batch-size {start} {increment} {samples}: --global-batch-size {gbs} must be START "
+                        "plus a whole number of INCREMENTs")
+    n = (gbs - start) // increment
+    if n == 0:
+        return [(0, gbs)]
+    return [(-(-k * samples // n), start + k * increment) for k in range(n + 1)]
+
+
+_SUFFIXES = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
+
+
+def _parse_step_schedule(text: str, seq_length: int) -> list[tuple[int, int]]:
+    """Megatron's "THRESHOLD:BATCH ..." (thresholds in tokens, converted to samples by seq_length)."""
+    def number(part: str) -> int:
+        part = part.strip().upper()
+        scale = _SUFFIXES.get(part[-1:], 1)
+        return int(float(part[:-1] if scale > 1 else part) * scale)
+
+    schedule = []
+    for entry in text.replace(",", " ").split():
+        try:
+            threshold, batch = entry.split(":", 1)
+            schedule.append((number(threshold) // seq_length, number(batch)))
+        except ValueError:
+            raise UserError(f"--step-batch-size-schedule: {entry!r} is not THRESHOLD:BATCH (e.g. 2.4B:320)") from None
+    schedule.sort()
+    if not schedule or schedule[0][0] != 0:
+        raise UserError("--step-batch-size-schedule must start with a batch size at threshold 0 (e.g. \"0:16 ...\")")
+    if any(b[0] == a[0] for a, b in zip(schedule, schedule[1:])) or any(batch < 1 for _, batch in schedule):
+        raise UserError(f"--step-batch-size-schedule {text!r}: thresholds must be distinct (in samples of "
+                        f"--seq-length {seq_length} tokens) and batch sizes >= 1")
+    return schedule
 
 
 def _validate_lr(args) -> None:
     if args.lr <= 0:
         raise UserError(f"--lr must be > 0, got {args.lr}")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise UserError("--decoupled-min-lr needs --decoupled-lr (the embedding and output layer's peak learning rate)")
+    if args.decoupled_lr is not None and not 0 <= (args.decoupled_min_lr or 0.0) <= args.decoupled_lr:
+        raise UserError(f"--decoupled-min-lr {args.decoupled_min_lr} must be in [0, --decoupled-lr {args.decoupled_lr}]")
     if args.min_lr < 0 or args.min_lr > args.lr:
         raise UserError(f"--min-lr {args.min_lr} must be in [0, --lr {args.lr}]")
     warmups = [f for f, v in (("--lr-warmup-iters", args.lr_warmup_iters), ("--lr-warmup-samples", args.lr_warmup_samples),
@@ -399,6 +588,9 @@ def _validate_data(args) -> None:
         raise UserError("no training data: give --data-path PREFIX (made by tools/preprocess_data.py) or --mock-data")
     if args.data_path and args.train_data_path:
         raise UserError("--data-path and --train-data-path are exclusive; give one")
+    if args.tokenizer_type is None and args.vocab_file and args.merge_file:
+        # a vocab.json with merges.txt is GPT-2's BPE (Megatron's GPT-3 example gives only the two files)
+        args.tokenizer_type = "GPT2BPETokenizer"
     if args.tokenizer_type is None:
         raise UserError("--tokenizer-type is required (GPT2BPETokenizer, SentencePieceTokenizer, "
                         "HuggingFaceTokenizer or NullTokenizer)")
@@ -406,6 +598,9 @@ def _validate_data(args) -> None:
         raise UserError(f"--vocab-size only applies to --tokenizer-type NullTokenizer (the {args.tokenizer_type} "
                         "vocabulary comes from its files); remove it")
     if args.split is not None:
+        # a job script's "--split '99,1,0'" reaches us with its quotes when word-split unquoted (Megatron
+        # reads only the numbers of the string, so it accepts them too)
+        args.split = args.split.strip().strip("'\"")
         parts = [x.strip() for x in args.split.replace("/", ",").split(",")]
         try:
             weights = [float(x) for x in parts]
@@ -413,6 +608,14 @@ def _validate_data(args) -> None:
             weights = []
         if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise UserError(f'--split {args.split!r} must be up to 3 non-negative weights like "969,30,1"')
+
+
+def _validate_logging(args) -> None:
+    if args.profile and args.profile_step_end <= args.profile_step_start:
+        raise UserError(f"--profile-step-end {args.profile_step_end} must be after --profile-step-start "
+                        f"{args.profile_step_start}")
+    if args.manual_gc_interval and not args.manual_gc:
+        raise UserError("--manual-gc-interval needs --manual-gc (without it Python collects on its own schedule)")
 
 
 def _validate_checkpointing(args) -> None:
@@ -455,7 +658,7 @@ def _validate_output_paths(args) -> None:
 CHECKPOINT_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
                          "max_position_embeddings", "position_embedding_type", "rotary_base", "normalization",
                          "norm_epsilon", "swiglu", "openai_gelu", "add_bias_linear", "add_qkv_bias",
-                         "untie_embeddings_and_output_weights")
+                         "untie_embeddings_and_output_weights", "rotary_percent", "apply_layernorm_1p")
 
 
 def apply_checkpoint_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -465,10 +668,10 @@ def apply_checkpoint_args(args: argparse.Namespace, parser: argparse.ArgumentPar
         return
     if not args.load:
         raise UserError("--use-checkpoint-args needs --load DIR (the checkpoint whose model flags to use)")
-    from megalite.checkpoint_files import CheckpointReader
+    from megalite.checkpoint_files import ARCHITECTURE_DEFAULTS, CheckpointReader
     reader = CheckpointReader(args.load)
     model = reader.metadata["model"]
-    saved = {name: model[name] for name in CHECKPOINT_MODEL_ARGS}
+    saved = {name: model.get(name, ARCHITECTURE_DEFAULTS.get(name)) for name in CHECKPOINT_MODEL_ARGS}
     gqa = model["num_query_groups"] != model["num_attention_heads"]
     saved.update(group_query_attention=gqa, num_query_groups=model["num_query_groups"] if gqa else None)
     for dest, value in saved.items():
@@ -566,7 +769,8 @@ def _model_config(args, true_vocab_size: int) -> ModelConfig:
         hidden_dropout=args.hidden_dropout,
         params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers)
+        recompute_num_layers=args.recompute_num_layers, rotary_percent=args.rotary_percent,
+        apply_layernorm_1p=args.apply_layernorm_1p, cross_entropy_loss_fusion=args.cross_entropy_loss_fusion)
 
 
 def _parallel_config(args, world_size: int) -> ParallelConfig:
@@ -578,11 +782,25 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
         sequence_parallel=args.sequence_parallel, pipeline_schedule=args.pipeline_schedule,
         use_distributed_optimizer=sharding_strategy(args) != "no_shard",
         overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
-        data_parallel_sharding_strategy=sharding_strategy(args), ddp_bucket_size=args.ddp_bucket_size)
+        data_parallel_sharding_strategy=sharding_strategy(args), ddp_bucket_size=args.ddp_bucket_size,
+        grad_reduce_in_bf16=args.grad_reduce_in_bf16)
 
 
 def train_iters_of(args) -> int:
-    return args.train_iters if args.train_iters is not None else args.train_samples // args.global_batch_size
+    """--train-iters, or the whole global batches that fit in --train-samples (following the batch-size
+    schedule; a last partial batch is dropped, as Megatron does at constant batch size)."""
+    if args.train_iters is not None:
+        return args.train_iters
+    schedule = getattr(args, "batch_size_schedule", None)
+    if not schedule:
+        return args.train_samples // args.global_batch_size
+    iterations = consumed = 0
+    for i, (start, batch) in enumerate(schedule):
+        end = schedule[i + 1][0] if i + 1 < len(schedule) else args.train_samples
+        while consumed < end and consumed + batch <= args.train_samples:
+            consumed += batch
+            iterations += 1
+    return iterations
 
 
 def _optimizer_config(args) -> OptimizerConfig:
@@ -607,7 +825,10 @@ def _optimizer_config(args) -> OptimizerConfig:
         fp16=args.fp16, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
         lr_decay_style=args.lr_decay_style, lr_decay_iters=decay_iters, lr_warmup_iters=warmup,
-        lr_warmup_init=args.lr_warmup_init, lr_wsd_decay_style=args.lr_wsd_decay_style, lr_wsd_decay_iters=wsd)
+        lr_warmup_init=args.lr_warmup_init, lr_wsd_decay_style=args.lr_wsd_decay_style, lr_wsd_decay_iters=wsd,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr if args.decoupled_min_lr is not None else
+        (args.min_lr if args.decoupled_lr is not None else None))
 
 
 def _data_config(args) -> DataConfig:
@@ -616,7 +837,8 @@ def _data_config(args) -> DataConfig:
         test_data_path=args.test_data_path, split=args.split or "969, 30, 1", data_cache_path=args.data_cache_path,
         mock_data=args.mock_data, tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
         vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
-        num_workers=args.num_workers, eod_mask_loss=args.eod_mask_loss, seq_length=args.seq_length)
+        num_workers=args.num_workers, eod_mask_loss=args.eod_mask_loss, seq_length=args.seq_length,
+        mmap_bin_files=args.mmap_bin_files)
 
 
 def _training_config(args) -> TrainingConfig:
@@ -631,7 +853,14 @@ def _training_config(args) -> TrainingConfig:
         use_checkpoint_args=args.use_checkpoint_args, exit_signal_handler=args.exit_signal_handler,
         exit_duration_in_mins=args.exit_duration_in_mins, exit_interval=args.exit_interval,
         skip_nan_iterations=args.skip_nan_iterations, peak_flops=args.peak_flops,
-        distributed_timeout_minutes=args.distributed_timeout_minutes)
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        batch_size_schedule=args.batch_size_schedule, calculate_per_token_loss=args.calculate_per_token_loss,
+        log_params_norm=args.log_params_norm, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        log_timers_to_tensorboard=args.log_timers_to_tensorboard, manual_gc=args.manual_gc,
+        manual_gc_interval=args.manual_gc_interval, manual_gc_eval=args.manual_gc_eval,
+        empty_unused_memory_level=args.empty_unused_memory_level, profile=args.profile,
+        profile_step_start=args.profile_step_start, profile_step_end=args.profile_step_end,
+        profile_ranks=list(args.profile_ranks), use_pytorch_profiler=args.use_pytorch_profiler)
 
 
 def compat_flags_used(argv: list[str]) -> list[str]:

@@ -1,42 +1,59 @@
-"""megalite's checkpoint directory: safetensors files of full tensors by global name, plus metadata.
+"""megalite's checkpoint directory: safetensors files plus metadata.json with an index of every tensor.
 
     SAVE_DIR/
       latest_checkpointed_iteration.txt      "10"  (Megatron's tracker file, replaced atomically)
       iter_0000010/
         metadata.json                        iteration, model config, run arguments, train state,
                                              scheduler, loss scaler, and the tensor index
-        model-pp000.safetensors              weights of pipeline stage 0, full (unsharded) tensors
-        optimizer-pp000.safetensors          fp32 master weights and Adam moments, same names
+        model-pp000[-tp001][-dp00002].safetensors       the parts of the weights one rank owns
+        optimizer-pp000[-tp001][-dp00002].safetensors   its parts of the fp32 master weights and Adam moments
         rng-rank00000.safetensors            each rank's generator states (same-layout resume)
 
-Tensors are stored under their global names and full shapes, the vocabulary trimmed to the
-tokenizer's true size, so the checkpoint does not depend on the layout that wrote it. Nothing is
-pickled: tensors go through safetensors and everything else through JSON, so loading never runs code.
+Every tensor has a global name and its full shape (the vocabulary trimmed to the tokenizer's true
+size), so the checkpoint does not depend on the layout that wrote it. A training save is written in
+shards: each rank writes the parts it owns (checkpointing.py), and the index in metadata.json says
+where each part of each tensor is:
 
-The tensor index in metadata.json records each tensor's file, shape, dtype and CRC-32, so a missing,
-truncated, corrupt or mismatched tensor is reported by name. A save is written to ``iter_N.tmp`` and
-published by renaming it to ``iter_N`` once every rank has finished; the tracker file is replaced
-last. A crash mid-save therefore leaves the previous checkpoint as the latest one.
+    "tensors": {"decoder.layers.0.mlp.linear_fc1.weight": {"shape": [352, 64], "dtype": "F32",
+                 "pieces": [{"file": "model-pp000-tp000.safetensors", "key": "...weight[0:176,0:64]",
+                             "box": [[0, 176], [0, 64]], "crc32": 1234}, ...]}, ...}
+
+A piece is a rectangle ("box": rows [r0, r1) x columns [c0, c1)) of the tensor viewed 2-D as
+[shape[0], rest], stored 2-D under ``key``; a piece covering the whole tensor is stored under the
+tensor's own name and shape. Format 1 entries, still read, are one whole tensor:
+``{"file", "shape", "dtype", "crc32"}`` (tools/convert_checkpoint.py writes these).
+
+Nothing is pickled: tensors go through safetensors and everything else through JSON, so loading never
+runs code. Reading streams each piece in bounded row blocks, checks its CRC-32 and copies only the
+parts the caller asks for (``read_into``). A missing, truncated, corrupt or mismatched tensor is
+reported by name. A save is written to ``iter_N.tmp`` and published by renaming it to ``iter_N``
+once every rank has finished; the tracker file is replaced last. A crash mid-save therefore leaves
+the previous checkpoint as the latest one.
 """
 from __future__ import annotations
 
 import json
 import os
+import math
 import shutil
+import struct
 import zlib
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from megalite.errors import UserError
 
 FORMAT = "megalite-checkpoint"
-VERSION = 1
+VERSION = 2                  # 2: tensors stored as pieces (any layout writes its shards); 1: whole tensors
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
 DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
                torch.uint8: "U8", torch.int32: "I32"}
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+STAGING_BYTES = 64 << 20     # host memory a tensor passes through at a time, when written or read
+
+Box = tuple[int, int, int, int]   # rows [r0, r1) x columns [c0, c1) of a tensor viewed 2-D
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -47,26 +64,69 @@ def temporary_dir(root: str, iteration: int) -> str:
     return iteration_dir(root, iteration) + ".tmp"
 
 
-def crc32(tensor: torch.Tensor) -> int:
-    """CRC-32 of the tensor's bytes (any dtype, via a uint8 view)."""
-    data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-    return zlib.crc32(data)
-
-
 # ---- writing -------------------------------------------------------------------------------------
 def write_tensor_file(directory: str, filename: str, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
-    """Write ``tensors`` to directory/filename; returns their entries for the tensor index."""
-    tensors = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
-    path = os.path.join(directory, filename)
-    save_file(tensors, path)
-    _fsync(path)
-    return {name: {"file": filename, "shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype], "crc32": crc32(t)}
-            for name, t in tensors.items()}
+    """Write ``tensors`` (contiguous, on any device) to directory/filename in the safetensors format;
+    returns their index records ``{key: {file, shape, dtype, crc32}}``.
+
+    Written by hand rather than with safetensors.torch.save_file so that a tensor passes through host
+    memory in blocks of STAGING_BYTES (save_file needs every tensor on the CPU at once), and its CRC-32
+    is computed in the same pass."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[key] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)          # the data starts 8-byte aligned, as safetensors writes it
+    records = {}
+    with open(os.path.join(directory, filename), "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for key, t in tensors.items():
+            crc = 0
+            for block in _byte_blocks(t):
+                f.write(block)
+                crc = zlib.crc32(block, crc)
+            records[key] = {"file": filename, "shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype], "crc32": crc}
+        f.flush()
+        os.fsync(f.fileno())
+    return records
+
+
+def _byte_blocks(tensor: torch.Tensor):
+    """The tensor's bytes, at most STAGING_BYTES at a time, as CPU uint8 arrays."""
+    flat = tensor.detach().contiguous().view(-1)
+    step = max(1, STAGING_BYTES // flat.element_size())
+    for start in range(0, flat.numel(), step):
+        yield flat[start:start + step].cpu().view(torch.uint8).numpy()
+
+
+def _as_bytes(tensor: torch.Tensor):
+    return tensor.contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def pieces_of(name: str, entry: dict) -> list[dict]:
+    """An index entry's pieces; a whole-tensor record (format 1, conversion tools, RNG states) is one
+    piece: the whole tensor, stored under its own name."""
+    if "pieces" in entry:
+        return entry["pieces"]
+    rows, cols = as_2d(entry["shape"])
+    return [{"file": entry["file"], "key": name, "box": [[0, rows], [0, cols]], "crc32": entry["crc32"]}]
+
+
+def as_2d(shape) -> tuple[int, int]:
+    """[rows, columns] of a tensor of ``shape`` viewed 2-D (1-D tensors are one column)."""
+    return shape[0], math.prod(shape[1:])
+
+
+def files_of(index: dict) -> set:
+    """The files an index (tensors, or one rank's RNG states) refers to."""
+    return {piece["file"] for name, entry in index.items() for piece in pieces_of(name, entry)}
 
 
 def write_metadata(directory: str, metadata: dict) -> None:
     metadata = {"format": FORMAT, "version": VERSION, **metadata}
-    files = {e["file"] for e in metadata.get("tensors", {}).values()} | set(metadata.get("rng_files", {}))
+    files = files_of(metadata.get("tensors", {})) | set(metadata.get("rng_files", {}))
     metadata["files"] = {name: os.path.getsize(os.path.join(directory, name)) for name in sorted(files)}
     path = os.path.join(directory, METADATA)
     with open(path, "w") as f:
@@ -169,7 +229,8 @@ def resolve_checkpoint_dir(path: str) -> str:
 
 
 class CheckpointReader:
-    """Reads one iter_N directory: metadata plus tensors by global name, each checked against the index."""
+    """Reads one iter_N directory: metadata, and tensors by global name (whole, or only the parts a
+    rank holds), each stored piece checked against the index."""
 
     def __init__(self, path: str):
         self.directory = resolve_checkpoint_dir(path)
@@ -185,7 +246,9 @@ class CheckpointReader:
         if self.metadata.get("version", 0) > VERSION:
             raise UserError(f"checkpoint {meta_path} has format version {self.metadata['version']}, newer than this "
                             f"megalite ({VERSION}); upgrade megalite")
-        self.index: dict[str, dict] = self.metadata.get("tensors", {})
+        self.index = self._checked_index(self.metadata.get("tensors", {}), meta_path)
+        self.rng_index = {filename: self._checked_index(entries, meta_path)
+                          for filename, entries in self.metadata.get("rng_files", {}).items()}
         self._check_file_sizes()
         self._open: dict[str, object] = {}
 
@@ -193,9 +256,35 @@ class CheckpointReader:
     def iteration(self) -> int:
         return int(self.metadata["iteration"])
 
+    @staticmethod
+    def _checked_index(raw: dict, meta_path: str) -> dict[str, dict]:
+        """Every entry as {shape, dtype, pieces}, its pieces inside the tensor and covering all of it."""
+        index = {}
+        for name, entry in raw.items():
+            try:
+                shape = [int(n) for n in entry["shape"]]
+                rows, cols = as_2d(shape)
+                pieces, covered = pieces_of(name, entry), 0
+                for piece in pieces:
+                    (r0, r1), (c0, c1) = piece["box"]
+                    numbers = (r0, r1, c0, c1, piece["crc32"])
+                    if not (all(type(n) is int for n in numbers) and 0 <= r0 < r1 <= rows and 0 <= c0 < c1 <= cols
+                            and isinstance(piece["key"], str) and isinstance(piece["file"], str)):
+                        raise ValueError(name)
+                    covered += (r1 - r0) * (c1 - c0)
+                if covered < rows * cols or entry["dtype"] not in TORCH_DTYPES:
+                    raise ValueError(name)
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+                raise UserError(f"checkpoint {meta_path} is corrupt (bad index entry for {name!r}); "
+                                "load an earlier checkpoint") from None
+            index[name] = {"shape": shape, "dtype": entry["dtype"], "pieces": pieces}
+        return index
+
     def _check_file_sizes(self) -> None:
         files = self.metadata.get("files", {})
-        named = {e.get("file") for e in self.index.values()} | set(self.metadata.get("rng_files", {})) | set(files)
+        named = files_of(self.index) | set(self.rng_index) | set(files)
+        for entries in self.rng_index.values():
+            named |= files_of(entries)
         for name in named:     # a crafted metadata.json must not make us read files outside the checkpoint
             if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
                 raise UserError(f"checkpoint {self.directory}/{METADATA} names the file {name!r} outside the "
@@ -225,30 +314,90 @@ class CheckpointReader:
         return self.index[name]
 
     def tensor(self, name: str) -> torch.Tensor:
-        """The full tensor ``name`` (CPU), verified against its recorded shape and CRC-32."""
-        return self._read(name, self._entry(name))
+        """The whole tensor ``name`` (CPU), assembled from its pieces (single-process consumers)."""
+        return self._whole(name, self._entry(name))
 
     def rng_tensors(self, filename: str) -> dict[str, torch.Tensor] | None:
         """One rank's generator states, or None when the checkpoint has none for that file."""
-        entries = self.metadata.get("rng_files", {}).get(filename)
+        entries = self.rng_index.get(filename)
         if entries is None:
             return None
-        return {name: self._read(name, entry) for name, entry in entries.items()}
+        return {name: self._whole(name, entry) for name, entry in entries.items()}
 
-    def _read(self, name: str, entry: dict) -> torch.Tensor:
-        path = os.path.join(self.directory, entry["file"])
+    def _whole(self, name: str, entry: dict) -> torch.Tensor:
+        rows, cols = as_2d(entry["shape"])
+        out = torch.empty(rows, cols, dtype=TORCH_DTYPES[entry["dtype"]])
+        self._fill(name, entry["pieces"], [((0, rows, 0, cols), out)])
+        return out.view(entry["shape"])
+
+    def read_into(self, targets: list[tuple[str, Box, torch.Tensor]]) -> None:
+        """For each target (name, box, out) copy the elements in ``box`` of the stored tensor ``name``
+        (viewed 2-D) into ``out``, a [r1 - r0, c1 - c0] tensor on any device, in any dtype. Only the
+        stored pieces that intersect some target are read, each once."""
+        wanted: dict[str, list] = {}
+        for name, box, out in targets:
+            wanted.setdefault(name, []).append((box, out))
+        for name, boxes in wanted.items():
+            self._fill(name, self._entry(name)["pieces"], boxes)
+
+    def _fill(self, name: str, pieces: list[dict], wanted: list[tuple[Box, torch.Tensor]]) -> None:
+        copied = [0] * len(wanted)
+        for piece in pieces:
+            (r0, r1), (c0, c1) = piece["box"]
+            hits = [i for i, ((a0, a1, b0, b1), _) in enumerate(wanted) if r0 < a1 and a0 < r1 and c0 < b1 and b0 < c1]
+            if hits:
+                counts = self._read_piece(name, piece, [wanted[i] for i in hits])
+                for i, n in zip(hits, counts):
+                    copied[i] += n
+        for ((r0, r1, c0, c1), _), n in zip(wanted, copied):
+            if n < (r1 - r0) * (c1 - c0):
+                raise UserError(f"checkpoint {self.directory} has no data for part of tensor {name!r} (rows {r0}-{r1}, "
+                                f"columns {c0}-{c1}); the checkpoint is incomplete, load an earlier one")
+
+    def _read_piece(self, name: str, piece: dict, wanted: list[tuple[Box, torch.Tensor]]) -> list[int]:
+        """Stream one stored piece in row blocks of at most STAGING_BYTES, copying the parts inside
+        ``wanted`` as they pass, and check its CRC-32 once all of it has been read. Returns the number
+        of elements copied into each target."""
+        (r0, r1), (c0, c1) = piece["box"]
+        rows, cols = r1 - r0, c1 - c0
+        path = os.path.join(self.directory, piece["file"])
         try:
-            handle = self._open.get(path)
-            if handle is None:
-                handle = self._open[path] = safe_open(path, framework="pt", device="cpu")
-            t = handle.get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise UserError(f"checkpoint tensor {name!r} in {path} cannot be read ({str(e).splitlines()[0]}); "
-                            "the file is corrupt, load an earlier checkpoint") from None
-        if list(t.shape) != list(entry["shape"]) or crc32(t) != entry["crc32"]:
-            raise UserError(f"checkpoint tensor {name!r} in {path} is corrupt (checksum mismatch); "
-                            "load an earlier checkpoint")
-        return t
+            if path not in self._open:
+                self._open[path] = safe_open(path, framework="pt", device="cpu")
+            stored = self._open[path].get_slice(piece["key"])
+            shape, dtype = stored.get_shape(), TORCH_DTYPES[stored.get_dtype()]
+        except (SafetensorError, OSError, RuntimeError, ValueError, KeyError) as e:
+            raise self._unreadable(name, path, e) from None
+        if not shape or shape[0] != rows or math.prod(shape) != rows * cols:
+            raise self._corrupt(name, path)
+        copied, crc = [0] * len(wanted), 0
+        step = max(1, STAGING_BYTES // (cols * dtype.itemsize))
+        for a in range(r0, r1, step):
+            b = min(a + step, r1)
+            try:
+                block = stored[a - r0:b - r0]
+            except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+                raise self._unreadable(name, path, e) from None
+            crc = zlib.crc32(_as_bytes(block), crc)
+            block = block.reshape(b - a, cols)
+            for i, ((t0, t1, u0, u1), out) in enumerate(wanted):
+                lo, hi, left, right = max(a, t0), min(b, t1), max(c0, u0), min(c1, u1)
+                if lo < hi and left < right:
+                    out[lo - t0:hi - t0, left - u0:right - u0].copy_(block[lo - a:hi - a, left - c0:right - c0])
+                    copied[i] += (hi - lo) * (right - left)
+        if crc != piece["crc32"]:
+            raise self._corrupt(name, path)
+        return copied
+
+    @staticmethod
+    def _unreadable(name: str, path: str, error: Exception) -> UserError:
+        return UserError(f"checkpoint tensor {name!r} in {path} cannot be read ({str(error).splitlines()[0]}); "
+                         "the file is corrupt, load an earlier checkpoint")
+
+    @staticmethod
+    def _corrupt(name: str, path: str) -> UserError:
+        return UserError(f"checkpoint tensor {name!r} in {path} is corrupt (checksum mismatch); "
+                         "load an earlier checkpoint")
 
 
 # ---- the model's description ---------------------------------------------------------------------
@@ -257,7 +406,15 @@ class CheckpointReader:
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
                        "num_query_groups", "seq_length", "max_position_embeddings", "vocab_size",
                        "position_embedding_type", "rotary_base", "normalization", "norm_epsilon", "swiglu",
-                       "openai_gelu", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights")
+                       "openai_gelu", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
+                       "rotary_percent", "apply_layernorm_1p")
+# values of fields added after checkpoints were first written, for metadata that lacks them
+ARCHITECTURE_DEFAULTS = {"rotary_percent": 1.0, "apply_layernorm_1p": False}
+
+
+def with_architecture_defaults(model: dict) -> dict:
+    """metadata["model"] with the fields older checkpoints lack filled in."""
+    return {**ARCHITECTURE_DEFAULTS, **model}
 
 
 def model_metadata(config) -> dict:
@@ -270,6 +427,7 @@ def model_config_from_metadata(model: dict, make_vocab_size_divisible_by: int = 
     """A ModelConfig for metadata["model"] (dropout off by default: inference and conversion)."""
     from megalite.arguments import padded_vocab_size
     from megalite.config import ModelConfig
+    model = with_architecture_defaults(model)
     fields = {name: model[name] for name in ARCHITECTURE_FIELDS}
     fields.update(attention_dropout=0.0, hidden_dropout=0.0, params_dtype=model.get("params_dtype", "float32"))
     fields.update(overrides)

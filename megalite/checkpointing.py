@@ -1,23 +1,27 @@
-"""Save and load training checkpoints at any TP x PP x DP x ZeRO layout, and load_model for inference.
+"""Save and load training checkpoints at any TP x PP x DP x ZeRO x CP layout, and load_model for inference.
 
-On disk (checkpoint_files.py) every tensor is the *full* tensor under its global name, so a checkpoint
-written at one layout loads at any other. Two conversions connect that to a rank's memory:
+A checkpoint holds every tensor at its full shape under its global name (checkpoint_files.py), so a
+checkpoint written at one layout loads at any other; yet no rank ever builds a full tensor, and no
+tensor data crosses ranks: each rank writes the parts it owns into files of its own, and reads back
+only the parts it holds. Only the index (all_gather_object) and an error flag are exchanged.
 
-- full <-> TP shard. Each parameter knows its full shape and ``take_shard(full) -> local`` (the same
-  function initialisation uses). Loading applies it to the stored tensor. Saving inverts it: applying
-  ``take_shard`` to ``arange(numel)`` tells which full-tensor elements a rank holds, so the TP group's
-  shards are gathered and scattered to those positions (fused QKV/SwiGLU layouts and replicated KV
-  heads need nothing special).
-- flat optimizer layout <-> per-parameter tensors. The optimizer keeps fp32 master weights and Adam
-  moments over ranges of the flat parameter buffer (all of it, or this data-parallel rank's chunk of
-  every bucket under ZeRO). Saving all-gathers the chunks over data parallelism into the flat layout
-  and cuts it per parameter; loading builds the flat layout from the full tensors and keeps this
-  rank's ranges.
+What a rank owns is the range of the flat parameter buffer its optimizer updates (``optimizer.pieces``:
+the whole buffer, or under ZeRO this data-parallel rank's chunk of every bucket), for four kinds of
+tensors: the weights (in the model's dtype), and the fp32 master weights (unless the model is fp32:
+then the weights are the master) and Adam moments. Each element is written once: without ZeRO only
+data-parallel rank 0 writes (the data-parallel group spans context parallelism too, whose ranks hold
+the same state); TP-replicated parameters (norms) are written by TP rank 0; the word-embedding copy
+that a later pipeline stage holds for tied output weights is not written (it loads from the same name).
 
-The writer of each pipeline stage (tp = dp = cp = 0) holds that stage's full tensors while writing;
-other ranks only take part in the gathers. RNG states are per rank and restored only at the same
-layout. The word-embedding copy that a later pipeline stage holds for tied output weights is not
-stored twice: it loads from the same global name.
+Where a part goes in the full tensor: ``shard_positions`` maps a TP-local parameter's rows and columns
+to the full tensor's (viewed 2-D), without building anything full-size. A flat range of the local
+parameter is then a few rectangles ("boxes") of the full tensor: per run of local rows that are
+consecutive full rows (fused QKV / SwiGLU shards have several runs), a partial first row, a block of
+whole rows and a partial last row. Each box is one stored piece. Loading cuts every range a rank holds
+(its parameters; its optimizer ranges) into boxes the same way and copies in the intersecting pieces.
+The vocabulary is stored at the tokenizer's true size: padding rows are neither written nor read.
+
+RNG states are per rank and restored only at the same layout.
 """
 from __future__ import annotations
 
@@ -29,10 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.checkpoint_files import (CheckpointReader, model_config_from_metadata, model_metadata, prepare_temporary_dir,
-                                       publish, temporary_dir, tokenizer_metadata,
-                                       write_metadata, write_tensor_file, TRACKER, METADATA)
+from megalite.checkpoint_files import (DTYPE_NAMES, Box, CheckpointReader, as_2d, model_config_from_metadata,
+                                       model_metadata, prepare_temporary_dir, publish, temporary_dir,
+                                       tokenizer_metadata, write_metadata, write_tensor_file, TRACKER, METADATA)
 from megalite.errors import UserError
+from megalite.tensor_parallel.layers import shard_positions
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
@@ -57,14 +62,8 @@ def param_entries(chunks: list[nn.Module]) -> list[ParamEntry]:
     return entries
 
 
-# ---- full tensor <-> this rank's shard -----------------------------------------------------------
 def full_shape(param: nn.Parameter) -> tuple:
     return tuple(getattr(param, "full_shape", param.shape))
-
-
-def take_shard(param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-    shard = getattr(param, "take_shard", None)
-    return shard(full) if shard is not None else full
 
 
 def stored_shape(global_name: str, shape: tuple, vocab_size: int) -> tuple:
@@ -81,67 +80,57 @@ def pad_vocabulary(full: torch.Tensor, global_name: str, padded_shape: tuple) ->
     return full
 
 
-def gather_full(param: nn.Parameter, local: torch.Tensor, tp_group, tp_size: int) -> torch.Tensor | None:
-    """The full tensor of a TP-sharded parameter from every TP rank's ``local`` (on TP rank 0; None
-    elsewhere). Replicated parameters are already full."""
-    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
-        return local
-    shape = full_shape(param)
-    positions = take_shard(param, torch.arange(int(torch.Size(shape).numel())).view(shape))
-    is_dst = dist.get_rank(tp_group) == 0
-    values = [torch.empty_like(local) for _ in range(tp_size)] if is_dst else None
-    where = [torch.empty_like(positions) for _ in range(tp_size)] if is_dst else None
-    dist.gather(local.contiguous(), values, group=tp_group, group_dst=0)
-    dist.gather(positions.contiguous(), where, group=tp_group, group_dst=0)
-    if not is_dst:
-        return None
-    full = torch.empty(torch.Size(shape).numel(), dtype=local.dtype)
-    for v, w in zip(values, where):
-        full[w.reshape(-1)] = v.reshape(-1).cpu()
-    return full.view(shape)
+# ---- a local parameter's flat ranges as boxes of the stored tensor --------------------------------
+@dataclass
+class Placement:
+    """Where a TP-local parameter (viewed 2-D) sits in its stored tensor (viewed 2-D)."""
+    runs: list[tuple[int, int, int]]   # (first local row, end local row, its first full row): consecutive rows
+    col0: int                          # local columns are full columns [col0, col0 + width)
+    width: int
+    stored_rows: int                   # full rows from here on are vocabulary padding, not stored
 
 
-# ---- the optimizer's flat state ------------------------------------------------------------------
-def flat_optimizer_state(optimizer, buffer, dp_group) -> dict[str, torch.Tensor]:
-    """fp32 master weights and Adam moments over this rank's whole flat buffer layout (ZeRO chunks
-    all-gathered over data parallelism)."""
-    flat = {k: torch.zeros(buffer.numel, dtype=torch.float32) for k in ("master",) + OPTIMIZER_STATES}
-    sharded = optimizer.grads_sharded and dp_group is not None
-    buckets = buffer.buckets if optimizer.grads_sharded else [None]
-    for bucket, piece, master in zip(buckets, optimizer.pieces, optimizer.master_pieces):
-        state = optimizer.adam.state[master]
-        values = {"master": master, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
-        for kind, value in values.items():
-            value = value.detach().float().cpu()
-            if sharded:
-                dist.all_gather_single(flat[kind][bucket.start:bucket.end], value.contiguous(), group=dp_group)
-            else:
-                flat[kind][piece.start:piece.end] = value
-    return flat
+def placement(param: nn.Parameter, global_name: str, vocab_size: int) -> Placement:
+    rows, cols, _ = shard_positions(param)
+    col0, width = int(cols[0]), len(cols)
+    if not torch.equal(cols, torch.arange(col0, col0 + width)):
+        raise ValueError(f"{global_name}: a TP shard must hold one block of columns")
+    breaks = (torch.nonzero(rows[1:] != rows[:-1] + 1).flatten() + 1).tolist()
+    runs = [(i0, i1, int(rows[i0])) for i0, i1 in zip([0] + breaks, breaks + [len(rows)])]
+    return Placement(runs, col0, width, stored_shape(global_name, full_shape(param), vocab_size)[0])
 
 
-def set_flat_optimizer_state(optimizer, flat: dict[str, torch.Tensor], step: float | None) -> None:
-    """Master weights from ``flat["master"]``; moments and step from ``flat`` when given, else fresh."""
-    for piece, master in zip(optimizer.pieces, optimizer.master_pieces):
-        master.data.copy_(flat["master"][piece.start:piece.end].to(master.device))
-        state = optimizer.adam.state[master]
-        for kind in OPTIMIZER_STATES:
-            if kind in flat:
-                state[kind].copy_(flat[kind][piece.start:piece.end].to(state[kind].device))
-            else:
-                state[kind].zero_()
-        state["step"].fill_(step or 0.0)
+def boxes(place: Placement, lo: int, hi: int) -> list[tuple[int, Box]]:
+    """The local flat range [lo, hi) as (local flat offset of the box's first element, box) pairs.
+    Within a box, local element offset + i * width + j is stored element (r0 + i, c0 + j): a box is
+    either part of one row or whole rows."""
+    out, w = [], place.width
+    for i0, i1, first_row in place.runs:
+        s, e = max(lo, i0 * w), min(hi, i1 * w)
+        while s < e:
+            i, j = divmod(s, w)
+            row = first_row + i - i0
+            if j == 0 and e - s >= w:                 # whole rows
+                n = (e - s) // w * w
+                box = (row, row + n // w, place.col0, place.col0 + w)
+            else:                                     # the part of one row in the range
+                n = min(w - j, e - s)
+                box = (row, row + 1, place.col0 + j, place.col0 + j + n)
+            r1 = min(box[1], place.stored_rows)       # drop vocabulary padding
+            if box[0] < r1:
+                out.append((s, (box[0], r1, box[2], box[3])))
+            s += n
+    return out
 
 
-def set_flat_params(buffer, flat_weights: torch.Tensor) -> None:
-    """Model-dtype parameters from a flat fp32 layout (ZeRO-3: only this rank's chunks exist)."""
-    if buffer.param_data is not None:
-        buffer.param_data.copy_(flat_weights.to(buffer.param_data.device, buffer.param_dtype))
-        return
-    for bucket in buffer.buckets:
-        start, end = buffer.local_range(bucket)
-        chunk = buffer.local_param_chunk(bucket)
-        chunk.copy_(flat_weights[start:end].to(chunk.device, chunk.dtype))
+def box_view(flat: torch.Tensor, start: int, box: Box) -> torch.Tensor:
+    """The box's elements, which begin at ``flat[start]``, as a 2-D view [rows, columns]."""
+    r0, r1, c0, c1 = box
+    return flat[start:start + (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
+
+
+def overlap(start: int, end: int, other_start: int, other_end: int) -> tuple[int, int]:
+    return max(start, other_start), min(end, other_end)
 
 
 # ---- RNG -----------------------------------------------------------------------------------------
@@ -186,6 +175,75 @@ def _agree(ok: bool, message: str, device) -> None:
         raise UserError(next(m for m in messages if m))
 
 
+def owned_parts(trainer) -> list[tuple[ParamEntry, int, int, dict[str, torch.Tensor]]]:
+    """What this rank writes: per parameter, the local flat range [lo, hi) it owns and, per stored
+    tensor name, a flat tensor holding that range (element 0 is local element lo)."""
+    p, buffer, optimizer = trainer.parallel, trainer.buffer, trainer.optimizer
+    if not optimizer.grads_sharded and buffer.dp_rank != 0:       # a replica of data-parallel rank 0's
+        return []
+    master_is_weights = buffer.param_dtype == torch.float32
+    parts = []
+    for entry in param_entries(trainer.chunks):
+        replicated = not getattr(entry.param, "tensor_model_parallel", False)
+        if not entry.stored_here or (replicated and p.tp_rank != 0):
+            continue
+        slot, g = buffer.slots[entry.buffer_name], entry.global_name
+        for piece, master in zip(optimizer.pieces, optimizer.master_pieces):
+            start, end = overlap(slot.start, slot.end, piece.start, piece.end)
+            if start >= end:
+                continue
+            cut = slice(start - piece.start, end - piece.start)
+            state = optimizer.adam.state[master]
+            sources = {g: piece.param[cut]}
+            if not master_is_weights:
+                sources[f"optimizer.master.{g}"] = master[cut]
+            sources.update({f"optimizer.{k}.{g}": state[k][cut] for k in OPTIMIZER_STATES})
+            parts.append((entry, start - slot.start, end - slot.start, sources))
+    return parts
+
+
+def shard_filename(trainer, kind: str) -> str:
+    """model-pp000[-tp001][-dp00002].safetensors: the coordinates of the writer, where there are several."""
+    p, buffer = trainer.parallel, trainer.buffer
+    name = f"{kind}-pp{p.pp_rank:03d}"
+    if p.tp_size > 1:
+        name += f"-tp{p.tp_rank:03d}"
+    if trainer.optimizer.grads_sharded and buffer.dp_size > 1:
+        name += f"-dp{buffer.dp_rank:05d}"
+    return name + ".safetensors"
+
+
+def write_shards(trainer, directory: str) -> dict[str, dict]:
+    """Write this rank's parts of every stored tensor, one piece per box; returns its part of the
+    tensor index. A box that is the whole tensor is stored under the tensor's own name and shape."""
+    vocab = trainer.config.model.vocab_size
+    files = {"model": {}, "optimizer": {}}
+    index: dict[str, dict] = {}
+    for entry, lo, hi, sources in owned_parts(trainer):
+        shape = stored_shape(entry.global_name, full_shape(entry.param), vocab)
+        rows, cols = as_2d(shape)
+        for offset, box in boxes(placement(entry.param, entry.global_name, vocab), lo, hi):
+            r0, r1, c0, c1 = box
+            whole = box == (0, rows, 0, cols)
+            for name, flat in sources.items():
+                kind = "optimizer" if name.startswith("optimizer.") else "model"
+                key = name if whole else f"{name}[{r0}:{r1},{c0}:{c1}]"
+                data = box_view(flat, offset - lo, box)
+                files[kind][key] = data.view(shape) if whole else data
+                stored = index.setdefault(name, {"shape": list(shape), "dtype": DTYPE_NAMES[flat.dtype],
+                                                 "pieces": []})
+                stored["pieces"].append({"file": shard_filename(trainer, kind), "key": key,
+                                         "box": [[r0, r1], [c0, c1]]})
+    records = {}            # model and optimizer keys differ ("optimizer." prefix): one dict holds both
+    for kind, tensors in files.items():
+        if tensors:
+            records.update(write_tensor_file(directory, shard_filename(trainer, kind), tensors))
+    for stored in index.values():
+        for piece in stored["pieces"]:
+            piece["crc32"] = records[piece["key"]]["crc32"]
+    return index
+
+
 def save_checkpoint(trainer, root: str) -> str:
     """Collective: every rank calls it. Writes iter_N.tmp, then rank 0 publishes it as iter_N."""
     p, iteration = trainer.parallel, trainer.state.iteration
@@ -201,35 +259,16 @@ def save_checkpoint(trainer, root: str) -> str:
         dist.barrier()
     tmp = temporary_dir(root, iteration)
 
-    trainer.ddp.wait_for_param_gather()
-    flat = flat_optimizer_state(trainer.optimizer, trainer.buffer, trainer.ddp.group)
-    fp32_model = trainer.buffer.param_dtype == torch.float32
-    gathers_tp = p.dp_rank == 0 and p.cp_rank == 0            # one TP group per stage assembles full tensors
-    writer = gathers_tp and p.tp_rank == 0
-    vocab = trainer.config.model.vocab_size
-    weights, optimizer_tensors = {}, {}
-    for entry in param_entries(trainer.chunks):
-        if not entry.stored_here or not gathers_tp:
-            continue
-        for kind in ("master",) + OPTIMIZER_STATES:
-            local = trainer.buffer.view(flat[kind], entry.buffer_name)
-            full = gather_full(entry.param, local, p.group("tp"), p.tp_size)
-            if not writer:
-                continue
-            full = full[:stored_shape(entry.global_name, full.shape, vocab)[0]]
-            if kind == "master":
-                weights[entry.global_name] = full.to(entry.param.dtype)
-                if not fp32_model:
-                    optimizer_tensors[f"optimizer.master.{entry.global_name}"] = full
-            else:
-                optimizer_tensors[f"optimizer.{kind}.{entry.global_name}"] = full
-    index = {}
-    if writer:
-        index.update(write_tensor_file(tmp, f"model-pp{p.pp_rank:03d}.safetensors", weights))
-        index.update(write_tensor_file(tmp, f"optimizer-pp{p.pp_rank:03d}.safetensors", optimizer_tensors))
-    rng_file = f"rng-rank{p.rank:05d}.safetensors"
-    rng_index = write_tensor_file(tmp, rng_file, rng_tensors(trainer.model.tp.rng))
-    rng_crcs = {rng_file: rng_index}
+    trainer.ddp.wait_for_param_gather()          # no asynchronous gather may still write into the parameters
+    index, rng_crcs, error = {}, {}, None
+    try:                                         # every rank writes: a full disk on one must stop them all
+        index = write_shards(trainer, tmp)
+        rng_file = f"rng-rank{p.rank:05d}.safetensors"
+        rng_crcs = {rng_file: write_tensor_file(tmp, rng_file, rng_tensors(trainer.model.tp.rng))}
+    except OSError as e:
+        error = (f"--save {root}: cannot write the checkpoint ({e.strerror or e}); free some space or choose "
+                 "another directory")
+    _agree(error is None, error or "", trainer.device)
     if distributed:
         gathered = [None] * p.world_size
         dist.all_gather_object(gathered, (index, rng_crcs))
@@ -238,7 +277,8 @@ def save_checkpoint(trainer, root: str) -> str:
     if p.rank == 0:
         tensors, rng = {}, {}
         for part, rng_part in gathered:
-            tensors.update(part)
+            for name, entry in part.items():
+                tensors.setdefault(name, {**entry, "pieces": []})["pieces"].extend(entry["pieces"])
             rng.update(rng_part)
         step = float(next(iter(trainer.optimizer.adam.state.values()))["step"])
         write_metadata(tmp, training_metadata(trainer, tensors, rng, step))
@@ -293,9 +333,9 @@ def _hint(differences: list[str]) -> str:
     return f" ({'; '.join(differences[:3])})" if differences else ""
 
 
-def expected_full(reader: CheckpointReader, name: str, param: nn.Parameter, global_name: str, vocab: int,
-                  differences: list[str] = ()) -> torch.Tensor:
-    """The stored tensor ``name`` after checking its shape against the parameter, vocabulary padded."""
+def check_stored(reader: CheckpointReader, name: str, param: nn.Parameter, global_name: str, vocab: int,
+                 differences: list[str] = ()) -> None:
+    """The checkpoint has tensor ``name`` at the shape the parameter needs."""
     shape = stored_shape(global_name, full_shape(param), vocab)
     if not reader.has(name):
         raise UserError(f"checkpoint {reader.directory} has no tensor {name!r}{_hint(differences)}; it was saved "
@@ -303,35 +343,108 @@ def expected_full(reader: CheckpointReader, name: str, param: nn.Parameter, glob
     if reader.shape(name) != shape:
         raise UserError(f"checkpoint tensor {name!r} has shape {list(reader.shape(name))} but the model expects "
                         f"{list(shape)}{_hint(differences)}; match the model flags or add --use-checkpoint-args")
+
+
+def expected_full(reader: CheckpointReader, name: str, param: nn.Parameter, global_name: str,
+                  vocab: int) -> torch.Tensor:
+    """The whole stored tensor ``name``, shape checked, vocabulary padded (single-process use)."""
+    check_stored(reader, name, param, global_name, vocab)
     return pad_vocabulary(reader.tensor(name).float(), global_name, full_shape(param))
+
+
+def source_names(reader: CheckpointReader, global_name: str, load_optimizer: bool) -> dict[str, str]:
+    """Stored names to load from, by kind. The master weights are the weights themselves when the
+    checkpoint has no separate master copy (an fp32 run, a converted Hugging Face model); the model's
+    parameters come from the master copy too, so a bf16 checkpoint resumed in fp32 keeps fp32 weights."""
+    master = f"optimizer.master.{global_name}"
+    names = {"master": master if reader.has(master) else global_name}
+    if load_optimizer:
+        names.update({k: f"optimizer.{k}.{global_name}" for k in OPTIMIZER_STATES})
+    return names
+
+
+def held_params(buffer, start: int, end: int) -> list[tuple[int, int, torch.Tensor]]:
+    """The parts of the flat range [start, end) whose parameter values this rank holds, as (start,
+    end, values): all of it, or under ZeRO-3 its chunks of the buckets."""
+    if buffer.param_data is not None:
+        return [(start, end, buffer.param_data[start:end])]
+    parts = []
+    for bucket in buffer.buckets:
+        chunk_start, chunk_end = buffer.local_range(bucket)
+        lo, hi = overlap(start, end, chunk_start, chunk_end)
+        if lo < hi:
+            parts.append((lo, hi, buffer.local_param_chunk(bucket)[lo - chunk_start:hi - chunk_start]))
+    return parts
+
+
+def load_targets(trainer, sources: dict[str, dict[str, str]]) -> list[tuple[str, Box, torch.Tensor]]:
+    """(stored name, box, destination view) for everything this rank holds: its parameters and its
+    optimizer ranges (master weights, and the Adam moments when ``sources`` names them)."""
+    buffer, optimizer, vocab = trainer.buffer, trainer.optimizer, trainer.config.model.vocab_size
+    targets = []
+
+    def add(name: str, place: Placement, lo: int, hi: int, flat: torch.Tensor) -> None:
+        flat.zero_()                 # vocabulary padding rows are not stored: they stay zero
+        targets.extend((name, box, box_view(flat, offset - lo, box)) for offset, box in boxes(place, lo, hi))
+
+    for entry in param_entries(trainer.chunks):
+        names, slot = sources[entry.global_name], buffer.slots[entry.buffer_name]
+        place = placement(entry.param, entry.global_name, vocab)
+        for start, end, values in held_params(buffer, slot.start, slot.end):
+            add(names["master"], place, start - slot.start, end - slot.start, values)
+        for piece, master in zip(optimizer.pieces, optimizer.master_pieces):
+            start, end = overlap(slot.start, slot.end, piece.start, piece.end)
+            if start >= end:
+                continue
+            cut = slice(start - piece.start, end - piece.start)
+            state = optimizer.adam.state[master]
+            for kind, name in names.items():
+                values = master[cut] if kind == "master" else state[kind][cut]
+                add(name, place, start - slot.start, end - slot.start, values)
+    return targets
+
+
+@torch.no_grad()
+def load_tensors(trainer, reader: CheckpointReader, load_optimizer: bool) -> None:
+    """Fill this rank's parameters and optimizer state from ``reader``, reading only what it holds."""
+    differences = architecture_differences(reader, trainer.config.model)
+    entries = param_entries(trainer.chunks)
+    sources = {e.global_name: source_names(reader, e.global_name, load_optimizer) for e in entries}
+    for entry in entries:
+        for name in sources[entry.global_name].values():
+            check_stored(reader, name, entry.param, entry.global_name, trainer.config.model.vocab_size, differences)
+    if differences:          # every tensor fits, but the model differs (e.g. fewer layers, another rotary base)
+        raise UserError(f"checkpoint {reader.directory} is from a different model: {differences[0]}; match the model "
+                        "flags or add --use-checkpoint-args")
+    reader.read_into(load_targets(trainer, sources))
+    step = reader.metadata["optimizer"]["step"] if load_optimizer else 0.0
+    for master in trainer.optimizer.master_pieces:
+        state = trainer.optimizer.adam.state[master]
+        state["step"].fill_(step)
+        if not load_optimizer:
+            for kind in OPTIMIZER_STATES:
+                state[kind].zero_()
 
 
 def load_checkpoint(trainer, path: str, load_optimizer: bool = True, load_rng: bool = True,
                     finetune: bool = False, log=print) -> dict | None:
     """Load weights (and optimizer, scheduler, loss scaler, train state) into ``trainer``. Returns the
-    RNG tensors to restore after the data loaders are built (None when they must not be)."""
-    reader = CheckpointReader(path)
-    cfg = trainer.config
-    differences = architecture_differences(reader, cfg.model)
-    meta = reader.metadata
+    RNG tensors to restore after the data loaders are built (None when they must not be).
+
+    Collective: ranks read different parts of the checkpoint, so a part that fails on one rank (a
+    corrupt piece) must stop them all, in one line."""
+    error, rng = None, None
+    try:
+        reader = CheckpointReader(path)
+        meta = reader.metadata
+        load_optimizer = load_optimizer and not finetune and meta.get("optimizer") is not None
+        load_tensors(trainer, reader, load_optimizer)
+        if load_rng and not finetune and meta.get("layout") == layout_of(trainer):
+            rng = reader.rng_tensors(f"rng-rank{trainer.parallel.rank:05d}.safetensors")
+    except UserError as e:
+        error = str(e)
+    _agree(error is None, error or "", trainer.device)
     trainer.checkpoint_source = meta.get("source")
-    load_optimizer = load_optimizer and not finetune and meta.get("optimizer") is not None
-    vocab = cfg.model.vocab_size
-    flat = {"master": torch.zeros(trainer.buffer.numel, dtype=torch.float32)}
-    if load_optimizer:
-        flat.update({k: torch.zeros(trainer.buffer.numel, dtype=torch.float32) for k in OPTIMIZER_STATES})
-    for entry in param_entries(trainer.chunks):
-        g = entry.global_name
-        master = f"optimizer.master.{g}" if reader.has(f"optimizer.master.{g}") else g
-        sources = {"master": master, **{k: f"optimizer.{k}.{g}" for k in OPTIMIZER_STATES if k in flat}}
-        for kind, name in sources.items():
-            full = expected_full(reader, name, entry.param, g, vocab, differences)
-            trainer.buffer.view(flat[kind], entry.buffer_name).copy_(take_shard(entry.param, full))
-    if differences:          # every tensor fits, but the model differs (e.g. fewer layers, another rotary base)
-        raise UserError(f"checkpoint {reader.directory} is from a different model: {differences[0]}; match the model "
-                        "flags or add --use-checkpoint-args")
-    set_flat_params(trainer.buffer, flat["master"])
-    set_flat_optimizer_state(trainer.optimizer, flat, meta["optimizer"]["step"] if load_optimizer else None)
     if finetune:
         log(f" > loaded weights from {reader.directory} (iteration {reader.iteration}); --finetune: starting at "
             "iteration 0 with a fresh optimizer")
@@ -351,8 +464,6 @@ def load_checkpoint(trainer, path: str, load_optimizer: bool = True, load_rng: b
     trainer.state.nan_iterations = int(s.get("nan_iterations", 0))
     if not load_optimizer:
         trainer.scheduler.load_state_dict({"num_steps": trainer.state.iteration})
-    same_layout = meta.get("layout") == layout_of(trainer)
-    rng = reader.rng_tensors(f"rng-rank{trainer.parallel.rank:05d}.safetensors") if load_rng and same_layout else None
     what = "weights, optimizer" if load_optimizer else "weights"
     note = "" if rng is not None or not load_rng else " (RNG state not restored: the layout differs)"
     log(f" > loaded checkpoint {reader.directory} at iteration {trainer.state.iteration}: {what}{note}")

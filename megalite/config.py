@@ -24,8 +24,10 @@ class ModelConfig:
     vocab_size: int = 0                 # the tokenizer's true vocabulary (logits trimmed to it on export)
     position_embedding_type: str = "learned_absolute"   # or "rope"
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0         # --rotary-percent: RoPE on the first rotary_percent of each head's dims
     normalization: str = "LayerNorm"    # or "RMSNorm"
     norm_epsilon: float = 1e-5
+    apply_layernorm_1p: bool = False    # --apply-layernorm-1p: zero-centred norm weights (the norm scales by w + 1)
     swiglu: bool = False
     openai_gelu: bool = False           # tanh-approximated GELU (GPT-2); exact GELU otherwise
     add_bias_linear: bool = True
@@ -38,6 +40,7 @@ class ModelConfig:
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
+    cross_entropy_loss_fusion: bool = False   # chunked loss: never the fp32 logits of all tokens at once
 
     @property
     def use_rope(self) -> bool:
@@ -67,6 +70,7 @@ class ParallelConfig:
     # no_shard | optim (ZeRO-1, = use_distributed_optimizer) | optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3)
     data_parallel_sharding_strategy: str = "no_shard"
     ddp_bucket_size: Optional[int] = None       # elements per gradient bucket; None: Megatron's default
+    grad_reduce_in_bf16: bool = False           # data-parallel gradient reductions in bf16 (accumulation stays fp32)
 
     @property
     def data_parallel_size(self) -> int:
@@ -98,6 +102,10 @@ class OptimizerConfig:
     lr_warmup_init: float = 0.0
     lr_wsd_decay_style: str = "exponential"
     lr_wsd_decay_iters: Optional[int] = None
+    # --decoupled-lr / --decoupled-min-lr: the input embedding and output layer follow the same schedule
+    # between these instead of lr / min_lr (None: they use lr / min_lr like every other parameter)
+    decoupled_lr: Optional[float] = None
+    decoupled_min_lr: Optional[float] = None
 
 
 @dataclass
@@ -117,6 +125,7 @@ class DataConfig:
     num_workers: int = 2
     eod_mask_loss: bool = False
     seq_length: int = 1024
+    mmap_bin_files: bool = True                 # --no-mmap-bin-files: read each .bin into memory instead
 
 
 @dataclass
@@ -148,6 +157,22 @@ class TrainingConfig:
     peak_flops: Optional[float] = None         # one device's peak FLOP/s for MFU (default: known-GPU table)
     skip_nan_iterations: bool = False          # NaN/Inf loss or grad norm: skip the update (default: stop the run)
     distributed_timeout_minutes: float = 10
+    # batch-size schedule: [(consumed samples from which it applies, global batch size), ...] ascending,
+    # from --rampup-batch-size or --step-batch-size-schedule; empty: global_batch_size throughout
+    batch_size_schedule: list = field(default_factory=list)
+    calculate_per_token_loss: bool = False     # loss = sum over all tokens of the step / their count
+    log_params_norm: bool = False
+    log_num_zeros_in_grad: bool = False
+    log_timers_to_tensorboard: bool = False
+    manual_gc: bool = False                    # Python's garbage collector runs only where we call it
+    manual_gc_interval: int = 0                # with manual_gc: collect every N iterations (0: never in training)
+    manual_gc_eval: bool = True                # with manual_gc: collect before and after each evaluation
+    empty_unused_memory_level: int = 0         # 1: free the CUDA cache after forward-backward, 2: also after the step
+    profile: bool = False                      # torch.profiler trace of iterations [profile_step_start, profile_step_end)
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    use_pytorch_profiler: bool = False         # on GPUs: torch.profiler instead of an nsys capture range
+    profile_ranks: list = field(default_factory=lambda: [0])
 
 
 @dataclass
@@ -161,5 +186,18 @@ class MegaliteConfig:
 
     @property
     def num_microbatches(self) -> int:
+        """Micro-batches per step at the full global batch size (the most any step of a schedule uses)."""
         t = self.training
         return t.global_batch_size // (t.micro_batch_size * self.parallel.data_parallel_size)
+
+    def global_batch_size_at(self, consumed_samples: int) -> int:
+        """The global batch size of the step that starts after ``consumed_samples`` samples."""
+        size = self.training.global_batch_size
+        for start, batch in self.training.batch_size_schedule:
+            if consumed_samples >= start:
+                size = batch
+        return size
+
+    def num_microbatches_at(self, consumed_samples: int) -> int:
+        t = self.training
+        return self.global_batch_size_at(consumed_samples) // (t.micro_batch_size * self.parallel.data_parallel_size)

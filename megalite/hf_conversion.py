@@ -1,4 +1,4 @@
-"""Convert Hugging Face causal LMs to megalite checkpoints and back (Llama, Mistral, Qwen2, GPT-2).
+"""Convert Hugging Face causal LMs to megalite checkpoints and back (Llama, Mistral, Qwen2, Phi-3, GPT-2).
 
     hf_to_megalite(HF_DIR, CKPT_DIR)       -> CKPT_DIR/iter_0000000 (+ tracker), tokenizer copied inside
     megalite_to_hf(CKPT_DIR, HF_DIR)       -> HF_DIR/config.json + model.safetensors (+ tokenizer files)
@@ -14,6 +14,11 @@ Both directions are exact: tensors are only renamed, transposed, concatenated or
   concatenates q, k, v on the out dimension ([q; k; v], not grouped per head).
 - HF Llama applies RoPE in the rotate-half convention, as megalite does, so q/k rows need no
   permutation (Meta's original checkpoints interleave and would; HF's already do not).
+- Phi-3 is Llama with fused ``qkv_proj`` ([q; k; v], not grouped) and ``gate_up_proj`` ([gate; up], as
+  megalite's fc1), and the one Llama-like family whose RoPE honours ``partial_rotary_factor``: it is
+  where ``--rotary-percent`` < 1 maps (Llama's RoPE ignores the factor and rotates every dimension).
+- ``--apply-layernorm-1p`` stores norm weights as gamma - 1; no HF family does, so the export folds
+  the + 1 into the weights (exact: one rounding of the exact sum, as the norm itself computes it).
 
 What megalite cannot represent is refused with one line (UserError) before anything is written: rope
 scaling (rope_type other than "default"), Llama o_proj / MLP biases, other activations. A sliding
@@ -34,12 +39,12 @@ import sys
 import torch
 
 from megalite.checkpoint_files import (ARCHITECTURE_FIELDS, METADATA, TRACKER, CheckpointReader, prepare_temporary_dir,
-                                       publish, write_metadata, write_tensor_file)
+                                       publish, with_architecture_defaults, write_metadata, write_tensor_file)
 from megalite.errors import UserError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gpt2")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "gpt2": "GPT2LMHeadModel"}
+                 "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 MODEL_FILE = "model-00000.safetensors"          # the one tensor file of a converted megalite checkpoint
 TOKENIZER_SUBDIR = "tokenizer"                  # inside the iteration directory
 # Files a Hugging Face tokenizer may consist of; only these are copied (never the weights next to them).
@@ -251,9 +256,10 @@ def _dtype_name(config) -> str | None:
     return name if name in DTYPE_NAMES.values() else None
 
 
-def rope_theta(config) -> float:
+def rope_theta(config, partial_rotary: bool = False) -> float:
     """RoPE base from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x);
-    scaled RoPE (llama3, yarn, linear, dynamic, ...) has no megalite equivalent and is refused."""
+    scaled RoPE (llama3, yarn, linear, dynamic, ...) has no megalite equivalent and is refused, and so
+    is ``partial_rotary_factor`` unless the family applies it (``partial_rotary``: see rotary_factor)."""
     params = getattr(config, "rope_parameters", None)
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
         distinct = {json.dumps(v, sort_keys=True) for v in params.values()}     # per-layer-type parameters
@@ -270,10 +276,19 @@ def rope_theta(config) -> float:
     if rope_type != "default":
         raise UserError(f"rope scaling rope_type={rope_type!r} is not supported: megalite implements plain RoPE "
                         "only (rope_type 'default')")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UserError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported: megalite "
-                        "rotates the whole head")
+    if params.get("partial_rotary_factor", 1.0) != 1.0 and not partial_rotary:
+        raise UserError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported for "
+                        f"{config.model_type}: its RoPE ignores the factor (Phi-3 applies it)")
     return float(params.get("rope_theta", 10000.0))
+
+
+def rotary_factor(config) -> float:
+    """Phi-3's ``partial_rotary_factor`` (in ``rope_parameters`` in transformers 5, or top level)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        params = next(iter(params.values()))
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    return float(factor) if factor is not None else 1.0
 
 
 def _sliding_window(config, model_type: str) -> int | None:
@@ -292,7 +307,8 @@ def _sliding_window(config, model_type: str) -> int | None:
 # Configs: Hugging Face -> megalite metadata["model"]
 # ==================================================================================================
 def llama_like_model_config(config, model_type: str, log=_warn) -> dict:
-    """Llama 1/2/3, Mistral and Qwen2: RoPE, RMSNorm, SwiGLU, GQA; Qwen2 adds q/k/v biases."""
+    """Llama 1/2/3, Mistral, Qwen2 and Phi-3: RoPE, RMSNorm, SwiGLU, GQA; Qwen2 adds q/k/v biases, Phi-3
+    partial rotary."""
     if getattr(config, "hidden_act", "silu") != "silu":
         raise UserError(f"hidden_act={config.hidden_act!r} is not supported: megalite's SwiGLU uses silu")
     if getattr(config, "attention_bias", False):
@@ -304,7 +320,11 @@ def llama_like_model_config(config, model_type: str, log=_warn) -> dict:
     nq = config.num_attention_heads
     nkv = getattr(config, "num_key_value_heads", None) or nq
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // nq
-    theta = rope_theta(config)
+    theta = rope_theta(config, partial_rotary=model_type == "phi3")
+    factor = rotary_factor(config) if model_type == "phi3" else 1.0
+    if factor != 1.0 and (int(head_dim * factor) % 2 or int(head_dim * factor) < 2):
+        raise UserError(f"partial_rotary_factor={factor} rotates {int(head_dim * factor)} of {head_dim} head dimensions; "
+                        "megalite needs an even number >= 2")
     window = _sliding_window(config, model_type)
     if window is not None:
         log(f"{model_type} sliding_window={window} < max_position_embeddings={config.max_position_embeddings}: "
@@ -317,6 +337,7 @@ def llama_like_model_config(config, model_type: str, log=_warn) -> dict:
         "normalization": "RMSNorm", "norm_epsilon": float(config.rms_norm_eps), "swiglu": True, "openai_gelu": False,
         "add_bias_linear": False, "add_qkv_bias": model_type == "qwen2",
         "untie_embeddings_and_output_weights": not getattr(config, "tie_word_embeddings", False),
+        "rotary_percent": factor, "apply_layernorm_1p": False,
     }
 
 
@@ -344,19 +365,28 @@ def gpt2_model_config(config) -> dict:
         "normalization": "LayerNorm", "norm_epsilon": float(config.layer_norm_epsilon), "swiglu": False,
         "openai_gelu": GPT2_ACTIVATIONS[act], "add_bias_linear": True, "add_qkv_bias": False,
         "untie_embeddings_and_output_weights": not getattr(config, "tie_word_embeddings", True),
+        "rotary_percent": 1.0, "apply_layernorm_1p": False,
     }
 
 
 # ==================================================================================================
 # Tensors: Hugging Face -> megalite
 # ==================================================================================================
-def llama_like_to_megalite(w: HFWeights, m: dict) -> dict[str, torch.Tensor]:
+def llama_like_to_megalite(w: HFWeights, m: dict, model_type: str = "llama") -> dict[str, torch.Tensor]:
     nq, nkv, d = m["num_attention_heads"], m["num_query_groups"], m["kv_channels"]
     out = {"embedding.word_embeddings.weight": w.take("model.embed_tokens.weight")}
     for i in range(m["num_layers"]):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = hf + "self_attn."
         out[mg + "input_layernorm.weight"] = w.take(hf + "input_layernorm.weight")
+        if model_type == "phi3":       # qkv_proj rows [q; k; v], gate_up_proj rows [gate; up] (megalite's fc1)
+            q, k, v = w.take(attn + "qkv_proj.weight").split([nq * d, nkv * d, nkv * d])
+            out[mg + "self_attention.linear_qkv.weight"] = fuse_qkv(q, k, v, nq, nkv, d)
+            out[mg + "self_attention.linear_proj.weight"] = w.take(attn + "o_proj.weight")
+            out[mg + "pre_mlp_layernorm.weight"] = w.take(hf + "post_attention_layernorm.weight")
+            out[mg + "mlp.linear_fc1.weight"] = w.take(hf + "mlp.gate_up_proj.weight")
+            out[mg + "mlp.linear_fc2.weight"] = w.take(hf + "mlp.down_proj.weight")
+            continue
         out[mg + "self_attention.linear_qkv.weight"] = fuse_qkv(
             *(w.take(attn + f"{p}_proj.weight") for p in "qkv"), nq, nkv, d)
         if m["add_qkv_bias"]:
@@ -415,29 +445,42 @@ class _MegaliteTensors:
     def get(self, name: str) -> torch.Tensor:
         return self.reader.tensor(name)
 
+    def norm(self, name: str, zero_centered: bool) -> torch.Tensor:
+        """A norm weight as HF computes with it: --apply-layernorm-1p's stored gamma - 1, plus 1."""
+        weight = self.get(name)
+        return (weight.float() + 1.0).to(weight.dtype) if zero_centered else weight
+
     def bias(self, name: str, size: int) -> torch.Tensor:
         return self.get(name) if self.reader.has(name) else torch.zeros(size, dtype=self.dtype)
 
 
 def megalite_to_llama_like(t: _MegaliteTensors, m: dict, model_type: str) -> dict[str, torch.Tensor]:
     nq, nkv, d = m["num_attention_heads"], m["num_query_groups"], m["kv_channels"]
+    one_p = m["apply_layernorm_1p"]
     out = {"model.embed_tokens.weight": t.get("embedding.word_embeddings.weight")}
     for i in range(m["num_layers"]):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = hf + "self_attn."
-        out[hf + "input_layernorm.weight"] = t.get(mg + "input_layernorm.weight")
+        out[hf + "input_layernorm.weight"] = t.norm(mg + "input_layernorm.weight", one_p)
         q, k, v = split_qkv(t.get(mg + "self_attention.linear_qkv.weight"), nq, nkv, d)
+        if model_type == "phi3":
+            out[attn + "qkv_proj.weight"] = torch.cat([q, k, v])
+            out[attn + "o_proj.weight"] = t.get(mg + "self_attention.linear_proj.weight")
+            out[hf + "post_attention_layernorm.weight"] = t.norm(mg + "pre_mlp_layernorm.weight", one_p)
+            out[hf + "mlp.gate_up_proj.weight"] = t.get(mg + "mlp.linear_fc1.weight")
+            out[hf + "mlp.down_proj.weight"] = t.get(mg + "mlp.linear_fc2.weight")
+            continue
         out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v})
         if model_type == "qwen2":
             bias = t.bias(mg + "self_attention.linear_qkv.bias", (nq + 2 * nkv) * d)
             q, k, v = split_qkv(bias, nq, nkv, d)
             out.update({attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v})
         out[attn + "o_proj.weight"] = t.get(mg + "self_attention.linear_proj.weight")
-        out[hf + "post_attention_layernorm.weight"] = t.get(mg + "pre_mlp_layernorm.weight")
+        out[hf + "post_attention_layernorm.weight"] = t.norm(mg + "pre_mlp_layernorm.weight", one_p)
         gate, up = split_swiglu(t.get(mg + "mlp.linear_fc1.weight"))
         out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = gate, up
         out[hf + "mlp.down_proj.weight"] = t.get(mg + "mlp.linear_fc2.weight")
-    out["model.norm.weight"] = t.get("decoder.final_layernorm.weight")
+    out["model.norm.weight"] = t.norm("decoder.final_layernorm.weight", one_p)
     if m["untie_embeddings_and_output_weights"]:
         out["lm_head.weight"] = t.get("output_layer.weight")
     return out
@@ -450,8 +493,8 @@ def megalite_to_gpt2(t: _MegaliteTensors, m: dict) -> dict[str, torch.Tensor]:
     for i in range(m["num_layers"]):
         hf, mg = f"transformer.h.{i}.", f"decoder.layers.{i}."
         for norm_hf, norm_mg in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
-            for p in ("weight", "bias"):
-                out[f"{hf}{norm_hf}.{p}"] = t.get(f"{mg}{norm_mg}.{p}")
+            out[f"{hf}{norm_hf}.weight"] = t.norm(f"{mg}{norm_mg}.weight", m["apply_layernorm_1p"])
+            out[f"{hf}{norm_hf}.bias"] = t.get(f"{mg}{norm_mg}.bias")
         q, k, v = split_qkv(t.get(mg + "self_attention.linear_qkv.weight"), heads, heads, d)
         out[hf + "attn.c_attn.weight"] = linear_to_conv1d(torch.cat([q, k, v]))
         out[hf + "attn.c_attn.bias"] = torch.cat(split_qkv(t.bias(mg + "self_attention.linear_qkv.bias", 3 * h),
@@ -460,7 +503,7 @@ def megalite_to_gpt2(t: _MegaliteTensors, m: dict) -> dict[str, torch.Tensor]:
                                        ("mlp.c_fc", "mlp.linear_fc1", ffn), ("mlp.c_proj", "mlp.linear_fc2", h)):
             out[f"{hf}{hf_name}.weight"] = linear_to_conv1d(t.get(f"{mg}{mg_name}.weight"))
             out[f"{hf}{hf_name}.bias"] = t.bias(f"{mg}{mg_name}.bias", size)
-    out["transformer.ln_f.weight"] = t.get("decoder.final_layernorm.weight")
+    out["transformer.ln_f.weight"] = t.norm("decoder.final_layernorm.weight", m["apply_layernorm_1p"])
     out["transformer.ln_f.bias"] = t.get("decoder.final_layernorm.bias")
     if m["untie_embeddings_and_output_weights"]:
         out["lm_head.weight"] = t.get("output_layer.weight")
@@ -478,6 +521,8 @@ def default_model_type(metadata: dict) -> str:
     m = metadata["model"]
     if m["position_embedding_type"] == "learned_absolute" and m["normalization"] == "LayerNorm":
         return "gpt2"
+    if m.get("rotary_percent", 1.0) != 1.0:
+        return "phi3"
     return "qwen2" if m["add_qkv_bias"] else "llama"
 
 
@@ -502,12 +547,15 @@ def check_representable(m: dict, model_type: str) -> None:
     need(not m["add_bias_linear"], f"{model_type} has no biases on its linear layers (add_bias_linear=True)")
     if model_type != "qwen2":
         need(not m["add_qkv_bias"], f"{model_type} has no q/k/v biases (add_qkv_bias=True); use --model-type qwen2")
+    if model_type != "phi3":
+        need(m["rotary_percent"] == 1.0, f"{model_type}'s RoPE rotates whole heads, the checkpoint has "
+             f"--rotary-percent {m['rotary_percent']:g}; use --model-type phi3")
 
 
 def build_hf_config(m: dict, model_type: str, token_ids: dict):
     """The transformers config object for metadata["model"] ``m`` (already checked representable)."""
     with _quiet_transformers():
-        from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+        from transformers import GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
         common = {"vocab_size": m["vocab_size"], "tie_word_embeddings": not m["untie_embeddings_and_output_weights"],
                   "architectures": [ARCHITECTURES[model_type]], "dtype": m.get("params_dtype", "float32"), **token_ids}
         if model_type == "gpt2":
@@ -517,12 +565,18 @@ def build_hf_config(m: dict, model_type: str, token_ids: dict):
                               n_inner=None if m["ffn_hidden_size"] == 4 * h else m["ffn_hidden_size"],
                               activation_function="gelu_new" if m["openai_gelu"] else "gelu",
                               layer_norm_epsilon=m["norm_epsilon"], **common)
+        rope = {"rope_type": "default", "rope_theta": float(m["rotary_base"])}
         fields = dict(hidden_size=m["hidden_size"], intermediate_size=m["ffn_hidden_size"],
                       num_hidden_layers=m["num_layers"], num_attention_heads=m["num_attention_heads"],
                       num_key_value_heads=m["num_query_groups"], head_dim=m["kv_channels"],
                       max_position_embeddings=m["max_position_embeddings"], rms_norm_eps=m["norm_epsilon"],
-                      hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": float(m["rotary_base"])},
-                      **common)
+                      hidden_act="silu", rope_parameters=rope, **common)
+        if model_type == "phi3":
+            rope["partial_rotary_factor"] = float(m["rotary_percent"])
+            # Phi3Config's own token ids (eos/pad 32000) belong to Phi-3's vocabulary, not this model's
+            ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+            return Phi3Config(sliding_window=None, original_max_position_embeddings=m["max_position_embeddings"],
+                              **{**ids, **fields})
         if model_type == "llama":
             return LlamaConfig(attention_bias=False, mlp_bias=False, **fields)
         if model_type == "mistral":
@@ -585,7 +639,7 @@ def hf_to_megalite(hf_dir: str, output_dir: str, overwrite: bool = False, log=_w
     _check_output_free(output_dir, overwrite, kind="megalite")
 
     weights = HFWeights(hf_dir, "transformer." if model_type == "gpt2" else "model.")
-    tensors = gpt2_to_megalite(weights, m) if model_type == "gpt2" else llama_like_to_megalite(weights, m)
+    tensors = gpt2_to_megalite(weights, m) if model_type == "gpt2" else llama_like_to_megalite(weights, m, model_type)
     weights.check_all_used()
     embeddings = tensors["embedding.word_embeddings.weight"]
     if embeddings.shape[0] != m["vocab_size"]:
@@ -629,6 +683,7 @@ def megalite_to_hf(checkpoint_dir: str, output_dir: str, model_type: str | None 
     reader = CheckpointReader(checkpoint_dir)
     meta = reader.metadata
     m = meta.get("model")
+    m = with_architecture_defaults(m) if isinstance(m, dict) else m
     if not isinstance(m, dict) or any(k not in m for k in ARCHITECTURE_FIELDS):
         raise UserError(f"checkpoint {reader.directory}: metadata.json has no complete model description")
     model_type = model_type or default_model_type(meta)

@@ -37,6 +37,7 @@ def format_training_line(*, iteration: int, train_iters: int, consumed_samples: 
                          learning_rate: float, global_batch_size: int, losses: dict[str, float],
                          loss_scale: float, grad_norm: float | None, skipped_iterations: int,
                          nan_iterations: int, tflops_per_gpu: float | None = None,
+                         num_zeros: float | None = None, params_norm: float | None = None,
                          extra: dict[str, str] | None = None) -> str:
     """Megatron's line, field for field; megalite's own fields (``extra``: tokens/s, MFU, memory) follow it."""
     line = f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{train_iters:8d} |"
@@ -51,6 +52,10 @@ def format_training_line(*, iteration: int, train_iters: int, consumed_samples: 
     line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
+    if num_zeros is not None:                       # --log-num-zeros-in-grad
+        line += f" num zeros: {num_zeros:.1f} |"
+    if params_norm is not None:                     # --log-params-norm
+        line += f" params norm: {params_norm:.3f} |"
     line += f" number of skipped iterations: {skipped_iterations:3d} |"
     line += f" number of nan iterations: {nan_iterations:3d} |"
     for key, value in (extra or {}).items():

@@ -2,7 +2,8 @@
 
 ``ParallelState`` is built once from the world size and the model-parallel sizes and passed
 explicitly to whatever needs a rank or a group; there are no module-level globals. With every size 1
-it describes a single process and holds no groups.
+and no process group started (plain ``python pretrain_gpt.py``) it describes a single process and holds no
+groups; under torchrun every group exists, size 1 included, so one process runs every collective path.
 """
 from __future__ import annotations
 
@@ -99,7 +100,8 @@ class ParallelState:
         """Create every process group (collectively: all ranks must call this in the same order)."""
         validate_sizes(world_size, tp, cp, pp)
         state = cls(world_size, rank, tp, cp, pp, timeout=timeout)
-        if world_size == 1:
+        started = dist.is_initialized() and dist.get_world_size() == world_size
+        if not started:          # a plain single process (or a 1-process reference inside a larger run)
             return state
         for name, varying in {"tp": "t", "cp": "c", "dp": "d", "pp": "p", "dp_cp": "cd", "mp": "tp",
                               "tp_cp": "tc"}.items():

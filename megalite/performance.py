@@ -87,6 +87,29 @@ def current_rss_bytes() -> int:
         return peak_rss_bytes()
 
 
+def reset_peak_rss() -> bool:
+    """Restart this process's RSS high-water mark (Linux: /proc/self/clear_refs), so ``window_peak_rss_bytes``
+    measures the peak of what runs next. False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def window_peak_rss_bytes() -> int:
+    """Peak RSS since the last ``reset_peak_rss`` (VmHWM), at least the current RSS."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return max(int(line.split()[1]) * 1024, current_rss_bytes())
+    except (OSError, ValueError, IndexError):
+        pass
+    return peak_rss_bytes()
+
+
 def peak_rss_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if os.uname().sysname == "Darwin" else peak * 1024   # bytes on macOS, KiB on Linux

@@ -11,9 +11,13 @@ Memory per device (the largest pipeline rank), in four parts:
   6 + 12/d with the distributed optimizer.
 - activations: what autograd keeps for backward, per layer and micro-batch, times the micro-batches
   a pipeline rank holds at once (1F1B: p - rank; interleaved: 2(p-1-rank) + (v-1)p + 1 model chunks),
-  plus the output layer's logits on the last stage and the largest temporary of backward. The
-  per-layer sum follows Korthikanti et al. 2022 (REFERENCE §6: 34sbh + 5as^2b bytes, 16-bit) term by
-  term, adapted to what megalite's layers really keep (see ``layer_activation_bytes``).
+  plus the temporaries of backward's fullest moment: through a layer's MLP (``layer_backward_bytes``)
+  or, on the last stage, the loss and the output layer (``output_layer_bytes``). The per-layer sum
+  follows Korthikanti et al. 2022 (REFERENCE §6: 34sbh + 5as^2b bytes, 16-bit) term by term, adapted
+  to what megalite's layers really keep (see ``layer_activation_bytes``).
+- data-parallel temporaries at that same moment, counted with the weights and gradients: ZeRO-2/3's
+  per-bucket gradient staging, ZeRO-3's just-in-time gathered units, gloo's collective copies
+  (``data_parallel_transients``). The peak is the fullest of a step's moments (``rank_memory``).
 
 Step time: hardware FLOPs (model FLOPs of logging.flops_per_iteration, plus recomputation) over
 peak x an efficiency, plus the pipeline bubble (p-1)/(v*m), plus tensor-, pipeline- and
@@ -30,6 +34,7 @@ from typing import Iterator
 
 from megalite.arguments import default_ffn_hidden_size, padded_vocab_size
 from megalite.config import MegaliteConfig, ModelConfig
+from megalite.distributed.ddp import MAX_IN_FLIGHT, default_bucket_size
 from megalite.errors import UserError
 from megalite.logging import flops_per_iteration
 from megalite.model.transformer import check_attention_split
@@ -70,6 +75,8 @@ class Layout:
     recompute: str = "none"          # none | selective | full (uniform, one layer per checkpoint)
     sharding: str = "no_shard"       # no_shard | optim (ZeRO-1) | optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3)
     sequence_parallel: bool = True   # only meaningful with tp > 1
+    overlap_grad_reduce: bool = True     # --overlap-grad-reduce, as pretrain_flags asks (moot at dp 1)
+    overlap_param_gather: bool = True    # --overlap-param-gather, as pretrain_flags asks (moot at dp 1, no_shard)
 
     @property
     def num_gpus(self) -> int:
@@ -84,8 +91,11 @@ class Layout:
 
     def describe(self) -> str:
         vpp = f" VPP={self.vpp}" if self.vpp > 1 else ""
+        off = [name for name, on in (("grad reduce", self.overlap_grad_reduce),
+                                     ("param gather", self.overlap_param_gather)) if not on and self.dp > 1]
+        overlap = f" (no overlapped {' or '.join(off)})" if off else ""
         return (f"TP={self.tp} PP={self.pp}{vpp} DP={self.dp} MBS={self.micro_batch_size} "
-                f"recompute={self.recompute} sharding={self.sharding}")
+                f"recompute={self.recompute} sharding={self.sharding}{overlap}")
 
 
 @dataclass(frozen=True)
@@ -115,24 +125,32 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Kernels:
-    """What torch's kernels keep for backward where CUDA and CPU builds differ (the formulas are for
-    CUDA; tests measure on CPU).
+    """What torch's kernels and collectives hold where CUDA and CPU builds differ (the formulas are for
+    CUDA with NCCL; tests measure on CPU with gloo).
 
-    - RMSNorm: CUDA runs one fused kernel that keeps its input (and an fp32 1/rms per token); on CPU
-      F.rms_norm is composed of elementwise ops that keep the input upcast to fp32 and the fp32
-      normalised tensor, 8 bytes per element at any precision. LayerNorm is fused on both.
-    - dropout: CUDA's native_dropout keeps a 1-byte mask; CPU keeps a noise tensor in the compute dtype.
     - attention: scaled_dot_product_attention runs a flash kernel that keeps q, k, v, the output and
       the log-sum-exp, never the s x s scores (CUDA with or without dropout; CPU only without
       attention dropout, so CPU estimates require --attention-dropout 0).
+
+    - embedding dropout (F.dropout): CUDA's native_dropout keeps a 1-byte mask; CPU keeps a noise
+      tensor in the compute dtype.
+
+    The transformer layers keep the same on both: megalite's RMSNorm keeps its input and an fp32 1/rms
+    per token (its own autograd Function, as CUDA's fused kernel; torch's composite CPU rms_norm would
+    keep fp32 copies), and hidden dropout keeps a 1-byte mask (torch.native_dropout on both).
+
+    - collectives: NCCL reduces and gathers in the tensors it is given. gloo copies through temporaries
+      of torch's allocator, alive until the collective completes: a reduce-scatter of a list of chunks
+      (the data-parallel one) (d-1)/d of its input, the single-tensor one (sequence parallelism) its
+      whole input, an all-gather its whole output; an all-reduce none.
     """
-    fused_rms_norm: bool = True
     dropout_mask_bytes: int | None = 1      # None: the compute dtype's size
     flash_attention_dropout: bool = True
+    collective_copies: bool = False         # gloo's temporaries above
 
 
 GPU_KERNELS = Kernels()
-CPU_KERNELS = Kernels(fused_rms_norm=False, dropout_mask_bytes=None, flash_attention_dropout=False)
+CPU_KERNELS = Kernels(dropout_mask_bytes=None, flash_attention_dropout=False, collective_copies=True)
 
 
 # ==================================================================================================
@@ -144,20 +162,25 @@ def local_attention_heads(model: ModelConfig, tp: int) -> tuple[int, int]:
     return model.num_attention_heads // tp, max(1, model.num_query_groups // tp)
 
 
-def layer_parameters(model: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank (TransformerLayer)."""
+def layer_tensors(model: ModelConfig, tp: int) -> list[int]:
+    """Sizes of one transformer layer's parameters on one TP rank, in TransformerLayer's order: input
+    norm, linear_qkv (+ bias), linear_proj (+ bias, replicated), pre-MLP norm, linear_fc1 (+ bias),
+    linear_fc2 (+ bias, replicated)."""
     h, d = model.hidden_size, model.kv_channels
     heads, groups = local_attention_heads(model, tp)
     ffn = model.ffn_hidden_size // tp
-    qkv_rows = (heads + 2 * groups) * d
-    count = qkv_rows * h + heads * d * h                            # linear_qkv, linear_proj
-    count += (2 * ffn if model.swiglu else ffn) * h + ffn * h        # linear_fc1, linear_fc2
-    if model.add_bias_linear or model.add_qkv_bias:
-        count += qkv_rows
-    if model.add_bias_linear:
-        count += h + (2 * ffn if model.swiglu else ffn) + h          # proj and fc2 biases are replicated
-    count += 2 * norm_parameters(model)
-    return count
+    qkv_rows, fc1_rows = (heads + 2 * groups) * d, 2 * ffn if model.swiglu else ffn
+    norm = [h] * (norm_parameters(model) // h)
+    bias = model.add_bias_linear
+    return [*norm, qkv_rows * h, *([qkv_rows] if bias or model.add_qkv_bias else []),
+            heads * d * h, *([h] if bias else []),
+            *norm, fc1_rows * h, *([fc1_rows] if bias else []),
+            ffn * h, *([h] if bias else [])]
+
+
+def layer_parameters(model: ModelConfig, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank (TransformerLayer)."""
+    return sum(layer_tensors(model, tp))
 
 
 def norm_parameters(model: ModelConfig) -> int:
@@ -169,7 +192,6 @@ class StageParameters:
     layers: int            # parameters in this rank's transformer layers
     embedding: int         # word (+ position) embeddings, on the first stage
     head: int              # final norm + output layer, on the last stage
-    largest: int           # the largest single tensor (its gradient is a backward temporary)
 
     @property
     def total(self) -> int:
@@ -193,9 +215,7 @@ def stage_parameters(workload: Workload, layout: Layout, pp_rank: int) -> StageP
         head = norm_parameters(model)
         if model.untie_embeddings_and_output_weights or not first:
             head += vocab_rows * h
-    ffn = model.ffn_hidden_size // tp
-    largest = max(vocab_rows * h if first or last else 0, (2 * ffn if model.swiglu else ffn) * h)
-    return StageParameters(layers, embedding, head, largest)
+    return StageParameters(layers, embedding, head)
 
 
 def count_parameters(workload: Workload) -> int:
@@ -220,37 +240,21 @@ def state_bytes_per_parameter(param_bytes: int, sharding: str, dp: int,
 # ==================================================================================================
 # Activations
 # ==================================================================================================
-def norm_saved_bytes(model: ModelConfig, elements: float, dtype_bytes: int, kernels: Kernels) -> float:
-    """Bytes a norm keeps for backward over ``elements`` input elements: its input in the compute
-    dtype (fused kernels), or 8 bytes per element for CPU's composite RMSNorm (Kernels)."""
-    if model.normalization == "RMSNorm" and not kernels.fused_rms_norm:
-        return 8 * elements
+def norm_saved_bytes(model: ModelConfig, elements: float, dtype_bytes: int) -> float:
+    """Bytes a norm keeps for backward over ``elements`` input elements: its input (plus per-token
+    statistics, not counted)."""
     return dtype_bytes * elements
 
 
-def attention_saved_elements(model: ModelConfig, tp: int, tokens: int, recompute: str) -> float:
-    """Elements SelfAttention keeps for backward for ``tokens`` tokens on one TP rank (compute dtype).
-
-    The fused QKV output is split into views; q is copied out (a reshape across KV groups) unless
-    there is one query head per group; RoPE makes new q and k; with GQA, k and v are repeated to
-    every query head before the flash kernel, which keeps q, k, v and its output (the output
-    projection's input is a view of it). A view keeps the whole QKV output alive. Selective
-    recomputation keeps the checkpoint's inputs instead (q, k, v before the repeat) and the output.
-    """
+def attention_saved_elements(model: ModelConfig, tp: int, tokens: int) -> float:
+    """Elements SelfAttention keeps for backward for ``tokens`` tokens on one TP rank (compute dtype):
+    q, the unexpanded k and v (GQA runs on grouped K/V; views of the fused QKV output only when all
+    three are, else copies, so the QKV output is never kept whole beside them) and the output, which
+    the output projection's input is a view of. Selective recomputation keeps the same tensors, as
+    the checkpoint's inputs; it drops only the log-sum-exp."""
     heads, groups = local_attention_heads(model, tp)
     d = model.kv_channels
-    q = tokens * heads * d
-    k_before_repeat = tokens * groups * d
-    qkv_output = tokens * (heads + 2 * groups) * d
-    repeated = heads != groups
-    q_is_new_tensor = model.use_rope or repeated
-    if recompute == "selective":
-        return (qkv_output + (q if q_is_new_tensor else 0)                  # v (and q, k) are views of it
-                + (k_before_repeat if model.use_rope else 0) + q)           # + the checkpoint's output
-    if repeated:
-        return 3 * q + q                                # q, repeated k and v, output
-    k_new = k_before_repeat if model.use_rope else 0
-    return (q if q_is_new_tensor else 0) + k_new + qkv_output + q           # v is a view of the QKV output
+    return tokens * (2 * heads + 2 * groups) * d
 
 
 def layer_activation_bytes(workload: Workload, layout: Layout, kernels: Kernels) -> float:
@@ -261,18 +265,17 @@ def layer_activation_bytes(workload: Workload, layout: Layout, kernels: Kernels)
     the scores: softmax 2as^2b, its dropout mask as^2b and output 2as^2b); a 4h MLP 19sbh (fc1
     input 2, GeLU input 8, fc2 input 8, dropout mask 1). What megalite's TransformerLayer keeps:
 
-    - norms: each keeps its input [s/t, b, h] (sequence-parallel shard) - see ``norm_saved_bytes``;
-    - QKV and fc1 inputs: the *all-gathered* [s, b, h] tensor: ColumnParallelLinear gathers the
-      sequence before F.linear, which saves what it is given (Megatron keeps the s/t shard and
-      gathers again in backward; megalite does not, so these two terms are not divided by t);
+    - norms: each keeps its input [s/t, b, h] (sequence-parallel shard);
+    - QKV and fc1 inputs: the [s/t, b, h] shard too (the column-parallel linear gathers the sequence
+      again in backward, as Megatron);
     - attention: ``attention_saved_elements`` (no s^2 term: flash kernels) + an fp32 log-sum-exp
       per token and head;
-    - MLP: SwiGLU keeps fc1's output (2f/t), silu(gate) (f/t) and the product (f/t), i.e. 4f/t; GELU
-      keeps fc1's output and the activation, 2f/t;
-    - hidden dropout (p > 0): two masks over [s/t, b, h].
+    - MLP: SwiGLU keeps fc1's output (2f/t) and the fc2 input (f/t), silu being recomputed in
+      backward; GELU keeps fc1's output and the activation, 2f/t;
+    - hidden dropout (p > 0): two 1-byte masks over [s/t, b, h].
     Full recomputation keeps only the layer's input [s/t, b, h] (Korthikanti: 2sbh, /t with SP).
-    For a GPT layer (MHA, learned positions, 4h GELU MLP) on CUDA this is Korthikanti's 34sbh without
-    the score terms, plus 4sbh(1 - 1/t) for the gathered inputs under sequence parallelism.
+    For a GPT layer (MHA, learned positions, 4h GELU MLP) on CUDA this is Korthikanti's 34sbh/t
+    without the score terms.
     """
     model, e = workload.model, workload.dtype_bytes
     if model.attention_dropout > 0 and not kernels.flash_attention_dropout and layout.recompute != "full":
@@ -285,48 +288,80 @@ def layer_activation_bytes(workload: Workload, layout: Layout, kernels: Kernels)
         return sp_tokens * h * e
     heads, _ = local_attention_heads(model, layout.tp)
     ffn = model.ffn_hidden_size // layout.tp
-    norms = 2 * norm_saved_bytes(model, sp_tokens * h, e, kernels)
-    linear_inputs = 2 * tokens * h * e
-    attention = attention_saved_elements(model, layout.tp, tokens, layout.recompute) * e
+    norms = 2 * norm_saved_bytes(model, sp_tokens * h, e)
+    linear_inputs = 2 * sp_tokens * h * e
+    attention = attention_saved_elements(model, layout.tp, tokens) * e
     if layout.recompute != "selective":
         attention += tokens * heads * 4                                   # log-sum-exp, fp32
-    mlp = (4 if model.swiglu else 2) * tokens * ffn * e
-    dropout = 2 * sp_tokens * h * dropout_mask_bytes(kernels, e) if model.hidden_dropout > 0 else 0
+    mlp = (3 if model.swiglu else 2) * tokens * ffn * e
+    dropout = 2 * sp_tokens * h if model.hidden_dropout > 0 else 0
     return norms + linear_inputs + attention + mlp + dropout
 
 
-def dropout_mask_bytes(kernels: Kernels, dtype_bytes: int) -> int:
-    return kernels.dropout_mask_bytes or dtype_bytes
+def token_counts(workload: Workload, layout: Layout) -> tuple[int, int]:
+    """(tokens of one micro-batch, the sequence-parallel share of them on one TP rank)."""
+    tokens = workload.model.seq_length * layout.micro_batch_size
+    return tokens, tokens // layout.tp if layout.sp else tokens
 
 
 def output_layer_bytes(workload: Workload, layout: Layout, kernels: Kernels) -> tuple[float, float]:
     """(kept for backward, extra at the peak) of the last stage's head for one micro-batch.
 
-    Kept: the final norm's input, the output layer's gathered [s, b, h] input and the fp32
-    (log-)softmax over this rank's vocabulary shard [s, b, V/t]. Extra, on top: with one TP rank
-    F.cross_entropy's backward holds two more fp32 [s, b, V] tensors (the loss gradient and
-    log_softmax's input gradient); the vocabulary-parallel loss works in place but, during forward,
-    holds the logits (compute dtype) and their fp32 copy next to the softmax."""
+    Kept: the final norm's input, the output layer's [s/t, b, h] input (its sequence shard) and the fp32
+    (log-)softmax over this rank's vocabulary shard [s, b, V/t]. Extra, the larger of two moments:
+
+    - the loss: with one TP rank F.cross_entropy's backward holds two more fp32 [s, b, V] tensors (the
+      loss gradient and log_softmax's input gradient); the vocabulary-parallel loss works in place
+      but, during forward, holds the logits (compute dtype) and their fp32 copy next to the softmax;
+    - the output layer's backward: the softmax has become the logits' gradient (cast to the compute
+      dtype); next to it the gradient of the layer's input [s, b, h] and of its weight [V/t, h], and
+      with sequence parallelism the input all-gathered again and the reduce-scattered input gradient
+      (plus, on gloo, the reduce-scatter's copy of its input)."""
     model, e = workload.model, workload.dtype_bytes
-    tokens = model.seq_length * layout.micro_batch_size
-    sp_tokens = tokens // layout.tp if layout.sp else tokens
-    logits = tokens * workload.padded_vocab(layout.tp) // layout.tp
-    kept = (norm_saved_bytes(model, sp_tokens * model.hidden_size, e, kernels)
-            + tokens * model.hidden_size * e + 4 * logits)
+    tokens, sp_tokens = token_counts(workload, layout)
+    h, vocab_rows = model.hidden_size, workload.padded_vocab(layout.tp) // layout.tp
+    logits = tokens * vocab_rows
+    kept = norm_saved_bytes(model, sp_tokens * h, e) + sp_tokens * h * e + 4 * logits
     if layout.tp == 1:
-        extra = 2 * 4 * logits
+        loss = 2 * 4 * logits
     else:
-        extra = logits * (e + (4 if e != 4 else 0))
-    return kept, extra
+        loss = logits * (e + (4 if e != 4 else 0))
+    linear = logits * (e - 4) + tokens * h * e + vocab_rows * h * e
+    if layout.sp:
+        linear += tokens * h * e + sp_tokens * h * e + (tokens * h * e if kernels.collective_copies else 0)
+    return kept, max(loss, linear)
 
 
-def layer_backward_bytes(workload: Workload, layout: Layout) -> float:
-    """Gradients alive while backward runs through the MLP of one layer: the gradient of the fc1
-    output (2f/t with SwiGLU) next to the gathered [s, b, h] gradient of its input."""
+def layer_backward_bytes(workload: Workload, layout: Layout, kernels: Kernels) -> float:
+    """The most bytes that backward through one layer holds beyond the activations the layers keep:
+    the gradient arriving at the layer's output [s/t, b, h] and the largest of three moments of its MLP.
+
+    - the activation's backward: _SwiGLUFunction.backward works in fp32; next to the gradient of fc2's
+      input (f/t, compute dtype) it holds fp32 copies of fc1's output (2f/t) and of that gradient
+      (f/t) at 16 bits, sigmoid(gate), the gate and up gradients (f/t each), their concatenation
+      (2f/t) and at 16 bits its cast back (2f/t): 24f/t bytes per token in fp32, 38f/t in bf16. GELU's
+      backward holds two f/t gradients. fc2's input (f/t), kept for fc2, is freed by then.
+    - fc2's backward: the gradient of its input next to that of its weight [h, f/t] (and with
+      sequence parallelism the all-gathered output gradient [s, b, h]; gloo gathers through a copy).
+    - fc1's backward: the gradient of its output, of its input ([s, b, h]) and of its weight, with fc2's
+      input and fc1's output freed; with sequence parallelism also the input all-gathered again, the
+      reduce-scattered input gradient and gloo's copy of the reduce-scatter's input.
+    This is the largest moment of a layer's backward: attention's is smaller (no s x s scores)."""
     model, e = workload.model, workload.dtype_bytes
-    tokens = model.seq_length * layout.micro_batch_size
-    ffn = model.ffn_hidden_size // layout.tp
-    return tokens * ((2 * ffn if model.swiglu else ffn) + model.hidden_size) * e
+    tokens, sp_tokens = token_counts(workload, layout)
+    h, f = model.hidden_size, model.ffn_hidden_size // layout.tp
+    fc1_out = 2 * f if model.swiglu else f
+    copies = kernels.collective_copies
+    if model.swiglu:
+        upcast = 0 if e == 4 else 4 * (2 * f + f) + 2 * f * e
+        activation = tokens * (upcast + 4 * (3 * f + 2 * f))
+    else:
+        activation = tokens * f * e
+    fc2 = tokens * f * e + f * h * e + (tokens * h * e * (2 if copies else 1) if layout.sp else 0)
+    fc1 = tokens * h * e + fc1_out * h * e - tokens * f * e
+    if layout.sp:
+        fc1 += tokens * h * e + sp_tokens * h * e + (tokens * h * e if copies else 0)
+    return sp_tokens * h * e + max(activation, fc2, fc1)
 
 
 def chunks_in_flight(layout: Layout, pp_rank: int, num_microbatches: int) -> int:
@@ -342,57 +377,180 @@ def chunks_in_flight(layout: Layout, pp_rank: int, num_microbatches: int) -> int
     return min(warmup + 1, num_microbatches * layout.vpp)
 
 
-def activation_memory(workload: Workload, layout: Layout, pp_rank: int, kernels: Kernels,
-                      params: StageParameters) -> float:
-    """Peak bytes of activations (and backward temporaries) on pipeline rank ``pp_rank``."""
+def kept_activations(workload: Workload, layout: Layout, pp_rank: int, kernels: Kernels) -> float:
+    """Bytes pipeline rank ``pp_rank`` keeps for backward at its fullest: the layers of every
+    in-flight (chunk, micro-batch), the chunk outputs the pipeline executor keeps to backpropagate
+    from, and the embedding dropout's noise."""
     model, e = workload.model, workload.dtype_bytes
-    m = layout.num_microbatches(workload.global_batch_size)
-    in_flight = chunks_in_flight(layout, pp_rank, m)
+    in_flight = chunks_in_flight(layout, pp_rank, layout.num_microbatches(workload.global_batch_size))
     layers_per_chunk = model.num_layers // (layout.pp * layout.vpp)
-    tokens = model.seq_length * layout.micro_batch_size
-    sp_tokens = tokens // layout.tp if layout.sp else tokens
-    last = pp_rank == layout.pp - 1
-
+    _, sp_tokens = token_counts(workload, layout)
     kept = in_flight * layers_per_chunk * layer_activation_bytes(workload, layout, kernels)
-    # the pipeline executor keeps each in-flight chunk's output to backpropagate from it
-    stashed_outputs = in_flight - 1 if last else in_flight
+    stashed_outputs = in_flight - 1 if pp_rank == layout.pp - 1 else in_flight
     kept += stashed_outputs * sp_tokens * model.hidden_size * e if layout.pp > 1 else 0
     if pp_rank == 0 and model.hidden_dropout > 0:
         kept += math.ceil(in_flight / layout.vpp) * sp_tokens * model.hidden_size * dropout_mask_bytes(kernels, e)
-
-    # the current micro-batch's largest moment: the loss and its backward (last stage), or, once the
-    # head's tensors are freed, backward through a layer (recomputed first under full recomputation)
-    head = sum(output_layer_bytes(workload, layout, kernels)) if last else 0.0
-    through_layer = layer_backward_bytes(workload, layout)
-    if layout.recompute == "full":
-        through_layer += layer_activation_bytes(workload, dataclasses.replace(layout, recompute="none"), kernels)
-    weight_gradient = params.largest * e          # a weight's gradient before it is added to the fp32 buffer
-    return kept + max(head, through_layer) + weight_gradient
+    return kept
 
 
-def zero_reduction_buffers(workload: Workload, layout: Layout, params: StageParameters, num_microbatches: int) -> float:
-    """ZeRO-2/3 gradient temporaries alive at the activation peak.
-
-    Each micro-batch's gradients of a bucket are collected in a full-size fp32 bucket tensor and
-    reduce-scattered into an fp32 chunk; megalite's data-parallel wrapper keeps both until the next
-    step's zero_grad (ddp.py ``_retired``, kept alive for gloo's asynchronous collectives). At the
-    last micro-batch's loss the m - 1 earlier micro-batches' temporaries are held, 4(1 + 1/d) B/param,
-    plus the current micro-batch's first bucket: ZeRO-2's (all parameters, up to Megatron's
-    40M-element bucket), ZeRO-3's root unit (embeddings and output layer) or, on a middle pipeline
-    stage, its last layer."""
-    earlier = (num_microbatches - 1) * GRAD_BYTES * params.total * (1 + 1 / layout.dp)
-    if layout.sharding == "optim_grads":
-        current = min(params.total, 40_000_000)
-    else:
-        current = max(params.embedding + params.head, layer_parameters(workload.model, layout.tp))
-    return earlier + GRAD_BYTES * current
+def dropout_mask_bytes(kernels: Kernels, dtype_bytes: int) -> int:
+    return kernels.dropout_mask_bytes or dtype_bytes
 
 
-def gathered_parameters(workload: Workload, layout: Layout, params: StageParameters) -> float:
-    """ZeRO-3 full parameters alive at once: the root unit (embeddings, final norm, output layer) from
-    its forward until its gradients are reduced, and the layer that backward is going through."""
-    per_layer = layer_parameters(workload.model, layout.tp)
-    return (params.embedding + params.head + per_layer) * workload.dtype_bytes
+# ==================================================================================================
+# Data-parallel temporaries (ddp.py, grad_buffer.py)
+# ==================================================================================================
+def bucket_size(layout: Layout) -> float:
+    """Elements of a data-parallel bucket (ddp.default_bucket_size: 40M with overlapped reduction,
+    else one bucket for everything, or for each unit with ZeRO-2/3, whose buckets never span two)."""
+    return default_bucket_size(layout.dp, layout.overlap_grad_reduce) or math.inf
+
+
+@dataclass(frozen=True)
+class Param:
+    unit: int           # 0: the head, 1..: the layers top-down, then the embedding
+    size: int
+    alone: bool = False     # a tied word embedding: a bucket of its own (grad_buffer.py, shared_embedding)
+
+
+def backward_tensors(workload: Workload, layout: Layout, pp_rank: int) -> list[Param]:
+    """Parameters of pipeline rank ``pp_rank`` (one TP rank) in the order their gradients arrive, which
+    is the reverse parameter order the gradient buffer lays out: the head (output layer, final norm;
+    last stage), each layer top-down from linear_fc2 to the input norm, the embedding (first stage)."""
+    model, params = workload.model, stage_parameters(workload, layout, pp_rank)
+    h, tied = model.hidden_size, not model.untie_embeddings_and_output_weights
+    vocab_rows = workload.padded_vocab(layout.tp) // layout.tp
+    tensors = []
+    if params.head:
+        if params.head > norm_parameters(model):
+            tensors.append(Param(0, vocab_rows * h, alone=tied))
+        tensors += [Param(0, n) for n in [h] * (norm_parameters(model) // h)]
+    layers = model.num_layers // layout.pp
+    for i in range(layers):
+        tensors += [Param(1 + i, n) for n in reversed(layer_tensors(model, layout.tp))]
+    if params.embedding:
+        if not model.use_rope:
+            tensors.append(Param(1 + layers, model.max_position_embeddings * h))
+        tensors.append(Param(1 + layers, vocab_rows * h, alone=tied))
+    return tensors
+
+
+def buckets_of(tensors: list[Param], layout: Layout, per_unit: bool) -> list[int]:
+    """The index one past each bucket's last tensor (grad_buffer.ParamAndGradBuffer._layout): a bucket
+    closes once it holds ``bucket_size`` elements, before a tied embedding and after it, and, for
+    ZeRO-2/3 (``per_unit``), where the unit changes."""
+    limit, ends, size = bucket_size(layout), [], 0
+    for i, tensor in enumerate(tensors):
+        if i and (size >= limit or tensor.alone or tensors[i - 1].alone
+                  or (per_unit and tensor.unit != tensors[i - 1].unit)):
+            ends.append(i)
+            size = 0
+        size += tensor.size
+    return ends + [len(tensors)]
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The data-parallel buckets alive at one moment of backward (elements each)."""
+    reducing: list          # complete, their reduce-scatter in flight (not yet finished)
+    filling: list           # receiving gradients (at most one)
+
+
+def buckets_at(workload: Workload, layout: Layout, pp_rank: int, arrived: int, per_unit: bool,
+               previous_microbatch: bool) -> Buckets:
+    """Buckets alive once the first ``arrived`` gradients of this micro-batch's backward are in.
+    With --overlap-grad-reduce a complete bucket's reduction runs until ddp.MAX_IN_FLIGHT newer ones
+    have started (counting the previous micro-batch's last ones, still in flight at the top of the
+    stage, when ``previous_microbatch``); without, it runs as soon as the bucket is complete."""
+    tensors = backward_tensors(workload, layout, pp_rank)
+    ends = buckets_of(tensors, layout, per_unit)
+    sizes = [sum(t.size for t in tensors[start:end]) for start, end in zip([0] + ends, ends)]
+    complete = sum(1 for end in ends if end <= arrived)
+    started = arrived > (ends[complete - 1] if complete else 0)
+    filling = [sizes[complete]] if complete < len(sizes) and started else []
+    if not layout.overlap_grad_reduce:
+        return Buckets([], filling)
+    done = (sizes if previous_microbatch else []) + sizes[:complete]
+    return Buckets(done[-MAX_IN_FLIGHT:], filling)
+
+
+@dataclass(frozen=True)
+class Transients:
+    """Data-parallel bytes alive at one moment on top of the (sharded) state."""
+    weights: float = 0.0        # gathered parameters, gloo's all-gather copies
+    grads: float = 0.0          # gradient staging, reduce-scatter outputs, gloo's reduce-scatter copies
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads
+
+
+def data_parallel_transients(workload: Workload, layout: Layout, pp_rank: int, kernels: Kernels,
+                             moment: str, depth: int = 0) -> Transients:
+    """What data parallelism holds at ``moment``: "layer" (backward through the MLP of the stage's
+    ``depth``-th layer from the top: linear_fc2's gradients are in), "head" (the loss and the output
+    layer's backward, last stage) or "step" (after the last backward, when the full gradient buffer is
+    reduced, and after the optimizer step, when parameters are gathered). d data-parallel ranks, e
+    bytes per parameter:
+
+    - ZeRO-2/3 reduce every micro-batch's gradients per bucket (``buckets_at``): a full-size fp32
+      staging tensor lives from the bucket's first gradient to the end of its reduce-scatter, whose
+      output chunk (1/d) lives while it runs (gloo: with copies of (d-1)/d of the input).
+    - ZeRO-3 gathers each unit just in time: a layer's parameters while backward runs through it, the
+      head's (with tied embeddings on the same stage, the embedding's too) during the loss; with
+      --overlap-param-gather the next unit of backward is prefetched, an all-gather in flight (gloo:
+      through a copy of its output). The embedding is not gathered for backward.
+    - no_shard / ZeRO-1 reduce the full gradient buffer in place; gloo's ZeRO-1 reduce-scatters copy
+      (d-1)/d of each bucket in flight (during the last micro-batch's backward with
+      --overlap-grad-reduce, else after it, MAX_IN_FLIGHT at a time). ZeRO-1/2 all-gather the updated
+      parameters in place after the step (gloo: through copies of up to MAX_IN_FLIGHT buckets with
+      --overlap-param-gather, one at a time without).
+    """
+    d, e = layout.dp, workload.dtype_bytes
+    if d == 1 or (moment == "step" and layout.sharding == "optim_grads_params"):
+        return Transients()
+    copies = kernels.collective_copies
+    params = stage_parameters(workload, layout, pp_rank)
+    layer = layer_parameters(workload.model, layout.tp)
+    tensors = backward_tensors(workload, layout, pp_rank)
+    arrived = 0                               # gradients of this micro-batch's backward in by the moment
+    if moment == "layer":
+        head_tensors = sum(1 for t in tensors if t.unit == 0) if params.head else 0
+        fc2_tensors = 2 if workload.model.add_bias_linear else 1
+        arrived = head_tensors + depth * len(layer_tensors(workload.model, layout.tp)) + fc2_tensors
+    per_unit = layout.sharding in ("optim_grads", "optim_grads_params")
+
+    def reduce_scatter_copies(buckets) -> float:
+        return sum(GRAD_BYTES * n * (d - 1) / d for n in buckets) if copies else 0.0
+
+    if moment == "step":
+        if not copies or layout.sharding == "no_shard":
+            return Transients()
+        ends = buckets_of(tensors, layout, per_unit)
+        sizes = sorted((sum(t.size for t in tensors[a:b]) for a, b in zip([0] + ends, ends)), reverse=True)
+        gathers = e * sum(sizes[:MAX_IN_FLIGHT if layout.overlap_param_gather else 1])
+        reductions = reduce_scatter_copies(sizes[:MAX_IN_FLIGHT]) if layout.sharding == "optim" else 0.0
+        return Transients(gathers, 0.0) if gathers >= reductions else Transients(0.0, reductions)
+
+    if not per_unit:                # the full buffer: reductions start during the last micro-batch only
+        if layout.sharding == "no_shard" or moment != "layer":
+            return Transients()
+        reducing = buckets_at(workload, layout, pp_rank, arrived, False, False).reducing
+        return Transients(0.0, reduce_scatter_copies(reducing))
+
+    many = layout.num_microbatches(workload.global_batch_size) > 1
+    alive = buckets_at(workload, layout, pp_rank, arrived, True, many)
+    grads = GRAD_BYTES * (sum(alive.filling) + sum(n * (1 + 1 / d) for n in alive.reducing))
+    grads += reduce_scatter_copies(alive.reducing)
+    weights = 0.0
+    if layout.sharding == "optim_grads_params":
+        tied_here = params.embedding and params.head and not workload.model.untie_embeddings_and_output_weights
+        head = params.head + (params.embedding if tied_here else 0)
+        weights = e * (layer if moment == "layer" else head)
+        layers_below = workload.model.num_layers // layout.pp - (depth + 1 if moment == "layer" else 0)
+        if layout.overlap_param_gather and layers_below > 0:
+            weights += e * layer * (2 if copies else 1)                         # the prefetched layer
+    return Transients(weights, grads)
 
 
 # ==================================================================================================
@@ -411,17 +569,31 @@ class Memory:
 
 
 def rank_memory(workload: Workload, layout: Layout, pp_rank: int, kernels: Kernels = GPU_KERNELS) -> Memory:
-    """Peak bytes on one device of pipeline rank ``pp_rank`` (every TP and DP rank of a stage alike)."""
+    """Peak bytes on one device of pipeline rank ``pp_rank`` (every TP and DP rank of a stage alike):
+    the (sharded) state, plus the fullest moment of a step. Backward through a layer (recomputed
+    first under full recomputation) and, on the last stage, the loss and the output layer's
+    backward come with every in-flight micro-batch's kept activations; after the last backward only
+    the state is left, with the data-parallel reductions and gathers (``data_parallel_transients``)."""
     params = stage_parameters(workload, layout, pp_rank)
     per_weight, per_grad, per_optimizer = state_bytes_per_parameter(workload.dtype_bytes, layout.sharding, layout.dp)
-    weights, grads = params.total * per_weight, params.total * per_grad
-    m = layout.num_microbatches(workload.global_batch_size)
-    if layout.sharding in ("optim_grads", "optim_grads_params") and layout.dp > 1:
-        grads += zero_reduction_buffers(workload, layout, params, m)
-    if layout.sharding == "optim_grads_params" and layout.dp > 1:
-        weights += gathered_parameters(workload, layout, params)
-    activations = activation_memory(workload, layout, pp_rank, kernels, params)
-    return Memory(weights, grads, params.total * per_optimizer, activations)
+    kept = kept_activations(workload, layout, pp_rank, kernels)
+    through_layer = layer_backward_bytes(workload, layout, kernels)
+    if layout.recompute == "full":
+        through_layer += layer_activation_bytes(workload, dataclasses.replace(layout, recompute="none"), kernels)
+    # backward through the chunk's top layers: each one deeper has freed a layer's activations, but may
+    # have more data-parallel reductions in flight (beyond MAX_IN_FLIGHT layers nothing changes)
+    layers_per_chunk = workload.model.num_layers // (layout.pp * layout.vpp)
+    freed = layer_activation_bytes(workload, layout, kernels)
+    moments = [(kept - depth * freed + through_layer,
+                data_parallel_transients(workload, layout, pp_rank, kernels, "layer", depth))
+               for depth in range(min(layers_per_chunk, MAX_IN_FLIGHT + 1))]
+    moments.append((0.0, data_parallel_transients(workload, layout, pp_rank, kernels, "step")))
+    if pp_rank == layout.pp - 1:
+        moments.append((kept + sum(output_layer_bytes(workload, layout, kernels)),
+                        data_parallel_transients(workload, layout, pp_rank, kernels, "head")))
+    activations, transients = max(moments, key=lambda moment: moment[0] + moment[1].total)
+    return Memory(params.total * per_weight + transients.weights, params.total * per_grad + transients.grads,
+                  params.total * per_optimizer, activations)
 
 
 def estimate_memory(workload: Workload, layout: Layout, kernels: Kernels = GPU_KERNELS) -> Memory:
@@ -681,10 +853,10 @@ def pretrain_flags(workload: Workload, layout: Layout) -> list[str]:
         flags.append("--use-distributed-optimizer")
     elif layout.sharding != "no_shard":
         flags += ["--data-parallel-sharding-strategy", layout.sharding]
-    if layout.dp > 1:
+    if layout.dp > 1 and layout.overlap_grad_reduce:
         flags.append("--overlap-grad-reduce")
-        if layout.sharding != "no_shard":
-            flags.append("--overlap-param-gather")
+    if layout.dp > 1 and layout.sharding != "no_shard" and layout.overlap_param_gather:
+        flags.append("--overlap-param-gather")
     if workload.precision != "fp32":
         flags.append(f"--{workload.precision}")
     return flags
@@ -778,8 +950,10 @@ def workload_and_layout(config: MegaliteConfig) -> tuple[Workload, Layout]:
     # arguments.py has padded the vocabulary for this TP size already: keep it as it is (pad to 1)
     model = dataclasses.replace(config.model, vocab_size=config.model.padded_vocab_size)
     workload = Workload(model, train.global_batch_size, precision, make_vocab_size_divisible_by=1)
-    layout = Layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.data_parallel_size, chunks,
-                    train.micro_batch_size, config.model.recompute_granularity or "none",
-                    par.data_parallel_sharding_strategy,
-                    sequence_parallel=par.sequence_parallel or par.tensor_model_parallel_size == 1)   # (moot at TP=1)
+    sharding, dp = par.data_parallel_sharding_strategy, par.data_parallel_size
+    layout = Layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, dp, chunks,
+                    train.micro_batch_size, config.model.recompute_granularity or "none", sharding,
+                    sequence_parallel=par.sequence_parallel or par.tensor_model_parallel_size == 1,   # (moot at TP=1)
+                    overlap_grad_reduce=par.overlap_grad_reduce or dp == 1,                         # (moot at DP=1)
+                    overlap_param_gather=par.overlap_param_gather or dp == 1 or sharding == "no_shard")
     return workload, layout

@@ -8,6 +8,7 @@ pretrain(config)
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import os
 import signal
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.data import DataLoader
 
-from megalite.checkpoint_files import check_writable
+from megalite.checkpoint_files import CheckpointReader, check_writable
 from megalite.checkpointing import (full_shape, has_checkpoint, load_checkpoint, param_entries, restore_rng,
                                    save_checkpoint)
 from megalite.config import MegaliteConfig
@@ -36,6 +37,7 @@ from megalite.logging import (MetricsSinks, Timers, flops_per_iteration, format_
                               format_validation_lines)
 from megalite.model.gpt import DTYPES, GPTModel
 from megalite.memory_report import report_memory
+from megalite.optimizer.clip_grads import global_grad_norm
 from megalite.optimizer.distrib_optimizer import build_optimizer
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.optimizer.mixed_precision import MixedPrecisionAdamW
@@ -89,11 +91,15 @@ def build_trainer(config: MegaliteConfig) -> Trainer:
     cp = build_context_parallel(parallel)
     num_chunks = check_pipeline_split(config.model.num_layers, parallel.pp_size,
                                       config.parallel.num_layers_per_virtual_pipeline_stage, config.num_microbatches)
-    chunks = [c.to(device) for c in build_model_chunks(config.model, config.training.seed, tp, parallel.pp_rank,
-                                                        parallel.pp_size, num_chunks, cp)]
+    # sharded start-up: the chunks are built without storage; the data-parallel buffer materialises only
+    # this rank's elements (its TP shard, or its ZeRO-3 chunk of it) directly on the device
+    chunks = build_model_chunks(config.model, config.training.seed, tp, parallel.pp_rank, parallel.pp_size,
+                                num_chunks, cp, meta=True)
     model = chunks[0]
     ddp = DistributedDataParallel(chunks if len(chunks) > 1 or parallel.pp_size > 1 else model, config.parallel,
-                                  parallel, config.num_microbatches)
+                                  parallel, config.num_microbatches, device=device)
+    for chunk in chunks:
+        chunk.to(device)                      # the remaining buffers (rotary tables); parameters are there
     optimizer = build_optimizer(ddp, config.optimizer, parallel)   # global norm over TP/PP (and DP shards)
     scheduler = LRScheduler(config.optimizer, config.training.train_iters)
     comm = None
@@ -137,38 +143,78 @@ def build_data_iterators(trainer: Trainer, tokenizer):
             iterator(valid, trainer.state.consumed_valid_samples), iterator(test, 0))
 
 
-def make_loss_fn(model: torch.nn.Module, device: torch.device):
+def make_loss_fn(model: torch.nn.Module, device: torch.device, weights: dict | None = None):
     """Per micro-batch: mean of the per-token losses where loss_mask is 1 (over whole sequences: with
-    context parallelism each rank computes its chunks and the sums are combined over the CP group)."""
+    context parallelism each rank computes its chunks and the sums are combined over the CP group),
+    times the micro-batch's weight in ``weights`` (by id of the batch; see per_token_loss_weights)."""
     cp = getattr(model, "cp", None)
 
     def loss_fn(batch: dict):
+        weight = weights[id(batch)] if weights is not None else None
         if cp is not None and cp.size > 1:
             batch = slice_for_context_parallel(batch, cp.rank, cp.size)
         tokens = batch["tokens"].to(device, non_blocking=True)
         labels = batch["labels"].to(device, non_blocking=True)
         loss_mask = batch["loss_mask"].to(device, non_blocking=True).float()
         per_token = model(tokens, batch["position_ids"].to(device, non_blocking=True), labels=labels)
-        return context_parallel_loss(per_token, loss_mask, cp)
+        loss, num_tokens = context_parallel_loss(per_token, loss_mask, cp)
+        return (loss if weight is None else loss * weight), num_tokens
     return loss_fn
+
+
+def next_batches(trainer: Trainer, data_iterator, num_microbatches: int) -> tuple[list, dict | None]:
+    """One step's micro-batches, and with --calculate-per-token-loss their loss weights."""
+    batches = [next(data_iterator) for _ in range(num_microbatches)]   # pipeline stages stay in step
+    return batches, per_token_loss_weights(trainer, batches)
+
+
+def per_token_loss_weights(trainer: Trainer, batches: list) -> dict | None:
+    """--calculate-per-token-loss (Megatron): the step's loss is the sum of every token's loss over all
+    micro-batches and data-parallel ranks divided by their total count N, not a mean of micro-batch means.
+
+    Everything downstream averages micro-batch means: the schedules backpropagate loss / m over m
+    micro-batches, the data-parallel reduction divides by dp, the logged loss is averaged the same way.
+    Weighting micro-batch i (n_i tokens, mean loss l_i) by w_i = n_i * m * dp / N turns that average into
+    sum_i n_i * l_i / N exactly, for the gradient and the logged loss alike, with any schedule. N needs
+    one all-reduce of a number over the data-parallel group (context-parallel ranks of a group see the
+    same micro-batches, counted whole). Returns {id(batch): w_i}, or None without the flag."""
+    if not trainer.config.training.calculate_per_token_loss:
+        return None
+    counts = torch.tensor([float(b["loss_mask"].sum()) for b in batches], dtype=torch.float64)
+    total = counts.sum().reshape(1)
+    dp = trainer.parallel.dp_size
+    if dp > 1:
+        total = total.to(trainer.device)
+        torch.distributed.all_reduce(total, group=trainer.parallel.group("dp"))
+    scale = len(batches) * dp / max(float(total), 1.0)
+    return {id(b): float(n) * scale for b, n in zip(batches, counts)}
 
 
 # ---- one step ------------------------------------------------------------------------------------
 def train_step(trainer: Trainer, data_iterator) -> tuple[float, object]:
     model, optimizer = trainer.model, trainer.optimizer
+    t = trainer.config.training
     model.train()
+    # the global batch of this step (it grows under --rampup-batch-size / --step-batch-size-schedule);
+    # the data-parallel wrapper counts that many backward passes before a bucket's gradients are final
+    batch_size = trainer.config.global_batch_size_at(trainer.state.consumed_train_samples)
+    num_microbatches = trainer.config.num_microbatches_at(trainer.state.consumed_train_samples)
+    trainer.ddp.num_microbatches = num_microbatches
     optimizer.zero_grad()
     for chunk in trainer.chunks:
         chunk.train()
-    timeout = trainer.config.training.distributed_timeout_minutes
+    timeout = t.distributed_timeout_minutes
     trainer.timers.start("forward-backward", level=1)
     with collective_phase("forward-backward (tensor/context-parallel collectives, pipeline send/receive)", timeout):
+        batches, weights = next_batches(trainer, data_iterator, num_microbatches)
         if trainer.pipeline is None:
-            losses = forward_backward_no_pipelining(make_loss_fn(model, trainer.device), data_iterator,
-                                                    trainer.config.num_microbatches, optimizer.loss_scale)
+            losses = forward_backward_no_pipelining(make_loss_fn(model, trainer.device, weights), iter(batches),
+                                                    num_microbatches, optimizer.loss_scale)
         else:
-            losses = forward_backward_pipelined(trainer, data_iterator, optimizer.loss_scale)
+            losses = forward_backward_pipelined(trainer, batches, optimizer.loss_scale, weights=weights)
     trainer.timers.stop("forward-backward")
+    if t.empty_unused_memory_level >= 1:
+        release_cached_memory(trainer.device)
     trainer.timers.start("all-grads-sync", level=1)
     with collective_phase("the data-parallel gradient reduction", timeout):
         trainer.ddp.finish_grad_sync()                 # DP: sum over data-parallel ranks / dp size
@@ -181,9 +227,28 @@ def train_step(trainer: Trainer, data_iterator) -> tuple[float, object]:
         result = optimizer.step(trainer.scheduler.lr)
         trainer.timers.stop("optimizer")
         if result.update_successful:
-            trainer.scheduler.step()
+            advance_lr_schedule(trainer, batch_size)
+        if t.empty_unused_memory_level >= 2:
+            release_cached_memory(trainer.device)
         trainer.state.last_local_loss = mean_loss(losses)
         return trainer.ddp.average_over_dp(trainer.state.last_local_loss), result
+
+
+def advance_lr_schedule(trainer: Trainer, batch_size: int) -> None:
+    """Megatron steps its schedule by the samples of each update (its lengths are iterations x the global
+    batch size): a ramp-up step of a smaller batch advances megalite's schedule, counted in full-batch
+    iterations, by batch_size / global batch size."""
+    full = trainer.config.training.global_batch_size
+    if batch_size == full:
+        trainer.scheduler.step()
+    else:
+        trainer.scheduler.num_steps += batch_size / full
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """--empty-unused-memory-level: hand the CUDA caching allocator's unused blocks back; CPUs have no cache."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def mean_loss(losses: list[float]) -> float:
@@ -191,11 +256,11 @@ def mean_loss(losses: list[float]) -> float:
     return sum(losses) / len(losses) if losses else 0.0
 
 
-def forward_backward_pipelined(trainer: Trainer, data_iterator, loss_scale: float, forward_only: bool = False,
-                               record: PipelineRecord | None = None) -> list[float]:
-    """One global batch through this rank's stages with 1F1B, interleaved 1F1B or GPipe."""
+def forward_backward_pipelined(trainer: Trainer, batches: list, loss_scale: float, forward_only: bool = False,
+                               record: PipelineRecord | None = None, weights: dict | None = None) -> list[float]:
+    """One global batch (``batches``, its micro-batches) through this rank's stages with 1F1B, interleaved
+    1F1B or GPipe; ``weights`` scale each micro-batch's loss (see per_token_loss_weights)."""
     cfg, comm = trainer.config, trainer.pipeline
-    batches = [next(data_iterator) for _ in range(cfg.num_microbatches)]   # every stage stays in step
     chunks = len(trainer.chunks)
     if chunks > 1:
         order = interleaved_order(comm.size, comm.rank, len(batches), chunks)
@@ -206,28 +271,45 @@ def forward_backward_pipelined(trainer: Trainer, data_iterator, loss_scale: floa
     if forward_only:
         order = forward_only_order(order)
     record = record or PipelineRecord(comm.rank)
-    losses = run_pipeline_schedule(order, chunk_forward(trainer.chunks, trainer.device), batches, comm, chunks,
-                                   loss_scale, forward_only, record)
+    forward = chunk_forward(trainer.chunks, trainer.device)
+    if weights is not None:
+        unweighted = forward
+
+        def forward(chunk, x, batch, is_last_stage):
+            out = unweighted(chunk, x, batch, is_last_stage)
+            return out * weights[id(batch)] if is_last_stage else out
+    losses = run_pipeline_schedule(order, forward, batches, comm, chunks, loss_scale, forward_only, record)
     trainer.timers.add("pipeline-receive-wait", record.wait_seconds, level=2)
     return losses
 
 
 def evaluate(trainer: Trainer, data_iterator, num_batches: int) -> float:
-    with collective_phase("evaluation", trainer.config.training.distributed_timeout_minutes):
-        return _evaluate(trainer, data_iterator, num_batches)
+    t = trainer.config.training
+    collect = t.manual_gc and t.manual_gc_eval       # --manual-gc: collect around evaluation (Megatron)
+    if collect:
+        gc.collect()
+    with collective_phase("evaluation", t.distributed_timeout_minutes):
+        loss = _evaluate(trainer, data_iterator, num_batches)
+    if collect:
+        gc.collect()
+    return loss
 
 
 def _evaluate(trainer: Trainer, data_iterator, num_batches: int) -> float:
+    """The mean loss over ``num_batches`` full global batches (per token with --calculate-per-token-loss)."""
     for chunk in trainer.chunks:
         chunk.eval()
-    loss_fn = make_loss_fn(trainer.model, trainer.device)
     losses = []
+    m = trainer.config.num_microbatches
     for _ in range(num_batches):
+        batches, weights = next_batches(trainer, data_iterator, m)
         if trainer.pipeline is None:
-            losses += forward_backward_no_pipelining(loss_fn, data_iterator, trainer.config.num_microbatches,
-                                                     forward_only=True)
+            losses += forward_backward_no_pipelining(make_loss_fn(trainer.model, trainer.device, weights),
+                                                     iter(batches), m, forward_only=True)
         else:
-            losses += forward_backward_pipelined(trainer, data_iterator, 1.0, forward_only=True)
+            losses += forward_backward_pipelined(trainer, batches, 1.0, forward_only=True, weights=weights)
+        if trainer.config.training.empty_unused_memory_level >= 1:
+            release_cached_memory(trainer.device)
     for chunk in trainer.chunks:
         chunk.train()
     return trainer.ddp.average_over_dp(mean_loss(losses)) if trainer.ddp else mean_loss(losses)
@@ -268,6 +350,7 @@ def pretrain(config: MegaliteConfig, print_fn=print_line) -> TrainState:
         if test_iter is not None and t.eval_iters > 0:
             loss = evaluate(trainer, test_iter, t.eval_iters)
             log(format_validation_lines("at the end of training for test data", {"lm loss": loss}))
+        trainer.ddp.close()                  # no collective left in flight when the process groups go
     finally:
         if sinks is not None:
             sinks.close()
@@ -290,7 +373,22 @@ def load_at_start(trainer: Trainer, log):
         rng = load_checkpoint(trainer, t.load, load_optimizer=not t.no_load_optim, load_rng=not t.no_load_rng,
                               finetune=t.finetune, log=log)
     trainer.last_saved_iteration = trainer.state.iteration
+    if t.batch_size_schedule and not t.finetune:
+        restore_lr_position(trainer)
     return rng
+
+
+def restore_lr_position(trainer: Trainer) -> None:
+    """Under a batch-size schedule the LR position is fractional (advance_lr_schedule); the scheduler's
+    own loader keeps whole steps, so take the exact value from the checkpoint, or without its optimizer
+    state (--no-load-optim) from the samples consumed."""
+    t = trainer.config.training
+    if t.no_load_optim:
+        trainer.scheduler.num_steps = trainer.state.consumed_train_samples / t.global_batch_size
+        return
+    saved = CheckpointReader(t.load).metadata.get("scheduler") or {}
+    if "num_steps" in saved:
+        trainer.scheduler.num_steps = float(saved["num_steps"])
 
 
 def save(trainer: Trainer, log) -> None:
@@ -332,12 +430,21 @@ def train(trainer: Trainer, train_iter, valid_iter, log, sinks) -> None:
     throughput = Throughput(cfg.model, t.global_batch_size, trainer.parallel.world_size, peak, megatron_flops)
     interval_start = time.perf_counter()
     exits = ExitConditions(t.exit_signal_handler, t.exit_duration_in_mins, t.exit_interval, trainer.device)
+    profiler = StepProfiler(t, trainer.parallel.rank, trainer.device)
+    if t.manual_gc:      # Python collects only where we say: the same iterations on every rank (Megatron)
+        gc.disable()
+        gc.collect()
     try:
         while state.iteration < t.train_iters:
+            batch_size = cfg.global_batch_size_at(state.consumed_train_samples)
+            profiler.before_step(state.iteration)
             loss, result = train_step(trainer, train_iter)
             state.iteration += 1
-            state.consumed_train_samples += t.global_batch_size
-            interval.add(loss, result)
+            state.consumed_train_samples += batch_size
+            profiler.after_step(state.iteration)
+            if t.manual_gc and t.manual_gc_interval and state.iteration % t.manual_gc_interval == 0:
+                gc.collect()
+            interval.add(loss, result, batch_size)
             state.history.append(loss)
             if result.nonfinite or not math.isfinite(loss):
                 state.nan_iterations += 1
@@ -354,6 +461,56 @@ def train(trainer: Trainer, train_iter, valid_iter, log, sinks) -> None:
                 return
     finally:
         exits.close()
+        profiler.close()
+        if t.manual_gc:
+            gc.enable()
+
+
+class StepProfiler:
+    """--profile: profile the iterations whose counter at their start is in [--profile-step-start,
+    --profile-step-end) (Megatron's counting), on the ranks in --profile-ranks. On GPUs an nsys capture
+    range (cudaProfilerStart/Stop) unless --use-pytorch-profiler; otherwise, and always on CPUs,
+    torch.profiler, written as a Chrome trace into --tensorboard-dir (else --save, else ./profile)."""
+
+    def __init__(self, t, rank: int, device: torch.device):
+        self.t, self.rank = t, rank
+        self.active = t.profile and rank in t.profile_ranks
+        self.nsys = device.type == "cuda" and not t.use_pytorch_profiler
+        self.nsys_running = False
+        self.profiler = None
+
+    def before_step(self, iteration: int) -> None:
+        if not self.active or iteration != self.t.profile_step_start:
+            return
+        if self.nsys:
+            torch.cuda.profiler.start()
+            self.nsys_running = True
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        self.profiler.start()
+
+    def after_step(self, iteration: int) -> None:
+        if self.active and iteration == self.t.profile_step_end:
+            self.close()
+
+    def close(self) -> None:
+        """Stop what is running (also when training ends early) and write the trace."""
+        if self.nsys_running:
+            torch.cuda.profiler.stop()
+            self.nsys_running = False
+        if self.profiler is None:
+            return
+        self.profiler.stop()
+        folder = self.t.tensorboard_dir or self.t.save or "profile"
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"profile_rank{self.rank}_iterations{self.t.profile_step_start + 1}-"
+                                    f"{self.t.profile_step_end}.json")
+        self.profiler.export_chrome_trace(path)
+        self.profiler = None
+        print(f" > profile of rank {self.rank} written to {path}", flush=True)
 
 
 def handle_nonfinite_step(trainer: Trainer, loss: float, result, log) -> None:
@@ -401,40 +558,72 @@ class IntervalStats:
     iterations: int = 0
     loss_sum: float = 0.0
     last_grad_norm: float | None = None
+    samples: int = 0                     # over the interval (the batch may grow: --rampup-batch-size)
+    last_batch_size: int = 0
 
-    def add(self, loss: float, result) -> None:
+    def add(self, loss: float, result, batch_size: int = 0) -> None:
         self.iterations += 1
         self.loss_sum += loss
+        self.samples += batch_size
+        self.last_batch_size = batch_size
         if result.grad_norm is not None:
             self.last_grad_norm = result.grad_norm
 
     def reset(self) -> None:
-        self.iterations, self.loss_sum, self.last_grad_norm = 0, 0.0, None
+        self.iterations, self.loss_sum, self.last_grad_norm, self.samples = 0, 0.0, None, 0
 
 
 def log_iteration(trainer: Trainer, interval: IntervalStats, seconds_per_iter: float, throughput: Throughput,
                   log) -> dict:
     t, state = trainer.config.training, trainer.state
     loss = interval.loss_sum / interval.iterations
-    rates = throughput.rates(seconds_per_iter)
+    # Throughput assumes full global batches; a ramp-up interval's smaller ones take proportionally
+    # fewer tokens and FLOPs, i.e. count as a proportionally longer time per full batch
+    full_batches = interval.samples / t.global_batch_size if interval.samples else interval.iterations
+    rates = throughput.rates(seconds_per_iter * interval.iterations / full_batches)
     memory = memory_over_ranks(trainer)
+    norms = optional_norms(trainer)            # collectives: every rank computes them
+    batch_size = interval.last_batch_size or t.global_batch_size
     log(format_training_line(
         iteration=state.iteration, train_iters=t.train_iters, consumed_samples=state.consumed_train_samples,
         elapsed_ms=1000.0 * seconds_per_iter, learning_rate=trainer.scheduler.lr,
-        global_batch_size=t.global_batch_size, losses={"lm loss": loss}, loss_scale=trainer.optimizer.loss_scale,
+        global_batch_size=batch_size, losses={"lm loss": loss}, loss_scale=trainer.optimizer.loss_scale,
         grad_norm=interval.last_grad_norm, skipped_iterations=state.skipped_iterations,
         nan_iterations=state.nan_iterations, tflops_per_gpu=rates.get("throughput (TFLOP/s/GPU)"),
+        num_zeros=norms.get("num zeros"), params_norm=norms.get("params norm"),
         extra=line_extras(rates, memory)))
     timing = trainer.timers.report(interval.iterations)
     if timing:
         log(format_timers(timing))
     metrics = {"lm loss": loss, "learning rate": trainer.scheduler.lr, "grad norm": interval.last_grad_norm,
                "loss scale": trainer.optimizer.loss_scale, "consumed samples": state.consumed_train_samples,
-               "elapsed time per iteration (ms)": 1000.0 * seconds_per_iter,
-               "skipped iterations": state.skipped_iterations, "nan iterations": state.nan_iterations,
+               "global batch size": batch_size, "elapsed time per iteration (ms)": 1000.0 * seconds_per_iter,
+               "skipped iterations": state.skipped_iterations, "nan iterations": state.nan_iterations, **norms,
                **rates, **{f"memory {key} (MB)": mb for key, mb in memory.items()},
                **{f"time {name} (ms)": ms for name, ms in timing.items()}}
+    if t.log_timers_to_tensorboard:
+        metrics["iteration-time"] = seconds_per_iter        # Megatron's tensorboard key, in seconds
     return metrics
+
+
+def optional_norms(trainer: Trainer) -> dict[str, float]:
+    """--log-params-norm: L2 norm of the fp32 master weights; --log-num-zeros-in-grad: zero elements of the
+    last step's (unscaled, clipped) gradients. Both count each parameter of the whole model once, with the
+    global gradient norm's rules (clip_grads.py: TP-replicated parameters on TP rank 0, the tied
+    embedding's second copy not at all, ZeRO shards on their owner), summed over the same ranks."""
+    t, opt = trainer.config.training, trainer.optimizer
+    out = {}
+    groups = opt._reduction_groups()
+    if t.log_num_zeros_in_grad:
+        zeros = sum(float((p.grad[lo:hi] == 0).sum()) * w
+                    for p, segments in zip(opt.pieces, opt.norm_segments) for lo, hi, w in segments)
+        total = torch.tensor([zeros], dtype=torch.float64, device=trainer.device)
+        for group in groups:
+            torch.distributed.all_reduce(total, group=group)
+        out["num zeros"] = float(total)
+    if t.log_params_norm:
+        out["params norm"] = global_grad_norm(opt.master_pieces, opt.norm_segments, groups)
+    return out
 
 
 def line_extras(rates: dict[str, float], memory: dict[str, float]) -> dict[str, str]:

@@ -178,7 +178,7 @@ def run_tool(*args):
 
 
 def test_tool_generates_from_a_checkpoint_and_reports_bad_input_in_one_line(tmp_path):
-    model = tiny_model("llama", seed=5)
+    model = tiny_model("llama", seed=6)        # a seed whose greedy continuation has no eod
     root = str(tmp_path / "ckpt")
     save_null_tokenizer_checkpoint(model, root)
     expected = generate(model, [10, 20, 30], 12, greedy=True)

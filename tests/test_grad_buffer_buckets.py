@@ -52,7 +52,7 @@ def test_sharded_parameters_reassemble_from_every_ranks_shard():
     for bucket in buf.buckets:                                 # what an all-gather would do
         buf.allocate(bucket)
         lo, hi = buf._local_offsets(bucket)
-        bucket.unsharded.copy_(torch.cat([s[lo:hi] for s in shards]))
+        bucket.unsharded.tensor.copy_(torch.cat([s[lo:hi] for s in shards]))
     for (name, p), expected in zip(named, full):
         torch.testing.assert_close(p.detach(), expected)
     assert buf.param_bytes() == buf.param_shard.numel() * 4 + buf.numel * 4

@@ -9,9 +9,9 @@ Memory is measured at the allocator, independently of the planner: torch.profile
 profile_memory=True records every allocation and free of torch's CPU allocator (address, bytes,
 time). Profiling starts before the model is built, so parameters, gradients and optimizer state
 count; the measurement is the most bytes held at once during the training steps (initialisation's
-temporaries come before). The estimate uses planning.CPU_KERNELS, the CPU build's kernels (its
-composite RMSNorm keeps fp32 copies, see planning.Kernels); everything else is the same formula
-the command line uses for GPUs.
+temporaries come before). The estimate uses planning.CPU_KERNELS, the CPU build's kernels and
+collectives (its embedding dropout keeps a noise tensor, gloo copies through temporaries, see
+planning.Kernels); everything else is the same formula the command line uses for GPUs.
 """
 import dataclasses
 import json
@@ -24,7 +24,7 @@ import tempfile
 import pytest
 
 from harness import run_ranks
-from megalite_test_utils import ROOT, TINY_LLAMA_ARGS, with_flags
+from megalite_test_utils import ROOT, TINY_GPT2_ARGS, TINY_LLAMA_ARGS, with_flags
 from megalite import planning
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -200,6 +200,62 @@ def test_state_bytes_per_parameter_follow_the_zero_formulas():
     assert sum(planning.state_bytes_per_parameter(4, "no_shard", d)) == 16
 
 
+@pytest.mark.parametrize("sharding", ["optim", "optim_grads"])
+def test_planned_buckets_are_the_gradient_buffers(sharding, monkeypatch):
+    """The buckets the planner reasons about are grad_buffer.py's: whole parameters in backward order,
+    closed at the bucket size, around a tied embedding and (ZeRO-2/3) at module-unit boundaries."""
+    from megalite.arguments import parse_args
+    from megalite.distributed.ddp import DistributedDataParallel
+    from megalite.distributed.grad_buffer import ParamAndGradBuffer
+    from megalite.pipeline_parallel.stages import build_model_chunks
+    from megalite.tensor_parallel.layers import TensorParallel
+    monkeypatch.setattr(planning, "default_bucket_size", lambda dp, overlap: 6000 if overlap else None)
+    for argv in (with_flags(TINY_LLAMA_ARGS, untie_embeddings_and_output_weights=None), TINY_LLAMA_ARGS,
+                 TINY_GPT2_ARGS):            # tied, untied; biases, LayerNorm, learned positions
+        for overlap in (True, False):
+            model = parse_args(argv, world_size=1).model
+            chunk = build_model_chunks(model, 1, TensorParallel(rank=0, size=1), 0, 1, 1)[0]
+            wrapper = DistributedDataParallel.__new__(DistributedDataParallel)
+            wrapper.models = [chunk]
+            named, unit_of, _ = wrapper._collect_units()
+            per_unit = sharding != "optim"
+            buffer = ParamAndGradBuffer(named, 6000 if overlap else None, 0, 2, shard_grads=per_unit,
+                                        units=unit_of if per_unit else None)
+            workload = planning.Workload(dataclasses.replace(model, vocab_size=model.padded_vocab_size), 4,
+                                         make_vocab_size_divisible_by=1)
+            layout = planning.Layout(dp=2, sharding=sharding, overlap_grad_reduce=overlap)
+            tensors = planning.backward_tensors(workload, layout, 0)
+            ends = planning.buckets_of(tensors, layout, per_unit)
+            planned = [sum(t.size for t in tensors[a:b]) for a, b in zip([0] + ends, ends)]
+            assert planned == [sum(p.numel() for p in bucket.params) for bucket in buffer.buckets]
+
+
+def test_zero_temporaries_follow_the_bucket_lifetimes_of_ddp():
+    """ZeRO-2/3 stage a bucket's gradients only from its first gradient to the end of its
+    reduce-scatter, so nothing grows with the number of micro-batches. Backward through a layer's
+    MLP holds, without --overlap-grad-reduce, that
+    layer's staging (one bucket per unit); with it (40M-element buckets) the MAX_IN_FLIGHT buckets
+    completed last, each with its 1/d output: the previous layer's input norm and this layer's
+    linear_fc2. ZeRO-3 adds the layer's gathered parameters and, with --overlap-param-gather, the
+    prefetched next one."""
+    workload, d, e = _llama_workload(), 8, 2
+    h, ffn = workload.model.hidden_size, workload.model.ffn_hidden_size
+    layer = planning.layer_parameters(workload.model, 1)
+    for sharding in ("optim_grads", "optim_grads_params"):
+        plain = planning.Layout(pp=4, dp=d, sharding=sharding, overlap_grad_reduce=False, overlap_param_gather=False)
+        overlapped = dataclasses.replace(plain, overlap_grad_reduce=True, overlap_param_gather=True)
+        state = planning.stage_parameters(workload, plain, 1).total
+        more_microbatches = dataclasses.replace(workload, global_batch_size=8 * workload.global_batch_size)
+        for lay in (plain, overlapped):
+            assert planning.rank_memory(workload, lay, 1) == planning.rank_memory(more_microbatches, lay, 1)
+        assert planning.rank_memory(workload, plain, 1).grads == pytest.approx(4 * state / d + 4 * layer)
+        assert planning.rank_memory(workload, overlapped, 1).grads == pytest.approx(
+            4 * state / d + 4 * (h + ffn * h) * (1 + 1 / d))
+        gathered = {"optim_grads": (state, state), "optim_grads_params": (state / d + layer, state / d + 2 * layer)}
+        assert [planning.rank_memory(workload, lay, 1).weights for lay in (plain, overlapped)] == pytest.approx(
+            [e * n for n in gathered[sharding]])
+
+
 def test_pipeline_in_flight_micro_batches_and_bubble():
     one_f_one_b = planning.Layout(pp=4, dp=2)
     assert [planning.chunks_in_flight(one_f_one_b, r, 8) for r in range(4)] == [4, 3, 2, 1]
@@ -218,8 +274,8 @@ def test_pipeline_in_flight_micro_batches_and_bubble():
 def test_activations_follow_korthikanti_where_the_implementation_agrees():
     """A GPT layer (MHA, learned positions, 4h MLP, hidden dropout, 16-bit, CUDA kernels) keeps
     Korthikanti's 34sbh without the 5as^2b score terms that flash attention never stores (plus an fp32
-    log-sum-exp per token and head); under TP t with sequence parallelism 34sbh/t, except that the
-    QKV and fc1 inputs (4sbh) are kept all-gathered; full recomputation keeps 2sbh, 2sbh/t with SP."""
+    log-sum-exp per token and head); under TP t with sequence parallelism 34sbh/t (the column-parallel
+    linears keep their sequence shard); full recomputation keeps 2sbh, 2sbh/t with SP."""
     s, b, h, a = 2048, 1, 1024, 16
     gpt = planning.model_from_flags(4, h, a, 50257, s, hidden_dropout=0.1, attention_dropout=0.1)
     workload, gpu = planning.Workload(gpt, 8), planning.GPU_KERNELS
@@ -227,7 +283,7 @@ def test_activations_follow_korthikanti_where_the_implementation_agrees():
     assert planning.layer_activation_bytes(workload, planning.Layout(), gpu) == 34 * sbh + lse
     for t in (2, 4, 8):
         tp = planning.layer_activation_bytes(workload, planning.Layout(tp=t), gpu)
-        assert tp == pytest.approx(34 * sbh / t + 4 * sbh * (1 - 1 / t) + lse / t)
+        assert tp == pytest.approx(34 * sbh / t + lse / t)
         assert planning.layer_activation_bytes(workload, planning.Layout(tp=t, recompute="full"), gpu) == 2 * sbh / t
     assert planning.layer_activation_bytes(workload, planning.Layout(recompute="full"), gpu) == 2 * sbh
 

@@ -176,8 +176,9 @@ def test_metadata_cannot_name_files_outside_the_checkpoint(checkpoint, tmp_path,
     escape = str(secret) if where == "absolute" else "../../../secret"
     if where in ("tensor", "absolute"):
         for entry in meta["tensors"].values():
-            if entry["file"] == "model-pp000.safetensors":
-                entry["file"] = escape
+            for piece in entry.get("pieces", [entry]):      # format 2: pieces; format 1: the entry itself
+                if piece["file"] == "model-pp000.safetensors":
+                    piece["file"] = escape
         meta["files"][escape] = meta["files"].pop("model-pp000.safetensors")
     elif where == "files":
         meta["files"][escape] = secret.stat().st_size

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Convert checkpoints between Hugging Face and megalite (Llama, Mistral, Qwen2, GPT-2), both ways.
+"""Convert checkpoints between Hugging Face and megalite (Llama, Mistral, Qwen2, Phi-3, GPT-2), both ways.
 
     python tools/convert_checkpoint.py --from hf --to megalite --input HF_DIR --output CKPT_DIR
     python tools/convert_checkpoint.py --from megalite --to hf --input CKPT_DIR --output HF_DIR \\
-        [--model-type llama|mistral|qwen2|gpt2] [--overwrite]
+        [--model-type llama|mistral|qwen2|phi3|gpt2] [--overwrite]
 
 HF -> megalite writes CKPT_DIR/iter_0000000 and its tracker file, with the tokenizer files (when the
 model directory has them) in iter_0000000/tokenizer; train from it with
@@ -29,7 +29,7 @@ from megalite.arguments import OneLineArgumentParser  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
 FORMATS = ("hf", "megalite")
-MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gpt2")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,11 @@ Backward recomputes each block's probabilities from the saved log-sum-exp (as fl
 the KV blocks travel the ring again together with their gradient accumulators, dQ stays local, and
 after cp steps every dK/dV accumulator has arrived back at the rank that owns those keys and values.
 Blocks are computed with explicit math in fp32 (SDPA on CPU does not return the log-sum-exp).
+
+What is kept for backward is what flash attention keeps: q, the unexpanded GQA k and v, in their own
+dtype (the fp32 working copies and the per-block repeats to every query head are rebuilt in backward),
+the output (the very tensor returned, which the output projection saves as its input too) and the
+fp32 log-sum-exp.
 """
 from __future__ import annotations
 
@@ -88,25 +93,30 @@ def context_parallel_loss(per_token: torch.Tensor, loss_mask: torch.Tensor, cp: 
 
 
 # ---- blocks ---------------------------------------------------------------------------------------
-def _causal_mask(c: int, device) -> torch.Tensor:
-    return torch.ones(c, c, dtype=torch.bool, device=device).triu_(1)       # True: masked out
+# GQA without repeating K/V: the queries of one KV group are laid out [b, groups, s, heads_per_group, d],
+# so a chunk of c positions is a [b, groups, c * heads_per_group, d] block whose rows (position i,
+# head j) all attend to the group's [b, groups, c, d] keys. dK and dV then sum over the group's heads
+# inside the matmuls.
+def _causal_mask(c: int, heads_per_group: int, device) -> torch.Tensor:
+    """[c * heads_per_group, c], True where masked out: row (i, j) sees keys 0..i."""
+    return torch.ones(c, c, dtype=torch.bool, device=device).triu_(1).repeat_interleave(heads_per_group, dim=0)
 
 
-def _block_forward(q, k, v, scale: float, causal: bool):
-    """q, k, v [b, h, c, d] fp32 -> (softmax(qk^T) v [b, h, c, d], lse [b, h, c])."""
+def _block_forward(q, k, v, scale: float, mask):
+    """q [b, g, rows, d], k, v [b, g, c, d] fp32 -> (softmax(qk^T) v [b, g, rows, d], lse [b, g, rows])."""
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    if causal:
-        scores.masked_fill_(_causal_mask(q.shape[2], q.device), float("-inf"))
+    if mask is not None:
+        scores.masked_fill_(mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1))
     return torch.matmul(probs, v), lse
 
 
-def _block_backward(q, k, v, d_out, lse, delta, scale: float, causal: bool):
+def _block_backward(q, k, v, d_out, lse, delta, scale: float, mask):
     """Gradients (dq, dk, dv) of one block given the final output's lse and delta = rowsum(dO * O)."""
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    if causal:
-        scores.masked_fill_(_causal_mask(q.shape[2], q.device), float("-inf"))
+    if mask is not None:
+        scores.masked_fill_(mask, float("-inf"))
     probs = torch.exp(scores - lse.unsqueeze(-1))
     dv = torch.matmul(probs.transpose(-1, -2), d_out)
     dprobs = torch.matmul(d_out, v.transpose(-1, -2))
@@ -116,16 +126,16 @@ def _block_backward(q, k, v, d_out, lse, delta, scale: float, causal: bool):
     return dq, dk, dv
 
 
-def _expand(kv: torch.Tensor, heads_per_group: int) -> torch.Tensor:
-    """[b, groups, s, d] -> [b, heads, s, d] (GQA: each KV head serves heads_per_group query heads)."""
-    return kv if heads_per_group == 1 else kv.repeat_interleave(heads_per_group, dim=1)
+def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[s, b, heads, d] -> fp32 [b, groups, s, heads_per_group, d] (contiguous)."""
+    s, b, nh, d = x.shape
+    return x.reshape(s, b, groups, nh // groups, d).permute(1, 2, 0, 3, 4).float().contiguous()
 
 
-def _reduce_groups(grad: torch.Tensor, heads_per_group: int) -> torch.Tensor:
-    if heads_per_group == 1:
-        return grad
-    b, h, s, d = grad.shape
-    return grad.view(b, h // heads_per_group, heads_per_group, s, d).sum(dim=2)
+def _ungrouped(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[b, groups, s, heads_per_group, d] -> [s, b, heads * d] in ``dtype`` (a new tensor)."""
+    b, g, s, hpg, d = x.shape
+    return x.permute(2, 0, 1, 3, 4).reshape(s, b, g * hpg * d).to(dtype)
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, cp: ContextParallel):
@@ -158,8 +168,9 @@ class RingAttention(torch.autograd.Function):
         s, b, nh, d = q.shape
         ng = k.shape[2]
         hpg, c, scale = nh // ng, s // 2, 1.0 / math.sqrt(d)
-        qf = q.permute(1, 2, 0, 3).float()                                        # [b, nh, s, d]
+        qf = _grouped(q, ng)                                                      # [b, ng, s, hpg, d]
         kv = torch.stack([k, v]).permute(0, 2, 3, 1, 4).float().contiguous()      # [2, b, ng, s, d]
+        mask = _causal_mask(c, hpg, q.device)
         out, lse = [None, None], [None, None]
         current = kv
         for step in range(cp.size):
@@ -168,10 +179,10 @@ class RingAttention(torch.autograd.Function):
             if step < cp.size - 1:
                 incoming = torch.empty_like(current)
                 requests = _exchange(current, incoming, cp)                       # prefetch the next block
-            keys, values = _expand(current[0], hpg), _expand(current[1], hpg)
             for qi, ki, causal in _pairs(cp, src):
-                o, l = _block_forward(qf[:, :, qi * c:(qi + 1) * c], keys[:, :, ki * c:(ki + 1) * c],
-                                      values[:, :, ki * c:(ki + 1) * c], scale, causal)
+                ks = slice(ki * c, (ki + 1) * c)
+                o, l = _block_forward(qf[:, :, qi * c:(qi + 1) * c].reshape(b, ng, c * hpg, d),
+                                      current[0][:, :, ks], current[1][:, :, ks], scale, mask if causal else None)
                 if out[qi] is None:
                     out[qi], lse[qi] = o, l
                 else:
@@ -182,20 +193,26 @@ class RingAttention(torch.autograd.Function):
             if requests:
                 _wait(requests)
                 current = incoming
-        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)                  # [b, nh, s, d], [b, nh, s]
-        ctx.save_for_backward(qf, kv, out, lse)
-        ctx.cp, ctx.dtype = cp, q.dtype
-        return out.permute(2, 0, 1, 3).reshape(s, b, nh * d).to(q.dtype)
+        out = torch.cat(out, dim=2).view(b, ng, s, hpg, d)
+        lse = torch.cat(lse, dim=2)                                               # [b, ng, s * hpg]
+        result = _ungrouped(out, q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.cp = cp
+        return result
 
     @staticmethod
     def backward(ctx, grad_out):
-        qf, kv, out, lse = ctx.saved_tensors
+        q, k, v, result, lse = ctx.saved_tensors
         cp = ctx.cp
-        b, nh, s, d = qf.shape
-        ng = kv.shape[2]
+        s, b, nh, d = q.shape
+        ng = k.shape[2]
         hpg, c, scale = nh // ng, s // 2, 1.0 / math.sqrt(d)
-        d_out = grad_out.reshape(s, b, nh, d).permute(1, 2, 0, 3).float()
-        delta = (d_out * out).sum(dim=-1)                                         # [b, nh, s]
+        rows = c * hpg
+        qf = _grouped(q, ng)
+        kv = torch.stack([k, v]).permute(0, 2, 3, 1, 4).float().contiguous()      # [2, b, ng, s, d]
+        d_out = _grouped(grad_out.reshape(s, b, nh, d), ng)
+        delta = (d_out * _grouped(result.view(s, b, nh, d), ng)).sum(dim=-1).view(b, ng, s * hpg)
+        mask = _causal_mask(c, hpg, q.device)
         dq = torch.zeros_like(qf)
         current, dkv = kv, torch.zeros_like(kv)
         for step in range(cp.size):
@@ -204,14 +221,14 @@ class RingAttention(torch.autograd.Function):
             if step < cp.size - 1:
                 incoming = torch.empty_like(current)
                 requests = _exchange(current, incoming, cp)
-            keys, values = _expand(current[0], hpg), _expand(current[1], hpg)
             for qi, ki, causal in _pairs(cp, src):
-                qs, ks = slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c)
-                dq_b, dk_b, dv_b = _block_backward(qf[:, :, qs], keys[:, :, ks], values[:, :, ks],
-                                                   d_out[:, :, qs], lse[:, :, qs], delta[:, :, qs], scale, causal)
-                dq[:, :, qs] += dq_b
-                dkv[0][:, :, ks] += _reduce_groups(dk_b, hpg)
-                dkv[1][:, :, ks] += _reduce_groups(dv_b, hpg)
+                qs, ks, rs = slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), slice(qi * rows, (qi + 1) * rows)
+                dq_b, dk_b, dv_b = _block_backward(qf[:, :, qs].reshape(b, ng, rows, d), current[0][:, :, ks],
+                                                   current[1][:, :, ks], d_out[:, :, qs].reshape(b, ng, rows, d),
+                                                   lse[:, :, rs], delta[:, :, rs], scale, mask if causal else None)
+                dq[:, :, qs] += dq_b.view(b, ng, c, hpg, d)
+                dkv[0][:, :, ks] += dk_b
+                dkv[1][:, :, ks] += dv_b
             if requests:                       # the next KV block (prefetched during this step's math)
                 _wait(requests)
                 current = incoming
@@ -219,8 +236,8 @@ class RingAttention(torch.autograd.Function):
             received = torch.empty_like(dkv)
             _wait(_exchange(dkv, received, cp))
             dkv = received
-        dq = dq.permute(2, 0, 1, 3).to(ctx.dtype)
-        dk, dv = (g.permute(2, 0, 1, 3).to(ctx.dtype) for g in dkv)
+        dq = dq.permute(2, 0, 1, 3, 4).reshape(s, b, nh, d).to(q.dtype)
+        dk, dv = (g.permute(2, 0, 1, 3).to(k.dtype) for g in dkv)
         return dq, dk, dv, None
 
 

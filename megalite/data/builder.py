@@ -76,7 +76,7 @@ class _Builder:
     def indexed(self, prefix: str) -> IndexedDataset:
         prefix = normalize_prefix(prefix)
         if prefix not in self._indexed:
-            ds = IndexedDataset(prefix)
+            ds = IndexedDataset(prefix, mmap=self.data.mmap_bin_files)
             if len(ds) == 0:
                 raise UserError(f"dataset {prefix} holds no documents; check the preprocessing input")
             if self.check_vocab:

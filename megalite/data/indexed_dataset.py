@@ -189,21 +189,29 @@ class _Index:
 
 
 class IndexedDataset:
-    """Read-only, memory-mapped view of ``PREFIX.bin`` / ``PREFIX.idx``.
+    """Read-only view of ``PREFIX.bin`` / ``PREFIX.idx``, memory-mapped.
 
     ``ds[i]`` is sequence ``i`` (a numpy view, no copy); ``ds.get(i, offset, length)`` a part of it.
+    ``mmap=False`` (``--no-mmap-bin-files``, as Megatron's file reader): the ``.bin`` is not mapped;
+    each access reads its bytes from the file into a fresh array (``os.pread``, so DataLoader workers
+    sharing the descriptor do not race on a file position). The ``.idx`` is mapped either way.
     """
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, mmap: bool = True):
         prefix = normalize_prefix(prefix)
         _check_present(prefix)
         self.prefix = prefix
-        bin_path = data_file_path(prefix)
-        bin_size = os.path.getsize(bin_path)
+        self.mmap = mmap
+        self._bin_path = data_file_path(prefix)
+        bin_size = os.path.getsize(self._bin_path)
         self.index = _Index(index_file_path(prefix), bin_size)
         self.dtype = self.index.dtype
-        if bin_size > 0:
-            self._bin = np.memmap(bin_path, mode="r", order="C")
+        self._bin_fd = None
+        if not mmap:
+            self._bin = None
+            self._bin_buffer = None
+        elif bin_size > 0:
+            self._bin = np.memmap(self._bin_path, mode="r", order="C")
             self._bin_buffer = memoryview(self._bin)
         else:  # numpy cannot memory-map an empty file
             self._bin = None
@@ -211,10 +219,26 @@ class IndexedDataset:
 
     # pickling (DataLoader workers started with spawn) re-opens the files instead of copying them
     def __getstate__(self):
-        return {"prefix": self.prefix}
+        return {"prefix": self.prefix, "mmap": self.mmap}
 
     def __setstate__(self, state):
-        self.__init__(state["prefix"])
+        self.__init__(state["prefix"], state.get("mmap", True))
+
+    def __del__(self):
+        if getattr(self, "_bin_fd", None) is not None:
+            os.close(self._bin_fd)
+
+    def _read(self, byte_offset: int, count: int) -> np.ndarray:
+        """``count`` tokens of the .bin from ``byte_offset``: a view of the mapping, or read from the file."""
+        if self.mmap:
+            return np.frombuffer(self._bin_buffer, dtype=self.dtype, count=count, offset=byte_offset)
+        if self._bin_fd is None:
+            self._bin_fd = os.open(self._bin_path, os.O_RDONLY)
+        nbytes = count * self.dtype.itemsize
+        data = os.pread(self._bin_fd, nbytes, byte_offset)
+        if len(data) != nbytes:
+            raise UserError(f"{self._bin_path} is truncated: {nbytes} bytes wanted at {byte_offset}, {len(data)} read")
+        return np.frombuffer(data, dtype=self.dtype)
 
     def __len__(self) -> int:
         return self.index.sequence_count
@@ -236,7 +260,9 @@ class IndexedDataset:
         return int(self.index.sequence_lengths.sum(dtype=np.int64))
 
     def tokens(self) -> np.ndarray:
-        """All tokens of the .bin as one flat view."""
+        """All tokens of the .bin as one flat view (read whole without the mapping)."""
+        if not self.mmap:
+            return np.fromfile(self._bin_path, dtype=self.dtype)
         return np.frombuffer(self._bin_buffer, dtype=self.dtype)
 
     def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
@@ -251,7 +277,7 @@ class IndexedDataset:
         if offset < 0 or length < 0 or offset + length > size:
             raise IndexError(f"tokens [{offset}, {offset + length}) outside sequence {idx} of length {size}")
         pointer = int(self.index.sequence_pointers[idx]) + offset * self.dtype.itemsize
-        return np.frombuffer(self._bin_buffer, dtype=self.dtype, count=length, offset=pointer)
+        return self._read(pointer, length)
 
     def __getitem__(self, idx):
         if isinstance(idx, (int, np.integer)):
@@ -263,23 +289,22 @@ class IndexedDataset:
             if stop <= start:
                 return []
             lengths = self.index.sequence_lengths[start:stop]
-            flat = np.frombuffer(self._bin_buffer, dtype=self.dtype, count=int(lengths.sum(dtype=np.int64)),
-                                 offset=int(self.index.sequence_pointers[start]))
+            flat = self._read(int(self.index.sequence_pointers[start]), int(lengths.sum(dtype=np.int64)))
             return np.split(flat, np.cumsum(lengths)[:-1])
         raise TypeError(f"cannot index an IndexedDataset with {type(idx).__name__}")
 
     def max_token(self, max_tokens_scanned: Optional[int] = None) -> int:
         """Largest token id (over all tokens, or evenly spaced chunks when the .bin is bigger than
         ``max_tokens_scanned``); -1 when empty."""
-        tokens = self.tokens()
-        if tokens.size == 0:
+        size = os.path.getsize(self._bin_path) // self.dtype.itemsize
+        if size == 0:
             return -1
-        if max_tokens_scanned is None or tokens.size <= max_tokens_scanned:
-            return int(tokens.max())
+        if max_tokens_scanned is None or size <= max_tokens_scanned:
+            return int(self.tokens().max())
         chunks = 64
         chunk = max(1, max_tokens_scanned // chunks)
-        starts = np.linspace(0, tokens.size - chunk, chunks).astype(np.int64)
-        return int(max(tokens[s:s + chunk].max() for s in starts))
+        starts = np.linspace(0, size - chunk, chunks).astype(np.int64)
+        return int(max(self._read(int(s) * self.dtype.itemsize, chunk).max() for s in starts))
 
     def min_token(self) -> int:
         tokens = self.tokens()

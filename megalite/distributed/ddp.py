@@ -11,22 +11,25 @@ Strategies (Megatron's ``--data-parallel-sharding-strategy`` names):
 - ``optim`` (ZeRO-1, ``--use-distributed-optimizer``): each bucket of the full gradient buffer is
   reduce-scattered after the last micro-batch; rank r keeps the reduced r-th chunk of each bucket, steps
   only that chunk (optimizer/distrib_optimizer.py) and the updated chunks are all-gathered.
-- ``optim_grads`` (ZeRO-2): no full gradient buffer. Every micro-batch's gradients of a bucket are
-  collected in a temporary bucket tensor and reduce-scattered as soon as the bucket is complete, then
-  added into this rank's gradient shard; the temporary is freed.
+- ``optim_grads`` (ZeRO-2): no full gradient buffer. A bucket stages one micro-batch's gradients in a
+  full-size tensor from its first gradient on; once complete it is reduce-scattered, the reduced chunk
+  added into this rank's gradient shard, and the staging freed (``GradReduction``).
 - ``optim_grads_params`` (ZeRO-3): as ZeRO-2, and parameters are sharded too. Buckets follow module
-  units (each transformer layer; the rest of the model is the "root" unit): a unit's parameters are
-  all-gathered before its forward and freed after it, gathered again when backward reaches the unit and
-  freed once its gradients are reduce-scattered. The root unit stays gathered from its forward until
-  its gradients are done (its parameters are used at both ends of the model).
+  units: the embedding, each transformer layer, and the head (final norm + output layer). A unit's
+  parameters are all-gathered just before its forward and freed after it, gathered again when backward
+  reaches the unit and freed when its backward is done (a hook on the unit's input gradient). The
+  embedding's backward reads only the token ids, so it is not gathered for backward. With
+  ``--overlap-param-gather`` the next unit's gather is prefetched (the previous one's in backward).
 
 Overlap. ``--overlap-grad-reduce``: a post-accumulate-grad hook counts each parameter's gradients; when
 every parameter of a bucket has received its last micro-batch's gradient the bucket's collective is
 started asynchronously, so communication runs while backward continues through earlier layers.
 Without it, the collectives run in ``finish_grad_sync`` after backward. ``--overlap-param-gather``:
 the all-gather of updated parameters (ZeRO-1/2) is started asynchronously after the optimizer step
-and each unit's forward pre-hook waits only for the buckets it needs; for ZeRO-3 the next unit's
-gather is prefetched during the current unit's forward (and the previous unit's during backward).
+and each unit's forward pre-hook waits only for the buckets it needs.
+
+``--grad-reduce-in-bf16``: the collectives carry bf16 gradients (half the bytes); accumulation over
+micro-batches and the optimizer's gradients stay fp32.
 
 Why not FSDP2 (``torch.distributed.fsdp.fully_shard``) for ZeRO-3: it replaces every parameter by a
 DTensor with its own per-parameter padded storage, while here parameters are views into one flat
@@ -46,6 +49,7 @@ forward and backward instead of the one after the step.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +61,13 @@ from megalite.distributed.grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.parallel_state import ParallelState
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+# Asynchronous bucket collectives in flight at once. A ZeRO-2/3 reduce-scatter holds a full-size staging
+# bucket, and gloo copies every all-gather / reduce-scatter through a temporary of the bucket's size:
+# unbounded, a whole backward's gradients (or all parameters after the step) would be alive at once,
+# the memory the sharding exists to save. Full-buffer collectives (no staging): two in flight. ZeRO-2/3
+# reductions: one, overlapping the backward that fills the next bucket's staging.
+MAX_IN_FLIGHT = 2
+MAX_REDUCTIONS_IN_FLIGHT = 1
 
 
 def default_bucket_size(dp_size: int, overlap_grad_reduce: bool) -> int | None:
@@ -66,27 +77,17 @@ def default_bucket_size(dp_size: int, overlap_grad_reduce: bool) -> int | None:
 
 
 def data_parallel_group(parallel: ParallelState):
-    """(group, size, rank) of the data-parallel (x context-parallel) group; group None when size 1.
+    """(group, size, rank) of the data-parallel (x context-parallel) group; group None only when no
+    process group exists (a plain single process). A size-1 group is used like any other, so a
+    single-GPU NCCL run exercises every collective path.
 
     Context-parallel ranks hold the same parameters and see other parts of the sequences, so like
     Megatron the gradients are reduced over dp x cp."""
     size = parallel.dp_size * parallel.cp_size
     group = parallel.group("dp_cp")
-    if group is None or size == 1:
+    if group is None:
         return None, 1, 0
     return group, size, dist.get_rank(group)
-
-
-@dataclass(eq=False)
-class Unit:
-    """A module whose parameters are gathered together (ZeRO-3) or waited for together (param gather)."""
-    module: nn.Module
-    is_root: bool = False
-    buckets: list = field(default_factory=list)      # buckets holding any of its parameters
-    next: "Unit | None" = None                       # the unit that runs after it in forward
-    prev: "Unit | None" = None
-    in_backward: bool = False
-    params: list = field(default_factory=list)
 
 
 class _Done:
@@ -97,15 +98,148 @@ class _Done:
 _DONE = _Done()
 
 
+class Comm:
+    """The data-parallel group and how its collectives are called. ``reduce_dtype``: the dtype gradients
+    travel in (None: as they are, fp32)."""
+
+    def __init__(self, group, size: int, reduce_dtype: torch.dtype | None):
+        self.group, self.size, self.reduce_dtype = group, size, reduce_dtype
+        self.gloo = group is not None and dist.get_backend(group) == "gloo"
+
+    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, chunks: list, async_op: bool):
+        """Sum ``flat`` over the group, this rank keeping its chunk in ``out``. gloo: list input (1.5-2x
+        faster than its single-tensor form on CPU, same bytes on the wire), in slices (see GlooSlices)."""
+        if self.gloo:
+            return GlooSlices(out.numel(), lambda lo, hi: dist.reduce_scatter(
+                out[lo:hi], [c[lo:hi] for c in chunks], op=dist.ReduceOp.SUM, group=self.group, async_op=True),
+                async_op)
+        return dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+
+    def all_gather(self, out: torch.Tensor, local: torch.Tensor, async_op: bool):
+        if self.gloo:
+            chunks = out.chunk(self.size)
+            return GlooSlices(local.numel(), lambda lo, hi: dist.all_gather(
+                [c[lo:hi] for c in chunks], local[lo:hi], group=self.group, async_op=True), async_op)
+        return dist.all_gather_single(out, local, group=self.group, async_op=async_op)
+
+
+GLOO_SLICE = 1 << 21          # elements per rank's chunk in one gloo collective
+
+
+class GlooSlices:
+    """A gloo collective over a large bucket, run as consecutive slices of at most GLOO_SLICE elements
+    per rank's chunk. gloo copies each collective through a temporary the size of its whole input or
+    output and frees it only with the Work object; sliced, that temporary stays bounded. The first slice
+    starts at once (asynchronously); ``wait()`` runs the rest one after another."""
+
+    def __init__(self, numel: int, start_slice, async_op: bool):
+        self._slices = [(lo, min(numel, lo + GLOO_SLICE)) for lo in range(0, max(numel, 1), GLOO_SLICE)]
+        self._start = start_slice
+        self._work = self._start(*self._slices.pop(0))
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        while self._work is not None:
+            self._work.wait()
+            self._work = self._start(*self._slices.pop(0)) if self._slices else None
+
+
+class GradReduction:
+    """ZeRO-2/3: one bucket's gradients of one micro-batch, from the first gradient to the shard.
+
+    accumulate (allocates the full-size staging) -> start (reduce-scatter, asynchronous with overlap)
+    -> finish (wait, add the reduced chunk into this rank's gradient shard, free staging and output).
+    A bucket's next micro-batch reuses the staging only after its previous reduction finished."""
+
+    def __init__(self, bucket: Bucket, shard_chunk: torch.Tensor, comm: Comm):
+        self.bucket, self.shard_chunk, self.comm = bucket, shard_chunk, comm
+        self.arrived = 0
+        self.work = None
+
+    def accumulate(self, offset: int, grad: torch.Tensor) -> bool:
+        """Add one parameter's gradient; True when every parameter of the bucket has arrived."""
+        if self.work is not None:
+            self.finish()
+        staging = self.bucket.staging.allocate(zero=True)
+        staging[offset:offset + grad.numel()].add_(grad.reshape(-1))
+        self.arrived += 1
+        return self.arrived == len(self.bucket.params)
+
+    def start(self, async_op: bool) -> None:
+        self.arrived = 0
+        if self.comm.group is None:                 # a single process: nothing to reduce
+            self.shard_chunk.add_(self.bucket.staging.tensor)
+            self.bucket.staging.free()
+            return
+        out = self.bucket.reduced.allocate()
+        self.work = self.comm.reduce_scatter(out, self.bucket.staging.tensor, self.bucket.staging_chunks,
+                                             async_op) or _DONE
+        if not async_op:
+            self.finish()
+
+    def finish(self) -> None:
+        if self.work is None:
+            return
+        self.work.wait()
+        self.work = None
+        self.shard_chunk.add_(self.bucket.reduced.tensor)
+        self.bucket.staging.free()
+        self.bucket.reduced.free()
+
+    @property
+    def pending(self) -> bool:
+        return self.arrived > 0
+
+
+@dataclass(eq=False)
+class Unit:
+    """Modules whose parameters are gathered together (ZeRO-3) or waited for together (param gather).
+
+    ``module``'s forward pre-hook gathers; ``end_module``'s forward hook ends the forward use (the head
+    unit starts at the final norm and ends with the whole model's forward, which computes the logits)."""
+    name: str
+    module: nn.Module
+    end_module: nn.Module
+    params: list = field(default_factory=list)
+    buckets: list = field(default_factory=list)       # buckets holding any of its parameters
+    gather_in_backward: bool = True
+    next: "Unit | None" = None                        # the unit that runs after it in forward
+    prev: "Unit | None" = None
+    in_backward: bool = False
+
+
+def model_units(model: nn.Module, prefix: str = "") -> list[Unit]:
+    """A GPTModel chunk's units in forward order: embedding, each layer, head (those it has)."""
+    units = []
+    embedding = getattr(model, "embedding", None)
+    if embedding is not None:
+        units.append(Unit(prefix + "embedding", embedding, embedding, gather_in_backward=False))
+    for i, layer in enumerate(getattr(getattr(model, "decoder", None), "layers", [])):
+        units.append(Unit(f"{prefix}layer{i}", layer, layer))
+    final_norm = getattr(getattr(model, "decoder", None), "final_layernorm", None)
+    if final_norm is not None:
+        units.append(Unit(prefix + "head", final_norm, model))
+    if not units:                                      # any other module: one unit
+        units.append(Unit(prefix + "model", model, model))
+    for a, b in zip(units, units[1:]):
+        a.next, b.prev = b, a
+    return units
+
+
 class DistributedDataParallel:
     """Owns the parameter/gradient buffer of one rank's model (or model chunks) and its reductions.
 
     Use per step: ``zero_grad()`` -> forward/backward over the micro-batches -> ``finish_grad_sync()``
-    -> optimizer step (which calls ``start_param_sync()``).
+    -> optimizer step (which calls ``start_param_sync()``). ``close()`` when done (waits for every
+    collective still in flight).
+
+    ``device``: where the buffer's storage lives; needed when the models were built on the meta device
+    (sharded start-up), whose parameters are then materialised (only this rank's part) and swapped in.
     """
 
     def __init__(self, model: nn.Module | list[nn.Module], config: ParallelConfig, parallel: ParallelState,
-                 num_microbatches: int = 1):
+                 num_microbatches: int = 1, device: torch.device | None = None):
         self.models = list(model) if isinstance(model, (list, tuple)) else [model]
         self.strategy = config.data_parallel_sharding_strategy
         if self.strategy == "no_shard" and config.use_distributed_optimizer:
@@ -117,64 +251,87 @@ class DistributedDataParallel:
         self.num_microbatches = num_microbatches
         self.parallel = parallel
         self.group, self.dp_size, self.dp_rank = data_parallel_group(parallel)
-        self._gloo = self.group is not None and dist.get_backend(self.group) == "gloo"
+        reduce_in_bf16 = getattr(config, "grad_reduce_in_bf16", False)
+        self.comm = Comm(self.group, self.dp_size, torch.bfloat16 if reduce_in_bf16 else None)
         self.shard_optimizer = self.strategy != "no_shard"
         self.shard_grads = self.strategy in ("optim_grads", "optim_grads_params")
         self.shard_params = self.strategy == "optim_grads_params"
 
         named, unit_of, self.units = self._collect_units()
-        self.named_params = named
         bucket_size = config.ddp_bucket_size or default_bucket_size(self.dp_size, self.overlap_grad_reduce)
         self.buffer = ParamAndGradBuffer(named, bucket_size, self.dp_rank, self.dp_size, self.shard_grads,
-                                         self.shard_params, units=unit_of if self.shard_params else None)
+                                         self.shard_params, units=unit_of if self.shard_grads else None,
+                                         device=device, staging_dtype=self.comm.reduce_dtype or torch.float32)
+        named = self._swap_materialised(named)
+        self.named_params = named
         self.buckets = self.buffer.buckets
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._name_of = {id(p): n for n, p in named}
         for unit in self.units:
             ids = {id(p) for p in unit.params}
             unit.buckets = [b for b in self.buckets if any(id(p) in ids for p in b.params)]
-        self._unit_of_bucket = {b.index: u for u in self.units for b in u.buckets} if self.shard_params else {}
 
+        self._reductions = {b.index: GradReduction(b, self.buffer.local_grad_chunk(b), self.comm)
+                            for b in self.buckets} if self.shard_grads else {}
+        self._in_flight: deque[GradReduction] = deque()
+        self._window: deque = deque()                    # other asynchronous bucket collectives, oldest first
         self._grad_work: dict[int, object] = {}
+        self._comm_copies: dict[int, tuple] = {}    # bf16 copies of full-buffer buckets in flight
         self._param_gather_work: dict[int, object] = {}
         self._gather_work: dict[int, object] = {}
-        self._inflight: dict[int, tuple] = {}
-        self._retired: list = []             # ZeRO-2/3 temporaries of finished reductions, freed next step
-        self._scalar = torch.zeros(1, dtype=torch.float64, device=self.buffer.params[0].device)
+        self._scalar = torch.zeros(1, dtype=torch.float64, device=self.buffer.device)
         self._reset_step_state()
         self._hooks = []
-        if self.shard_grads or (self.dp_size > 1 and self.overlap_grad_reduce):
+        if self.shard_grads or (self.group is not None and self.overlap_grad_reduce):
             self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named]
         if self.shard_params:
             self._register_zero3_hooks()
-        elif self.shard_optimizer and self.overlap_param_gather and self.dp_size > 1:
+        elif self.shard_optimizer and self.overlap_param_gather and self.group is not None:
             for unit in self.units:
                 self._hooks.append(unit.module.register_forward_pre_hook(
                     lambda module, args, unit=unit: self._wait_param_gather(unit.buckets)))
 
     # ---- structure -------------------------------------------------------------------------------
     def _collect_units(self):
-        """Named trainable parameters, each one's unit index, and the units in forward order per chunk:
-        the chunk itself (root: embedding, final norm, output layer) then each ``decoder.layers[i]``."""
+        """Named trainable parameters, each one's unit index (the unit that owns it: a tied output
+        weight belongs to the embedding, the head only uses it), and the units in forward order."""
         named, unit_of, units = [], [], []
         for c, model in enumerate(self.models):
             prefix = f"chunk{c}." if len(self.models) > 1 else ""
-            root = Unit(model, is_root=True)
-            layers = [Unit(layer) for layer in getattr(getattr(model, "decoder", None), "layers", [])]
-            chain = [root] + layers
-            for a, b in zip(chain, chain[1:]):
-                a.next = b
-            for a, b in zip(layers, layers[1:]):
-                b.prev = a
-            owner = {id(p): u for u in layers for p in u.module.parameters()}
+            chain = model_units(model, prefix)
+            owner = {}
+            for index, unit in enumerate(chain):
+                for param in unit.module.parameters():
+                    owner.setdefault(id(param), index)
+            head = chain[-1] if chain[-1].name.endswith("head") else None
             for name, param in model.named_parameters():
-                if param.requires_grad:
-                    unit = owner.get(id(param), root)
-                    unit.params.append(param)
-                    named.append((prefix + name, param))
-                    unit_of.append(len(units) + chain.index(unit))
+                if not param.requires_grad:
+                    continue
+                index = owner.get(id(param), len(chain) - 1)
+                chain[index].params.append(param)
+                named.append((prefix + name, param))
+                unit_of.append(len(units) + index)
+            if head is not None and hasattr(model, "output_weight"):
+                weight = model.output_weight()
+                if all(p is not weight for p in head.params):
+                    head.params.append(weight)              # tied: the head reads the embedding's weight
             units += chain
         return named, unit_of, units
+
+    def _swap_materialised(self, named):
+        """Put the buffer's materialised parameters in place of the meta ones, in the modules and in
+        every list kept here."""
+        new = self.buffer.replacements
+        if not new:
+            return named
+        for model in self.models:
+            for module in model.modules():
+                for key, param in list(module._parameters.items()):
+                    if param is not None and id(param) in new:
+                        module._parameters[key] = new[id(param)]
+        for unit in self.units:
+            unit.params = [new.get(id(p), p) for p in unit.params]
+        return [(n, new.get(id(p), p)) for n, p in named]
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -185,29 +342,22 @@ class DistributedDataParallel:
         self._arrivals: dict[int, int] = {}
         self._remaining = {b.index: len(b.params) for b in self.buckets}
         self._grad_work = {}
-        self._temp: dict[int, torch.Tensor | None] = {b.index: None for b in self.buckets}
-        self._arrived = {b.index: 0 for b in self.buckets}
 
     def zero_grad(self) -> None:
         self.buffer.zero_grad()
         self._reset_step_state()
-        self._retired.clear()
 
     @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook: this parameter's gradient of one backward pass is in place."""
         bucket = self._bucket_of[id(param)]
         if self.shard_grads:
-            temp = self._temp[bucket.index]
-            if temp is None:
-                temp = self._temp[bucket.index] = torch.zeros(bucket.numel, dtype=torch.float32,
-                                                              device=param.device)
             slot = self.buffer.slots[self._name_of[id(param)]]
-            temp[slot.start - bucket.start:slot.end - bucket.start].add_(param.grad.reshape(-1))
+            reduction = self._reductions[bucket.index]
+            complete = reduction.accumulate(slot.start - bucket.start, param.grad)
             param.grad = None
-            self._arrived[bucket.index] += 1
-            if self._arrived[bucket.index] == len(bucket.params):
-                self._reduce_scatter_bucket(bucket)
+            if complete:
+                self._start_reduction(reduction)
             return
         n = self._arrivals[id(param)] = self._arrivals.get(id(param), 0) + 1
         if n == self.num_microbatches:
@@ -219,50 +369,57 @@ class DistributedDataParallel:
                 f"{self._name_of[id(param)]}: gradient number {n} arrived after its bucket's reduction started "
                 f"(expected {self.num_microbatches} backward passes per step); call zero_grad() every step")
 
+    def _start_reduction(self, reduction: GradReduction) -> None:
+        """ZeRO-2/3: reduce-scatter a complete bucket, first finishing the oldest ones in flight."""
+        while len(self._in_flight) >= MAX_REDUCTIONS_IN_FLIGHT:
+            self._in_flight.popleft().finish()
+        reduction.start(async_op=self.overlap_grad_reduce)
+        if reduction.work is not None:
+            self._in_flight.append(reduction)
+
     def _launch(self, bucket: Bucket, async_op: bool) -> None:
         """Start the reduction of a bucket of the full gradient buffer (no_shard, optim)."""
         flat = self.buffer.bucket_grads(bucket)
-        if self.shard_optimizer:
+        if self.comm.reduce_dtype is not None:          # travel in bf16; copied back in _complete
+            flat = flat.to(self.comm.reduce_dtype)
+            out = torch.empty(bucket.numel // self.dp_size, dtype=flat.dtype, device=flat.device)
+            chunks = list(flat.chunk(self.dp_size))
+            self._comm_copies[bucket.index] = (flat, out, chunks)      # alive until the collective is done
+        else:
+            out = self.buffer.local_grad_chunk(bucket)
             chunks = self.buffer._cached("grad_chunks", bucket, lambda: list(flat.chunk(self.dp_size)))
-            work = self._reduce_scatter(self.buffer.local_grad_chunk(bucket), flat, chunks, async_op)
+        if self.shard_optimizer:
+            work = self.comm.reduce_scatter(out, flat, chunks, async_op)
         else:
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         self._grad_work[bucket.index] = work if async_op else _DONE
-
-    def _reduce_scatter_bucket(self, bucket: Bucket) -> None:
-        """ZeRO-2/3: reduce-scatter this micro-batch's gradients of a bucket into the shard."""
-        temp, self._temp[bucket.index] = self._temp[bucket.index], None
-        self._arrived[bucket.index] = 0
-        self._finish_inflight(bucket)
-        if self.group is None:
-            self.buffer.local_grad_chunk(bucket).add_(temp)
+        if async_op:
+            self._limit_in_flight(lambda: self._complete(bucket))
         else:
-            out = torch.empty(bucket.numel // self.dp_size, dtype=torch.float32, device=temp.device)
-            chunks = list(temp.chunk(self.dp_size))
-            work = self._reduce_scatter(out, temp, chunks, self.overlap_grad_reduce)
-            self._inflight[bucket.index] = (work or _DONE, out, (temp, chunks))
-            if not self.overlap_grad_reduce:
-                self._finish_inflight(bucket)
-        if self.shard_params:
-            self._release([bucket])
-            unit = self._unit_of_bucket[bucket.index]
-            if not any(self.buffer.is_gathered(b) for b in unit.buckets):
-                unit.in_backward = False
+            self._complete(bucket)
 
-    def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, chunks: list, async_op: bool):
-        """Sum ``flat`` over the group, this rank keeping its chunk in ``out``. gloo's list-input
-        reduce-scatter is 1.5-2x faster than its single-tensor one on CPU (same bytes on the wire)."""
-        if self._gloo:
-            return dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
-        return dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+    def _limit_in_flight(self, complete) -> None:
+        """Track an asynchronous collective by the call that completes it; complete the oldest ones beyond
+        MAX_IN_FLIGHT. Completing drops the Work object too: gloo's keeps its temporaries until freed."""
+        self._window.append(complete)
+        while len(self._window) > MAX_IN_FLIGHT:
+            self._window.popleft()()
 
-    def _finish_inflight(self, bucket: Bucket) -> None:
-        entry = self._inflight.pop(bucket.index, None)
-        if entry is not None:
-            work, out, temp = entry
-            work.wait()
-            self.buffer.local_grad_chunk(bucket).add_(out)
-            self._retired.append((out, temp))
+    def _complete(self, bucket: Bucket) -> None:
+        """Wait for a full-buffer bucket's reduction; with bf16 reduction copy the result back."""
+        work = self._grad_work.get(bucket.index)
+        if work is None:
+            return
+        work.wait()
+        self._grad_work[bucket.index] = _DONE
+        copies = self._comm_copies.pop(bucket.index, None)
+        if copies is None:
+            return
+        flat, out, _ = copies
+        if self.shard_optimizer:
+            self.buffer.local_grad_chunk(bucket).copy_(out)
+        else:
+            self.buffer.bucket_grads(bucket).copy_(flat)
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
@@ -271,30 +428,42 @@ class DistributedDataParallel:
         Afterwards the gradients the optimizer reads (the whole buffer for no_shard, this rank's
         chunks otherwise) hold the gradient of the mean loss over the global batch."""
         if self.shard_grads:
-            for bucket in self.buckets:
-                if self._arrived[bucket.index] > 0:          # gradients that never completed a bucket
-                    self._reduce_scatter_bucket(bucket)
-            for bucket in self.buckets:
-                self._finish_inflight(bucket)
+            for reduction in self._reductions.values():
+                if reduction.pending:                 # gradients that never completed a bucket
+                    self._start_reduction(reduction)
+            while self._in_flight:
+                self._in_flight.popleft().finish()
             if self.dp_size > 1:
                 self.buffer.grad_shard.mul_(1.0 / self.dp_size)
             if self.shard_params:
-                self._release(self.buckets)
+                self._release(self.buckets)           # anything a backward left gathered
                 for unit in self.units:
                     unit.in_backward = False
-        elif self.dp_size > 1:
+        elif self.group is not None:
             for bucket in self.buckets:
                 if bucket.index not in self._grad_work:
                     self._launch(bucket, async_op=True)
             for bucket in self.buckets:
-                self._grad_work[bucket.index].wait()
-            if self.shard_optimizer:
+                self._complete(bucket)
+            self._window.clear()
+            if self.dp_size > 1 and self.shard_optimizer:
                 for bucket in self.buckets:
                     self.buffer.local_grad_chunk(bucket).mul_(1.0 / self.dp_size)
-            else:
+            elif self.dp_size > 1:
                 self.buffer.grad_data.mul_(1.0 / self.dp_size)
         self._reset_step_state()
         self._grad_work = {b.index: _DONE for b in self.buckets}   # nothing may launch before zero_grad
+
+    def close(self) -> None:
+        """Wait for every collective still in flight and remove the hooks (end of training)."""
+        while self._in_flight:
+            self._in_flight.popleft().finish()
+        self.wait_for_param_gather()
+        if self.shard_params:
+            self._release(self.buckets)
+        for hook in self._hooks + self.buffer._hooks:
+            hook.remove()
+        self._hooks = []
 
     # ---- what the model-parallel fix-ups see --------------------------------------------------
     def grad_views(self, param: nn.Parameter) -> list[tuple[torch.Tensor, int]]:
@@ -342,7 +511,7 @@ class DistributedDataParallel:
         """The mean of ``value`` over the data-parallel ranks (e.g. the loss for logging)."""
         if self.group is None:
             return value
-        t = self._scalar                               # kept alive: see ParamAndGradBuffer._cached
+        t = self._scalar
         t.fill_(value)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return float(t) / self.dp_size
@@ -357,12 +526,13 @@ class DistributedDataParallel:
         order = []
         for unit in self.units:
             order += [b for b in unit.buckets if b not in order]
+        order += [b for b in self.buckets if b not in order]
         for bucket in order:
-            work = dist.all_gather_single(self.buffer.bucket_params(bucket),
-                                          self.buffer.local_param_chunk(bucket), group=self.group,
-                                          async_op=self.overlap_param_gather)
+            work = self.comm.all_gather(self.buffer.bucket_params(bucket), self.buffer.local_param_chunk(bucket),
+                                        async_op=self.overlap_param_gather)
             if self.overlap_param_gather:
                 self._param_gather_work[bucket.index] = work
+                self._limit_in_flight(lambda bucket=bucket: self._wait_param_gather([bucket]))
 
     def _wait_param_gather(self, buckets) -> None:
         for bucket in buckets:
@@ -373,6 +543,7 @@ class DistributedDataParallel:
     def wait_for_param_gather(self) -> None:
         """Complete every pending parameter all-gather (before reading parameters outside forward)."""
         self._wait_param_gather(self.buckets)
+        self._window.clear()
 
     # ---- ZeRO-3: gather parameters per unit ------------------------------------------------------
     def _register_zero3_hooks(self) -> None:
@@ -380,8 +551,8 @@ class DistributedDataParallel:
             if not unit.buckets:
                 continue
             self._hooks.append(unit.module.register_forward_pre_hook(
-                lambda module, args, unit=unit: self._pre_forward(unit)))
-            self._hooks.append(unit.module.register_forward_hook(
+                lambda module, args, unit=unit: self._pre_forward(unit, args)))
+            self._hooks.append(unit.end_module.register_forward_hook(
                 lambda module, args, output, unit=unit: self._post_forward(unit, output)))
 
     @torch.no_grad()
@@ -392,11 +563,11 @@ class DistributedDataParallel:
             self.buffer.allocate(bucket)
             chunk = self.buffer.local_param_chunk(bucket)
             if self.group is None:
-                bucket.unsharded.copy_(chunk)
-            else:
-                work = dist.all_gather_single(bucket.unsharded, chunk, group=self.group, async_op=async_op)
-                if async_op:
-                    self._gather_work[bucket.index] = work
+                bucket.unsharded.tensor.copy_(chunk)
+                continue
+            work = self.comm.all_gather(bucket.unsharded.tensor, chunk, async_op=async_op)
+            if async_op:
+                self._gather_work[bucket.index] = work
 
     def _ensure_gathered(self, buckets) -> None:
         self._gather(buckets, async_op=False)
@@ -412,25 +583,35 @@ class DistributedDataParallel:
                 work.wait()
             self.buffer.release(bucket)
 
-    def _pre_forward(self, unit: Unit) -> None:
+    def _pre_forward(self, unit: Unit, args) -> None:
         self._ensure_gathered(unit.buckets)
         if self.overlap_param_gather and not unit.in_backward and unit.next is not None:
             self._gather(unit.next.buckets, async_op=True)
+        if torch.is_grad_enabled() and not unit.in_backward and unit.gather_in_backward:
+            # the gradient of the unit's input is computed last in its backward: then it is done
+            for t in _tensors(args):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, unit=unit: self._post_backward(unit))
+                    break
 
     def _post_forward(self, unit: Unit, output) -> None:
         if unit.in_backward:             # recomputation during backward: the gradient needs them next
             return
-        needs_grad = [t for t in _tensors(output) if t.requires_grad] if torch.is_grad_enabled() else []
-        for t in needs_grad:
-            t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
-        if not (unit.is_root and needs_grad):
-            self._release(unit.buckets)
+        if torch.is_grad_enabled() and unit.gather_in_backward:
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
+        self._release(unit.buckets)
 
     def _pre_backward(self, unit: Unit) -> None:
         unit.in_backward = True
         self._ensure_gathered(unit.buckets)
-        if self.overlap_param_gather and unit.prev is not None:
+        if self.overlap_param_gather and unit.prev is not None and unit.prev.gather_in_backward:
             self._gather(unit.prev.buckets, async_op=True)
+
+    def _post_backward(self, unit: Unit) -> None:
+        unit.in_backward = False
+        self._release(unit.buckets)
 
 
 def _tensors(output) -> list[torch.Tensor]:

@@ -18,11 +18,20 @@ simply the r-th contiguous chunk of the whole buffer.
 
 ZeRO sharding of the storage itself:
 - ``shard_grads`` (ZeRO-2/3): no full fp32 gradient buffer; only this rank's chunks (``grad_shard``,
-  numel / dp_size). Gradients of a bucket are collected in a temporary full-size bucket tensor by the
-  data-parallel wrapper and reduce-scattered into the shard.
+  numel / dp_size). Each bucket stages one micro-batch's gradients in a full-size tensor that exists
+  only from the bucket's first gradient to the end of its reduce-scatter (``Bucket.staging``).
 - ``shard_params`` (ZeRO-3): no full parameter buffer; only this rank's chunks (``param_shard``). Each
-  bucket has an ``unsharded`` tensor that the parameters of the bucket view; its storage is allocated
-  only while the bucket is gathered (``gather`` / ``release`` resize it between full size and 0).
+  bucket's parameters view its ``unsharded`` tensor, which has storage only while gathered.
+
+Those temporaries are ``Transient`` tensors: the tensor object (and every view of it handed to a
+collective) lives as long as the bucket, while its storage is allocated and freed around each use.
+Freeing the bytes never drops the object a collective was given, so the release of a tensor is never
+left to a communication thread.
+
+Sharded start-up: parameters built on the meta device (``GPTModel(meta=True)``) carry
+``init_values(start, end)``; the buffer allocates only what this rank holds on ``device``, fills it from
+there and hands back real parameters (``replacements``, swapped into the modules by the data-parallel
+wrapper), so no rank ever materialises a tensor it does not keep.
 """
 from __future__ import annotations
 
@@ -30,6 +39,35 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+_INIT_CHUNK = 1 << 24          # elements initialised at a time (bounds start-up temporaries)
+
+
+class Transient:
+    """A tensor whose storage comes and goes while the tensor object (and its views) stay.
+
+    Created allocated, so views can be taken (a view of an empty storage is refused); ``free()`` it then."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.tensor = torch.empty(numel, dtype=dtype, device=device)
+        self._nbytes = self.tensor.untyped_storage().nbytes()
+
+    @property
+    def allocated(self) -> bool:
+        return self.tensor.untyped_storage().nbytes() > 0
+
+    def allocate(self, zero: bool = False) -> torch.Tensor:
+        if not self.allocated:
+            self.tensor.untyped_storage().resize_(self._nbytes)
+            if zero:
+                self.tensor.zero_()
+        return self.tensor
+
+    def free(self) -> None:
+        self.tensor.untyped_storage().resize_(0)
+
+    def nbytes(self) -> int:
+        return self.tensor.untyped_storage().nbytes()
 
 
 @dataclass(frozen=True)
@@ -48,7 +86,10 @@ class Bucket:
     params: list = field(default_factory=list)
     unit: int = 0                    # the module unit (ZeRO-3 gather granularity) its parameters belong to
     alone: bool = False              # holds one shared_embedding parameter and nothing else
-    unsharded: torch.Tensor | None = None   # ZeRO-3: full bucket of parameters, storage freed when released
+    unsharded: Transient | None = None   # ZeRO-3: the full bucket of parameters while gathered
+    staging: Transient | None = None     # ZeRO-2/3: one micro-batch's gradients until reduce-scattered
+    reduced: Transient | None = None     # ZeRO-2/3: this rank's reduced chunk while the reduce-scatter runs
+    staging_chunks: list = field(default_factory=list)   # views of staging, one per data-parallel rank
 
     @property
     def numel(self) -> int:
@@ -67,9 +108,13 @@ def _round_up(n: int, multiple: int) -> int:
 class ParamAndGradBuffer:
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], bucket_size: int | None = None,
                  dp_rank: int = 0, dp_size: int = 1, shard_grads: bool = False, shard_params: bool = False,
-                 units: list[int] | None = None):
+                 units: list[int] | None = None, device: torch.device | None = None,
+                 staging_dtype: torch.dtype = torch.float32):
         """``units[i]`` is the module unit of ``named_params[i]``; a bucket never spans two units when
-        given (ZeRO-3 gathers per unit). ``bucket_size`` None: one bucket (per unit)."""
+        given (ZeRO-2/3 reduce and gather per unit). ``bucket_size`` None: one bucket (per unit).
+        ``device``: where storage lives (needed when the parameters are on the meta device).
+        ``staging_dtype``: dtype of ZeRO-2/3 per-micro-batch gradient staging (bf16 with
+        --grad-reduce-in-bf16, so the reduce-scatter moves half the bytes)."""
         if not named_params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         dtypes = {p.dtype for _, p in named_params}
@@ -77,6 +122,9 @@ class ParamAndGradBuffer:
             raise ValueError(f"parameters of one buffer must share a dtype, got {dtypes}")
         self.param_dtype = dtypes.pop()
         self.params = [p for _, p in named_params]
+        self.device = device or self.params[0].device
+        if self.device.type == "meta":
+            raise ValueError("parameters are on the meta device: pass the device their storage goes to")
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.shard_grads, self.shard_params = shard_grads or shard_params, shard_params
         self.slots: dict[str, BufferSlot] = {}
@@ -85,33 +133,47 @@ class ParamAndGradBuffer:
         self.numel_unpadded = sum(p.numel() for p in self.params)
         self._layout(named_params, bucket_size, units or [0] * len(named_params))
         self.numel = self.buckets[-1].end
-        device = self.params[0].device
 
-        # ---- parameters
+        # ---- parameters (storage-less meta parameters are replaced by materialised ones: ``replacements``)
+        self.replacements: dict[int, nn.Parameter] = {}
         self.param_data = self.param_shard = None
         if not shard_params:
-            self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
+            self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=self.device)
             for bucket in self.buckets:
                 for name, param in zip(bucket.names, bucket.params):
-                    self._adopt(param, self.param_data, self.slots[name].start)
+                    slot = self.slots[name]
+                    target = self.param_data[slot.start:slot.end]
+                    with torch.no_grad():
+                        _fill(target, param, 0, param.numel())
+                    self._set_storage(param, target.view(slot.shape))
         else:
-            self.param_shard = torch.zeros(self.numel // dp_size, dtype=self.param_dtype, device=device)
+            self.param_shard = torch.zeros(self.numel // dp_size, dtype=self.param_dtype, device=self.device)
             for bucket in self.buckets:
-                bucket.unsharded = torch.zeros(bucket.numel, dtype=self.param_dtype, device=device)
+                bucket.unsharded = Transient(bucket.numel, self.param_dtype, self.device)
+                self._fill_local_chunk(bucket)
                 for name, param in zip(bucket.names, bucket.params):
-                    self._adopt(param, bucket.unsharded, self.slots[name].start - bucket.start)
-                start, end = bucket.chunk(dp_rank, dp_size)
-                self.local_param_chunk(bucket).copy_(bucket.unsharded[start - bucket.start:end - bucket.start])
-                self.release(bucket)
+                    slot = self.slots[name]
+                    self._set_storage(param, bucket.unsharded.tensor[slot.start - bucket.start:slot.end - bucket.start]
+                                      .view(slot.shape))
+                bucket.unsharded.free()           # gathered only around its uses
+        for bucket in self.buckets:
+            bucket.params = [self.replacements.get(id(p), p) for p in bucket.params]
+        self.params = [self.replacements.get(id(p), p) for p in self.params]
 
         # ---- gradients
         self.grad_data = self.grad_shard = None
         if not self.shard_grads:
-            self.grad_data = torch.zeros(self.numel, dtype=torch.float32, device=device)
+            self.grad_data = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
             for name, param in zip(self._names(), self.params):
                 param.main_grad = self.view(self.grad_data, name)
         else:
-            self.grad_shard = torch.zeros(self.numel // dp_size, dtype=torch.float32, device=device)
+            self.grad_shard = torch.zeros(self.numel // dp_size, dtype=torch.float32, device=self.device)
+            for bucket in self.buckets:
+                bucket.staging = Transient(bucket.numel, staging_dtype, self.device)
+                bucket.staging_chunks = list(bucket.staging.tensor.chunk(dp_size))
+                bucket.reduced = Transient(bucket.numel // dp_size, staging_dtype, self.device)
+                bucket.staging.free()
+                bucket.reduced.free()
         self.grads_are_main_grads = self.param_dtype == torch.float32 and not self.shard_grads
         self._hooks = []
         if not self.grads_are_main_grads and not self.shard_grads:
@@ -156,10 +218,30 @@ class ParamAndGradBuffer:
                 names[order[id(param)]] = name
         return names
 
-    def _adopt(self, param: nn.Parameter, storage: torch.Tensor, offset: int) -> None:
-        n = param.numel()
-        storage[offset:offset + n].copy_(param.data.view(-1))
-        param.data = storage[offset:offset + n].view(param.shape)
+    def _set_storage(self, param: nn.Parameter, view: torch.Tensor) -> None:
+        """Make ``param`` a view into the buffer. A meta parameter cannot take real data, so it is replaced
+        by a new Parameter carrying its attributes (the caller swaps it into the module)."""
+        if param.device.type != "meta":
+            param.data = view
+            return
+        # .data (not the constructor): the parameter keeps a version counter of its own, so ZeRO-3's
+        # re-gathers into the bucket between forward and backward do not look like in-place edits
+        new = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device), requires_grad=param.requires_grad)
+        new.data = view
+        new.__dict__.update({k: v for k, v in param.__dict__.items() if k != "init_values"})
+        self.replacements[id(param)] = new
+
+    @torch.no_grad()
+    def _fill_local_chunk(self, bucket: Bucket) -> None:
+        """ZeRO-3: this rank's chunk of ``bucket`` from the parameters' values (or initial values),
+        touching only the elements of the chunk."""
+        start, end = self.local_range(bucket)
+        chunk = self.local_param_chunk(bucket)
+        for name, param in zip(bucket.names, bucket.params):
+            slot = self.slots[name]
+            lo, hi = max(start, slot.start), min(end, slot.end)
+            if lo < hi:
+                _fill(chunk[lo - start:hi - start], param, lo - slot.start, hi - slot.start)
 
     # ---- views -----------------------------------------------------------------------------------
     def view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
@@ -176,9 +258,7 @@ class ParamAndGradBuffer:
         n = bucket.numel // self.dp_size
         return bucket.start // self.dp_size, bucket.start // self.dp_size + n
 
-    # The views below are created once and kept: tensors handed to asynchronous collectives must stay
-    # alive in Python until the backend's worker thread has let go of them, otherwise that thread
-    # frees their Python objects and, at interpreter exit, aborts the process (gloo).
+    # Views are created once and kept, so a collective always gets the same tensor objects.
     def _cached(self, kind: str, bucket: Bucket, make) -> torch.Tensor:
         key = (kind, bucket.index)
         if key not in self._views:
@@ -198,7 +278,7 @@ class ParamAndGradBuffer:
     def bucket_params(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's parameters (ZeRO-3: its unsharded tensor, empty while released)."""
         if self.param_data is None:
-            return bucket.unsharded
+            return bucket.unsharded.tensor
         return self._cached("params", bucket, lambda: self.param_data[bucket.start:bucket.end])
 
     def bucket_grads(self, bucket: Bucket) -> torch.Tensor:
@@ -206,15 +286,14 @@ class ParamAndGradBuffer:
 
     # ---- ZeRO-3 parameter storage ----------------------------------------------------------------
     def is_gathered(self, bucket: Bucket) -> bool:
-        return bucket.unsharded.untyped_storage().nbytes() > 0
+        return bucket.unsharded.allocated
 
     def allocate(self, bucket: Bucket) -> None:
         """Give the bucket's unsharded tensor its storage back (contents undefined until gathered)."""
-        if not self.is_gathered(bucket):
-            bucket.unsharded.untyped_storage().resize_(bucket.numel * bucket.unsharded.element_size())
+        bucket.unsharded.allocate()
 
     def release(self, bucket: Bucket) -> None:
-        bucket.unsharded.untyped_storage().resize_(0)
+        bucket.unsharded.free()
 
     # ---- gradients -------------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -234,12 +313,27 @@ class ParamAndGradBuffer:
         """Bytes of parameter storage this rank holds now (ZeRO-3: its shard plus gathered buckets)."""
         if self.param_data is not None:
             return self.param_data.untyped_storage().nbytes()
-        return self.param_shard.untyped_storage().nbytes() + sum(
-            b.unsharded.untyped_storage().nbytes() for b in self.buckets)
+        return self.param_shard.untyped_storage().nbytes() + sum(b.unsharded.nbytes() for b in self.buckets)
 
     def grad_bytes(self) -> int:
+        """Bytes of gradient storage held now (ZeRO-2/3: the shard plus buckets being reduced)."""
         flat = self.grad_data if self.grad_data is not None else self.grad_shard
-        return flat.untyped_storage().nbytes()
+        transient = sum(b.staging.nbytes() + b.reduced.nbytes() for b in self.buckets if b.staging is not None)
+        return flat.untyped_storage().nbytes() + transient
+
+
+def _fill(target: torch.Tensor, param: nn.Parameter, start: int, end: int) -> None:
+    """target (1-D, end - start elements) <- elements [start, end) of ``param``: its current values, or for
+    a storage-less (meta) parameter its ``init_values``, generated a bounded chunk at a time."""
+    if param.device.type != "meta":
+        target.copy_(param.detach().reshape(-1)[start:end])
+        return
+    init_values = getattr(param, "init_values", None)
+    if init_values is None:
+        raise ValueError("a parameter on the meta device needs init_values(start, end) to be materialised")
+    for lo in range(start, end, _INIT_CHUNK):
+        hi = min(end, lo + _INIT_CHUNK)
+        target[lo - start:hi - start].copy_(init_values(lo, hi))
 
 
 def _accumulate_into_main_grad(param: nn.Parameter) -> None:

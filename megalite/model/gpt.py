@@ -11,11 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from contextlib import nullcontext
+from functools import partial
 
 from megalite.config import ModelConfig
 from megalite.context_parallel.ring_attention import ContextParallel, local_positions
 from megalite.errors import UserError
-from megalite.model.init import initialize_parameter
+from megalite.model.init import initial_values, initialize_parameter
 from megalite.model.transformer import KVCache, RotaryEmbedding, TransformerLayer, build_norm
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import ColumnParallelLinear, TensorParallel, VocabParallelEmbedding, parallel_logits
@@ -57,7 +58,9 @@ class Embedding(nn.Module):
 class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, seed: int = 1234, pre_process: bool = True,
                  post_process: bool = True, layer_offset: int = 0, num_local_layers: int | None = None,
-                 tp: TensorParallel | None = None, cp: ContextParallel | None = None):
+                 tp: TensorParallel | None = None, cp: ContextParallel | None = None, meta: bool = False):
+        """``meta``: build the parameters without storage (sharded start-up); each gets ``init_values(start,
+        end)`` and the data-parallel buffer materialises only this rank's elements on its device."""
         super().__init__()
         self.config = config
         self.tp = tp = tp or TensorParallel()
@@ -77,20 +80,26 @@ class GPTModel(nn.Module):
         dtype = DTYPES[config.params_dtype]
         n_local = config.num_layers if num_local_layers is None else num_local_layers
 
-        self.embedding = Embedding(config, dtype, tp) if pre_process else None
-        self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_base, config.max_position_embeddings)
+        self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_base, config.max_position_embeddings,
+                                       config.rotary_percent)
                        if config.use_rope else None)
-        self.decoder = nn.Module()
-        self.decoder.layers = nn.ModuleList(
-            TransformerLayer(config, layer_offset + i + 1, dtype, tp, cp) for i in range(n_local))
-        if post_process:
-            self.decoder.final_layernorm = build_norm(config, dtype, tp)
-            if not (self.share_embeddings_and_output_weights and pre_process):
-                # tied and on a later pipeline stage: a copy of the word embeddings, initialised equal
-                # (same global name) and kept equal by summing both gradients over the embedding group
-                self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, False, dtype, tp)
+        with torch.device("meta") if meta else nullcontext():
+            self.embedding = Embedding(config, dtype, tp) if pre_process else None
+            self.decoder = nn.Module()
+            self.decoder.layers = nn.ModuleList(
+                TransformerLayer(config, layer_offset + i + 1, dtype, tp, cp) for i in range(n_local))
+            if post_process:
+                self.decoder.final_layernorm = build_norm(config, dtype, tp)
+                if not (self.share_embeddings_and_output_weights and pre_process):
+                    # tied and on a later pipeline stage: a copy of the word embeddings, initialised equal
+                    # (same global name) and kept equal by summing both gradients over the embedding group
+                    self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, False,
+                                                             dtype, tp)
         self.mark_shared_embeddings()
-        self.reset_parameters(seed)
+        if meta:
+            self.attach_initial_values(seed)
+        else:
+            self.reset_parameters(seed)
 
     def mark_shared_embeddings(self) -> None:
         """Megatron's markers for tied embeddings: ``shared_embedding`` on both copies (their gradients
@@ -117,6 +126,12 @@ class GPTModel(nn.Module):
         for name, param in self.named_parameters():
             initialize_parameter(param, self.global_name(name), self.config.init_method_std,
                                  self.config.num_layers, seed)
+
+    def attach_initial_values(self, seed: int) -> None:
+        """Give each (storage-less) parameter ``init_values(start, end)``: its initial elements [start, end)."""
+        for name, param in self.named_parameters():
+            param.init_values = partial(initial_values, param, self.global_name(name), self.config.init_method_std,
+                                        self.config.num_layers, seed)
 
     def output_weight(self) -> torch.Tensor:
         if self.share_embeddings_and_output_weights and self.pre_process:
@@ -161,7 +176,8 @@ class GPTModel(nn.Module):
         if labels is None:     # [b, s, V] over the tokenizer's true vocabulary (padding dropped)
             logits = gather_from_tp_region(logits, self.tp.group).transpose(0, 1)
             return logits[..., :self.config.vocab_size] if self.config.vocab_size > 0 else logits
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp.group, vocab_start).t()
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp.group, vocab_start,
+                                            fused=self.config.cross_entropy_loss_fusion).t()
 
     def cached_positions(self, input_ids: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         """Absolute positions [s] of the tokens following the cached ones (checked to fit)."""

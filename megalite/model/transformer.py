@@ -20,46 +20,101 @@ from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLin
 from megalite.tensor_parallel.random import checkpoint
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(F.rms_norm(x), fp32 1/rms per row [..., 1])."""
+    fused = getattr(torch.ops.aten, "_fused_rms_norm", None)
+    if fused is not None:
+        return fused(x, [x.shape[-1]], weight, eps)         # the kernel F.rms_norm runs, with its statistics
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (x.float() * rstd).to(x.dtype) * weight, rstd
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm keeping only its input and the fp32 1/rms per row for backward, as fused GPU kernels do.
+
+    torch's CPU rms_norm is composed of elementwise ops whose autograd keeps fp32 copies of the input
+    and of the normalised tensor (8 bytes per element at any precision); Megatron counts the input
+    (2 bytes at 16 bit). Backward recomputes the normalised tensor in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        out, rstd = _rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd
+        grad = grad.float()
+        grad_normed = grad * weight.float()
+        # d/dx of x * rstd(x): rstd * (g - normed * mean(g * normed)) over the normalised dimension
+        grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+        grad_w = (grad * normed).reshape(-1, x.shape[-1]).sum(dim=0)
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+
+
+class _ZeroCenteredWeight:
+    """--apply-layernorm-1p (Megatron's zero-centred gamma): the parameter holds gamma - 1, starts at 0 and
+    the norm scales by weight + 1, so weight decay and low-precision storage act around 0, not 1."""
+
+    def _init_weight(self, hidden_size: int, dtype: torch.dtype, zero_centered: bool) -> None:
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.full((hidden_size,), 0.0 if zero_centered else 1.0, dtype=dtype))
+        self.weight.is_norm_weight = True
+        self.weight.norm_init_value = 0.0 if zero_centered else 1.0     # what initialisation fills it with
+
+    def scale(self) -> torch.Tensor:
+        return self.weight + 1 if self.zero_centered else self.weight
+
+
+class RMSNorm(_ZeroCenteredWeight, nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, zero_centered: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-        self.weight.is_norm_weight = True
+        self._init_weight(hidden_size, dtype, zero_centered)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        weight = self.scale()
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormFunction.apply(x, weight, self.eps)
+        return F.rms_norm(x, weight.shape, weight, self.eps)
 
 
-class LayerNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+class LayerNorm(_ZeroCenteredWeight, nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, zero_centered: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-        self.weight.is_norm_weight = True
+        self._init_weight(hidden_size, dtype, zero_centered)
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        return F.layer_norm(x, self.weight.shape, self.scale(), self.bias, self.eps)
 
 
 def build_norm(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
     """Norms are replicated over TP; under sequence parallelism each rank normalises its own sequence
     shard, so their gradients are partial and get summed over TP after backward."""
-    norm = (RMSNorm if config.normalization == "RMSNorm" else LayerNorm)(config.hidden_size, config.norm_epsilon, dtype)
+    norm = (RMSNorm if config.normalization == "RMSNorm" else LayerNorm)(config.hidden_size, config.norm_epsilon, dtype,
+                                                                        config.apply_layernorm_1p)
     for param in norm.parameters():
         param.sequence_parallel = tp.sequence_parallel
     return norm
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for RoPE in the rotate-half convention (as Hugging Face Llama)."""
+    """cos/sin tables for RoPE in the rotate-half convention (as Hugging Face Llama).
 
-    def __init__(self, head_dim: int, base: float, max_positions: int):
+    --rotary-percent p < 1 (partial rotary, Megatron and HF ``partial_rotary_factor``): the tables cover
+    the first int(head_dim * p) dimensions of each head, with frequencies over that many; apply_rotary
+    rotates those and passes the rest through."""
+
+    def __init__(self, head_dim: int, base: float, max_positions: int, rotary_percent: float = 1.0):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        dim = int(head_dim * rotary_percent)
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)             # [positions, head_dim]
+        angles = torch.cat([angles, angles], dim=-1)             # [positions, rotary dim]
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
@@ -71,8 +126,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [s, b, heads, d]."""
-    half = x.shape[-1] // 2
+    """x: [s, b, heads, d]; tables narrower than d rotate the first dimensions only (partial rotary)."""
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)
+    half = dim // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
@@ -146,6 +204,11 @@ class SelfAttention(nn.Module):
 
         t > s only with a KV cache: the queries are the last s of t positions; they attend to every
         cached key and causally among themselves (one new query needs no mask).
+
+        GQA runs on the unexpanded K/V (``enable_gqa``), so backward keeps [t, b, groups, d], not a
+        copy repeated to every query head. The kernel's output keeps heads and features adjacent (CPU:
+        in q's [s, b, heads, d] layout; CUDA flash: [b, s, heads, d]), so the reshape for the output
+        projection is a view and the kernel's saved output is also the projection's saved input.
         """
         if self.cp is not None:
             return ring_attention(q, k, v, self.cp)
@@ -154,21 +217,29 @@ class SelfAttention(nn.Module):
         if s > 1 and total > s:
             mask = torch.ones(s, total, dtype=torch.bool, device=q.device).tril(total - s)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))            # [b, heads, s, d]
-        if self.num_groups != self.num_heads:
+        dropout = self.dropout if self.training else 0.0
+        gqa = self.num_groups != self.num_heads
+        if gqa and not sdpa_runs_gqa_fused(q, k, v, mask, dropout, total == s):
             k = k.repeat_interleave(self.heads_per_group, dim=1)
             v = v.repeat_interleave(self.heads_per_group, dim=1)
-        dropout = self.dropout if self.training else 0.0
+            gqa = False
         # attention heads are sharded over TP: their dropout draws from this rank's own stream
         with self.tp.rng.fork() if dropout > 0 and self.tp.rng is not None else nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=total == s, dropout_p=dropout)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=total == s, dropout_p=dropout,
+                                                 enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
 
     def forward(self, x: torch.Tensor, rotary=None, kv_cache: KVCache | None = None,
                 layer_number: int = 0) -> torch.Tensor:
-        q, k, v = self.split_qkv(self.linear_qkv(x))
+        qkv = self.linear_qkv(x)
+        q, k, v = self.split_qkv(qkv)
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if torch.is_grad_enabled() and not _same_storage(q, qkv):
+            # q (and with RoPE k) are new tensors: a k or v that is still a view would keep the whole
+            # QKV output alive for backward, queries included
+            k, v = (t.contiguous() if _same_storage(t, qkv) else t for t in (k, v))
         if kv_cache is not None:
             k, v = kv_cache.update(layer_number, k, v)
         if self.selective_recompute and self.training:
@@ -176,6 +247,26 @@ class SelfAttention(nn.Module):
         else:
             out = self.core_attention(q, k, v)
         return self.linear_proj(out)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def sdpa_runs_gqa_fused(q, k, v, mask, dropout: float, causal: bool) -> bool:
+    """Whether scaled_dot_product_attention(enable_gqa=True) runs a fused kernel on unexpanded K/V.
+
+    CPU's flash kernel takes grouped K/V (with or without a mask; with dropout SDPA takes the math path,
+    which expands K/V itself either way). On CUDA only the flash kernel does (fp16/bf16, no mask): the
+    memory-efficient and cuDNN kernels need as many K/V heads as query heads, so a call they would
+    serve falls back to the math kernel, which keeps the s x s scores; there, expand K/V first."""
+    if q.device.type == "cpu":
+        return True
+    try:
+        params = torch.backends.cuda.SDPAParams(q, k, v, mask, dropout, causal, True)
+        return bool(torch.backends.cuda.can_use_flash_attention(params, False))
+    except (AttributeError, TypeError, RuntimeError):
+        return False
 
 
 def check_attention_split(num_heads: int, num_groups: int, tp_size: int) -> None:
@@ -220,11 +311,41 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = swiglu(h)
         else:
             h = F.gelu(h, approximate=self.gelu_approximate)
         return self.linear_fc2(h)
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    """silu(gate) * up over fc1's [gate | up] output, keeping only that output for backward.
+
+    Autograd of the two ops would also keep silu(gate) (s x b x f); like Megatron's fused bias-SwiGLU
+    this recomputes it in backward (in fp32)."""
+
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, = ctx.saved_tensors
+        gate, up = h.float().chunk(2, dim=-1)
+        grad = grad.float()
+        sigmoid = torch.sigmoid(gate)
+        grad_gate = grad * up * sigmoid * (1 + gate * (1 - sigmoid))     # silu'(x) = s(x)(1 + x(1 - s(x)))
+        grad_up = grad * gate * sigmoid
+        return torch.cat([grad_gate, grad_up], dim=-1).to(h.dtype)
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """[..., 2f] fc1 output [gate | up] -> silu(gate) * up [..., f]."""
+    if torch.is_grad_enabled() and h.requires_grad:
+        return _SwiGLUFunction.apply(h)
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _swiglu_rows(ffn: int, tp: TensorParallel):
@@ -233,6 +354,15 @@ def _swiglu_rows(ffn: int, tp: TensorParallel):
         halves = full.view(2, ffn, *full.shape[1:])
         return tp.chunk(halves, dim=1).reshape(-1, *full.shape[1:])
     return local_rows
+
+
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """F.dropout that keeps a 1-byte mask for backward (as Megatron counts it). CPU's F.dropout keeps a
+    noise tensor in x's dtype; native_dropout, which CUDA's F.dropout runs, draws the same mask from
+    the same generator and gives the same values."""
+    if not training or p == 0:
+        return x
+    return torch.native_dropout(x, p, True)[0]
 
 
 class TransformerLayer(nn.Module):
@@ -250,7 +380,7 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary=None, kv_cache: KVCache | None = None) -> torch.Tensor:
         attn = self.self_attention(self.input_layernorm(x), rotary, kv_cache, self.layer_number)
-        x = x + F.dropout(attn, self.hidden_dropout, self.training)
+        x = x + dropout(attn, self.hidden_dropout, self.training)
         mlp = self.mlp(self.pre_mlp_layernorm(x))
-        return x + F.dropout(mlp, self.hidden_dropout, self.training)
+        return x + dropout(mlp, self.hidden_dropout, self.training)
 

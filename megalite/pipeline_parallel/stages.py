@@ -38,14 +38,15 @@ def check_pipeline_split(num_layers: int, pp: int, layers_per_virtual_stage: int
 
 
 def build_model_chunks(config: ModelConfig, seed: int, tp: TensorParallel, pp_rank: int, pp_size: int,
-                       num_chunks: int, cp: ContextParallel | None = None) -> list[GPTModel]:
+                       num_chunks: int, cp: ContextParallel | None = None, meta: bool = False) -> list[GPTModel]:
     per_chunk = config.num_layers // (pp_size * num_chunks)
     chunks = []
     for chunk in range(num_chunks):
         virtual_stage = chunk * pp_size + pp_rank
         chunks.append(GPTModel(config, seed=seed, pre_process=virtual_stage == 0,
                                post_process=virtual_stage == pp_size * num_chunks - 1,
-                               layer_offset=virtual_stage * per_chunk, num_local_layers=per_chunk, tp=tp, cp=cp))
+                               layer_offset=virtual_stage * per_chunk, num_local_layers=per_chunk, tp=tp, cp=cp,
+                               meta=meta))
     return chunks
 
 

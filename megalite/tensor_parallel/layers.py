@@ -3,7 +3,9 @@
 A ColumnParallelLinear keeps a block of output rows of the full weight; a RowParallelLinear a block of
 input columns. Pairing them (QKV -> attention -> output projection; fc1 -> activation -> fc2) needs
 one all-reduce in forward and one in backward per pair, or with sequence parallelism an all-gather
-before the column layer and a reduce-scatter after the row layer.
+before the column layer and a reduce-scatter after the row layer. Under sequence parallelism the
+column layer keeps only this rank's [s/t, b, h] input for backward and gathers it again there
+(``linear_with_sequence_gather``), as Megatron does.
 
 Every parameter records ``full_shape``, ``partition_dim`` (the dimension its shard selects along, as in
 Megatron) and ``take_shard(full) -> local``; ``shard_positions`` turns those into the full-tensor rows
@@ -21,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.tensor_parallel.mappings import (copy_to_tp_region, gather_from_sp_region, gather_from_tp_region,
-                                               reduce_from_tp_region, reduce_scatter_to_sp_region)
+from megalite.tensor_parallel.mappings import (all_gather, all_gather_sequence_async, copy_to_tp_region,
+                                               gather_from_tp_region, reduce_from_tp_region,
+                                               reduce_scatter_sequence_async, reduce_scatter_to_sp_region)
 from megalite.tensor_parallel.random import RNGTracker
 
 
@@ -67,6 +70,52 @@ def shard_positions(param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor, in
     return rows, cols, full_cols
 
 
+class _LinearWithSequenceGather(torch.autograd.Function):
+    """y = all_gather_seq(x) W^T (+ b), keeping only the local x shard [s/t, b, h] for backward.
+
+    Megatron's LinearWithGradAccumulationAndAsyncCommunication with sequence parallelism: saving the
+    gathered [s, b, h] input would cost t times the shard per column-parallel linear (QKV, fc1, the
+    output layer). Backward gathers x again while it computes grad_x = grad_y W, then reduce-scatters
+    grad_x along the sequence while it computes grad_W = grad_y^T x."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(all_gather(x, group, dim=0), weight, bias)      # the gathered input is a temporary
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if need_w:
+            x_full, gathering = all_gather_sequence_async(x, ctx.group)      # in flight during grad_x
+        grad_x = grad_y.matmul(weight) if need_x else None
+        grad_w = grad_b = scattering = None
+        if need_w:
+            gathering.wait()
+        if need_x:
+            grad_x, scattering = reduce_scatter_sequence_async(grad_x, ctx.group)   # in flight during grad_W
+        grad_2d = grad_y.reshape(-1, grad_y.shape[-1])
+        if need_w:
+            grad_w = grad_2d.t().matmul(x_full.reshape(-1, x_full.shape[-1]))
+        if need_b and ctx.has_bias:
+            grad_b = grad_2d.sum(dim=0)
+        if scattering is not None:
+            scattering.wait()
+        return grad_x, grad_w, grad_b, None
+
+
+def linear_with_sequence_gather(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                tp: TensorParallel) -> torch.Tensor:
+    """Column-parallel F.linear on a [s(/t), b, h] input: all-gathered along the sequence under sequence
+    parallelism (the shard, not the gathered input, is saved for backward), else entered with
+    copy_to_tp_region (backward all-reduces the input gradient)."""
+    if tp.sequence_parallel and tp.group is not None:
+        return _LinearWithSequenceGather.apply(x, weight, bias, tp.group)
+    return F.linear(copy_to_tp_region(x, tp.group), weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split across TP ranks; output stays split unless gathered.
 
@@ -87,11 +136,7 @@ class ColumnParallelLinear(nn.Module):
                           sharded) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.sequence_parallel:
-            x = gather_from_sp_region(x, self.tp.group)
-        else:
-            x = copy_to_tp_region(x, self.tp.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = linear_with_sequence_gather(x, self.weight, self.bias, self.tp)
         return gather_from_tp_region(y, self.tp.group) if self.gather_output else y
 
 
@@ -144,9 +189,5 @@ class VocabParallelEmbedding(nn.Module):
 
 def parallel_logits(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """[s(/tp), b, h] hidden states -> [s, b, V/tp] logits for this rank's vocabulary range."""
-    if tp.sequence_parallel:
-        x = gather_from_sp_region(x, tp.group)
-    else:
-        x = copy_to_tp_region(x, tp.group)
-    return F.linear(x, weight)
+    return linear_with_sequence_gather(x, weight, None, tp)
 

@@ -10,6 +10,10 @@ nothing. Names follow Megatron:
   gather_from_sp_region       forward all-gather    backward reduce-scatter (dim 0, the sequence)
   reduce_scatter_to_sp_region forward reduce-scatter backward all-gather    (dim 0)
   scatter_to_sp_region        forward split         backward all-gather     (dim 0)
+
+Column-parallel linears under sequence parallelism do not use gather_from_sp_region: it would leave
+the all-gathered input saved for backward (see layers.linear_with_sequence_gather, which keeps the
+local shard and gathers it again in backward with the asynchronous helpers below).
 """
 from __future__ import annotations
 
@@ -55,6 +59,36 @@ def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter_into(out, x, op=dist.ReduceOp.SUM, group=group)
     return out.movedim(0, dim)
+
+
+class Pending:
+    """An asynchronous collective in flight: ``wait()`` blocks until it is done. Holds its input and
+    output until then, so a temporary input (a contiguous copy) cannot be freed under the collective."""
+
+    def __init__(self, work, *tensors):
+        self.work, self.tensors = work, tensors
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.tensors = ()
+
+
+def all_gather_sequence_async(x: torch.Tensor, group) -> tuple[torch.Tensor, Pending]:
+    """Start gathering every rank's ``x`` along dim 0 (the sequence); returns (output, pending): the
+    output is valid once ``pending.wait()`` returns, so the caller can compute in the meantime."""
+    x = x.contiguous()
+    out = torch.empty((_world(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return out, Pending(_all_gather_into(out, x, group=group, async_op=True), x, out)
+
+
+def reduce_scatter_sequence_async(x: torch.Tensor, group) -> tuple[torch.Tensor, Pending]:
+    """Start summing ``x`` over ranks and keeping this rank's chunk of dim 0; returns (output, pending)."""
+    world = _world(group)
+    x = x.contiguous()
+    if x.shape[0] % world:
+        raise ValueError(f"dimension 0 of size {x.shape[0]} is not divisible by {world} ranks")
+    out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return out, Pending(_reduce_scatter_into(out, x, op=dist.ReduceOp.SUM, group=group, async_op=True), x, out)
 
 
 def split(x: torch.Tensor, group, dim: int) -> torch.Tensor:

@@ -135,7 +135,8 @@ def collective_traffic(rank: int, world: int, strategies: list[str]) -> dict:
             out[strategy] = {
                 "calls": [(n, b) for n, b, g in calls if g is dp],
                 "bucket_numels": [b.numel for b in trainer.buffer.buckets],
-                "layer_bucket_numels": [b.numel for u in trainer.ddp.units if not u.is_root for b in u.buckets],
+                "backward_gathered_numels": [b.numel for u in trainer.ddp.units if u.gather_in_backward
+                                             for b in u.buckets],
                 "psi": trainer.buffer.numel_unpadded, "numel": trainer.buffer.numel,
                 "microbatches": trainer.config.num_microbatches}
     finally:
@@ -186,7 +187,7 @@ def zero3_gather_trace(rank: int, world: int, overlap: bool) -> dict:
     argv = layout_flags("optim_grads_params", overlap, num_layers=4)
     trainer = build_trainer(parse_args(argv, world_size=world))
     ddp, buf = trainer.ddp, trainer.buffer
-    layers = [u for u in ddp.units if not u.is_root]
+    layers = [u for u in ddp.units if u.name.startswith("layer")]
     trace, peak = [], [buf.param_bytes()]
 
     def record(i):

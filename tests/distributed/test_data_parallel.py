@@ -150,8 +150,8 @@ def test_collectives_move_the_bytes_of_reference_section_6(dp4):
                 assert sorted(by_op["reduce_scatter"]) == sorted(fp32_grads * m)
                 assert sum(by_op["all_gather_single"]) == 4 * numel
                 expected = (d - 1) / d * (m * 4 * psi + 4 * psi)
-            else:                                                    # ZeRO-3: gather in forward and backward
-                layers = sum(t["layer_bucket_numels"])
+            else:       # ZeRO-3: every unit gathered in forward, all but the embedding again in backward
+                layers = sum(t["backward_gathered_numels"])
                 assert sorted(by_op["reduce_scatter"]) == sorted(fp32_grads * m)
                 assert sum(by_op["all_gather_single"]) == 4 * m * (numel + layers)
                 expected = (d - 1) / d * m * (4 * psi + 4 * psi + 4 * layers)

@@ -76,10 +76,28 @@ def test_a_shard_equals_the_slice_of_the_full_weight():
     shard = torch.nn.Parameter(torch.empty(8, 16))
     shard.full_shape = (32, 16)
     shard.take_shard = lambda full: full[8:16]
+    shard.tensor_model_parallel, shard.partition_dim = True, 0
     name = "decoder.layers.0.self_attention.linear_qkv.weight"
     initialize_parameter(shard, name, 0.02, 2, seed=5)
     full = full_normal(name, (32, 16), init_std(name, 0.02, 2), 5)
     assert torch.equal(shard.data, full[8:16])
+
+
+def test_initial_values_of_any_range_need_no_full_tensor():
+    """Sharded start-up: any flat range of a shard is generated alone, equal to the whole shard's slice."""
+    from megalite.model.init import initial_values
+    cfg = model_config(TINY_LLAMA_ARGS)
+    model = GPTModel(cfg, seed=5)
+    meta = GPTModel(cfg, seed=5, meta=True)
+    for (name, param), (_, empty) in zip(model.named_parameters(), meta.named_parameters()):
+        assert empty.device.type == "meta"
+        flat = param.detach().reshape(-1)
+        n = flat.numel()
+        for start, end in ((0, n), (n // 3, n // 2), (n - 1, n)):
+            got = empty.init_values(start, end)
+            assert torch.equal(got.to(param.dtype), flat[start:end]), (name, start, end)
+    values = full_normal("x", (1000, 1000), 1.0, 0)
+    assert abs(values.mean().item()) < 0.005 and abs(values.std().item() - 1) < 0.005
 
 
 # ---- logits against transformers ------------------------------------------------------------------
