@@ -14,6 +14,7 @@ Sections (each a function returning table rows; add one to SECTIONS to extend):
   against this disk's write speed (the same bytes written with one fsync'd file).
 - activations: bytes autograd keeps per transformer layer at TP 1/2/4 + SP against Korthikanti et al.'s
   formula and transformers' LlamaForCausalLM (bench/activation_memory.py).
+- cross-entropy: the loss's peak memory with and without --cross-entropy-loss-fusion.
 
 Peak RSS is the kernel's high-water mark (VmHWM) restarted before the measured window, minus the RSS
 the process had at that point (Python, torch, the process group), so it counts what training adds.
@@ -353,11 +354,30 @@ def bench_activations(args):
     return markdown(rows).splitlines(), header, headlines
 
 
+def bench_cross_entropy(args):
+    from cross_entropy_memory import cross_entropy_memory
+    rows = ["| tokens | vocab | dtype | logits MiB | unfused loss peak MiB | fused (--cross-entropy-loss-fusion) "
+            "peak MiB | fused / unfused |", "|---|---|---|---|---|---|---|"]
+    ratios = []
+    for vocab in ((32000,) if args.quick else (32000, 128256)):
+        r = cross_entropy_memory(512 if args.quick else 2048, vocab)
+        ratios.append(r["ratio"])
+        rows.append(f"| {r['tokens']} | {vocab} | {r['dtype']} | {r['logits bytes'] / MiB:.1f} | "
+                    f"{r['unfused peak bytes'] / MiB:.1f} | {r['fused peak bytes'] / MiB:.1f} | {r['ratio']:.2f} |")
+    header = ("Peak bytes of the loss's forward and backward over bf16 logits (the logits themselves not counted): "
+              "the unfused loss copies them to fp32 for every token at once; the chunked one upcasts one chunk "
+              "at a time and recomputes the softmax in backward.")
+    return rows, header, [("--cross-entropy-loss-fusion loss memory", "unfused vocab-parallel cross-entropy",
+                           f"{max(ratios):.2f}x")]
+
+
 SECTIONS = {"zero": ("bench_memory_zero", "Memory per rank by ZeRO stage, against theory", bench_zero),
             "fsdp2": ("bench_memory_fsdp2", "ZeRO-3 against PyTorch FSDP2: memory and step time", bench_fsdp2),
             "checkpoint": ("bench_memory_checkpoint", "Checkpoint save and load: memory and throughput",
                            bench_checkpoint),
-            "activations": ("bench_memory_activations", "Activation memory per layer", bench_activations)}
+            "activations": ("bench_memory_activations", "Activation memory per layer", bench_activations),
+            "cross-entropy": ("bench_memory_cross_entropy", "Loss memory: fused (chunked) cross-entropy",
+                              bench_cross_entropy)}
 
 
 def main(argv: list[str]) -> None:

@@ -45,6 +45,9 @@ BENCHES = (
     Bench("bench_context_parallel.py", ("bench_context_parallel",),
           "Context parallelism: activation memory per rank vs sequence length"),
     Bench("bench_data.py", ("bench_data",), "Data pipeline: preprocessing, indices, blending, reads"),
+    Bench("bench_memory.py", ("bench_memory_zero", "bench_memory_fsdp2", "bench_memory_checkpoint",
+                              "bench_memory_activations", "bench_memory_cross_entropy"),
+          "Memory per rank: ZeRO stages vs theory, ZeRO-3 vs FSDP2, checkpoints, activations"),
     Bench("gpu_mfu.py", ("gpu_mfu",), "GPU MFU: ~1B Llama, bf16, one GPU, megalite vs transformers"),
 )
 

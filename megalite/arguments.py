@@ -293,10 +293,6 @@ def startup_notes(argv: list[str]) -> list[str]:
     if fp8:
         notes.append(f"{' '.join(fp8)}: megalite has no FP8 (Transformer Engine) kernels; matrix multiplies run in "
                      f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}")
-    if args.decoupled_lr is not None:
-        # parsed into OptimizerConfig.decoupled_lr/decoupled_min_lr; the optimizer does not apply them yet
-        notes.append(f"--decoupled-lr {args.decoupled_lr:g}: not applied yet: the input embedding and output layer "
-                     f"train at --lr {args.lr:g} like every other parameter")
     if "--tokenizer-type" not in argv and args.vocab_file and args.merge_file:
         notes.append("no --tokenizer-type: --vocab-file and --merge-file are read as GPT2BPETokenizer")
     if args.tiktoken_pattern is not None and args.tokenizer_type != "TikTokenizer":

@@ -224,7 +224,7 @@ def train_step(trainer: Trainer, data_iterator) -> tuple[float, object]:
         finalize_tensor_parallel_grads(trainer.buffer.params, trainer.model.tp, trainer.ddp)
         sync_shared_embedding_grads(trainer.chunks, trainer.parallel, trainer.ddp)
         trainer.timers.start("optimizer", level=1)
-        result = optimizer.step(trainer.scheduler.lr)
+        result = optimizer.step(trainer.scheduler.lr, trainer.scheduler.decoupled_lr)
         trainer.timers.stop("optimizer")
         if result.update_successful:
             advance_lr_schedule(trainer, batch_size)

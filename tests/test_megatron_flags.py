@@ -679,13 +679,40 @@ def test_accepted_flags_say_once_what_megalite_does_instead():
                       decoupled_lr="5e-4")
     config = parse_args(argv, world_size=1)
     notes = startup_notes(argv)
-    assert len(notes) == 5, notes
+    assert len(notes) == 4, notes
     assert any("scaled_dot_product_attention" in n and "never builds an attention mask" in n for n in notes)
     assert any(n.startswith("--ckpt-format torch_dist: megalite writes its own reshardable format") for n in notes)
     assert any(n.startswith("--fp8-format --fp8-param-gather: megalite has no FP8") for n in notes)
     assert any(n.startswith("--tiktoken-pattern v2: only Megatron's TikTokenizer") for n in notes)
-    assert any(n.startswith("--decoupled-lr 0.0005: not applied yet") for n in notes)
     assert config.optimizer.decoupled_lr == 5e-4 and config.optimizer.decoupled_min_lr == 0.0   # --min-lr
     assert startup_notes(TINY_LLAMA_ARGS) == []
     with pytest.raises(UserError, match="--decoupled-min-lr needs --decoupled-lr"):
         parse_args(with_flags(TINY_LLAMA_ARGS, decoupled_min_lr="1e-5"), world_size=1)
+
+
+def test_decoupled_lr_trains_the_embedding_and_output_layer_at_their_own_schedule():
+    """Adam's first update moves every weight with a gradient by about its learning rate: the input
+    embedding and the output layer by --decoupled-lr, everything else by --lr; the decoupled rate follows
+    the same schedule between --decoupled-lr and --decoupled-min-lr."""
+    from megalite.optimizer.lr_scheduler import LRScheduler
+    from megalite.training import build_trainer, train_step
+    from dp_workloads import batches
+    argv = with_flags(TINY_LLAMA_ARGS, lr="1e-3", decoupled_lr="5e-3", weight_decay=0.0, clip_grad=0.0,
+                      lr_decay_style="constant", lr_warmup_iters=0)
+    trainer = build_trainer(parse_args(argv, world_size=1))
+    model = trainer.model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train_step(trainer, batches(trainer, 1))
+    moved = {n: (p.detach() - before[n]).abs().max().item() for n, p in model.named_parameters()}
+    for name, step in moved.items():
+        expected = 5e-3 if name in ("embedding.word_embeddings.weight", "output_layer.weight") else 1e-3
+        assert step == pytest.approx(expected, rel=0.05), name
+    cosine = parse_args(with_flags(TINY_LLAMA_ARGS, lr="1e-3", min_lr="1e-4", decoupled_lr="5e-3",
+                                   decoupled_min_lr="5e-4", lr_decay_style="cosine", lr_warmup_iters=2,
+                                   train_iters=10), world_size=1).optimizer
+    schedule = LRScheduler(cosine, 10)
+    for step in (0, 1, 2, 6, 10, 12):
+        schedule.num_steps = step
+        assert schedule.decoupled_lr == pytest.approx(schedule.lr_at(step, 5e-3, 5e-4))
+    schedule.num_steps = 12
+    assert schedule.decoupled_lr == pytest.approx(5e-4) and schedule.lr == pytest.approx(1e-4)

@@ -15,6 +15,11 @@ class LRScheduler:
     def __init__(self, config: OptimizerConfig, train_iters: int):
         self.max_lr = config.lr
         self.min_lr = config.min_lr
+        # --decoupled-lr: the input embedding and output layer follow the same schedule between their own
+        # maximum and minimum (Megatron's decoupled_lr / decoupled_min_lr; the minimum defaults to --min-lr)
+        self.decoupled_max_lr = getattr(config, "decoupled_lr", None)
+        decoupled_min = getattr(config, "decoupled_min_lr", None)
+        self.decoupled_min_lr = config.min_lr if decoupled_min is None else decoupled_min
         self.init_lr = config.lr_warmup_init
         self.style = config.lr_decay_style
         self.warmup = float(config.lr_warmup_iters)
@@ -23,17 +28,19 @@ class LRScheduler:
         self.wsd_style = config.lr_wsd_decay_style
         self.num_steps = 0
 
-    def lr_at(self, step: float) -> float:
+    def lr_at(self, step: float, max_lr: float | None = None, min_lr: float | None = None) -> float:
+        max_lr = self.max_lr if max_lr is None else max_lr
+        min_lr = self.min_lr if min_lr is None else min_lr
         if self.warmup > 0 and step <= self.warmup:
-            return self.init_lr + (self.max_lr - self.init_lr) * step / self.warmup
+            return self.init_lr + (max_lr - self.init_lr) * step / self.warmup
         if self.style == "constant":
-            return self.max_lr
+            return max_lr
         if step > self.decay:
-            return self.min_lr
+            return min_lr
         if self.style == "inverse-square-root":
             warmup, step = max(self.warmup, 1.0), max(step, 1.0)
-            return max(self.min_lr, self.max_lr * math.sqrt(warmup) / math.sqrt(step))
-        return self.min_lr + (self.max_lr - self.min_lr) * self._decay_coefficient(step)
+            return max(min_lr, max_lr * math.sqrt(warmup) / math.sqrt(step))
+        return min_lr + (max_lr - min_lr) * self._decay_coefficient(step)
 
     def _decay_coefficient(self, step: float) -> float:
         if self.style == "WSD":
@@ -47,6 +54,13 @@ class LRScheduler:
     @property
     def lr(self) -> float:
         return self.lr_at(self.num_steps)
+
+    @property
+    def decoupled_lr(self) -> float | None:
+        """The input embedding's and output layer's learning rate now (None without --decoupled-lr)."""
+        if self.decoupled_max_lr is None:
+            return None
+        return self.lr_at(self.num_steps, self.decoupled_max_lr, self.decoupled_min_lr)
 
     def step(self) -> None:
         self.num_steps += 1

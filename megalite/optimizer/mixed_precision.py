@@ -58,6 +58,10 @@ class MixedPrecisionAdamW:
         self.parallel = parallel
         self.grad_norm_fn = grad_norm_fn
         self.pieces = self._pieces()
+        self.decoupled = [False] * len(self.pieces)
+        if getattr(config, "decoupled_lr", None) is not None:
+            self.pieces, self.decoupled = _split_pieces(self.pieces, _merge_ranges(sorted(
+                (buffer.slots[n].start, buffer.slots[n].end) for n, _ in named_params if is_embedding_or_output(n))))
         fp32 = buffer.param_dtype == torch.float32
         if fp32:
             self.master_pieces = [p.param for p in self.pieces]     # the model's own weights are the master copy
@@ -75,9 +79,11 @@ class MixedPrecisionAdamW:
         tp_rank = parallel.tp_rank if parallel is not None else 0
         weights = norm_weights(named_params, buffer.slots, tp_rank)
         self.norm_segments = [local_segments(weights, p.start, p.end) for p in self.pieces]
-        self.adam = torch.optim.AdamW(self.master_pieces, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                      eps=config.adam_eps, weight_decay=0.0,
-                                      **_fastest_adam_impl(self.master_pieces[0]))
+        groups = [{"params": [m for m, d in zip(self.master_pieces, self.decoupled) if d == decoupled],
+                   "decoupled": decoupled} for decoupled in (False, True)]
+        self.adam = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr,
+                                      betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                                      weight_decay=0.0, **_fastest_adam_impl(self.master_pieces[0]))
         _init_adam_state(self.adam)
         self.loss_scaler = _build_loss_scaler(config) if buffer.param_dtype == torch.float16 else None
 
@@ -122,7 +128,9 @@ class MixedPrecisionAdamW:
 
     # ---- the step --------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, lr: float) -> StepResult:
+    def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
+        """One update at learning rate ``lr`` (``decoupled_lr`` for the input embedding and output layer
+        with --decoupled-lr)."""
         grads = [p.grad for p in self.pieces]
         groups = self._reduction_groups()
         if self.loss_scaler is not None:
@@ -139,12 +147,14 @@ class MixedPrecisionAdamW:
         if not math.isfinite(grad_norm):     # the same value on every rank: all of them refuse the update
             return StepResult(False, grad_norm, nonfinite=True)
         clip_pieces(grads, self.config.clip_grad, grad_norm)
+        group_lr = {False: lr, True: lr if decoupled_lr is None else decoupled_lr}
         if self.config.weight_decay > 0.0:
-            shrink = 1.0 - lr * self.config.weight_decay
-            for master, ranges in zip(self.master_pieces, self.decay_ranges):
+            for master, ranges, decoupled in zip(self.master_pieces, self.decay_ranges, self.decoupled):
+                shrink = 1.0 - group_lr[decoupled] * self.config.weight_decay
                 for start, end in ranges:
                     master[start:end].mul_(shrink)
-        self.adam.param_groups[0]["lr"] = lr
+        for group in self.adam.param_groups:
+            group["lr"] = group_lr[group["decoupled"]]
         for master, g in zip(self.master_pieces, grads):
             master.grad = g
         self.adam.step()
@@ -157,6 +167,24 @@ class MixedPrecisionAdamW:
 
     def _after_step(self) -> None:
         """Hook for the distributed optimizer: share the updated parameters."""
+
+
+def is_embedding_or_output(name: str) -> bool:
+    """The parameters --decoupled-lr applies to (Megatron: the input embedding and the output layer)."""
+    return name.endswith(("embedding.word_embeddings.weight", "output_layer.weight"))
+
+
+def _split_pieces(pieces: list[Piece], ranges: list[tuple[int, int]]) -> tuple[list[Piece], list[bool]]:
+    """Cut pieces where ``ranges`` (sorted, disjoint flat ranges) begin and end; returns the finer pieces
+    and whether each lies inside ``ranges``."""
+    out, inside = [], []
+    for piece in pieces:
+        cuts = sorted({piece.start, piece.end} | {b for r in ranges for b in r if piece.start < b < piece.end})
+        for lo, hi in zip(cuts, cuts[1:]):
+            a, b = lo - piece.start, hi - piece.start
+            out.append(Piece(lo, hi, piece.param[a:b], piece.grad[a:b]))
+            inside.append(any(s <= lo and hi <= e for s, e in ranges))
+    return out, inside
 
 
 def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

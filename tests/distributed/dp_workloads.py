@@ -104,18 +104,21 @@ def collective_traffic(rank: int, world: int, strategies: list[str]) -> dict:
     bytes is the full tensor (all-reduce), the input (reduce-scatter) or the output (all-gather)."""
     import torch.distributed as dist
     calls = []
-    originals = {name: getattr(dist, name)
-                 for name in ("all_reduce", "reduce_scatter", "reduce_scatter_single", "all_gather_single")}
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter", "reduce_scatter_single",
+                                                        "all_gather_single", "all_gather")}
 
     def recording(name):
         def wrapper(*args, **kwargs):
             if name == "all_reduce" or name == "all_gather_single":
                 nbytes = args[0].numel() * args[0].element_size()
+            elif name == "all_gather":                      # list of output chunks (gloo), input
+                nbytes = sum(t.numel() * t.element_size() for t in args[0])
             elif name == "reduce_scatter":                  # output, list of input chunks
                 nbytes = sum(t.numel() * t.element_size() for t in args[1])
             else:
                 nbytes = args[1].numel() * args[1].element_size()
-            calls.append(("reduce_scatter" if name.startswith("reduce_scatter") else name, nbytes, kwargs.get("group")))
+            kind = {"reduce_scatter_single": "reduce_scatter", "all_gather": "all_gather_single"}.get(name, name)
+            calls.append((kind, nbytes, kwargs.get("group")))
             return originals[name](*args, **kwargs)
         return wrapper
 
