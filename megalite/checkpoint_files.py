@@ -40,7 +40,6 @@ import struct
 import zlib
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from megalite.errors import UserError
 
@@ -362,12 +361,10 @@ class CheckpointReader:
         rows, cols = r1 - r0, c1 - c0
         path = os.path.join(self.directory, piece["file"])
         try:
-            if path not in self._open:
-                self._open[path] = safe_open(path, framework="pt", device="cpu")
-            stored = self._open[path].get_slice(piece["key"])
-            shape, dtype = stored.get_shape(), TORCH_DTYPES[stored.get_dtype()]
-        except (SafetensorError, OSError, RuntimeError, ValueError, KeyError) as e:
+            stored = self._stored(path, piece["key"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise self._unreadable(name, path, e) from None
+        shape, dtype = stored.shape, stored.dtype
         if not shape or shape[0] != rows or math.prod(shape) != rows * cols:
             raise self._corrupt(name, path)
         copied, crc = [0] * len(wanted), 0
@@ -375,8 +372,8 @@ class CheckpointReader:
         for a in range(r0, r1, step):
             b = min(a + step, r1)
             try:
-                block = stored[a - r0:b - r0]
-            except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+                block = stored.rows(a - r0, b - r0)
+            except (OSError, RuntimeError, ValueError) as e:
                 raise self._unreadable(name, path, e) from None
             crc = zlib.crc32(_as_bytes(block), crc)
             block = block.reshape(b - a, cols)
@@ -389,6 +386,11 @@ class CheckpointReader:
             raise self._corrupt(name, path)
         return copied
 
+    def _stored(self, path: str, key: str) -> "StoredTensor":
+        if path not in self._open:
+            self._open[path] = read_safetensors_header(path)
+        return StoredTensor(path, *self._open[path][key])
+
     @staticmethod
     def _unreadable(name: str, path: str, error: Exception) -> UserError:
         return UserError(f"checkpoint tensor {name!r} in {path} cannot be read ({str(error).splitlines()[0]}); "
@@ -398,6 +400,46 @@ class CheckpointReader:
     def _corrupt(name: str, path: str) -> UserError:
         return UserError(f"checkpoint tensor {name!r} in {path} is corrupt (checksum mismatch); "
                          "load an earlier checkpoint")
+
+
+def read_safetensors_header(path: str) -> dict[str, tuple]:
+    """{key: (dtype, shape, first byte, end byte)} of a safetensors file, offsets from the file's start.
+
+    Tensors are then read with plain reads into a staging block, not through a memory map: mapped file
+    pages count in the process's RSS for as long as the file stays mapped, so reading a rank's share of a
+    checkpoint through mmap would hold that share a second time."""
+    with open(path, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        if size > 100 << 20:
+            raise ValueError(f"header of {size} bytes")
+        header = json.loads(f.read(size))
+    base, total, tensors = 8 + size, os.path.getsize(path), {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        dtype = TORCH_DTYPES[entry["dtype"]]
+        shape = [int(n) for n in entry["shape"]]
+        if not 0 <= begin <= end or base + end > total or end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"tensor {key!r} has inconsistent offsets")
+        tensors[key] = (dtype, shape, base + begin, base + end)
+    return tensors
+
+
+class StoredTensor:
+    """One tensor of a safetensors file, read a block of rows at a time."""
+
+    def __init__(self, path: str, dtype: torch.dtype, shape: list[int], begin: int, end: int):
+        self.path, self.dtype, self.shape, self.begin, self.end = path, dtype, shape, begin, end
+
+    def rows(self, a: int, b: int) -> torch.Tensor:
+        row_bytes = (self.end - self.begin) // max(self.shape[0], 1)
+        with open(self.path, "rb") as f:
+            f.seek(self.begin + a * row_bytes)
+            data = bytearray(f.read((b - a) * row_bytes))
+        if len(data) != (b - a) * row_bytes:
+            raise ValueError("file ends early")
+        return torch.frombuffer(data, dtype=self.dtype).view(b - a, *self.shape[1:])
 
 
 # ---- the model's description ---------------------------------------------------------------------

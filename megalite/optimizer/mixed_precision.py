@@ -67,10 +67,14 @@ class MixedPrecisionAdamW:
             self.master_pieces = [p.param for p in self.pieces]     # the model's own weights are the master copy
             self._master_flat = None
         else:
-            self._master_flat = torch.cat([p.param.detach().float() for p in self.pieces])
+            # filled piece by piece: a list of fp32 copies joined by cat would hold the master twice
+            self._master_flat = torch.empty(sum(p.end - p.start for p in self.pieces), dtype=torch.float32,
+                                            device=self.pieces[0].param.device)
             self.master_pieces, offset = [], 0
             for p in self.pieces:
-                self.master_pieces.append(self._master_flat[offset:offset + p.end - p.start])
+                master = self._master_flat[offset:offset + p.end - p.start]
+                master.copy_(p.param.detach())
+                self.master_pieces.append(master)
                 offset += p.end - p.start
         decay = _merge_ranges(sorted((buffer.slots[n].start, buffer.slots[n].end)
                                      for n, p in named_params if uses_weight_decay(n, p)))
