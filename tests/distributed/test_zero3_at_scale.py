@@ -113,3 +113,5 @@ def test_zero3_0p7b_llama_dp4_trains_saves_and_resumes_at_dp2_within_its_share(t
     psi = saved[0]["psi"]
     assert 0.6e9 < psi < 0.8e9
     assert 18 * psi > 10 * GiB                 # more than fits unsharded next to anything else here
+    for d, ranks in ((4, saved), (2, resumed)):
+        print(f"DP={d}: peak RSS per rank {[round(r['peak'] / GiB, 2) for r in ranks]} GiB, bound {bound(psi, d) / GiB:.2f} GiB")
