@@ -123,6 +123,21 @@ class Window:
         return False
 
 
+def timed_steps(step, steps: int) -> tuple[list[float], list[float]]:
+    """Seconds and loss of each of ``steps`` calls of ``step()`` (ranks start each step together), with
+    the RSS high-water mark restarted first so the peak is the steps'."""
+    import torch
+    from megalite.performance import reset_peak_rss
+    reset_peak_rss()
+    times, losses = [], []
+    for _ in range(steps):
+        torch.distributed.barrier()
+        t = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t)
+    return times, losses
+
+
 # ---- megalite's own strategies ----------------------------------------------------------------------------
 def _megalite_run(rank, world, argv, shape, steps):
     """Start-up and training-step peaks (bytes above the pre-start-up RSS) and step times of one layout."""
@@ -133,15 +148,8 @@ def _megalite_run(rank, world, argv, shape, steps):
     with Window() as startup:
         trainer = build_trainer(parse_args(argv, world_size=world))
     base = startup.start
-    data, times, losses = random_batches(shape, rank), [], []
-    from megalite.performance import reset_peak_rss
-    reset_peak_rss()
-    for _ in range(steps):
-        torch.distributed.barrier()
-        t = time.perf_counter()
-        loss, _ = train_step(trainer, data)
-        times.append(time.perf_counter() - t)
-        losses.append(loss)
+    data = random_batches(shape, rank)
+    times, losses = timed_steps(lambda: train_step(trainer, data)[0], steps)
     trainer.ddp.close()
     largest_unit = max(sum(p.numel() for p in u.params) for u in trainer.ddp.units)
     return {"startup": startup.peak, "step": window_peak_rss_bytes() - base, "times": times, "losses": losses,
@@ -200,7 +208,7 @@ def _fsdp2_run(rank, world, argv, shape, steps):
     from megalite.initialize import device_for
     device_for(0)                          # the same CPU allocator policy as megalite's ranks
     from megalite.model.gpt import GPTModel
-    from megalite.performance import current_rss_bytes, reset_peak_rss, window_peak_rss_bytes
+    from megalite.performance import current_rss_bytes, window_peak_rss_bytes
     config = parse_args(argv, world_size=world)
     micro_batches = config.num_microbatches
     with Window() as startup:
@@ -213,11 +221,9 @@ def _fsdp2_run(rank, world, argv, shape, steps):
         optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2),
                                       eps=opt.adam_eps, weight_decay=opt.weight_decay)
     base = startup.start
-    data, times, losses = random_batches(shape, rank), [], []
-    reset_peak_rss()
-    for _ in range(steps):
-        torch.distributed.barrier()
-        t = time.perf_counter()
+    data = random_batches(shape, rank)
+
+    def step() -> float:
         total = 0.0
         for _ in range(micro_batches):
             batch = next(data)
@@ -228,10 +234,10 @@ def _fsdp2_run(rank, world, argv, shape, steps):
         torch.nn.utils.clip_grad_norm_(model.parameters(), opt.clip_grad)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t)
         reduced = torch.tensor([total])
         torch.distributed.all_reduce(reduced)
-        losses.append(reduced.item() / world)
+        return reduced.item() / world
+    times, losses = timed_steps(step, steps)
     return {"startup": startup.peak, "step": window_peak_rss_bytes() - base, "times": times, "losses": losses,
             "held": current_rss_bytes() - base}
 

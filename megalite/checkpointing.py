@@ -133,6 +133,15 @@ def overlap(start: int, end: int, other_start: int, other_end: int) -> tuple[int
     return max(start, other_start), min(end, other_end)
 
 
+def optimizer_ranges(optimizer, slot):
+    """(start, end, piece, master, Adam state, cut) for each of the optimizer's pieces overlapping the flat
+    range of ``slot``: [start, end) in the flat layout, ``cut`` the same range within the piece."""
+    for piece, master in zip(optimizer.pieces, optimizer.master_pieces):
+        start, end = overlap(slot.start, slot.end, piece.start, piece.end)
+        if start < end:
+            yield start, end, piece, master, optimizer.adam.state[master], slice(start - piece.start, end - piece.start)
+
+
 # ---- RNG -----------------------------------------------------------------------------------------
 def rng_tensors(tracker) -> dict[str, torch.Tensor]:
     tensors = {"cpu": torch.get_rng_state()}
@@ -188,12 +197,7 @@ def owned_parts(trainer) -> list[tuple[ParamEntry, int, int, dict[str, torch.Ten
         if not entry.stored_here or (replicated and p.tp_rank != 0):
             continue
         slot, g = buffer.slots[entry.buffer_name], entry.global_name
-        for piece, master in zip(optimizer.pieces, optimizer.master_pieces):
-            start, end = overlap(slot.start, slot.end, piece.start, piece.end)
-            if start >= end:
-                continue
-            cut = slice(start - piece.start, end - piece.start)
-            state = optimizer.adam.state[master]
+        for start, end, piece, master, state, cut in optimizer_ranges(optimizer, slot):
             sources = {g: piece.param[cut]}
             if not master_is_weights:
                 sources[f"optimizer.master.{g}"] = master[cut]
@@ -392,12 +396,7 @@ def load_targets(trainer, sources: dict[str, dict[str, str]]) -> list[tuple[str,
         place = placement(entry.param, entry.global_name, vocab)
         for start, end, values in held_params(buffer, slot.start, slot.end):
             add(names["master"], place, start - slot.start, end - slot.start, values)
-        for piece, master in zip(optimizer.pieces, optimizer.master_pieces):
-            start, end = overlap(slot.start, slot.end, piece.start, piece.end)
-            if start >= end:
-                continue
-            cut = slice(start - piece.start, end - piece.start)
-            state = optimizer.adam.state[master]
+        for start, end, _, master, state, cut in optimizer_ranges(optimizer, slot):
             for kind, name in names.items():
                 values = master[cut] if kind == "master" else state[kind][cut]
                 add(name, place, start - slot.start, end - slot.start, values)
