@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow setup bench clean-demo
+.PHONY: demo test test-slow test-cuda setup bench clean-demo
 
 setup: $(STAMP)
 
@@ -28,6 +28,11 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	WANDB_MODE=offline $(PY) -m pytest -q -m slow tests
+
+# the CUDA tier (tests/cuda): one GPU, NCCL at world size 1, --compile; skipped where torch sees no GPU.
+# (PyPI's Linux torch wheel, which setup installs, is a CUDA build.)
+test-cuda: $(STAMP)
+	WANDB_MODE=offline $(PY) -m pytest -q -m cuda tests/cuda
 
 # Every benchmark, written to bench/RESULTS.md (bench/run_all.py); BENCH_ARGS=--quick for a smoke test
 # written to bench/quick/RESULTS.md instead.

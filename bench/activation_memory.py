@@ -241,7 +241,8 @@ def activation_table(shapes=CONFIGS, tp_sizes=(1, 2, 4)) -> list[dict]:
                          "minimum": minimum, "vs_minimum": m / minimum,
                          "transformers": hf if t == 1 else None,
                          "vs_transformers": m / hf if t == 1 and hf else None,
-                         "share_of_tp1": m * t / base if base else None})
+                         "share_of_tp1": m * t / base if base else None, "kv_heads": shape.kv_heads,
+                         "minimum_share": minimum * t / minimum_bytes(shape, 1)})
     return rows
 
 

@@ -151,95 +151,77 @@ def _megalite_run(rank, world, argv, shape, steps):
     data = random_batches(shape, rank)
     times, losses = timed_steps(lambda: train_step(trainer, data)[0], steps)
     trainer.ddp.close()
-    largest_unit = max(sum(p.numel() for p in u.params) for u in trainer.ddp.units)
+    units = getattr(trainer.ddp, "units", [])        # the FSDP2 backend has no megalite gather units
+    largest_unit = max((sum(p.numel() for p in u.params) for u in units), default=0)
     return {"startup": startup.peak, "step": window_peak_rss_bytes() - base, "times": times, "losses": losses,
             "psi": trainer.buffer.numel_unpadded, "held": current_rss_bytes() - base,
             "unit_bytes": largest_unit * trainer.buffer.param_shard.element_size()
             if trainer.buffer.param_shard is not None else 0}
 
 
-def zero_argv(shape: Shape, world: int, micro_batches: int, strategy: str, precision: str | None) -> list[str]:
+def zero_argv(shape: Shape, world: int, micro_batches: int, strategy: str, precision: str | None,
+              prefetch: bool = True) -> list[str]:
     argv = llama_argv(shape, shape.mbs, shape.mbs * world * micro_batches)
     argv += ["--data-parallel-sharding-strategy", strategy, "--overlap-grad-reduce", "--ddp-bucket-size", "4000000"]
-    if strategy != "no_shard":
+    if strategy != "no_shard" and prefetch:
         argv.append("--overlap-param-gather")
     return argv + ([f"--{precision}"] if precision else [])
 
 
 def bench_zero(args):
+    """Each stage against the one before; ZeRO-3 twice: with --overlap-param-gather (the next unit is
+    prefetched while one computes, so two units are gathered at the peak, as in FSDP2) and without it
+    (one unit: the issue's 18Ψ/d + one layer), each against the ZeRO-2 row."""
     shape, world, m = args.zero_shape, 4, 4
-    runs = {s: spawn(world, _megalite_run, zero_argv(shape, world, m, s, "bf16"), shape, args.steps)
-            for s in THEORY}
+    layouts = [(s, NAMES[s], s, True) for s in THEORY]
+    layouts.append(("zero3_no_prefetch", NAMES["optim_grads_params"] + " without --overlap-param-gather",
+                    "optim_grads_params", False))
+    runs = {key: spawn(world, _megalite_run, zero_argv(shape, world, m, strategy, "bf16", prefetch), shape, args.steps)
+            for key, _, strategy, prefetch in layouts}
     psi = runs["no_shard"][0]["psi"]
     rows = ["| strategy | theory (bytes/param) | theory MiB | measured peak MiB (max over ranks) | saving vs previous "
             "stage: measured / theory MiB | share of theoretical saving |", "|---|---|---|---|---|---|"]
-    previous, shares = None, {}
-    for s in THEORY:
-        peak = max(r["step"] for r in runs[s]) / MiB
-        theory = (THEORY[s](world) * psi + runs[s][0]["unit_bytes"]) / MiB      # ZeRO-3: + one gathered layer
-        saving = ""
-        if previous is not None:
-            measured, expected = previous[0] - peak, previous[1] - theory
-            shares[s] = measured / expected
-            saving = f"{measured:.0f} / {expected:.0f} | {shares[s]:.2f}"
-        else:
+    measured, shares = {}, {}
+    for key, name, strategy, prefetch in layouts:
+        peak = max(r["step"] for r in runs[key]) / MiB
+        units = (2 if prefetch else 1) if strategy == "optim_grads_params" else 0
+        theory = (THEORY[strategy](world) * psi + units * runs[key][0]["unit_bytes"]) / MiB
+        measured[key] = (peak, theory)
+        previous = {"no_shard": None, "optim": "no_shard", "optim_grads": "optim"}.get(key, "optim_grads")
+        if previous is None:
             saving = "- | -"
-        per_param = f"{THEORY[s](world):.1f}" + (" + one layer" if runs[s][0]["unit_bytes"] else "")
-        rows.append(f"| {NAMES[s]} | {per_param} | {theory:.0f} | {peak:.0f} | {saving} |")
-        previous = (peak, theory)
+        else:
+            got, expected = measured[previous][0] - peak, measured[previous][1] - theory
+            shares[key] = (name, got / expected)
+            saving = f"{got:.0f} / {expected:.0f} | {got / expected:.2f}"
+        per_param = f"{THEORY[strategy](world):.1f}" + {0: "", 1: " + one layer", 2: " + two layers"}[units]
+        rows.append(f"| {name} | {per_param} | {theory:.0f} | {peak:.0f} | {saving} |")
     header = (f"{shape.describe()}; Ψ = {psi / 1e6:.1f}M parameters; bf16 parameters, fp32 gradients and Adam; "
-              f"DP={world}, {m} micro-batches, --overlap-grad-reduce --overlap-param-gather, 4M-element buckets; "
-              f"gloo on localhost. Peak RSS of {args.steps} training steps above the RSS before start-up. Theory: "
-              f"REFERENCE §6 with Megatron's fp32 gradient buffer, ZeRO-3 plus its largest unit gathered in bf16 "
-              f"(the issue's 18Ψ/d + one layer); activations and the buckets in flight are extra and cancel in "
-              f"the savings.")
-    headlines = [(f"{NAMES[s]} memory saving over the stage before", "REFERENCE §6 theory",
-                  f"{shares[s]:.2f} of theory") for s in list(THEORY)[1:]]
+              f"DP={world}, {m} micro-batches, --overlap-grad-reduce --overlap-param-gather (but the last row), "
+              f"4M-element buckets; gloo on localhost. Peak RSS of {args.steps} training steps above the RSS before "
+              f"start-up. Theory: REFERENCE §6 with Megatron's fp32 gradient buffer; ZeRO-3 adds its largest unit "
+              f"gathered in bf16 (the issue's 18Ψ/d + one layer), twice with --overlap-param-gather, whose prefetch "
+              f"gathers the next unit while one computes (FSDP2 does the same). Both ZeRO-3 rows compare with "
+              f"ZeRO-2. Activations and the buckets in flight are extra and cancel in the savings.")
+    headlines = [(f"{name} memory saving over the stage before", "REFERENCE §6 theory", f"{share:.2f} of theory")
+                 for name, share in shares.values()]
     return rows, header, headlines
 
 
 # ---- PyTorch FSDP2, side by side ------------------------------------------------------------------------
-def _fsdp2_run(rank, world, argv, shape, steps):
-    """The same GPTModel, weights and batches under fully_shard (per layer and the root), fp32 AdamW."""
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from megalite.arguments import parse_args
-    from megalite.initialize import device_for
-    device_for(0)                          # the same CPU allocator policy as megalite's ranks
-    from megalite.model.gpt import GPTModel
-    from megalite.performance import current_rss_bytes, window_peak_rss_bytes
-    config = parse_args(argv, world_size=world)
-    micro_batches = config.num_microbatches
-    with Window() as startup:
-        mesh = init_device_mesh("cpu", (world,))
-        model = GPTModel(config.model, seed=config.training.seed)
-        for layer in model.decoder.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = config.optimizer
-        optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2),
-                                      eps=opt.adam_eps, weight_decay=opt.weight_decay)
-    base = startup.start
-    data = random_batches(shape, rank)
+def fsdp2_argv(argv: list[str]) -> list[str]:
+    """The same run under megalite's PyTorch FSDP2 backend (it has no buckets: one layer at a time)."""
+    argv = list(argv)
+    if "--ddp-bucket-size" in argv:
+        i = argv.index("--ddp-bucket-size")
+        del argv[i:i + 2]
+    return argv + ["--use-torch-fsdp2"]
 
-    def step() -> float:
-        total = 0.0
-        for _ in range(micro_batches):
-            batch = next(data)
-            per_token = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-            loss = per_token.mean()
-            (loss / micro_batches).backward()
-            total += loss.item() / micro_batches
-        torch.nn.utils.clip_grad_norm_(model.parameters(), opt.clip_grad)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        reduced = torch.tensor([total])
-        torch.distributed.all_reduce(reduced)
-        return reduced.item() / world
-    times, losses = timed_steps(step, steps)
-    return {"startup": startup.peak, "step": window_peak_rss_bytes() - base, "times": times, "losses": losses,
-            "held": current_rss_bytes() - base}
+
+def _fsdp2_run(rank, world, argv, shape, steps):
+    """The same GPTModel, weights, batches, optimizer and clipping with --use-torch-fsdp2: fully_shard per
+    layer and on the root (megalite/distributed/fsdp2.py)."""
+    return _megalite_run(rank, world, fsdp2_argv(argv), shape, steps)
 
 
 FSDP_LAYOUTS = [("DP=2", 2, 1), ("DP=4", 4, 1), ("DP=2, 4 micro-batches", 2, 4)]
@@ -271,9 +253,11 @@ def bench_fsdp2(args):
                     f"{peak(theirs, 'startup'):.0f} | {ta:.0f} | {tb:.0f} | {ta / tb:.2f} | {diff:.1e} |")
         headlines.append((f"ZeRO-3 peak memory per rank, {name}", "PyTorch FSDP2, same model", f"{a / b:.2f}x"))
         headlines.append((f"ZeRO-3 step time, {name}", "PyTorch FSDP2, same model", f"{ta / tb:.2f}x"))
-    header = (f"{shape.describe()}; fp32 (FSDP2 with its default policy, megalite ZeRO-3 with "
-              f"--overlap-grad-reduce --overlap-param-gather); both built from the same GPTModel and seed, same "
-              f"batches (max loss difference in the table). Step peak: peak RSS over {args.steps} steps above the "
+    header = (f"{shape.describe()}; fp32, --overlap-grad-reduce --overlap-param-gather; megalite ZeRO-3 "
+              f"(--data-parallel-sharding-strategy optim_grads_params, 4M-element buckets) against "
+              f"--use-torch-fsdp2 (PyTorch fully_shard per layer and root, reshard after forward); both through "
+              f"build_trainer/train_step from the same seed (same weights, optimizer, clipping), same batches "
+              f"(max loss difference in the table). Step peak: peak RSS over {args.steps} steps above the "
               f"RSS before start-up (max over ranks, median over {args.rounds} alternating runs); step time: median "
               f"of steps 2.., the slowest rank. Both run with one thread per rank on this machine's cores.")
     return rows, header, headlines
@@ -353,10 +337,18 @@ def bench_activations(args):
               "excluded), per rank. Megatron: Korthikanti et al. 2022, 34sbh/t with flash attention (the 5as/h "
               "term only without it); transformers: LlamaForCausalLM's decoder layer on the same config. "
               "Command: python bench/activation_memory.py prints the same table.")
+    # Megatron-Core needs the KV heads to divide by TP; megalite also runs t > KV heads by replicating
+    # each group's K/V on t/g ranks, which no implementation can shard below s*b*d per rank: those rows
+    # are compared with the minimum's own share (minimum at t x t / minimum at 1) instead of 1.00
+    divisible = [r for r in sharded if r["kv_heads"] % r["tp"] == 0]
+    replicated = [r for r in sharded if r["kv_heads"] % r["tp"]]
     headlines = [("activations per layer, TP=1", "transformers LlamaForCausalLM, same config",
                   f"{max(r['vs_transformers'] for r in tp1 if r['vs_transformers'] is not None):.2f}x (worst config)"),
-                 ("activations per layer x t, TP=t + SP", "TP=1 (ideal 1.00)",
-                  f"{max(r['share_of_tp1'] for r in sharded):.3f} (worst config)")]
+                 ("activations per layer x t, TP=t + SP, KV heads divisible by t", "TP=1 (ideal 1.00)",
+                  f"{max(r['share_of_tp1'] for r in divisible):.3f} (worst config)")]
+    if replicated:
+        headlines.append(("activations per layer x t, TP=t + SP, t > KV heads (K/V replicated)",
+                          "the minimum's own share at that t", f"{max(r['share_of_tp1'] / r['minimum_share'] for r in replicated):.3f} (worst config)"))
     return markdown(rows).splitlines(), header, headlines
 
 

@@ -10,6 +10,8 @@ Sections (each a function returning table rows; add one to SECTIONS to extend):
   (no-overlap ms / overlap ms).
 - tp: tensor parallelism. TP=1 (one process using every core) vs TP=2 (two gloo ranks), with and
   without sequence parallelism, same global batch. Figure: TP=2 / TP=1 throughput.
+- fsdp2: megalite's own ZeRO-3 against the PyTorch FSDP2 backend (--use-torch-fsdp2) at DP=2 and DP=4,
+  same model, batch and cores. Figure: ZeRO-3 ms / FSDP2 ms per iteration.
 
     python bench/bench_parallel.py                    # every section, writes bench/RESULTS.md sections
     python bench/bench_parallel.py --sections dp --steps 4
@@ -216,7 +218,41 @@ def bench_tensor_parallel(args) -> tuple[list[str], str, list[tuple[str, str, st
     return rows, header, headlines
 
 
+FSDP2_LAYOUTS = [(f"DP={d} {name}", d, flags)
+                 for d in (2, 4)
+                 for name, flags in (("megalite ZeRO-3", ["--data-parallel-sharding-strategy", "optim_grads_params",
+                                                          "--ddp-bucket-size", "1000000"]),
+                                     ("PyTorch FSDP2 (--use-torch-fsdp2)", ["--use-torch-fsdp2"]))]
+FSDP2_OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
+
+
+def bench_fsdp2(args) -> tuple[list[str], str, list[tuple[str, str, str]]]:
+    """megalite's own ZeRO-3 and the PyTorch FSDP2 backend, same model, batch and cores, at DP=2 and DP=4."""
+    cores, shape = os.cpu_count() or 1, args.shape
+    layouts = [(name, world, flags + FSDP2_OVERLAP) for name, world, flags in FSDP2_LAYOUTS]
+    runs, _ = measure_layouts(layouts, args)
+    ms = {name: statistics.median(runs[name]["step"]) * 1000 for name, _, _ in layouts}
+    rows = ["| layout | processes x threads | ms / iteration | tokens/s | ZeRO-3 ms / FSDP2 ms |",
+            "|---|---|---|---|---|"]
+    headlines = []
+    for name, world, _ in layouts:
+        ratio = ""
+        if "FSDP2" in name:
+            ours = ms[name.replace("PyTorch FSDP2 (--use-torch-fsdp2)", "megalite ZeRO-3")]
+            ratio = f"{ours / ms[name]:.2f}x"
+            headlines.append((f"megalite ZeRO-3 step time, DP={world}", "PyTorch FSDP2 backend, same model",
+                              f"{ours / ms[name]:.2f}x (ZeRO-3 ms / FSDP2 ms)"))
+        rows.append(f"| {name} | {world} x {max(1, cores // world)} | {ms[name]:.0f} | "
+                    f"{shape.tokens / ms[name] * 1000:.0f} | {ratio} |")
+    header = (f"{shape.describe()}; fp32, gloo on localhost, global batch {shape.gbs} in micro-batches of "
+              f"{shape.mbs}; both with --overlap-grad-reduce --overlap-param-gather (ZeRO-3 with 1M-element "
+              f"buckets). Median of {args.rounds * args.steps} steps after {args.warmup} warm-up (per step, the "
+              f"slowest rank), layouts interleaved over rounds.")
+    return rows, header, headlines
+
+
 SECTIONS = {"dp": ("bench_parallel_dp", "Data parallelism on the same cores", bench_data_parallel),
+            "fsdp2": ("bench_parallel_fsdp2", "megalite ZeRO-3 against PyTorch FSDP2: step time", bench_fsdp2),
             "tp": ("bench_parallel_tp", "Tensor parallelism on the same cores", bench_tensor_parallel)}
 
 

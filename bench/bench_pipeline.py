@@ -1,13 +1,22 @@
 #!/usr/bin/env python
-"""Pipeline bubble: measured share of idle time vs theory, for 1F1B and interleaved 1F1B.
+"""Pipeline bubble: measured share of idle time vs theory, for every synchronous schedule (GPipe, 1F1B,
+interleaved 1F1B, ZB-H1, ZB-V).
 
 Each row runs one step of a small model through megalite's real schedule executor on 2 gloo ranks
 (one per core here) and measures 1 - busy/wall per rank (tools/plot_pipeline.py). Theory (REFERENCE §6):
-(p-1)/(m+p-1) for 1F1B and (p-1)/(v*m+p-1) interleaved. Writes a section of the results file and a
+(p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1 (Qi et al. 2024,
+equal F/B/W times; ZB-V about 0). Writes a section of the results file and a
 timeline PNG per schedule next to it (bench/ for the full run).
 
+A second section runs the same model (8 layers, hidden 512, fp32, pp=2) side by side with
+torch.distributed.pipelining's schedules (bench/pipeline_vs_torch.py): megalite's 1F1B vs Schedule1F1B,
+interleaved vs ScheduleInterleaved1F1B, GPipe vs ScheduleGPipe, ZB-H1 vs ScheduleInterleavedZeroBubble
+(one stage per rank: ZB1P, which is ZB-H1) and ZB-V vs ScheduleZBVZeroBubble, alternating step by step, and
+reports megalite / torch step-time ratios, with one process running the whole model as the reference.
+
     python bench/bench_pipeline.py
-    python bench/bench_pipeline.py --quick       # smoke test: micro-batches 2 and 8 only
+    python bench/bench_pipeline.py --quick       # smoke test: micro-batches 4 and 8 only, a smaller model
+    python bench/bench_pipeline.py --only torch  # just the side-by-side with torch.distributed.pipelining
 """
 import argparse
 import os
@@ -21,48 +30,103 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 sys.path.insert(0, ROOT)
 
 from plot_pipeline import draw, measured_bubble_share, record_schedule, theoretical_bubble_share  # noqa: E402
+from pipeline_vs_torch import PAIRS, run_comparison, summarize  # noqa: E402
 
 PP = 2
 HEADLINE_MICROBATCHES = 8       # the summary's figure, and the timelines drawn
 
 
-def schedule_name(vpp: int) -> str:
-    return "1F1B" if vpp == 1 else f"interleaved (v={vpp})"
+SCHEDULES = [("1f1b", 1), ("1f1b", 2), ("gpipe", 1), ("zb-h1", 1), ("zbv", 2)]   # (schedule, chunks per rank)
+
+
+def schedule_name(schedule: str, vpp: int) -> str:
+    if schedule == "1f1b":
+        return "1F1B" if vpp == 1 else f"interleaved (v={vpp})"
+    return {"gpipe": "GPipe", "zb-h1": "ZB-H1", "zbv": "ZB-V"}[schedule]
+
+
+def picture_name(schedule: str, vpp: int, m: int) -> str:
+    tag = "interleaved" if schedule == "1f1b" and vpp > 1 else schedule.replace("-", "_")
+    return f"pipeline_{tag}_m{m}.png"
 
 
 def measure(microbatches: tuple[int, ...], picture_dir: str) -> tuple[list[str], list[Headline]]:
     rows, figures = [], []
-    for vpp in (1, 2):
+    for schedule, vpp in SCHEDULES:
+        name = schedule_name(schedule, vpp)
         for m in microbatches:
-            records = record_schedule(PP, m, vpp)
-            measured, theory = measured_bubble_share(records), theoretical_bubble_share(PP, m, vpp)
-            rows.append(f"| {schedule_name(vpp)} | {m} | {100 * measured:.1f}% | {100 * theory:.1f}% |")
+            records = record_schedule(PP, m, vpp, schedule)
+            measured = measured_bubble_share(records)
+            theory = theoretical_bubble_share(PP, m, vpp, schedule)
+            ratio = f"{measured / theory:.2f}x" if theory else "-"
+            rows.append(f"| {name} | {m} | {100 * measured:.1f}% | {100 * theory:.1f}% | {ratio} |")
             print(rows[-1], flush=True)
             if m == HEADLINE_MICROBATCHES:
-                path = os.path.join(picture_dir, f"pipeline_{'1f1b' if vpp == 1 else 'interleaved'}_m{m}.png")
-                draw(records, path, f"{schedule_name(vpp)}, pp={PP}, m={m}")
-                figures.append((f"pipeline bubble, {schedule_name(vpp)}, pp={PP}, m={m}",
-                                f"theory {100 * theory:.1f}%",
-                                f"measured {100 * measured:.1f}% = {measured / theory:.2f}x theory"))
+                draw(records, os.path.join(picture_dir, picture_name(schedule, vpp, m)), f"{name}, pp={PP}, m={m}")
+                figures.append((f"pipeline bubble, {name}, pp={PP}, m={m}", f"theory {100 * theory:.1f}%",
+                                f"measured {100 * measured:.1f}%" + (f" = {ratio} theory" if theory else "")))
     return rows, figures
+
+
+# the side-by-side with torch.distributed.pipelining: the issue's model, fp32, pp=2
+VS_TORCH = dict(layers=8, hidden=512, heads=8, seq=128, mbs=2, vocab=1000, repeats=3)
+VS_TORCH_QUICK = dict(layers=8, hidden=128, heads=4, seq=64, mbs=2, vocab=1000, repeats=1)
+
+
+def versus_torch(args, argv: list[str], microbatches: tuple[int, ...]) -> None:
+    opts = {**(VS_TORCH_QUICK if args.quick else VS_TORCH), "microbatches": microbatches}
+    per_rank = run_comparison(PP, opts)
+    rows, figures = [], []
+    for m in microbatches:
+        pairs, ref_losses, ref_ms = summarize(per_rank, m)
+        for row, torch_cls in ((row, cls) for row, _, _, cls in PAIRS):
+            mine, theirs, ratio, diff = pairs[row]
+            rows.append(f"| {row} | `{torch_cls}` | {m} | {mine:.0f} | {theirs:.0f} | {ratio:.2f}x | "
+                        f"{mine / ref_ms:.2f}x | {diff:.1e} |")
+            print(rows[-1], flush=True)
+            if m == HEADLINE_MICROBATCHES:
+                figures.append((f"pipeline step time, megalite {row} vs torch {torch_cls}, pp={PP}, m={m}",
+                                f"torch.distributed.pipelining {theirs:.0f} ms", f"{ratio:.2f}x ({mine:.0f} ms)"))
+        rows.append(f"| one process, whole model | - | {m} | {ref_ms:.0f} | - | - | 1.00x | - |")
+        print(rows[-1], flush=True)
+    command = command_line("bench_pipeline.py", argv)
+    o = opts
+    body = [f"Model: {o['layers']} layers, hidden {o['hidden']}, {o['heads']} heads, seq {o['seq']}, micro-batch "
+            f"{o['mbs']}, vocabulary {o['vocab']}, fp32 (Llama-style: RoPE, RMSNorm, SwiGLU, untied output). pp={PP} "
+            "gloo ranks, one thread each. Both sides run the same chunks (same seed, so the same weights), the same "
+            "stage placement and micro-batches; one step = forward and backward of every micro-batch, no optimizer. "
+            "Steps alternate megalite / torch within each round; median of "
+            f"{o['repeats']} rounds after one warm-up round. Step time = barrier to barrier, slowest rank. "
+            "torch has no ZB-H1 class: its ScheduleInterleavedZeroBubble (ZB1P) with one stage per rank is the "
+            "ZB-H1 order. The last column is the largest relative difference of each micro-batch's loss, "
+            "megalite's and torch's, from the one-process run's.",
+            "", "| megalite schedule | torch.distributed.pipelining | micro-batches | megalite ms | torch ms | "
+            "megalite / torch | megalite / one process | loss rel. diff |", "|---|---|---|---|---|---|---|---|", *rows]
+    publish(args, "bench_pipeline_vs_torch", "Pipeline schedules: megalite vs torch.distributed.pipelining",
+            command, [Headline(*f, command) for f in figures], body)
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
+    parser.add_argument("--only", choices=("bubble", "torch"), help="run one of the two parts")
     args = parser.parse_args(argv)
-    microbatches = (2, HEADLINE_MICROBATCHES) if args.quick else (2, 4, 8, 16)
+    microbatches = (4, HEADLINE_MICROBATCHES) if args.quick else (4, 8, 16)
+    if args.only != "bubble":
+        versus_torch(args, argv, microbatches)
+    if args.only == "torch":
+        return
     picture_dir = os.path.dirname(os.path.abspath(results_path(args)))
     os.makedirs(picture_dir, exist_ok=True)
     rows, figures = measure(microbatches, picture_dir)
     command = command_line("bench_pipeline.py", argv)
     body = [f"pp={PP} gloo ranks, 2 layers per model chunk, hidden 128, seq 128, micro-batch 2. Bubble share = "
             "1 - busy/wall of one step (after one warm-up step), averaged over ranks. Theory (REFERENCE §6): "
-            "(p-1)/(m+p-1) for 1F1B, (p-1)/(v*m+p-1) interleaved. The model is tiny, so point-to-point latency "
-            "and Python overhead weigh more than on a GPU; the timelines for m=8 are in "
-            f"pipeline_1f1b_m{HEADLINE_MICROBATCHES}.png and pipeline_interleaved_m{HEADLINE_MICROBATCHES}.png "
-            "next to this file.",
-            "", "| schedule | micro-batches | measured | theory |", "|---|---|---|---|", *rows]
+            "(p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1, about 0 for ZB-V "
+            "(equal F/B/W times). The model is tiny, so point-to-point latency and Python overhead weigh more "
+            "than on a GPU; the timelines for m=8 are "
+            + ", ".join(picture_name(s, v, HEADLINE_MICROBATCHES) for s, v in SCHEDULES) + " next to this file.",
+            "", "| schedule | micro-batches | measured | theory | ratio |", "|---|---|---|---|---|", *rows]
     publish(args, "bench_pipeline", "Pipeline bubble, measured vs theory", command,
             [Headline(*f, command) for f in figures], body)
 

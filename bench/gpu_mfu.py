@@ -3,10 +3,12 @@
 
 megalite trains through its own path, as pretrain_gpt.py does (parse_args -> build_trainer ->
 train_step): bf16 weights with fp32 gradient accumulation and fp32 master weights, PyTorch's fused
-AdamW, SDPA attention (flash attention on the GPU) -- megalite has no torch.compile path, so neither
-side compiles. The baseline is transformers' LlamaForCausalLM with the same shape, batch, gradient
-accumulation and optimizer settings, trained the usual way (fp32 weights under bf16 autocast, SDPA,
-fused AdamW). Each side runs alone on the GPU in its own process, one after the other.
+AdamW, SDPA attention (flash attention on the GPU). The baseline is transformers' LlamaForCausalLM
+with the same shape, batch, gradient accumulation and optimizer settings, trained the usual way (fp32
+weights under bf16 autocast, SDPA, fused AdamW). Each is measured eager and compiled: megalite with
+--compile (torch.compile per transformer layer), transformers with the same regional compile of each
+LlamaDecoderLayer's forward. Each of the four runs alone on the GPU in its own process, one after
+the other; the warm-up steps include the compilation.
 
     MFU = tokens/s * FLOPs/token / peak FLOP/s
     FLOPs/token = 6*N + 12*L*h*s   (PaLM appendix B, REFERENCE.md §6; N = non-embedding parameters +
@@ -21,8 +23,9 @@ results file and exits 0.
     python bench/gpu_mfu.py --recompute          # full activation recomputation, larger micro-batches
     python bench/gpu_mfu.py --peak-tflops 989    # a GPU missing from the table
     python bench/gpu_mfu.py --quick              # smoke test: 4 layers, seq 2048, 3 timed steps
-    python bench/gpu_mfu.py --cpu-check          # the whole script on CPU with a tiny model (checks the
-                                                 # script; no MFU, writes nothing)
+    python bench/gpu_mfu.py --smoke              # the whole script on CPU with a tiny model (checks the
+                                                 # script; no MFU, writes nothing; alias --cpu-check)
+    python bench/gpu_mfu.py --no-compile         # the eager runs only
 """
 from __future__ import annotations
 
@@ -80,6 +83,11 @@ class Run:
     recompute: bool
     warmup: int
     steps: int
+    compile: bool = False        # torch.compile per transformer layer
+
+    @property
+    def label(self) -> str:
+        return ("megalite" if self.kind == "megalite" else "transformers") + (" compiled" if self.compile else "")
 
 
 # ---- arithmetic ---------------------------------------------------------------------------------
@@ -133,6 +141,8 @@ def megalite_argv(run: Run) -> list[str]:
         "--bf16", "--adam-beta1", "0.9", "--adam-beta2", "0.95"]
     if run.recompute:
         argv += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    if run.compile:
+        argv += ["--compile"]
     return argv
 
 
@@ -179,6 +189,9 @@ def build_hf(run: Run):
         model = LlamaForCausalLM(config)
     if run.recompute:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if run.compile:      # regional, as megalite's --compile: each decoder layer's forward (hooks stay eager)
+        for layer in model.model.layers:
+            layer.forward = torch.compile(layer.forward)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                             fused=device.type == "cuda")
@@ -266,23 +279,26 @@ def run_side(run: Run) -> dict:
     return result
 
 
-def measure_both(run: Run, peak_override: float | None) -> tuple[dict, dict]:
-    """megalite first (it fits the micro-batch), then transformers with the same one; both again at
-    half the micro-batch whenever either runs out of memory."""
+def measure_all(run: Run, peak_override: float | None, compiled: bool = True) -> list[tuple[Run, dict]]:
+    """megalite eager first (it fits the micro-batch), then megalite compiled and transformers eager and
+    compiled with the same micro-batch; all again at half the micro-batch whenever one runs out of memory."""
+    variants = [("megalite", False), ("hf", False)]
+    if compiled:
+        variants = [("megalite", False), ("megalite", True), ("hf", False), ("hf", True)]
     while True:
-        mega = run_side(replace(run, kind="megalite"))
-        if mega.get("oom"):
-            run = halved(run, mega["micro_batch"], "megalite")
-            continue
-        run = replace(run, micro_batch=mega["micro_batch"])
-        peak = peak_tflops(mega["device_name"], peak_override)
-        print(f"megalite: micro-batch {run.micro_batch}, {summary(mega, run, peak)}", flush=True)
-        hf = run_side(replace(run, kind="hf"))
-        if hf.get("oom"):
-            run = halved(run, hf["micro_batch"], "transformers")
-            continue
-        print(f"transformers: micro-batch {run.micro_batch}, {summary(hf, run, peak)}", flush=True)
-        return mega, hf
+        results, retry = [], False
+        for kind, compile_ in variants:
+            side = replace(run, kind=kind, compile=compile_)
+            result = run_side(side)
+            if result.get("oom"):
+                run, retry = halved(run, result["micro_batch"], side.label), True
+                break
+            run = replace(run, micro_batch=result["micro_batch"])
+            peak = peak_tflops(result["device_name"], peak_override)
+            print(f"{side.label}: micro-batch {run.micro_batch}, {summary(result, run, peak)}", flush=True)
+            results.append((replace(side, micro_batch=run.micro_batch), result))
+        if not retry:
+            return results
 
 
 def halved(run: Run, micro_batch: int, who: str) -> Run:
@@ -321,27 +337,38 @@ def table_row(name: str, result: dict, run: Run, peak: float | None) -> str:
             f"{f['tokens_per_s']:,.0f} | {f['tflops']:.1f} | {mfu} | {memory} |")
 
 
-def report(mega: dict, hf: dict, run: Run, peak: float | None, peak_source: str, command: str):
-    run = replace(run, micro_batch=mega["micro_batch"])
+def report(results: list[tuple[Run, dict]], peak: float | None, peak_source: str, command: str):
+    by_label = {side.label: result for side, result in results}
+    run = results[0][0]
+    mega = by_label.get("megalite compiled", by_label["megalite"])
+    hf = by_label.get("transformers compiled", by_label["transformers"])
+    best = "megalite compiled" if "megalite compiled" in by_label else "megalite"
+    baseline = "transformers compiled" if "transformers compiled" in by_label else "transformers"
     m, h = figures(mega, run, peak), figures(hf, run, peak)
     n = mega["n_params"]
     gpu = mega["device_name"]
     mfu_text = f"{100 * m['mfu']:.1f}% MFU" if m["mfu"] is not None else "MFU n/a: pass --peak-tflops"
-    hf_mfu = f", transformers {100 * h['mfu']:.1f}% MFU" if h["mfu"] is not None else ""
+    hf_mfu = f", {baseline} {100 * h['mfu']:.1f}% MFU" if h["mfu"] is not None else ""
     headlines = [
-        Headline(f"GPU MFU, megalite, {n / 1e9:.2f}B Llama bf16 seq {run.shape.seq}, {gpu}",
+        Headline(f"GPU MFU, {best}, {n / 1e9:.2f}B Llama bf16 seq {run.shape.seq}, {gpu}",
                  f"{peak_source} (goal >= 50%)", mfu_text, command),
-        Headline("GPU training throughput, megalite vs transformers", "transformers LlamaForCausalLM, same model, "
+        Headline(f"GPU training throughput, {best} vs {baseline}", f"{baseline} LlamaForCausalLM, same model, "
                  f"batch and optimizer{hf_mfu}", f"{m['tokens_per_s'] / h['tokens_per_s']:.2f}x tokens/s", command)]
-    body = [f"{run.shape.describe()}: N = {n:,} non-embedding + output parameters ({hf['n_params']:,} counted on "
+    hf_params = by_label["transformers"]["n_params"]
+    body = [f"{run.shape.describe()}: N = {n:,} non-embedding + output parameters ({hf_params:,} counted on "
             f"the transformers model), {flops_per_token(n, run.shape) / 1e9:.2f} GFLOP/token by 6N + 12*L*h*s. "
             f"bf16; AdamW + clip 1.0; gradient accumulation {run.accumulation}; activation recomputation "
-            f"{'full' if run.recompute else 'off'}. Median of {run.steps} steps after {run.warmup} warm-up per side; "
-            f"MFU against {peak_source}. Peak memory: torch.cuda.max_memory_allocated.",
+            f"{'full' if run.recompute else 'off'}; compiled = torch.compile of each transformer layer's forward "
+            f"(megalite --compile; the same on each LlamaDecoderLayer). Median of {run.steps} steps after "
+            f"{run.warmup} warm-up (which include compiling) per run; MFU against {peak_source}. Peak memory: "
+            "torch.cuda.max_memory_allocated.",
             "", "| implementation | micro-batch x accumulation | tokens / step | ms / step | tokens/s | model TFLOP/s "
-            "| MFU | peak memory GiB |", "|---|---|---|---|---|---|---|---|",
-            table_row("megalite (train_step, fused AdamW, SDPA)", mega, run, peak),
-            table_row("transformers LlamaForCausalLM (autocast, fused AdamW, SDPA)", hf, run, peak)]
+            "| MFU | peak memory GiB |", "|---|---|---|---|---|---|---|---|"]
+    names = {"megalite": "megalite (train_step, fused AdamW, SDPA)",
+             "megalite compiled": "megalite --compile",
+             "transformers": "transformers LlamaForCausalLM (autocast, fused AdamW, SDPA)",
+             "transformers compiled": "transformers LlamaForCausalLM, compiled layers"}
+    body += [table_row(names[side.label], result, side, peak) for side, result in results]
     return headlines, body
 
 
@@ -369,8 +396,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, help="timed steps per side (default 10; 3 with --quick)")
     parser.add_argument("--warmup", type=int, help="warm-up steps per side (default 3; 2 with --quick)")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, for a GPU not in the table")
-    parser.add_argument("--cpu-check", action="store_true",
+    parser.add_argument("--smoke", "--cpu-check", action="store_true", dest="cpu_check",
                         help="run everything on CPU with a tiny model to check the script (no MFU, writes nothing)")
+    parser.add_argument("--no-compile", action="store_false", dest="compiled",
+                        help="measure the eager runs only (default: eager and compiled, both sides)")
     add_common_args(parser)
     args = parser.parse_args(argv)
     command = command_line("gpu_mfu.py", argv)
@@ -389,11 +418,12 @@ def main(argv: list[str]) -> int:
               args.warmup or (2 if args.quick or args.cpu_check else 3), args.steps or (3 if args.quick else 10))
     if args.cpu_check:
         run = replace(run, micro_batch=args.micro_batch_size or 2, warmup=1, steps=2)
-    mega, hf = measure_both(run, args.peak_tflops)
-    peak = peak_tflops(mega["device_name"], args.peak_tflops)
-    peak_source = (f"{peak:.0f} TFLOP/s dense bf16 ({'--peak-tflops' if args.peak_tflops else mega['device_name']})"
-                   if peak else f"unknown peak for {mega['device_name']}")
-    headlines, body = report(mega, hf, run, peak, peak_source, command)
+    results = measure_all(run, args.peak_tflops, args.compiled)
+    device_name = results[0][1]["device_name"]
+    peak = peak_tflops(device_name, args.peak_tflops)
+    peak_source = (f"{peak:.0f} TFLOP/s dense bf16 ({'--peak-tflops' if args.peak_tflops else device_name})"
+                   if peak else f"unknown peak for {device_name}")
+    headlines, body = report(results, peak, peak_source, command)
     print("\n".join(f"{h.benchmark}: {h.ratio} (baseline: {h.baseline})" for h in headlines), flush=True)
     print("\n".join(body), flush=True)
     if not args.cpu_check:

@@ -39,9 +39,10 @@ class Bench:
 
 BENCHES = (
     Bench("bench_vs_hf.py", ("bench_vs_hf",), "megalite vs transformers, single-process training"),
-    Bench("bench_parallel.py", ("bench_parallel_dp", "bench_parallel_tp"),
-          "Parallel overheads on the same cores (DP, ZeRO-1, TP, SP)"),
-    Bench("bench_pipeline.py", ("bench_pipeline",), "Pipeline bubble, measured vs theory"),
+    Bench("bench_parallel.py", ("bench_parallel_dp", "bench_parallel_fsdp2", "bench_parallel_tp"),
+          "Parallel overheads on the same cores (DP, ZeRO-1, ZeRO-3 vs FSDP2, TP, SP)"),
+    Bench("bench_pipeline.py", ("bench_pipeline", "bench_pipeline_vs_torch"),
+          "Pipeline bubble vs theory; schedules vs torch.distributed.pipelining"),
     Bench("bench_context_parallel.py", ("bench_context_parallel",),
           "Context parallelism: activation memory per rank vs sequence length"),
     Bench("bench_data.py", ("bench_data",), "Data pipeline: preprocessing, indices, blending, reads"),

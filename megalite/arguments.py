@@ -100,8 +100,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int)
-    g.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe"], default="1f1b",
-                   help="pipeline schedule (interleaved 1F1B whenever virtual stages are used)")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=_positive_int,
+                   help="model chunks per pipeline rank (the way to interleave with uneven first/last stages)")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int,
+                   help="transformer layers on the first pipeline stage; the middle stages split the rest evenly")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int,
+                   help="transformer layers on the last pipeline stage; the middle stages split the rest evenly")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="count the embedding as one layer when splitting layers over pipeline stages")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="count the output layer and loss as one layer when splitting layers over pipeline stages")
+    g.add_argument("--pipeline-model-parallel-layout",
+                   help='Megatron\'s layout string, e.g. "Et*3|(tt|)*2,t|L": stages split by |, E embedding, '
+                        "t transformer layer, L loss; pp x vpp stages")
+    g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
+                   help="pipeline schedule (1f1b becomes interleaved 1F1B whenever virtual stages are used)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--context-parallel-size", type=_positive_int, default=1)
     g.add_argument("--use-distributed-optimizer", action="store_true")
@@ -115,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--overlap-grad-reduce, else one bucket)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="data-parallel gradient reductions in bf16 (gradient accumulation stays fp32)")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="PyTorch FSDP2 (fully_shard per layer) instead of megalite's own data parallelism; ZeRO-3 "
+                        "by default, --data-parallel-sharding-strategy optim_grads keeps parameters gathered "
+                        "from forward to backward")
 
     g = p.add_argument_group("batch and optimizer")
     g.add_argument("--micro-batch-size", type=_positive_int)
@@ -242,6 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="free the CUDA caching allocator's unused memory: 1 after forward-backward, 2 also after the "
                         "optimizer step (no effect on CPUs)")
 
+    g = p.add_argument_group("compilation and GPU kernels")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer layer (regional; eager numerics); layouts it cannot "
+                        "handle say so at start-up and run eager")
+    g.add_argument("--no-tf32", action="store_false", dest="tf32",
+                   help="fp32 matmuls and convolutions in full fp32 (default: TF32 on Ampere and newer GPUs)")
+
     g = p.add_argument_group("activation recomputation")
     g.add_argument("--recompute-granularity", choices=["full", "selective"])
     g.add_argument("--recompute-method", choices=["uniform", "block"])
@@ -269,6 +293,9 @@ COMPAT_NO_EFFECT = ["--use-mcore-models", "--use-flash-attn", "--no-masked-softm
                     "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--attention-softmax-in-fp32",
                     "--accumulate-allreduce-grads-in-fp32", "--use-rotary-position-embeddings"]
 
+# synchronous: gpipe, 1f1b (interleaved with virtual stages), zb-h1, zbv (zero bubble, Qi et al. 2024);
+# asynchronous, weight stashing: pipedream, pipedream-2bw
+PIPELINE_SCHEDULES = ["1f1b", "gpipe", "zb-h1", "zbv", "pipedream", "pipedream-2bw"]
 CKPT_FORMATS = ["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"]
 
 
@@ -440,10 +467,32 @@ def _validate_recompute(args) -> None:
 
 def sharding_strategy(args) -> str:
     """--data-parallel-sharding-strategy, or optim (ZeRO-1) for --use-distributed-optimizer."""
+    if getattr(args, "use_torch_fsdp2", False) and not args.data_parallel_sharding_strategy:
+        return "optim_grads_params"          # FSDP2's default: reshard after forward
     return args.data_parallel_sharding_strategy or ("optim" if args.use_distributed_optimizer else "no_shard")
 
 
+def _validate_torch_fsdp2(args) -> None:
+    """What PyTorch's FSDP2 backend (distributed/fsdp2.py) cannot combine with, one line each."""
+    if args.use_distributed_optimizer:
+        raise UserError("--use-torch-fsdp2 shards the optimizer state itself; drop --use-distributed-optimizer "
+                        "(megalite's own ZeRO-1)")
+    if args.data_parallel_sharding_strategy in ("no_shard", "optim"):
+        raise UserError(f"--use-torch-fsdp2 always shards parameters, gradients and optimizer state, not "
+                        f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy}: use "
+                        "optim_grads_params (ZeRO-3, the default) or optim_grads (no reshard after forward)")
+    if args.ddp_bucket_size:
+        raise UserError("--ddp-bucket-size does not apply to --use-torch-fsdp2, which reduces one transformer layer "
+                        "at a time; drop it")
+    if args.pipeline_schedule not in ("1f1b", "gpipe"):
+        raise UserError(f"--use-torch-fsdp2 works with --pipeline-schedule 1f1b or gpipe, not "
+                        f"{args.pipeline_schedule} (FSDP2 reduces a layer's gradients when its whole backward has "
+                        "run and keeps one copy of the weights)")
+
+
 def _validate_data_parallel(args) -> None:
+    if args.use_torch_fsdp2:
+        _validate_torch_fsdp2(args)
     if args.use_distributed_optimizer and args.data_parallel_sharding_strategy == "no_shard":
         raise UserError("--use-distributed-optimizer shards the optimizer state but --data-parallel-sharding-strategy "
                         "no_shard asks for none; drop one of them")
@@ -475,10 +524,13 @@ def _validate_batch(args, world_size: int) -> None:
     if args.train_samples is not None and args.train_samples < first_batch:
         raise UserError(f"--train-samples {args.train_samples} is less than one global batch ({first_batch}); "
                         "train for at least one iteration")
-    from megalite.pipeline_parallel.stages import check_pipeline_split
+    from megalite.pipeline_parallel.stages import SplitFlags, check_pipeline_split
+    from megalite.pipeline_parallel.zero_bubble import check_zero_bubble, schedule_split
+    check_zero_bubble(args, args, dp)
     for batch in sorted({args.global_batch_size, *(b for _, b in args.batch_size_schedule)}):
         check_pipeline_split(args.num_layers, args.pipeline_model_parallel_size,
-                             args.num_layers_per_virtual_pipeline_stage, batch // (args.micro_batch_size * dp))
+                             args.num_layers_per_virtual_pipeline_stage, batch // (args.micro_batch_size * dp),
+                             schedule_split(SplitFlags.of(args), args.pipeline_schedule))
 
 
 def batch_size_schedule(args, dp: int) -> list[tuple[int, int]]:
@@ -775,11 +827,17 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+        num_virtual_stages_per_pipeline_rank=args.num_virtual_stages_per_pipeline_rank,
+        decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+        pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
         sequence_parallel=args.sequence_parallel, pipeline_schedule=args.pipeline_schedule,
         use_distributed_optimizer=sharding_strategy(args) != "no_shard",
         overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
         data_parallel_sharding_strategy=sharding_strategy(args), ddp_bucket_size=args.ddp_bucket_size,
-        grad_reduce_in_bf16=args.grad_reduce_in_bf16)
+        grad_reduce_in_bf16=args.grad_reduce_in_bf16, use_torch_fsdp2=args.use_torch_fsdp2)
 
 
 def train_iters_of(args) -> int:
@@ -856,7 +914,8 @@ def _training_config(args) -> TrainingConfig:
         manual_gc_interval=args.manual_gc_interval, manual_gc_eval=args.manual_gc_eval,
         empty_unused_memory_level=args.empty_unused_memory_level, profile=args.profile,
         profile_step_start=args.profile_step_start, profile_step_end=args.profile_step_end,
-        profile_ranks=list(args.profile_ranks), use_pytorch_profiler=args.use_pytorch_profiler)
+        profile_ranks=list(args.profile_ranks), use_pytorch_profiler=args.use_pytorch_profiler,
+        compile=args.compile, tf32=args.tf32)
 
 
 def compat_flags_used(argv: list[str]) -> list[str]:

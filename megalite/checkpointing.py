@@ -37,6 +37,7 @@ from megalite.checkpoint_files import (DTYPE_NAMES, Box, CheckpointReader, as_2d
                                        model_metadata, prepare_temporary_dir, publish, temporary_dir,
                                        tokenizer_metadata, write_metadata, write_tensor_file, TRACKER, METADATA)
 from megalite.errors import UserError
+from megalite.pipeline_parallel.pipedream import load_stashed_versions, stashed_sources
 from megalite.tensor_parallel.layers import shard_positions
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -202,6 +203,7 @@ def owned_parts(trainer) -> list[tuple[ParamEntry, int, int, dict[str, torch.Ten
             if not master_is_weights:
                 sources[f"optimizer.master.{g}"] = master[cut]
             sources.update({f"optimizer.{k}.{g}": state[k][cut] for k in OPTIMIZER_STATES})
+            sources.update(stashed_sources(trainer, g, start, end))     # PipeDream's older weight versions
             parts.append((entry, start - slot.start, end - slot.start, sources))
     return parts
 
@@ -416,6 +418,7 @@ def load_tensors(trainer, reader: CheckpointReader, load_optimizer: bool) -> Non
         raise UserError(f"checkpoint {reader.directory} is from a different model: {differences[0]}; match the model "
                         "flags or add --use-checkpoint-args")
     reader.read_into(load_targets(trainer, sources))
+    load_stashed_versions(trainer, reader, load_optimizer)         # PipeDream's older weight versions
     step = reader.metadata["optimizer"]["step"] if load_optimizer else 0.0
     for master in trainer.optimizer.master_pieces:
         state = trainer.optimizer.adam.state[master]

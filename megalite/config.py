@@ -62,6 +62,13 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    # uneven pipeline splits, Megatron's flags (pipeline_parallel/stages.py: virtual_stage_layers)
+    num_virtual_stages_per_pipeline_rank: Optional[int] = None
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+    pipeline_model_parallel_layout: Optional[str] = None
     sequence_parallel: bool = False
     pipeline_schedule: str = "1f1b"          # or "gpipe"; interleaved 1F1B whenever there are virtual stages
     use_distributed_optimizer: bool = False
@@ -71,6 +78,7 @@ class ParallelConfig:
     data_parallel_sharding_strategy: str = "no_shard"
     ddp_bucket_size: Optional[int] = None       # elements per gradient bucket; None: Megatron's default
     grad_reduce_in_bf16: bool = False           # data-parallel gradient reductions in bf16 (accumulation stays fp32)
+    use_torch_fsdp2: bool = False               # PyTorch FSDP2 instead of megalite's own DP/ZeRO (distributed/fsdp2.py)
 
     @property
     def data_parallel_size(self) -> int:
@@ -173,6 +181,8 @@ class TrainingConfig:
     profile_step_end: int = 12
     use_pytorch_profiler: bool = False         # on GPUs: torch.profiler instead of an nsys capture range
     profile_ranks: list = field(default_factory=lambda: [0])
+    compile: bool = False                      # torch.compile each transformer layer (megalite/compile.py)
+    tf32: bool = True                          # TF32 for fp32 matmuls on Ampere+ GPUs (--no-tf32: off)
 
 
 @dataclass

@@ -38,11 +38,23 @@ from megalite.distributed.ddp import MAX_IN_FLIGHT, default_bucket_size
 from megalite.errors import UserError
 from megalite.logging import flops_per_iteration
 from megalite.model.transformer import check_attention_split
-from megalite.pipeline_parallel.stages import check_pipeline_split
+from megalite.config import ParallelConfig
+from megalite.pipeline_parallel.pipedream import ASYNC_SCHEDULES, versions_behind
+from megalite.pipeline_parallel.stages import SplitFlags, check_pipeline_split, virtual_stage_layers
+from megalite.pipeline_parallel.zero_bubble import check_zero_bubble, schedule_split
 
 GiB = 2 ** 30
 RECOMPUTE = ("none", "selective", "full")
 SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+# pipeline schedules (arguments.PIPELINE_SCHEDULES): the bubble as a share of the slowest stage's busy time
+# over the m micro-batches (Qi et al. 2024 for zero bubble, with F, B and W equally long: ZB-H1 keeps a third
+# of 1F1B's (p-1)/m, ZB-V none), and the weight versions a stage keeps beyond its live weights (PipeDream:
+# one per in-flight micro-batch but the newest, p - rank - 1; PipeDream-2BW: one). The asynchronous
+# schedules never flush, so their bubble is paid once per run, not per step.
+SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zbv", "pipedream", "pipedream-2bw")
+SYNCHRONOUS = ("1f1b", "gpipe", "zb-h1", "zbv")
+HBM_GBPS = 3350.0       # H100 SXM HBM3, GB/s: the loss is memory-bound
+LOSS_BYTES_PER_LOGIT = 20   # fp32 logits: written, read twice (max, sum of exp) in forward, read + written in backward
 PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GRAD_BYTES = 4          # megalite accumulates and reduces gradients in fp32 at every precision (grad_buffer.py)
 
@@ -77,10 +89,18 @@ class Layout:
     sequence_parallel: bool = True   # only meaningful with tp > 1
     overlap_grad_reduce: bool = True     # --overlap-grad-reduce, as pretrain_flags asks (moot at dp 1)
     overlap_param_gather: bool = True    # --overlap-param-gather, as pretrain_flags asks (moot at dp 1, no_shard)
+    cp: int = 1                      # context parallel: each rank holds 2 of 2cp chunks of every sequence
+    schedule: str = "1f1b"           # SCHEDULES; 1f1b with vpp > 1 is interleaved 1F1B; zbv has vpp 2 in a V
+    split: SplitFlags = SplitFlags() # uneven stages (first/last counts, account-for flags, a layout string)
 
     @property
     def num_gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def shards(self) -> int:
+        """Ranks that hold the same parameters and reduce gradients together (Megatron: dp x cp)."""
+        return self.dp * self.cp
 
     @property
     def sp(self) -> bool:
@@ -91,6 +111,9 @@ class Layout:
 
     def describe(self) -> str:
         vpp = f" VPP={self.vpp}" if self.vpp > 1 else ""
+        vpp += f" CP={self.cp}" if self.cp > 1 else ""
+        vpp += f" {self.schedule}" if self.schedule != "1f1b" else ""
+        vpp += f" split={split_name(self.split)}" if self.split != SplitFlags() else ""
         off = [name for name, on in (("grad reduce", self.overlap_grad_reduce),
                                      ("param gather", self.overlap_param_gather)) if not on and self.dp > 1]
         overlap = f" (no overlapped {' or '.join(off)})" if off else ""
@@ -113,6 +136,7 @@ class Hardware:
     intra_node_gbps: float = 360.0          # GB/s per GPU over NVLink
     inter_node_gbps: float = 40.0           # GB/s per GPU over InfiniBand
     usable_memory_fraction: float = 0.9
+    memory_gbps: float = HBM_GBPS           # GB/s of device memory (the loss is memory-bound)
 
     def peak_flops(self, precision: str) -> float:
         tflops = self.peak_tflops or (67.0 if precision == "fp32" else 989.0)
@@ -187,6 +211,47 @@ def norm_parameters(model: ModelConfig) -> int:
     return model.hidden_size * (2 if model.normalization == "LayerNorm" else 1)
 
 
+def split_name(split: SplitFlags) -> str:
+    """The split flags in a few characters, for tables."""
+    if split.layout:
+        return split.layout
+    if split.first is not None or split.last is not None:
+        return f"first {split.first or '-'} last {split.last or '-'}"
+    return "+".join(name for name, on in (("E", split.account_for_embedding), ("L", split.account_for_loss)) if on) \
+        or "even"
+
+
+def stage_layers(layout: Layout, num_layers: int) -> list[int]:
+    """Transformer layers of each virtual stage (pipeline_parallel/stages.py), v = chunk * pp + rank."""
+    split = layout.split
+    if layout.vpp > 1 and not split.layout:
+        split = dataclasses.replace(split, layers_per_virtual_stage=None, virtual_stages_per_rank=layout.vpp)
+    return virtual_stage_layers(num_layers, layout.pp, split)
+
+
+def virtual_stages_of(layout: Layout, pp_rank: int) -> list[int]:
+    """The virtual stages pipeline rank ``pp_rank`` holds: chunk * pp + rank, or for zbv the V of rank r
+    and 2p - 1 - r."""
+    if layout.schedule == "zbv":
+        return [pp_rank, 2 * layout.pp - 1 - pp_rank]
+    return [chunk * layout.pp + pp_rank for chunk in range(layout.vpp)]
+
+
+def rank_layers(workload: Workload, layout: Layout, pp_rank: int) -> list[int]:
+    """Transformer layers of each model chunk of pipeline rank ``pp_rank``."""
+    layers = stage_layers(layout, workload.model.num_layers)
+    return [layers[v] for v in virtual_stages_of(layout, pp_rank)]
+
+
+def holds_embedding(layout: Layout, pp_rank: int) -> bool:
+    return 0 in virtual_stages_of(layout, pp_rank)
+
+
+def holds_head(layout: Layout, pp_rank: int) -> bool:
+    """Whether the rank holds the last virtual stage: final norm, output layer and loss."""
+    return layout.pp * layout.vpp - 1 in virtual_stages_of(layout, pp_rank)
+
+
 @dataclass(frozen=True)
 class StageParameters:
     layers: int            # parameters in this rank's transformer layers
@@ -200,20 +265,20 @@ class StageParameters:
 
 def stage_parameters(workload: Workload, layout: Layout, pp_rank: int) -> StageParameters:
     """Parameters on pipeline rank ``pp_rank`` of one TP rank (build_model_chunks / GPTModel): its
-    L/p layers, the embeddings on the first stage, and on the last the final norm plus the output
-    layer, which tied embeddings still need as a copy when the first stage is another rank."""
+    layers (stage_layers), the embeddings on the first stage, and on the last the final norm plus the
+    output layer, which tied embeddings still need as a copy when the first stage is another chunk."""
     model, tp = workload.model, layout.tp
     vocab_rows = workload.padded_vocab(tp) // tp
     h = model.hidden_size
-    layers = model.num_layers // layout.pp * layer_parameters(model, tp)
-    first, last = pp_rank == 0, pp_rank == layout.pp - 1
+    layers = sum(rank_layers(workload, layout, pp_rank)) * layer_parameters(model, tp)
+    first, last = holds_embedding(layout, pp_rank), holds_head(layout, pp_rank)
     embedding = 0
     if first:
         embedding = vocab_rows * h + (0 if model.use_rope else model.max_position_embeddings * h)
     head = 0
     if last:
         head = norm_parameters(model)
-        if model.untie_embeddings_and_output_weights or not first:
+        if model.untie_embeddings_and_output_weights or layout.pp > 1:     # (another chunk holds the embedding)
             head += vocab_rows * h
     return StageParameters(layers, embedding, head)
 
@@ -281,8 +346,7 @@ def layer_activation_bytes(workload: Workload, layout: Layout, kernels: Kernels)
     if model.attention_dropout > 0 and not kernels.flash_attention_dropout and layout.recompute != "full":
         raise ValueError("attention dropout on this device runs the math attention (s x s scores), which "
                          "this estimate does not model; use attention_dropout 0")
-    tokens = model.seq_length * layout.micro_batch_size
-    sp_tokens = tokens // layout.tp if layout.sp else tokens
+    tokens, sp_tokens = token_counts(workload, layout)
     h = model.hidden_size
     if layout.recompute == "full":
         return sp_tokens * h * e
@@ -299,8 +363,9 @@ def layer_activation_bytes(workload: Workload, layout: Layout, kernels: Kernels)
 
 
 def token_counts(workload: Workload, layout: Layout) -> tuple[int, int]:
-    """(tokens of one micro-batch, the sequence-parallel share of them on one TP rank)."""
-    tokens = workload.model.seq_length * layout.micro_batch_size
+    """(tokens of one micro-batch on one context-parallel rank, the sequence-parallel share of them on one
+    TP rank). Ring attention keeps what flash attention keeps, for the rank's 2 of 2cp chunks."""
+    tokens = workload.model.seq_length * layout.micro_batch_size // layout.cp
     return tokens, tokens // layout.tp if layout.sp else tokens
 
 
@@ -368,9 +433,15 @@ def chunks_in_flight(layout: Layout, pp_rank: int, num_microbatches: int) -> int
     """Forward passes of (model chunk, micro-batch) whose backward has not run yet, at most, on a
     pipeline rank (schedules.py): 1F1B runs p - rank - 1 warm-up forwards and one more before its
     first backward; interleaved 1F1B 2(p - rank - 1) + (v - 1)p warm-up forwards. Stage 0 thus holds
-    p micro-batches of L/p layers (1F1B), L(1 + (p-1)/(pv)) layers' worth when interleaved."""
+    p micro-batches of L/p layers (1F1B), L(1 + (p-1)/(pv)) layers' worth when interleaved.
+    GPipe holds all m; ZB-H1, PipeDream and PipeDream-2BW hold 1F1B's; ZB-V holds 2p chunks of L/2p
+    layers on every rank, 1F1B's first stage (Qi et al. 2024)."""
     if layout.pp == 1:
         return 1
+    if layout.schedule == "gpipe":
+        return num_microbatches * layout.vpp
+    if layout.schedule == "zbv":
+        return min(2 * layout.pp, 2 * num_microbatches)
     if layout.vpp == 1:
         return min(layout.pp - pp_rank, num_microbatches)
     warmup = 2 * (layout.pp - pp_rank - 1) + (layout.vpp - 1) * layout.pp
@@ -383,12 +454,12 @@ def kept_activations(workload: Workload, layout: Layout, pp_rank: int, kernels: 
     from, and the embedding dropout's noise."""
     model, e = workload.model, workload.dtype_bytes
     in_flight = chunks_in_flight(layout, pp_rank, layout.num_microbatches(workload.global_batch_size))
-    layers_per_chunk = model.num_layers // (layout.pp * layout.vpp)
+    layers_per_chunk = sum(rank_layers(workload, layout, pp_rank)) / layout.vpp     # (chunks alternate)
     _, sp_tokens = token_counts(workload, layout)
     kept = in_flight * layers_per_chunk * layer_activation_bytes(workload, layout, kernels)
-    stashed_outputs = in_flight - 1 if pp_rank == layout.pp - 1 else in_flight
+    stashed_outputs = in_flight - 1 if holds_head(layout, pp_rank) else in_flight
     kept += stashed_outputs * sp_tokens * model.hidden_size * e if layout.pp > 1 else 0
-    if pp_rank == 0 and model.hidden_dropout > 0:
+    if holds_embedding(layout, pp_rank) and model.hidden_dropout > 0:
         kept += math.ceil(in_flight / layout.vpp) * sp_tokens * model.hidden_size * dropout_mask_bytes(kernels, e)
     return kept
 
@@ -403,7 +474,7 @@ def dropout_mask_bytes(kernels: Kernels, dtype_bytes: int) -> int:
 def bucket_size(layout: Layout) -> float:
     """Elements of a data-parallel bucket (ddp.default_bucket_size: 40M with overlapped reduction,
     else one bucket for everything, or for each unit with ZeRO-2/3, whose buckets never span two)."""
-    return default_bucket_size(layout.dp, layout.overlap_grad_reduce) or math.inf
+    return default_bucket_size(layout.shards, layout.overlap_grad_reduce) or math.inf
 
 
 @dataclass(frozen=True)
@@ -425,7 +496,7 @@ def backward_tensors(workload: Workload, layout: Layout, pp_rank: int) -> list[P
         if params.head > norm_parameters(model):
             tensors.append(Param(0, vocab_rows * h, alone=tied))
         tensors += [Param(0, n) for n in [h] * (norm_parameters(model) // h)]
-    layers = model.num_layers // layout.pp
+    layers = sum(rank_layers(workload, layout, pp_rank))
     for i in range(layers):
         tensors += [Param(1 + i, n) for n in reversed(layer_tensors(model, layout.tp))]
     if params.embedding:
@@ -506,7 +577,7 @@ def data_parallel_transients(workload: Workload, layout: Layout, pp_rank: int, k
       parameters in place after the step (gloo: through copies of up to MAX_IN_FLIGHT buckets with
       --overlap-param-gather, one at a time without).
     """
-    d, e = layout.dp, workload.dtype_bytes
+    d, e = layout.shards, workload.dtype_bytes
     if d == 1 or (moment == "step" and layout.sharding == "optim_grads_params"):
         return Transients()
     copies = kernels.collective_copies
@@ -547,7 +618,7 @@ def data_parallel_transients(workload: Workload, layout: Layout, pp_rank: int, k
         tied_here = params.embedding and params.head and not workload.model.untie_embeddings_and_output_weights
         head = params.head + (params.embedding if tied_here else 0)
         weights = e * (layer if moment == "layer" else head)
-        layers_below = workload.model.num_layers // layout.pp - (depth + 1 if moment == "layer" else 0)
+        layers_below = sum(rank_layers(workload, layout, pp_rank)) - (depth + 1 if moment == "layer" else 0)
         if layout.overlap_param_gather and layers_below > 0:
             weights += e * layer * (2 if copies else 1)                         # the prefetched layer
     return Transients(weights, grads)
@@ -575,25 +646,36 @@ def rank_memory(workload: Workload, layout: Layout, pp_rank: int, kernels: Kerne
     backward come with every in-flight micro-batch's kept activations; after the last backward only
     the state is left, with the data-parallel reductions and gathers (``data_parallel_transients``)."""
     params = stage_parameters(workload, layout, pp_rank)
-    per_weight, per_grad, per_optimizer = state_bytes_per_parameter(workload.dtype_bytes, layout.sharding, layout.dp)
+    per_weight, per_grad, per_optimizer = state_bytes_per_parameter(workload.dtype_bytes, layout.sharding,
+                                                                    layout.shards)
+    per_weight *= 1 + weight_versions(layout, pp_rank, layout.num_microbatches(workload.global_batch_size))
     kept = kept_activations(workload, layout, pp_rank, kernels)
     through_layer = layer_backward_bytes(workload, layout, kernels)
     if layout.recompute == "full":
         through_layer += layer_activation_bytes(workload, dataclasses.replace(layout, recompute="none"), kernels)
     # backward through the chunk's top layers: each one deeper has freed a layer's activations, but may
     # have more data-parallel reductions in flight (beyond MAX_IN_FLIGHT layers nothing changes)
-    layers_per_chunk = workload.model.num_layers // (layout.pp * layout.vpp)
+    layers_per_chunk = max(rank_layers(workload, layout, pp_rank))
     freed = layer_activation_bytes(workload, layout, kernels)
     moments = [(kept - depth * freed + through_layer,
                 data_parallel_transients(workload, layout, pp_rank, kernels, "layer", depth))
                for depth in range(min(layers_per_chunk, MAX_IN_FLIGHT + 1))]
     moments.append((0.0, data_parallel_transients(workload, layout, pp_rank, kernels, "step")))
-    if pp_rank == layout.pp - 1:
+    if holds_head(layout, pp_rank):
         moments.append((kept + sum(output_layer_bytes(workload, layout, kernels)),
                         data_parallel_transients(workload, layout, pp_rank, kernels, "head")))
     activations, transients = max(moments, key=lambda moment: moment[0] + moment[1].total)
     return Memory(params.total * per_weight + transients.weights, params.total * per_grad + transients.grads,
                   params.total * per_optimizer, activations)
+
+
+def weight_versions(layout: Layout, pp_rank: int, num_microbatches: int) -> int:
+    """Weight versions a rank keeps beyond its live weights (pipedream.py's weight stashing): PipeDream
+    one per update its oldest in-flight micro-batch is behind, ceil((p - 1 - rank) / m) (p - 1 on the first
+    stage at m = 1, PipeDream's original); PipeDream-2BW one. Counted in the compute dtype."""
+    if layout.pp == 1 or layout.schedule not in ASYNC_SCHEDULES:
+        return 0
+    return versions_behind(layout.schedule, layout.pp, pp_rank, num_microbatches)
 
 
 def estimate_memory(workload: Workload, layout: Layout, kernels: Kernels = GPU_KERNELS) -> Memory:
@@ -602,8 +684,11 @@ def estimate_memory(workload: Workload, layout: Layout, kernels: Kernels = GPU_K
 
 
 def outer_ranks(layout: Layout) -> set[int]:
-    """The pipeline ranks that can need the most: the first (most micro-batches in flight, the
-    embeddings) and the last (the output layer and the logits); the ranks between hold less."""
+    """The pipeline ranks that can need the most: with even stages the first (most micro-batches in
+    flight, the embeddings) and the last (the output layer and the logits), the ranks between hold
+    less; with uneven stages or a V placement, any of them."""
+    if layout.split != SplitFlags() or layout.schedule == "zbv":
+        return set(range(layout.pp))
     return {0, layout.pp - 1}
 
 
@@ -618,10 +703,13 @@ class StepTime:
     pipeline_parallel: float
     data_parallel: float          # the part not hidden behind backward (--overlap-grad-reduce)
     model_flops: float
+    imbalance: float = 0.0        # the slowest pipeline stage's time beyond the mean stage's
+    context_parallel: float = 0.0     # ring attention's K/V traffic not hidden behind attention
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tensor_parallel + self.pipeline_parallel + self.data_parallel
+        return (self.compute + self.imbalance + self.bubble + self.tensor_parallel + self.context_parallel
+                + self.pipeline_parallel + self.data_parallel)
 
 
 def hardware_flops(workload: Workload, layout: Layout) -> tuple[float, float]:
@@ -654,19 +742,70 @@ def link_bandwidth(hardware: Hardware, span: int) -> float:
     return gbps * 1e9
 
 
+def bubble_fraction(layout: Layout, num_microbatches: int) -> float:
+    """Idle time of a step as a share of the slowest stage's busy time (REFERENCE §6): (p-1)/(v*m) for
+    GPipe, 1F1B and interleaved 1F1B; ZB-H1 (p-1)/(3m) and ZB-V none, with F, B and W equally long
+    (Qi et al. 2024); PipeDream and PipeDream-2BW never flush, their fill is paid once per run."""
+    p, m = layout.pp, num_microbatches
+    if p == 1 or layout.schedule in ("zbv", "pipedream", "pipedream-2bw"):
+        return 0.0
+    if layout.schedule == "zb-h1":
+        return (p - 1) / (3 * m)
+    return (p - 1) / (layout.vpp * m)
+
+
+def stage_busy_seconds(workload: Workload, layout: Layout, hardware: Hardware) -> list[float]:
+    """Seconds each pipeline rank computes in one step: its layers' FLOPs (recomputation included), the
+    output layer's on the rank with the last stage, over the stage's tp x cp x dp devices at peak x
+    efficiency; plus the loss, which is memory-bound: LOSS_BYTES_PER_LOGIT over the HBM bandwidth for
+    each of the rank's fp32 logits (tokens / (dp x cp) x vocabulary / tp)."""
+    model = dataclasses.replace(workload.model, padded_vocab_size=workload.padded_vocab(layout.tp))
+    model_flops, flops = hardware_flops(workload, layout)
+    head = flops_per_iteration(dataclasses.replace(model, num_layers=0), workload.global_batch_size)
+    per_layer = (flops - head) / model.num_layers
+    rate = layout.tp * layout.cp * layout.dp * hardware.peak_flops(workload.precision) * hardware.compute_efficiency
+    logits = workload.global_batch_size * model.seq_length / (layout.dp * layout.cp) * model.padded_vocab_size / layout.tp
+    loss = LOSS_BYTES_PER_LOGIT * logits / (hardware.memory_gbps * 1e9)
+    busy = []
+    for rank in range(layout.pp):
+        seconds = sum(rank_layers(workload, layout, rank)) * per_layer / rate
+        if holds_head(layout, rank):
+            seconds += head / rate + loss
+        busy.append(seconds)
+    return busy
+
+
 def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTime:
+    """compute: the mean stage's busy time (every device's share of the work); imbalance: what the slowest
+    stage adds to it (the others wait for it every micro-batch); bubble: the schedule's idle share of the
+    slowest stage's time; then tensor-, context-, pipeline- and data-parallel traffic."""
     model, e = workload.model, workload.dtype_bytes
     m = layout.num_microbatches(workload.global_batch_size)
-    model_flops, flops = hardware_flops(workload, layout)
-    compute = flops / (hardware.num_gpus * hardware.peak_flops(workload.precision) * hardware.compute_efficiency)
-    bubble = compute * (layout.pp - 1) / (layout.vpp * m)            # REFERENCE §6: (p-1)/(v*m) of ideal time
+    model_flops, _ = hardware_flops(workload, layout)
+    busy = stage_busy_seconds(workload, layout, hardware)
+    compute, slowest = sum(busy) / len(busy), max(busy)
+    bubble = slowest * bubble_fraction(layout, m)
+    layers = max(sum(rank_layers(workload, layout, r)) for r in range(layout.pp))
 
-    # TP: per layer and micro-batch 2 all-reduces of [s, b, h] forward and 2 backward (with SP the
+    # TP: per layer and micro-batch 2 all-reduces of [s/cp, b, h] forward and 2 backward (with SP the
     # same volume as all-gathers + reduce-scatters); full recomputation repeats the forward ones
-    activation = model.seq_length * layout.micro_batch_size * model.hidden_size * e
+    tokens, _ = token_counts(workload, layout)
+    activation = tokens * model.hidden_size * e
     collectives = 4 + (2 if layout.recompute == "full" else 0)
-    tp_bytes = collectives * ring_bytes("all_reduce", activation, layout.tp) * (model.num_layers // layout.pp) * m
+    tp_bytes = collectives * ring_bytes("all_reduce", activation, layout.tp) * layers * m
     tensor_parallel = tp_bytes / link_bandwidth(hardware, layout.tp)
+
+    # CP: ring attention passes the rank's K and V cp - 1 times forward, K, V and their gradients cp - 1
+    # times backward, per layer and micro-batch, each step behind a block of attention compute
+    context_parallel = 0.0
+    if layout.cp > 1:
+        _, groups = local_attention_heads(model, layout.tp)
+        kv = tokens * 2 * groups * model.kv_channels * e
+        seconds = 3 * (layout.cp - 1) * kv * layers * m / link_bandwidth(hardware, layout.tp * layout.cp)
+        heads, _ = local_attention_heads(model, layout.tp)
+        attention_flops = 3 * 4 * model.seq_length * heads * model.kv_channels * tokens * layers * m
+        attention = attention_flops / (hardware.peak_flops(workload.precision) * hardware.compute_efficiency)
+        context_parallel = max(0.0, seconds - attention)
 
     # PP: each chunk of each micro-batch sends its activation forward and receives a gradient back
     boundary = activation / (layout.tp if layout.sp else 1)
@@ -674,7 +813,8 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
     pipeline_parallel = pp_bytes / link_bandwidth(hardware, layout.num_gpus)
 
     data_parallel = exposed_data_parallel_time(workload, layout, hardware, compute)
-    return StepTime(compute, bubble, tensor_parallel, pipeline_parallel, data_parallel, model_flops)
+    return StepTime(compute, bubble, tensor_parallel, pipeline_parallel, data_parallel, model_flops,
+                    imbalance=slowest - compute, context_parallel=context_parallel)
 
 
 def exposed_data_parallel_time(workload: Workload, layout: Layout, hardware: Hardware, compute: float) -> float:
@@ -685,7 +825,7 @@ def exposed_data_parallel_time(workload: Workload, layout: Layout, hardware: Har
     micro-batch; ZeRO-3 gathers parameters in forward and backward of every micro-batch. With
     --overlap-grad-reduce (recommended) the reduction runs during the last micro-batch's compute, or
     during every micro-batch's for ZeRO-2/3, which communicate each one."""
-    d, m = layout.dp, layout.num_microbatches(workload.global_batch_size)
+    d, m = layout.shards, layout.num_microbatches(workload.global_batch_size)
     if d == 1:
         return 0.0
     psi = max(stage_parameters(workload, layout, r).total for r in outer_ranks(layout))
@@ -698,7 +838,7 @@ def exposed_data_parallel_time(workload: Workload, layout: Layout, hardware: Har
         sent = m * ring_bytes("reduce_scatter", grads, d) + ring_bytes("all_gather", params, d)
     else:
         sent = m * ring_bytes("reduce_scatter", grads, d) + 2 * m * ring_bytes("all_gather", params, d)
-    seconds = sent / link_bandwidth(hardware, layout.tp * d)
+    seconds = sent / link_bandwidth(hardware, layout.tp * d)   # (the dp x cp group spans tp x cp x dp ranks)
     overlap_window = compute if layout.sharding in ("optim_grads", "optim_grads_params") else compute / m
     return max(0.0, seconds - overlap_window)
 
@@ -729,22 +869,65 @@ def layout_problem(workload: Workload, layout: Layout, gpus_per_node: int) -> st
     if workload.global_batch_size % (layout.micro_batch_size * layout.dp):
         return (f"--global-batch-size {workload.global_batch_size} is not divisible by micro-batch size "
                 f"{layout.micro_batch_size} x data-parallel size {layout.dp}")
-    if layout.vpp > 1 and (model.num_layers // layout.pp) % layout.vpp:
-        return f"{model.num_layers // layout.pp} layers per pipeline stage cannot form {layout.vpp} virtual stages"
+    m = layout.num_microbatches(workload.global_batch_size)
+    if layout.schedule == "zbv" and layout.vpp != 2:
+        return "--pipeline-schedule zbv places exactly two model chunks per pipeline rank"
+    if layout.schedule not in ("1f1b", "zbv") and layout.vpp > 1:
+        return f"--pipeline-schedule {layout.schedule} runs one model chunk per pipeline rank"
     try:
         check_attention_split(model.num_attention_heads, model.num_query_groups, layout.tp)
-        layers_per_virtual_stage = model.num_layers // (layout.pp * layout.vpp) if layout.vpp > 1 else None
-        check_pipeline_split(model.num_layers, layout.pp, layers_per_virtual_stage,
-                             layout.num_microbatches(workload.global_batch_size))
+        recompute = None if layout.recompute == "none" else layout.recompute
+        check_zero_bubble(parallel_config(workload, layout), dataclasses.replace(model, recompute_granularity=recompute))
+        check_pipeline_split(model.num_layers, layout.pp, None, m,
+                             schedule_split(split_flags(workload, layout), layout.schedule))
+        stage_layers(layout, model.num_layers)
     except UserError as error:
         return str(error)
+    if layout.schedule in ASYNC_SCHEDULES:
+        if layout.pp == 1 or layout.cp > 1 or layout.sharding == "optim_grads_params":
+            return f"--pipeline-schedule {layout.schedule} needs pp > 1, no context parallelism and no ZeRO-3"
+        if layout.overlap_param_gather and layout.sharding != "no_shard" and layout.shards > 1:
+            return f"--pipeline-schedule {layout.schedule} needs the weights in place after the step: no --overlap-param-gather"
+        if layout.schedule == "pipedream-2bw" and m < layout.pp - 1:
+            return f"--pipeline-schedule pipedream-2bw needs at least pp - 1 = {layout.pp - 1} micro-batches"
+    if layout.cp > 1 and model.seq_length % (2 * layout.cp * (layout.tp if layout.sp else 1)):
+        return (f"--context-parallel-size {layout.cp} needs --seq-length {model.seq_length} divisible by 2 x cp"
+                + (" x TP" if layout.sp else ""))
+    if layout.cp > 1 and model.attention_dropout > 0:
+        return f"--context-parallel-size {layout.cp} needs --attention-dropout 0"
     if model.ffn_hidden_size % layout.tp:
         return f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by TP {layout.tp}"
     if layout.sp and model.seq_length % layout.tp:
         return f"--sequence-parallel needs --seq-length {model.seq_length} divisible by TP {layout.tp}"
-    if layout.dp == 1 and layout.sharding != "no_shard":
+    if layout.shards == 1 and layout.sharding != "no_shard":
         return f"--data-parallel-sharding-strategy {layout.sharding} shards nothing at data-parallel size 1"
     return None
+
+
+def parallel_config(workload: Workload, layout: Layout) -> ParallelConfig:
+    """The ParallelConfig pretrain_gpt.py builds for ``layout`` (for megalite's own checks)."""
+    split = split_flags(workload, layout)
+    return ParallelConfig(
+        world_size=layout.num_gpus, tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp, num_layers_per_virtual_pipeline_stage=split.layers_per_virtual_stage,
+        num_virtual_stages_per_pipeline_rank=split.virtual_stages_per_rank,
+        decoder_first_pipeline_num_layers=split.first, decoder_last_pipeline_num_layers=split.last,
+        account_for_embedding_in_pipeline_split=split.account_for_embedding,
+        account_for_loss_in_pipeline_split=split.account_for_loss, pipeline_model_parallel_layout=split.layout,
+        sequence_parallel=layout.sp, pipeline_schedule=layout.schedule,
+        use_distributed_optimizer=layout.sharding != "no_shard", data_parallel_sharding_strategy=layout.sharding)
+
+
+def split_flags(workload: Workload, layout: Layout) -> SplitFlags:
+    """The split flags pretrain_gpt.py gets for ``layout`` (virtual stages named the way Megatron wants:
+    --num-virtual-stages-per-pipeline-rank with first/last counts, else --num-layers-per-virtual-pipeline-stage)."""
+    split = layout.split
+    if layout.vpp == 1 or split.layout or layout.schedule == "zbv":
+        return split
+    if split.first is not None or split.last is not None:
+        return dataclasses.replace(split, virtual_stages_per_rank=layout.vpp)
+    extra = int(split.account_for_embedding) + int(split.account_for_loss)
+    return dataclasses.replace(split, layers_per_virtual_stage=(workload.model.num_layers + extra) // (layout.pp * layout.vpp))
 
 
 @dataclass(frozen=True)
@@ -756,44 +939,94 @@ class Pins:
     micro_batch_size: int | None = None
     recompute: str | None = None
     sharding: str | None = None
+    cp: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None           # --num-virtual-stages-per-pipeline-rank
+    split: SplitFlags | None = None             # first/last counts, account-for flags or a layout string
 
     def allow(self, layout: Layout, num_layers: int) -> bool:
-        vpp_layers = num_layers // (layout.pp * layout.vpp) if layout.vpp > 1 else None
+        extra = int(layout.split.account_for_embedding) + int(layout.split.account_for_loss)
+        vpp_layers = (num_layers + extra) // (layout.pp * layout.vpp) if layout.vpp > 1 else None
         return all(pin is None or pin == value for pin, value in (
             (self.tp, layout.tp), (self.pp, layout.pp), (self.layers_per_virtual_stage, vpp_layers),
             (self.micro_batch_size, layout.micro_batch_size), (self.recompute, layout.recompute),
-            (self.sharding, layout.sharding)))
+            (self.sharding, layout.sharding), (self.cp, layout.cp), (self.schedule, layout.schedule),
+            (self.virtual_stages, layout.vpp), (self.split, layout.split)))
 
     FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
              "layers_per_virtual_stage": "--num-layers-per-virtual-pipeline-stage",
              "micro_batch_size": "--micro-batch-size", "recompute": "--recompute-granularity",
-             "sharding": "--data-parallel-sharding-strategy"}
+             "sharding": "--data-parallel-sharding-strategy", "cp": "--context-parallel-size",
+             "schedule": "--pipeline-schedule", "virtual_stages": "--num-virtual-stages-per-pipeline-rank"}
 
     def describe(self) -> str:
-        return " ".join(f"{self.FLAGS[name]} {value}" for name, value in dataclasses.asdict(self).items()
-                        if value is not None)
+        pinned = [f"{self.FLAGS[name]} {getattr(self, name)}" for name in self.FLAGS if getattr(self, name) is not None]
+        return " ".join(pinned + ([f"split {split_name(self.split)}"] if self.split is not None else []))
 
 
-def layouts_of(workload: Workload, num_gpus: int) -> Iterator[Layout]:
-    """Every TP x PP x DP split of ``num_gpus`` with every virtual-stage count dividing a stage's
-    layers, micro-batch size dividing GBS/DP, recomputation and sharding; sequence parallel on."""
+def candidate_splits(num_layers: int, pp: int) -> list[tuple[SplitFlags, list[int]]]:
+    """(split, virtual-stage counts it allows) for pipeline size ``pp``: even when pp divides the layers;
+    the embedding and the loss counted as layers when pp divides L + 2 (NVIDIA's Llama-3.1 405B recipe);
+    otherwise the first and last stages take the remainder of an even split of the middle stages."""
+    if pp == 1:
+        return [(SplitFlags(), [1])]
+    splits = []
+    if num_layers % pp == 0:
+        splits.append((SplitFlags(), divisors(num_layers // pp)))
+    both = SplitFlags(account_for_embedding=True, account_for_loss=True)
+    if (num_layers + 2) % pp == 0 and num_layers + 2 > pp:
+        splits.append((both, divisors((num_layers + 2) // pp)))
+    if num_layers % pp and pp > 2:
+        middle = num_layers // pp + 1
+        rest = num_layers - (pp - 2) * middle
+        if rest >= 2:
+            first, last = rest // 2, rest - rest // 2
+            splits.append((SplitFlags(first=first, last=last), [v for v in divisors(middle) if first % v == last % v == 0]))
+    elif num_layers % pp and num_layers > 1:
+        splits.append((SplitFlags(first=num_layers // 2), [1]))
+    return splits
+
+
+def layouts_of(workload: Workload, num_gpus: int, pins: Pins = Pins()) -> Iterator[Layout]:
+    """Every TP x CP x PP x DP split of ``num_gpus`` (CP as pinned, else 1), every split of the layers
+    (``candidate_splits``, or the pinned one) with every virtual-stage count it allows, micro-batch size
+    dividing GBS/DP, recomputation and sharding; sequence parallel on; the pinned schedule, else 1F1B."""
     layers, gbs = workload.model.num_layers, workload.global_batch_size
+    cp = pins.cp or 1
+    schedule = pins.schedule or "1f1b"
     for tp in divisors(num_gpus):
-        for pp in divisors(num_gpus // tp):
-            dp = num_gpus // (tp * pp)
-            vpps = divisors(layers // pp) if pp > 1 and layers % pp == 0 else [1]
+        if (num_gpus // tp) % cp:
+            continue
+        for pp in divisors(num_gpus // (tp * cp)):
+            dp = num_gpus // (tp * cp * pp)
+            if pins.split is not None:
+                splits = [(pins.split, [len(virtual_stage_layers(layers, pp, pins.split)) // pp] if pins.split.layout
+                           else [pins.virtual_stages or 1])]
+            else:
+                splits = candidate_splits(layers, pp)
+            if schedule == "zbv":
+                splits = [(split, [2]) for split, _ in splits]
+            elif schedule != "1f1b":
+                splits = [(split, [1]) for split, _ in splits]
             micro_batch_sizes = divisors(gbs // dp) if gbs % dp == 0 else [1]
-            for vpp in vpps:
-                for mbs in micro_batch_sizes:
-                    for recompute in RECOMPUTE:
-                        for sharding in SHARDING:
-                            yield Layout(tp, pp, dp, vpp, mbs, recompute, sharding)
+            for split, vpps in splits:
+                for vpp in vpps:
+                    for mbs in micro_batch_sizes:
+                        for recompute in RECOMPUTE:
+                            for sharding in SHARDING:
+                                yield Layout(tp, pp, dp, vpp, mbs, recompute, sharding, cp=cp, schedule=schedule,
+                                             split=split, overlap_param_gather=schedule not in ASYNC_SCHEDULES
+                                             or sharding == "no_shard" or dp * cp == 1)
 
 
 def candidate_layouts(workload: Workload, hardware: Hardware, pins: Pins = Pins()) -> list[Layout]:
     """The layouts megalite accepts on ``hardware``, within ``pins``; a one-line UserError naming
     why when there is none."""
-    pinned = [lay for lay in layouts_of(workload, hardware.num_gpus) if pins.allow(lay, workload.model.num_layers)]
+    try:
+        pinned = [lay for lay in layouts_of(workload, hardware.num_gpus, pins)
+                  if pins.allow(lay, workload.model.num_layers)]
+    except UserError as error:              # a pinned split that does not fit the model
+        raise UserError(f"no layout of {hardware.num_gpus} GPUs suits this model: {error}") from None
     if not pinned:
         raise UserError(f"no layout of {hardware.num_gpus} GPUs has {pins.describe()}: the TP x PP sizes must divide "
                         "the number of GPUs and the virtual stages a stage's layers")
@@ -842,8 +1075,20 @@ def pretrain_flags(workload: Workload, layout: Layout) -> list[str]:
     if layout.sp:
         flags.append("--sequence-parallel")
     flags += ["--pipeline-model-parallel-size", str(layout.pp)]
-    if layout.vpp > 1:
-        flags += ["--num-layers-per-virtual-pipeline-stage", str(workload.model.num_layers // (layout.pp * layout.vpp))]
+    split = split_flags(workload, layout)
+    for flag, value in (("--num-layers-per-virtual-pipeline-stage", split.layers_per_virtual_stage),
+                        ("--num-virtual-stages-per-pipeline-rank", split.virtual_stages_per_rank),
+                        ("--decoder-first-pipeline-num-layers", split.first),
+                        ("--decoder-last-pipeline-num-layers", split.last),
+                        ("--pipeline-model-parallel-layout", split.layout)):
+        if value is not None:
+            flags += [flag, str(value)]
+    flags += [flag for flag, on in (("--account-for-embedding-in-pipeline-split", split.account_for_embedding),
+                                    ("--account-for-loss-in-pipeline-split", split.account_for_loss)) if on]
+    if layout.schedule != "1f1b":
+        flags += ["--pipeline-schedule", layout.schedule]
+    if layout.cp > 1:
+        flags += ["--context-parallel-size", str(layout.cp)]
     flags += ["--micro-batch-size", str(layout.micro_batch_size), "--global-batch-size", str(workload.global_batch_size)]
     if layout.recompute == "full":
         flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
@@ -853,9 +1098,9 @@ def pretrain_flags(workload: Workload, layout: Layout) -> list[str]:
         flags.append("--use-distributed-optimizer")
     elif layout.sharding != "no_shard":
         flags += ["--data-parallel-sharding-strategy", layout.sharding]
-    if layout.dp > 1 and layout.overlap_grad_reduce:
+    if layout.shards > 1 and layout.overlap_grad_reduce:
         flags.append("--overlap-grad-reduce")
-    if layout.dp > 1 and layout.sharding != "no_shard" and layout.overlap_param_gather:
+    if layout.shards > 1 and layout.sharding != "no_shard" and layout.overlap_param_gather:
         flags.append("--overlap-param-gather")
     if workload.precision != "fp32":
         flags.append(f"--{workload.precision}")
@@ -944,9 +1189,11 @@ def workload_and_layout(config: MegaliteConfig) -> tuple[Workload, Layout]:
     """The planner's view of a parsed pretrain_gpt.py command line (arguments.parse_args)."""
     opt, par, train = config.optimizer, config.parallel, config.training
     precision = "bf16" if opt.bf16 else "fp16" if opt.fp16 else "fp32"
-    chunks = 1
-    if par.num_layers_per_virtual_pipeline_stage:
-        chunks = config.model.num_layers // (par.pipeline_model_parallel_size * par.num_layers_per_virtual_pipeline_stage)
+    split = schedule_split(SplitFlags.of(par), par.pipeline_schedule)
+    chunks = len(virtual_stage_layers(config.model.num_layers, par.pipeline_model_parallel_size, split)) \
+        // par.pipeline_model_parallel_size
+    split = dataclasses.replace(split, layers_per_virtual_stage=None,          # (the layout's vpp says it)
+                                virtual_stages_per_rank=None)
     # arguments.py has padded the vocabulary for this TP size already: keep it as it is (pad to 1)
     model = dataclasses.replace(config.model, vocab_size=config.model.padded_vocab_size)
     workload = Workload(model, train.global_batch_size, precision, make_vocab_size_divisible_by=1)
@@ -954,6 +1201,8 @@ def workload_and_layout(config: MegaliteConfig) -> tuple[Workload, Layout]:
     layout = Layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, dp, chunks,
                     train.micro_batch_size, config.model.recompute_granularity or "none", sharding,
                     sequence_parallel=par.sequence_parallel or par.tensor_model_parallel_size == 1,   # (moot at TP=1)
-                    overlap_grad_reduce=par.overlap_grad_reduce or dp == 1,                         # (moot at DP=1)
-                    overlap_param_gather=par.overlap_param_gather or dp == 1 or sharding == "no_shard")
+                    overlap_grad_reduce=par.overlap_grad_reduce or dp * par.context_parallel_size == 1,  # (moot)
+                    overlap_param_gather=par.overlap_param_gather or dp * par.context_parallel_size == 1
+                    or sharding == "no_shard",
+                    cp=par.context_parallel_size, schedule=par.pipeline_schedule, split=split)
     return workload, layout

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from megalite.checkpoint_files import CheckpointReader, check_writable
 from megalite.checkpointing import (full_shape, has_checkpoint, load_checkpoint, param_entries, restore_rng,
                                    save_checkpoint)
+from megalite.compile import compile_layers
 from megalite.config import MegaliteConfig
 from megalite.context_parallel.ring_attention import (build_context_parallel, context_parallel_loss,
                                                       slice_for_context_parallel)
@@ -31,8 +32,9 @@ from megalite.data.builder import build_train_valid_test_datasets
 from megalite.data.samplers import MegatronPretrainingSampler
 from megalite.data.tokenizers import build_tokenizer
 from megalite.distributed.ddp import DistributedDataParallel
+from megalite.distributed.fsdp2 import FullyShardedDataParallel
 from megalite.distributed.grad_buffer import ParamAndGradBuffer
-from megalite.initialize import initialize_distributed, set_seed
+from megalite.initialize import initialize_distributed, set_matmul_precision, set_seed
 from megalite.logging import (MetricsSinks, Timers, flops_per_iteration, format_timers, format_training_line,
                               format_validation_lines)
 from megalite.model.gpt import DTYPES, GPTModel
@@ -43,12 +45,13 @@ from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.optimizer.mixed_precision import MixedPrecisionAdamW
 from megalite.performance import Throughput, memory_usage, peak_flops_per_device
 from megalite.parallel_state import ParallelState
-from megalite.pipeline_parallel.p2p import PipelineComm
+from megalite.pipeline_parallel.p2p import PipelineComm, separate_gradient_group
+from megalite.pipeline_parallel.pipedream import AsyncPipeline, build_async_pipeline
 from megalite.pipeline_parallel.schedules import (PipelineRecord, forward_backward_no_pipelining, forward_only_order,
-                                                  gpipe_order, interleaved_order, one_f_one_b_order,
-                                                  run_pipeline_schedule)
-from megalite.pipeline_parallel.stages import (build_model_chunks, check_pipeline_split, chunk_forward,
-                                               sync_shared_embedding_grads)
+                                                  run_pipeline_schedule, schedule_order, stage_placement)
+from megalite.pipeline_parallel.stages import (SplitFlags, build_model_chunks, check_pipeline_split, chunk_forward,
+                                               sync_shared_embedding_grads, virtual_stage_layers)
+from megalite.pipeline_parallel.zero_bubble import check_zero_bubble, schedule_split
 from megalite.tensor_parallel.setup import build_tensor_parallel, finalize_tensor_parallel_grads
 
 
@@ -79,27 +82,37 @@ class Trainer:
     ddp: DistributedDataParallel | None = None       # data-parallel gradient sync / ZeRO sharding
     chunks: list = field(default_factory=list)      # this rank's model chunks (pipeline stages)
     pipeline: PipelineComm | None = None             # stage-to-stage exchange when pp > 1
+    async_pipeline: AsyncPipeline | None = None      # --pipeline-schedule pipedream / pipedream-2bw
     last_saved_iteration: int | None = None          # iteration of the checkpoint last saved or loaded
     checkpoint_source: dict | None = None            # metadata["source"] of the loaded checkpoint, kept on save
 
 
-def build_trainer(config: MegaliteConfig) -> Trainer:
+def build_trainer(config: MegaliteConfig, print_fn=None) -> Trainer:
     parallel, device = initialize_distributed(config.parallel, config.training.distributed_timeout_minutes)
+    set_matmul_precision(config.training.tf32, device)
     set_seed(config.training.seed)
     tp = build_tensor_parallel(parallel, config.parallel.sequence_parallel, config.training.seed, device,
                                config.model.num_query_groups)
     cp = build_context_parallel(parallel)
+    check_zero_bubble(config.parallel, config.model, parallel.dp_size)
+    split = schedule_split(SplitFlags.of(config.parallel), config.parallel.pipeline_schedule)   # zbv: two chunks
     num_chunks = check_pipeline_split(config.model.num_layers, parallel.pp_size,
-                                      config.parallel.num_layers_per_virtual_pipeline_stage, config.num_microbatches)
+                                      config.parallel.num_layers_per_virtual_pipeline_stage, config.num_microbatches,
+                                      split)
     # sharded start-up: the chunks are built without storage; the data-parallel buffer materialises only
     # this rank's elements (its TP shard, or its ZeRO-3 chunk of it) directly on the device
     chunks = build_model_chunks(config.model, config.training.seed, tp, parallel.pp_rank, parallel.pp_size,
-                                num_chunks, cp, meta=True)
+                                num_chunks, cp, meta=True,
+                                stage_layers=virtual_stage_layers(config.model.num_layers, parallel.pp_size, split),
+                                placement=stage_placement(config.parallel.pipeline_schedule))
     model = chunks[0]
-    ddp = DistributedDataParallel(chunks if len(chunks) > 1 or parallel.pp_size > 1 else model, config.parallel,
-                                  parallel, config.num_microbatches, device=device)
-    for chunk in chunks:
+    data_parallel = FullyShardedDataParallel if config.parallel.use_torch_fsdp2 else DistributedDataParallel
+    ddp = data_parallel(chunks if len(chunks) > 1 or parallel.pp_size > 1 else model, config.parallel,
+                        parallel, config.num_microbatches, device=device)
+    for chunk in chunks if not config.parallel.use_torch_fsdp2 else []:   # FSDP2 placed its own (fsdp2.py)
         chunk.to(device)                      # the remaining buffers (rotary tables); parameters are there
+    # after the data-parallel wrapper: its hooks stay on the modules, only each layer's forward is compiled
+    compile_layers(chunks, config, device, (print_fn or print_line) if parallel.is_logging_rank else (lambda *_: None))
     optimizer = build_optimizer(ddp, config.optimizer, parallel)   # global norm over TP/PP (and DP shards)
     scheduler = LRScheduler(config.optimizer, config.training.train_iters)
     comm = None
@@ -108,8 +121,12 @@ def build_trainer(config: MegaliteConfig) -> Trainer:
         comm = PipelineComm(parallel.group("pp"), parallel.pp_rank, parallel.pp_size,
                             (seq, config.training.micro_batch_size, config.model.hidden_size),
                             DTYPES[config.model.params_dtype], device)
+        if config.parallel.pipeline_schedule == "zbv":      # activations and gradients cross (p2p.py)
+            comm.gradient_group = separate_gradient_group(parallel)
+    async_pipeline = build_async_pipeline(config, parallel, ddp, comm, chunk_forward(chunks, device))
     return Trainer(config, parallel, device, model, ddp.buffer, optimizer, scheduler,
-                   Timers(config.training.timing_log_level), ddp=ddp, chunks=chunks, pipeline=comm)
+                   Timers(config.training.timing_log_level, device), ddp=ddp, chunks=chunks, pipeline=comm,
+                   async_pipeline=async_pipeline)
 
 
 # ---- data ----------------------------------------------------------------------------------------
@@ -206,11 +223,16 @@ def train_step(trainer: Trainer, data_iterator) -> tuple[float, object]:
     timeout = t.distributed_timeout_minutes
     trainer.timers.start("forward-backward", level=1)
     with collective_phase("forward-backward (tensor/context-parallel collectives, pipeline send/receive)", timeout):
-        batches, weights = next_batches(trainer, data_iterator, num_microbatches)
-        if trainer.pipeline is None:
+        if trainer.async_pipeline is not None:     # reads ahead: its forwards run into the next batch
+            losses = trainer.async_pipeline.forward_backward(
+                trainer.state.iteration, lambda: next_batches(trainer, data_iterator, num_microbatches),
+                optimizer.loss_scale)
+        elif trainer.pipeline is None:
+            batches, weights = next_batches(trainer, data_iterator, num_microbatches)
             losses = forward_backward_no_pipelining(make_loss_fn(model, trainer.device, weights), iter(batches),
                                                     num_microbatches, optimizer.loss_scale)
         else:
+            batches, weights = next_batches(trainer, data_iterator, num_microbatches)
             losses = forward_backward_pipelined(trainer, batches, optimizer.loss_scale, weights=weights)
     trainer.timers.stop("forward-backward")
     if t.empty_unused_memory_level >= 1:
@@ -224,7 +246,11 @@ def train_step(trainer: Trainer, data_iterator) -> tuple[float, object]:
         finalize_tensor_parallel_grads(trainer.buffer.params, trainer.model.tp, trainer.ddp)
         sync_shared_embedding_grads(trainer.chunks, trainer.parallel, trainer.ddp)
         trainer.timers.start("optimizer", level=1)
+        if trainer.async_pipeline is not None:
+            trainer.async_pipeline.before_update()     # the newest weight version is the one updated
         result = optimizer.step(trainer.scheduler.lr, trainer.scheduler.decoupled_lr)
+        if trainer.async_pipeline is not None:
+            trainer.async_pipeline.after_update(trainer.state.iteration)
         trainer.timers.stop("optimizer")
         if result.update_successful:
             advance_lr_schedule(trainer, batch_size)
@@ -258,16 +284,12 @@ def mean_loss(losses: list[float]) -> float:
 
 def forward_backward_pipelined(trainer: Trainer, batches: list, loss_scale: float, forward_only: bool = False,
                                record: PipelineRecord | None = None, weights: dict | None = None) -> list[float]:
-    """One global batch (``batches``, its micro-batches) through this rank's stages with 1F1B, interleaved
-    1F1B or GPipe; ``weights`` scale each micro-batch's loss (see per_token_loss_weights)."""
+    """One global batch (``batches``, its micro-batches) through this rank's stages with a synchronous
+    schedule (1F1B, interleaved 1F1B, GPipe, ZB-H1, ZB-V); ``weights`` scale each micro-batch's loss (see
+    per_token_loss_weights)."""
     cfg, comm = trainer.config, trainer.pipeline
     chunks = len(trainer.chunks)
-    if chunks > 1:
-        order = interleaved_order(comm.size, comm.rank, len(batches), chunks)
-    elif cfg.parallel.pipeline_schedule == "gpipe":
-        order = gpipe_order(comm.size, comm.rank, len(batches))
-    else:
-        order = one_f_one_b_order(comm.size, comm.rank, len(batches))
+    order = schedule_order(cfg.parallel.pipeline_schedule, comm.size, comm.rank, len(batches), chunks)
     if forward_only:
         order = forward_only_order(order)
     record = record or PipelineRecord(comm.rank)
@@ -278,7 +300,8 @@ def forward_backward_pipelined(trainer: Trainer, batches: list, loss_scale: floa
         def forward(chunk, x, batch, is_last_stage):
             out = unweighted(chunk, x, batch, is_last_stage)
             return out * weights[id(batch)] if is_last_stage else out
-    losses = run_pipeline_schedule(order, forward, batches, comm, chunks, loss_scale, forward_only, record)
+    losses = run_pipeline_schedule(order, forward, batches, comm, chunks, loss_scale, forward_only, record,
+                                   placement=stage_placement(cfg.parallel.pipeline_schedule))
     trainer.timers.add("pipeline-receive-wait", record.wait_seconds, level=2)
     return losses
 
@@ -326,7 +349,7 @@ def print_line(text: str) -> None:
 def pretrain(config: MegaliteConfig, print_fn=print_line) -> TrainState:
     if config.training.save:
         check_writable(config.training.save)
-    trainer = build_trainer(config)
+    trainer = build_trainer(config, print_fn)
     log = print_fn if trainer.parallel.is_logging_rank else (lambda *_: None)
     tokenizer = build_tokenizer(config.data)
     rng = load_at_start(trainer, log)

@@ -267,8 +267,50 @@ def test_pipeline_in_flight_micro_batches_and_bubble():
     for layout in (one_f_one_b, interleaved, planning.Layout(pp=8, vpp=4)):
         time = planning.step_time(workload, layout, hardware)
         m = layout.num_microbatches(workload.global_batch_size)
-        assert time.bubble / time.compute == pytest.approx((layout.pp - 1) / (layout.vpp * m))
+        # the bubble is a share of the slowest stage's busy time, the last (output layer and loss)
+        assert time.bubble / (time.compute + time.imbalance) == pytest.approx((layout.pp - 1) / (layout.vpp * m))
     assert planning.step_time(workload, planning.Layout(tp=8), hardware).bubble == 0
+
+
+def test_uneven_splits_schedules_and_context_parallelism():
+    """Llama-3.1 405B's 126 layers: the parameters per rank follow each rank's real layers; the slowest
+    stage (the last: output layer and loss) sets the step, so counting the embedding and the loss as layers
+    shrinks the imbalance; ZB-H1 keeps a third of 1F1B's bubble at its memory; PipeDream stashes weight
+    versions; context parallelism halves the activations per rank."""
+    model = planning.model_from_flags(126, 16384, 128, 128256, 8192, ffn_hidden_size=53248, num_query_groups=8,
+                                      swiglu=True, position_embedding_type="rope", normalization="RMSNorm",
+                                      add_bias_linear=False, untie_embeddings_and_output_weights=True,
+                                      hidden_dropout=0.0, attention_dropout=0.0)
+    workload, hardware = planning.Workload(model, 256), planning.Hardware(1024, 80)
+    both = planning.SplitFlags(account_for_embedding=True, account_for_loss=True)
+    first_last = planning.SplitFlags(first=6, last=6)                  # 6 + 14 x 8 + 6 (still 126)
+    balanced = planning.Layout(tp=8, pp=16, dp=8, split=both, sharding="optim")
+    heavy_last = planning.Layout(tp=8, pp=16, dp=8, split=planning.SplitFlags(first=6, last=8), sharding="optim")
+    assert planning.stage_layers(balanced, 126) == [7] + [8] * 14 + [7]
+    layer = planning.layer_parameters(model, 8)
+    assert planning.stage_parameters(workload, balanced, 0).layers == 7 * layer
+    assert planning.stage_parameters(workload, balanced, 5).layers == 8 * layer
+    assert planning.stage_layers(heavy_last, 126) == [6] + [8] * 14 + [8]
+    t_balanced, t_heavy = (planning.step_time(workload, lay, hardware) for lay in (balanced, heavy_last))
+    assert 0 < t_balanced.imbalance < t_heavy.imbalance and t_balanced.total < t_heavy.total
+    assert planning.layout_problem(workload, dataclasses.replace(balanced, split=first_last), 8) is not None  # 114/14
+    # zero bubble: a third of 1F1B's bubble, 1F1B's activations
+    zb = dataclasses.replace(balanced, schedule="zb-h1")
+    assert planning.step_time(workload, zb, hardware).bubble == pytest.approx(t_balanced.bubble / 3)
+    assert planning.estimate_memory(workload, zb).activations == planning.estimate_memory(workload, balanced).activations
+    # PipeDream: ceil((p - 1 - rank) / m) older versions, p - 1 on the first stage at m = 1; 2BW one
+    one = planning.Workload(model, 8)
+    for schedule, first_stage in (("pipedream", 15), ("pipedream-2bw", 1)):
+        lay = dataclasses.replace(balanced, schedule=schedule)
+        assert planning.weight_versions(lay, 0, lay.num_microbatches(one.global_batch_size)) == first_stage
+        assert planning.rank_memory(one, lay, 0).weights == pytest.approx(
+            (1 + first_stage) * planning.rank_memory(one, balanced, 0).weights)
+    # context parallelism: half the tokens per rank, the same parameters, gradients reduced over dp x cp
+    cp2 = planning.Layout(tp=8, pp=16, dp=4, cp=2, split=both, sharding="optim")
+    assert planning.layer_activation_bytes(workload, cp2, planning.GPU_KERNELS) == pytest.approx(
+        planning.layer_activation_bytes(workload, balanced, planning.GPU_KERNELS) / 2)
+    assert cp2.num_gpus == 1024 and cp2.shards == 8
+    assert planning.rank_memory(workload, cp2, 5).optimizer == planning.rank_memory(workload, balanced, 5).optimizer
 
 
 def test_activations_follow_korthikanti_where_the_implementation_agrees():

@@ -91,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-granularity", choices=["none", "selective", "full"])
     g.add_argument("--data-parallel-sharding-strategy", choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
     g.add_argument("--use-distributed-optimizer", action="store_true", help="= --data-parallel-sharding-strategy optim")
+    g.add_argument("--context-parallel-size", type=_positive_int, help="default 1 (context parallelism is not searched)")
+    g.add_argument("--pipeline-schedule", choices=planning.SCHEDULES, help="default 1f1b (interleaved with virtual stages)")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=_positive_int)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=_positive_int)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=_positive_int)
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
+    g.add_argument("--pipeline-model-parallel-layout", help="Megatron's layout string (pins --pipeline-model-parallel-size "
+                                                            "too: give it)")
     g.add_argument("--top", type=_positive_int, default=5, help="how many layouts to print (default 5)")
     return p
 
@@ -141,9 +150,18 @@ def inputs(args):
     if args.use_distributed_optimizer and args.data_parallel_sharding_strategy not in (None, "optim"):
         raise UserError(f"--use-distributed-optimizer is --data-parallel-sharding-strategy optim, not "
                         f"{args.data_parallel_sharding_strategy}; drop one of them")
+    split = planning.SplitFlags.of(args)
+    split = dataclasses.replace(split, layers_per_virtual_stage=None, virtual_stages_per_rank=None)
+    pinned_split = split != planning.SplitFlags()
+    if pinned_split and args.pipeline_model_parallel_size is None:
+        raise UserError(f"{split.given()[0]} needs --pipeline-model-parallel-size: the split is for one pipeline size")
+    if pinned_split and args.num_layers_per_virtual_pipeline_stage is not None:
+        raise UserError("with an uneven split give the virtual stages as --num-virtual-stages-per-pipeline-rank")
     pins = planning.Pins(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                          args.num_layers_per_virtual_pipeline_stage, args.micro_batch_size, args.recompute_granularity,
-                         "optim" if args.use_distributed_optimizer else args.data_parallel_sharding_strategy)
+                         "optim" if args.use_distributed_optimizer else args.data_parallel_sharding_strategy,
+                         args.context_parallel_size, args.pipeline_schedule, args.num_virtual_stages_per_pipeline_rank,
+                         split if pinned_split else None)
     return workload, hardware, pins
 
 
@@ -160,19 +178,22 @@ def describe_model(workload) -> str:
 
 def format_table(estimates, workload, hardware) -> list[str]:
     GiB = planning.GiB
-    header = (f"{'#':>3} {'TP':>3} {'PP':>3} {'VPP':>3} {'DP':>4} {'MBS':>3} {'m':>4}  {'recompute':9}  {'sharding':18} "
+    header = (f"{'#':>3} {'TP':>3} {'CP':>3} {'PP':>3} {'VPP':>3} {'DP':>4} {'MBS':>3} {'m':>4}  {'schedule':13} "
+              f"{'split':17} {'recompute':9}  {'sharding':18} "
               f"{'weights':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'total':>6} GB  {'step s':>7} {'MFU':>4} "
-              f"{'bubble':>6} {'comm s':>6}")
+              f"{'bubble':>6} {'imbal':>6} {'comm s':>6}")
     lines = [header]
     for i, e in enumerate(estimates, 1):
         lay, mem, t = e.layout, e.memory, e.time
         m = lay.num_microbatches(workload.global_batch_size)
-        comm = t.tensor_parallel + t.pipeline_parallel + t.data_parallel
+        comm = t.tensor_parallel + t.context_parallel + t.pipeline_parallel + t.data_parallel
         lines.append(
-            f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.vpp if lay.vpp > 1 else '-':>3} {lay.dp:>4} {lay.micro_batch_size:>3} "
-            f"{m:>4}  {lay.recompute:9}  {lay.sharding:18} {mem.weights / GiB:7.1f} {mem.grads / GiB:6.1f} "
+            f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.vpp if lay.vpp > 1 else '-':>3} {lay.dp:>4} "
+            f"{lay.micro_batch_size:>3} {m:>4}  {lay.schedule:13} {planning.split_name(lay.split)[:17]:17} "
+            f"{lay.recompute:9}  {lay.sharding:18} {mem.weights / GiB:7.1f} {mem.grads / GiB:6.1f} "
             f"{mem.optimizer / GiB:6.1f} {mem.activations / GiB:6.1f} {mem.total / GiB:6.1f}     {t.total:7.2f} "
-            f"{100 * e.mfu(workload, hardware):3.0f}% {100 * t.bubble / t.total:5.1f}% {comm:6.2f}")
+            f"{100 * e.mfu(workload, hardware):3.0f}% {100 * t.bubble / t.total:5.1f}% "
+            f"{100 * t.imbalance / t.total:5.1f}% {comm:6.2f}")
     return lines
 
 

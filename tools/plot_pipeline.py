@@ -5,10 +5,17 @@ Runs one training step of a small Llama-style model through megalite's real sche
 --pp gloo ranks (each holding its stages), records every forward/backward with start and end times,
 and writes a PNG. It also prints the measured bubble share (idle time / wall time of the step,
 averaged over ranks) next to theory (REFERENCE §6): (p-1)/(m+p-1) for GPipe and 1F1B,
-(p-1)/(v*m+p-1) interleaved.
+(p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) for ZB-H1 (Qi et al. 2024, equal F/B/W times); ZB-V's is
+about zero under the same assumption (its warm-up only). The asynchronous schedules (pipedream,
+pipedream-2bw) never flush: their step is drawn in the steady state (the second of three steps, the first
+having filled the pipeline), where theory has no bubble; each micro-batch is numbered over the run.
 
     python tools/plot_pipeline.py --pp 2 --microbatches 8 --output runs/pipeline_1f1b.png
     python tools/plot_pipeline.py --pp 2 --vpp 2 --microbatches 8 --output runs/pipeline_interleaved.png
+    python tools/plot_pipeline.py --schedule zb-h1 --output runs/pipeline_zb_h1.png
+    python tools/plot_pipeline.py --schedule zbv --output runs/pipeline_zbv.png      # two chunks per rank
+    python tools/plot_pipeline.py --schedule pipedream --output runs/pipeline_pipedream.png
+    python tools/plot_pipeline.py --schedule pipedream-2bw --output runs/pipeline_pipedream_2bw.png
 
 Ranks share this machine's cores: keep --pp at or below the core count for honest timings.
 """
@@ -19,12 +26,51 @@ import os
 import socket
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megalite.pipeline_parallel.pipedream import ASYNC_SCHEDULES, AsyncPipeline  # noqa: E402
+from megalite.pipeline_parallel.schedules import SYNCHRONOUS_SCHEDULES, PipelineRecord  # noqa: E402
 
-def theoretical_bubble_share(pp: int, microbatches: int, vpp: int = 1) -> float:
+SCHEDULES = SYNCHRONOUS_SCHEDULES + ASYNC_SCHEDULES
+ASYNC_STEPS = 3                 # the asynchronous schedules' run: fill the pipeline, record, drain
+
+
+class RecordedAsyncPipeline(AsyncPipeline):
+    """AsyncPipeline with each forward and backward recorded (it takes no record= argument): an action's
+    time spent waiting in a receive counts as idle, as the synchronous executor records it."""
+    record: PipelineRecord | None = None
+    _waited = 0.0
+
+    def _receive(self, src: int, tag: int):
+        start = time.perf_counter()
+        received = super()._receive(src, tag)
+        self._waited += time.perf_counter() - start
+        return received
+
+    def _timed(self, kind: str, j: int, action, *args) -> None:
+        self._waited, start = 0.0, time.perf_counter()
+        action(j, *args)
+        if self.record is not None:
+            self.record.wait_seconds += self._waited
+            self.record.add(kind, 0, j, start + self._waited, time.perf_counter())
+
+    def _forward(self, j: int, loss_scale: float) -> None:
+        self._timed("F", j, super()._forward, loss_scale)
+
+    def _backward(self, j: int) -> None:
+        self._timed("B", j, super()._backward)
+
+
+def theoretical_bubble_share(pp: int, microbatches: int, vpp: int = 1, schedule: str = "1f1b") -> float:
+    if schedule in ASYNC_SCHEDULES:          # no flush: the steady state keeps every stage busy
+        return 0.0
+    if schedule == "zb-h1":
+        return (pp - 1) / (3 * microbatches + pp - 1)
+    if schedule == "zbv":
+        return 0.0
     return (pp - 1) / (vpp * microbatches + pp - 1)
 
 
@@ -57,8 +103,9 @@ def run_one_step(rank: int, world: int, opts: dict):
     from megalite.distributed.grad_buffer import ParamAndGradBuffer
     from megalite.parallel_state import ParallelState
     from megalite.pipeline_parallel.p2p import PipelineComm
-    from megalite.pipeline_parallel.schedules import (PipelineRecord, gpipe_order, interleaved_order,
-                                                      one_f_one_b_order, run_pipeline_schedule)
+    from megalite.pipeline_parallel.p2p import separate_gradient_group
+    from megalite.pipeline_parallel.schedules import (PipelineRecord, run_pipeline_schedule, schedule_order,
+                                                      stage_placement)
     from megalite.pipeline_parallel.stages import build_model_chunks, chunk_forward
     from megalite.tensor_parallel.setup import build_tensor_parallel
     pp, vpp, m = opts["pp"], opts["vpp"], opts["microbatches"]
@@ -73,25 +120,47 @@ def run_one_step(rank: int, world: int, opts: dict):
     state = ParallelState.build(world, rank, pp=pp)
     device = torch.device("cpu")
     tp = build_tensor_parallel(state, False, 1, device, cfg.num_query_groups)
-    chunks = build_model_chunks(cfg, 1, tp, state.pp_rank, pp, vpp)
-    ParamAndGradBuffer([(f"{i}.{n}", p) for i, c in enumerate(chunks) for n, p in c.named_parameters()])
+    placement = stage_placement(opts["schedule"])
+    chunks = build_model_chunks(cfg, 1, tp, state.pp_rank, pp, vpp, placement=placement)
+    buffer = ParamAndGradBuffer([(f"{i}.{n}", p) for i, c in enumerate(chunks) for n, p in c.named_parameters()])
     comm = PipelineComm(state.group("pp"), state.pp_rank, pp, (opts["seq"], opts["mbs"], opts["hidden"]),
                         torch.float32, device)
+    if opts["schedule"] == "zbv":
+        comm.gradient_group = separate_gradient_group(state)
     g = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(m):
         x = torch.randint(0, 1000, (opts["mbs"], opts["seq"] + 1), generator=g)
         batches.append({"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": torch.ones(opts["mbs"], opts["seq"]),
                         "position_ids": torch.arange(opts["seq"]).expand(opts["mbs"], opts["seq"])})
-    if vpp > 1:
-        order = interleaved_order(pp, state.pp_rank, m, vpp)
-    else:
-        order = (gpipe_order if opts["schedule"] == "gpipe" else one_f_one_b_order)(pp, state.pp_rank, m)
     forward = chunk_forward(chunks, device)
-    run_pipeline_schedule(order, forward, batches, comm, vpp)                     # warm-up step
+    if opts["schedule"] in ASYNC_SCHEDULES:
+        return run_async_steps(opts["schedule"], buffer, comm, state, m, batches, forward)
+    order = schedule_order(opts["schedule"], pp, state.pp_rank, m, vpp)
+    run_pipeline_schedule(order, forward, batches, comm, vpp, placement=placement)      # warm-up step
     torch.distributed.barrier()
     record = PipelineRecord(rank)
-    run_pipeline_schedule(order, forward, batches, comm, vpp, record=record)
+    run_pipeline_schedule(order, forward, batches, comm, vpp, record=record, placement=placement)
+    return record
+
+
+def run_async_steps(schedule: str, buffer, comm, state, m: int, batches: list, forward):
+    """ASYNC_STEPS training steps (plain SGD on the flat buffer) under pipedream / pipedream-2bw; returns
+    the PipelineRecord of the middle one, a step in the steady state."""
+    import torch
+    import torch.distributed
+    runner = RecordedAsyncPipeline(schedule, buffer.param_data, comm, state.pp_size, state.pp_rank, m,
+                                   ASYNC_STEPS, forward)
+    record = PipelineRecord(state.pp_rank)
+    for step in range(ASYNC_STEPS):
+        torch.distributed.barrier()
+        runner.record = record if step == 1 else None
+        runner.forward_backward(step, lambda: (batches, None))
+        runner.before_update()
+        with torch.no_grad():
+            buffer.param_data.add_(buffer.grad_data, alpha=-1e-4)
+        runner.after_update(step)
+        buffer.zero_grad()
     return record
 
 
@@ -116,7 +185,7 @@ def draw(records: list, path: str, title: str) -> None:
     import matplotlib.pyplot as plt
     start = min(e[3] for r in records for e in r.events)
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(records) + 1.2))
-    colours = {"F": "#4c72b0", "B": "#dd8452"}
+    colours = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
     for r in records:
         for kind, chunk, mb, t0, t1 in r.events:
             ax.barh(r.rank, (t1 - t0) * 1000, left=(t0 - start) * 1000, color=colours[kind],
@@ -125,7 +194,8 @@ def draw(records: list, path: str, title: str) -> None:
                     ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks([r.rank for r in records], [f"rank {r.rank}" for r in records])
     ax.invert_yaxis()
-    ax.set_xlabel("ms (blue: forward, orange: backward; ' = second model chunk)")
+    ax.set_xlabel("ms (blue: forward, orange: backward (input gradient with W), green: weight gradient W; "
+                  "' = second model chunk)")
     ax.set_title(title)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -138,15 +208,22 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--vpp", type=int, default=1, help="model chunks per rank (interleaved when > 1)")
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                        help="zbv always runs two chunks per rank")
     parser.add_argument("--output", default="runs/pipeline_timeline.png")
     args = parser.parse_args()
+    if args.schedule == "zbv":
+        args.vpp = 2
+    elif args.schedule != "1f1b" and args.vpp > 1:
+        parser.error(f"--vpp > 1 is the interleaved 1F1B schedule; drop it for --schedule {args.schedule}")
+    if args.schedule == "pipedream-2bw" and args.microbatches < args.pp - 1:
+        parser.error(f"--schedule pipedream-2bw needs --microbatches >= --pp - 1 = {args.pp - 1}")
     if args.vpp > 1 and args.microbatches % args.pp:
         parser.error("--microbatches must be a multiple of --pp for the interleaved schedule")
     records = record_schedule(args.pp, args.microbatches, args.vpp, args.schedule)
-    name = "interleaved 1F1B" if args.vpp > 1 else args.schedule.upper()
+    name = "interleaved 1F1B" if args.vpp > 1 and args.schedule == "1f1b" else args.schedule.upper()
     measured = measured_bubble_share(records)
-    theory = theoretical_bubble_share(args.pp, args.microbatches, args.vpp)
+    theory = theoretical_bubble_share(args.pp, args.microbatches, args.vpp, args.schedule)
     draw(records, args.output, f"{name}: pp={args.pp}, vpp={args.vpp}, m={args.microbatches}; "
                                f"bubble {100 * measured:.0f}% (theory {100 * theory:.0f}%)")
     print(f"{name} pp={args.pp} vpp={args.vpp} m={args.microbatches}: measured bubble share {100 * measured:.1f}% "

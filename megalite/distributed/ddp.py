@@ -65,7 +65,8 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # bucket, and gloo copies every all-gather / reduce-scatter through a temporary of the bucket's size:
 # unbounded, a whole backward's gradients (or all parameters after the step) would be alive at once,
 # the memory the sharding exists to save. Full-buffer collectives (no staging): two in flight. ZeRO-2/3
-# reductions: one, overlapping the backward that fills the next bucket's staging.
+# reductions: one, overlapping the backward that fills the next bucket's staging, and none once the
+# backward pass has ended (the next micro-batch's forward starts with no staging alive, as in FSDP2).
 MAX_IN_FLIGHT = 2
 MAX_REDUCTIONS_IN_FLIGHT = 1
 
@@ -150,7 +151,8 @@ class GradReduction:
 
     accumulate (allocates the full-size staging) -> start (reduce-scatter, asynchronous with overlap)
     -> finish (wait, add the reduced chunk into this rank's gradient shard, free staging and output).
-    A bucket's next micro-batch reuses the staging only after its previous reduction finished."""
+    A bucket's next micro-batch reuses the staging only after its previous reduction finished, and
+    every reduction of a backward pass is finished when that pass ends, so no staging outlives it."""
 
     def __init__(self, bucket: Bucket, shard_chunk: torch.Tensor, comm: Comm):
         self.bucket, self.shard_chunk, self.comm = bucket, shard_chunk, comm
@@ -274,6 +276,7 @@ class DistributedDataParallel:
         self._reductions = {b.index: GradReduction(b, self.buffer.local_grad_chunk(b), self.comm)
                             for b in self.buckets} if self.shard_grads else {}
         self._in_flight: deque[GradReduction] = deque()
+        self._end_of_backward_queued = False
         self._window: deque = deque()                    # other asynchronous bucket collectives, oldest first
         self._grad_work: dict[int, object] = {}
         self._comm_copies: dict[int, tuple] = {}    # bf16 copies of full-buffer buckets in flight
@@ -358,6 +361,7 @@ class DistributedDataParallel:
             param.grad = None
             if complete:
                 self._start_reduction(reduction)
+            self._finish_reductions_when_backward_ends()
             return
         n = self._arrivals[id(param)] = self._arrivals.get(id(param), 0) + 1
         if n == self.num_microbatches:
@@ -368,6 +372,19 @@ class DistributedDataParallel:
             raise RuntimeError(
                 f"{self._name_of[id(param)]}: gradient number {n} arrived after its bucket's reduction started "
                 f"(expected {self.num_microbatches} backward passes per step); call zero_grad() every step")
+
+    def _finish_reductions_when_backward_ends(self) -> None:
+        """ZeRO-2/3: complete the reductions still in flight once this backward pass ends (as FSDP2 does).
+        Otherwise the last bucket's staging, reduced output and gloo temporary (the embedding's: the
+        largest) would stay alive through the next micro-batch's forward."""
+        if not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._end_of_backward_queued = False
+        while self._in_flight:
+            self._in_flight.popleft().finish()
 
     def _start_reduction(self, reduction: GradReduction) -> None:
         """ZeRO-2/3: reduce-scatter a complete bucket, first finishing the oldest ones in flight."""

@@ -236,13 +236,17 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if torch.is_grad_enabled() and not _same_storage(q, qkv):
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling() and not _same_storage(q, qkv):
             # q (and with RoPE k) are new tensors: a k or v that is still a view would keep the whole
-            # QKV output alive for backward, queries included
+            # QKV output alive for backward, queries included (compiled, the partitioner picks what is saved)
             k, v = (t.contiguous() if _same_storage(t, qkv) else t for t in (k, v))
         if kv_cache is not None:
             k, v = kv_cache.update(layer_number, k, v)
-        if self.selective_recompute and self.training:
+        if self.selective_recompute and self.training and torch.compiler.is_compiling():
+            # traced as a recomputed region of the compiled graph; no RNG stream to replay (--compile runs
+            # selective recomputation with attention dropout eager: megalite/compile.py)
+            out = torch.utils.checkpoint.checkpoint(self.core_attention, q, k, v, use_reentrant=False)
+        elif self.selective_recompute and self.training:
             out = checkpoint(self.core_attention, q, k, v, tracker=self.tp.rng)
         else:
             out = self.core_attention(q, k, v)
@@ -379,7 +383,10 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(config, dtype, tp)
 
     def forward(self, x: torch.Tensor, rotary=None, kv_cache: KVCache | None = None) -> torch.Tensor:
-        attn = self.self_attention(self.input_layernorm(x), rotary, kv_cache, self.layer_number)
+        # the layer number only keys the KV cache; not read without one, so torch.compile does not
+        # specialise (and recompile) each layer on it
+        layer_number = self.layer_number if kv_cache is not None else 0
+        attn = self.self_attention(self.input_layernorm(x), rotary, kv_cache, layer_number)
         x = x + dropout(attn, self.hidden_dropout, self.training)
         mlp = self.mlp(self.pre_mlp_layernorm(x))
         return x + dropout(mlp, self.hidden_dropout, self.training)

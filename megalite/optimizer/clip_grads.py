@@ -82,16 +82,15 @@ def global_grad_norm(grads: list[torch.Tensor], segments: list[list[tuple[int, i
                      groups: list) -> float:
     """sqrt of the sum over ranks of sum(weight * grad^2): ``segments[i]`` weights ``grads[i]``;
     the per-rank sums are all-reduced over every group in ``groups``."""
-    norms, weights = [], []
+    by_weight: dict[float, list[torch.Tensor]] = {}
     for g, segs in zip(grads, segments):
         for lo, hi, w in segs:
-            norms.append(torch.linalg.vector_norm(g[lo:hi], 2.0, dtype=torch.float32))
-            weights.append(w)
-    if norms:
-        stacked = torch.stack(norms)
-        squared = (stacked.square() * torch.tensor(weights, dtype=torch.float32, device=stacked.device)).sum()
-    else:
-        squared = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+            by_weight.setdefault(w, []).append(torch.linalg.vector_norm(g[lo:hi], 2.0, dtype=torch.float32))
+    # weights as Python scalars (a handful of distinct values): a weight tensor built from a list each step
+    # would be a host-to-device copy, which on a GPU waits for the stream
+    squared = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    for w, norms in by_weight.items():
+        squared = squared + torch.stack(norms).square().sum() * w
     squared = squared.reshape(1)
     for group in groups:
         dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=group)
@@ -101,8 +100,10 @@ def global_grad_norm(grads: list[torch.Tensor], segments: list[list[tuple[int, i
 @torch.no_grad()
 def any_not_finite(grads: list[torch.Tensor], groups: list) -> bool:
     """True when any rank of ``groups`` holds an inf/NaN gradient (fp16 overflow check)."""
-    finite = all(bool(torch.isfinite(g).all()) for g in grads)
-    flag = torch.tensor([0.0 if finite else 1.0], device=grads[0].device if grads else "cpu")
+    # one flag on the device, read once (not a host read per gradient piece)
+    flag = torch.zeros(1, device=grads[0].device if grads else "cpu")
+    for g in grads:
+        flag = torch.maximum(flag, (~torch.isfinite(g)).any().float().reshape(1))
     for group in groups:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item() > 0)

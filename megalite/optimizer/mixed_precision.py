@@ -89,7 +89,9 @@ class MixedPrecisionAdamW:
                                       betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                                       weight_decay=0.0, **_fastest_adam_impl(self.master_pieces[0]))
         _init_adam_state(self.adam)
-        self.loss_scaler = _build_loss_scaler(config) if buffer.param_dtype == torch.float16 else None
+        # fp16 compute needs loss scaling; FSDP2's shards are fp32 while forward/backward run in fp16
+        compute_dtype = getattr(buffer, "compute_dtype", buffer.param_dtype)
+        self.loss_scaler = _build_loss_scaler(config) if compute_dtype == torch.float16 else None
 
     # ---- what this optimizer updates -------------------------------------------------------------
     def _pieces(self) -> list[Piece]:

@@ -13,6 +13,9 @@ from typing import Callable, Iterator
 
 import torch
 
+from megalite.pipeline_parallel.p2p import ACTIVATION_TAG, GRADIENT_TAG
+from megalite.pipeline_parallel.zero_bubble import backward_input, backward_weight
+
 
 def forward_backward_no_pipelining(loss_fn: Callable, data_iterator: Iterator, num_microbatches: int,
                                    loss_scale: float = 1.0, forward_only: bool = False) -> list[float]:
@@ -31,14 +34,16 @@ def forward_backward_no_pipelining(loss_fn: Callable, data_iterator: Iterator, n
 
 
 # ---- pipeline schedules ------------------------------------------------------------------------
-# A schedule is, per pipeline rank, an ordered list of actions: F(chunk, micro-batch) or B(chunk,
-# micro-batch). One executor runs any of them: it receives what an action needs from the previous
-# (forward) or next (backward) virtual stage, computes, and sends the result on. Virtual stage
-# v = chunk * pp + rank; the first virtual stage embeds, the last computes the loss.
+# A schedule is, per pipeline rank, an ordered list of actions: F(chunk, micro-batch), B(chunk,
+# micro-batch) and, for the zero-bubble schedules, W(chunk, micro-batch) (then B is the input gradient
+# only). One executor runs any of them: it receives what an action needs from the previous (forward)
+# or next (backward) virtual stage, computes, and sends the result on. Virtual stage v = chunk * pp +
+# rank (interleaved placement) or the V placement of zbv; the first virtual stage embeds, the last
+# computes the loss.
 
 @dataclass(frozen=True)
 class Action:
-    kind: str          # "F" or "B"
+    kind: str          # "F", "B" or "W"
     chunk: int
     microbatch: int
 
@@ -81,11 +86,106 @@ def interleaved_order(pp: int, rank: int, num_microbatches: int, chunks: int) ->
     return order
 
 
+def zero_bubble_h1_order(pp: int, rank: int, num_microbatches: int) -> list[Action]:
+    """ZB-H1 (Qi et al. 2024): 1F1B whose backwards compute only the input gradient (B), each weight
+    gradient (W) following ``rank`` backwards later, so the W's fill the idle slots at the end of the
+    pipeline (the placement of torch.distributed.pipelining's ZB1P). At most pp - rank micro-batches
+    are in flight, as in 1F1B; bubble about (p-1)/(3m+p-1) with equal F, B and W times."""
+    m = num_microbatches
+    warmup = min(pp - rank - 1, m)
+    order = [Action("F", 0, i) for i in range(warmup)]
+    weights = 0
+    for i in range(m):
+        if warmup + i < m:
+            order.append(Action("F", 0, warmup + i))
+        order.append(Action("B", 0, i))
+        if i >= rank:
+            order.append(Action("W", 0, weights))
+            weights += 1
+    order += [Action("W", 0, i) for i in range(weights, m)]
+    return order
+
+
+def zbv_order(pp: int, rank: int, num_microbatches: int) -> list[Action]:
+    """ZB-V (Qi et al. 2024, section 6): two chunks per rank placed in a V (chunk 0 is virtual stage
+    rank, chunk 1 is 2*pp - 1 - rank, see v_shape_stage), the order of torch.distributed.pipelining's
+    ScheduleZBVZeroBubble. Zero bubble when F, B and W take equal time; 1F1B's activation memory."""
+    n = max(2 * pp - 1, num_microbatches)       # built for at least 2p-1 micro-batches, the rest dropped
+    forwards, backwards, order = [0, 0], [0, 0], []
+
+    def forward(chunk: int) -> None:
+        order.append(Action("F", chunk, forwards[chunk]))
+        forwards[chunk] += 1
+
+    def backward(chunk: int, with_weight: bool = True) -> None:
+        order.append(Action("B", chunk, backwards[chunk]))
+        if with_weight:
+            order.append(Action("W", chunk, backwards[chunk]))
+        backwards[chunk] += 1
+
+    for _ in range(2 * (pp - rank) - 1):
+        forward(0)
+    for _ in range(rank):
+        forward(1)
+        forward(0)
+    for _ in range(pp - rank):
+        forward(1)
+        backward(1)
+    while forwards[1] < forwards[0] or forwards[0] < n:
+        if forwards[0] < n:
+            forward(0)
+        backward(0)
+        forward(1)
+        backward(1)
+    weights = list(backwards)
+    for _ in range(rank):
+        backward(0, with_weight=False)
+        backward(1, with_weight=False)
+    for _ in range(pp - rank):
+        backward(0, with_weight=False)
+        order.append(Action("W", 0, weights[0]))
+        weights[0] += 1
+    order += [Action("W", 1, i) for i in range(weights[1], backwards[1])]
+    order += [Action("W", 0, i) for i in range(weights[0], backwards[0])]
+    return [a for a in order if a.microbatch < num_microbatches]
+
+
+def interleaved_stage(rank: int, chunk: int, pp: int, num_chunks: int = 2) -> int:
+    """Virtual stage of a rank's chunk, interleaved placement (Megatron): chunk * pp + rank."""
+    return chunk * pp + rank
+
+
+def v_shape_stage(rank: int, chunk: int, pp: int, num_chunks: int = 2) -> int:
+    """Virtual stage of a rank's chunk, V placement (zbv): rank, then 2 * pp - 1 - rank, so rank 0 holds
+    the first and the last stage and the middle of the model turns around on the last rank."""
+    return rank if chunk == 0 else 2 * pp - 1 - rank
+
+
+SYNCHRONOUS_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zbv")
+
+
+def schedule_order(schedule: str, pp: int, rank: int, num_microbatches: int, num_chunks: int) -> list[Action]:
+    """This rank's order for a synchronous --pipeline-schedule (1f1b is interleaved with virtual stages)."""
+    if schedule == "zbv":
+        return zbv_order(pp, rank, num_microbatches)
+    if schedule == "zb-h1":
+        return zero_bubble_h1_order(pp, rank, num_microbatches)
+    if num_chunks > 1:
+        return interleaved_order(pp, rank, num_microbatches, num_chunks)
+    if schedule == "gpipe":
+        return gpipe_order(pp, rank, num_microbatches)
+    return one_f_one_b_order(pp, rank, num_microbatches)
+
+
+def stage_placement(schedule: str):
+    """The virtual-stage mapping a schedule runs with."""
+    return v_shape_stage if schedule == "zbv" else interleaved_stage
+
+
 def forward_only_order(order: list[Action]) -> list[Action]:
     return [a for a in order if a.kind == "F"]
 
 
-ACTIVATION_TAG, GRADIENT_TAG = 1, 2
 
 
 @dataclass
@@ -99,59 +199,134 @@ class PipelineRecord:
         self.events.append((kind, chunk, microbatch, start, end))
 
 
+@dataclass(frozen=True)
+class Transfer:
+    """Where an action's input comes from: ``rank`` (pipeline rank) and ``chunk`` of the neighbouring
+    virtual stage; ``rank`` is this rank when the neighbour is another chunk here (zbv's turn)."""
+    rank: int
+    chunk: int
+    tag: int
+
+
+class StageMap:
+    """The virtual-stage neighbours of this rank's chunks under a placement."""
+
+    def __init__(self, pp: int, rank: int, num_chunks: int, placement: Callable):
+        self.rank, self.pp = rank, pp
+        self.stage = [placement(rank, c, pp, num_chunks) for c in range(num_chunks)]
+        self.num_stages = pp * num_chunks
+        self.where = {placement(r, c, pp, num_chunks): (r, c) for r in range(pp) for c in range(num_chunks)}
+
+    def first(self, chunk: int) -> bool:
+        return self.stage[chunk] == 0
+
+    def last(self, chunk: int) -> bool:
+        return self.stage[chunk] == self.num_stages - 1
+
+    def source(self, action: Action) -> Transfer | None:
+        """Where a forward's activation or a backward's gradient comes from; None when it needs nothing."""
+        if action.kind == "F" and not self.first(action.chunk):
+            return Transfer(*self.where[self.stage[action.chunk] - 1], ACTIVATION_TAG)
+        if action.kind == "B" and not self.last(action.chunk):
+            return Transfer(*self.where[self.stage[action.chunk] + 1], GRADIENT_TAG)
+        return None
+
+    def destination(self, kind: str, chunk: int) -> Transfer:
+        """Where a forward's output (kind F) or a backward's input gradient (kind B) goes."""
+        v = self.stage[chunk] + (1 if kind == "F" else -1)
+        return Transfer(*self.where[v], ACTIVATION_TAG if kind == "F" else GRADIENT_TAG)
+
+
+RECEIVE_AHEAD = 1          # receiving actions whose receive is in flight beyond the current one
+
+
 def run_pipeline_schedule(order: list[Action], forward_fn: Callable, batches: list, comm, num_chunks: int,
                           loss_scale: float = 1.0, forward_only: bool = False,
-                          record: PipelineRecord | None = None) -> list[float]:
+                          record: PipelineRecord | None = None, placement: Callable = interleaved_stage
+                          ) -> list[float]:
     """Execute ``order`` on this pipeline rank; returns the micro-batch losses on the last stage.
 
     ``forward_fn(chunk, input_tensor, batch, is_last_stage)`` returns the chunk's output activation,
     or on the last virtual stage the micro-batch's mean loss. Losses are backpropagated scaled by
-    ``loss_scale / num_microbatches``.
-    """
-    pp, rank = comm.size, comm.rank
-    num_microbatches = len(batches)
-    first = lambda chunk: chunk == 0 and rank == 0                              # noqa: E731
-    last = lambda chunk: chunk == num_chunks - 1 and rank == pp - 1             # noqa: E731
-    stash: dict = {}                 # (chunk, mb) -> (input tensor, output tensor)
-    pending: list = []               # sends waiting to go out with the next receive
-    losses: list = []
+    ``loss_scale / num_microbatches``. A B action whose W also appears in ``order`` computes only the
+    input gradient; its W computes the weight gradients (zero_bubble.py). ``placement(rank, chunk, pp,
+    num_chunks)`` maps chunks to virtual stages (interleaved_stage or v_shape_stage).
 
-    def receive(src: int | None, tag: int):
-        nonlocal pending
+    Communication overlaps computation: each output is sent as soon as it exists, and the receive of
+    the next receiving action is posted before the current action computes (p2p.py).
+    """
+    stages = StageMap(comm.size, comm.rank, num_chunks, placement)
+    num_microbatches = len(batches)
+    split = {(a.chunk, a.microbatch) for a in order if a.kind == "W"} if not forward_only else set()
+    sources = [stages.source(a) if not (forward_only and a.kind != "F") else None for a in order]
+    remote = [k for k, s in enumerate(sources) if s is not None and s.rank != comm.rank]
+    posted: dict = {}                # action index -> PendingReceive
+    local: dict = {}                 # (kind, chunk, mb) -> tensor handed over between two chunks of this rank
+    stash: dict = {}                 # (chunk, mb) -> (input tensor, output tensor)
+    weight_grads: dict = {}          # (chunk, mb) -> zero_bubble.WeightGradients
+    losses: list = []
+    next_post = 0
+
+    def post_receives(k: int) -> None:
+        """Receives up to action k, and for the next RECEIVE_AHEAD receiving actions after it."""
+        nonlocal next_post
+        while next_post < len(remote) and (remote[next_post] <= k or
+                                           sum(1 for j in posted if j > k) < RECEIVE_AHEAD):
+            j = remote[next_post]
+            posted[j] = comm.post_recv(comm.global_rank(sources[j].rank), sources[j].tag)
+            next_post += 1
+
+    def take_input(k: int, action: Action):
+        source = sources[k]
+        if source is None:
+            return None
+        if source.rank == comm.rank:
+            return local.pop((action.kind, action.chunk, action.microbatch))
         start = time.perf_counter()
-        received = comm.exchange(pending, src, tag=tag)
+        tensor = comm.wait(posted.pop(k))
         if record is not None:
             record.wait_seconds += time.perf_counter() - start
-        pending = []
-        return received
+        return tensor
 
-    for action in order:
+    def deliver(kind: str, chunk: int, mb: int, tensor: torch.Tensor) -> None:
+        to = stages.destination(kind, chunk)
+        if to.rank == comm.rank:
+            local[(kind, to.chunk, mb)] = tensor
+        else:
+            comm.send(tensor, comm.global_rank(to.rank), to.tag)
+
+    for k, action in enumerate(order):
+        if forward_only and action.kind != "F":
+            continue
         chunk, mb = action.chunk, action.microbatch
+        post_receives(k)
+        received = take_input(k, action)
         start = time.perf_counter()
         if action.kind == "F":
-            x = None if first(chunk) else receive(comm.prev_rank, ACTIVATION_TAG)
-            start = time.perf_counter()
+            x = received
             if x is not None and not forward_only:
                 x.requires_grad_()
             with torch.no_grad() if forward_only else nullcontext():
-                out = forward_fn(chunk, x, batches[mb], last(chunk))
-            if last(chunk):
+                out = forward_fn(chunk, x, batches[mb], stages.last(chunk))
+            if stages.last(chunk):
                 losses.append(out.detach())
                 out = out * (loss_scale / num_microbatches)
             else:
-                pending.append((out.detach(), comm.next_rank, ACTIVATION_TAG))
+                deliver("F", chunk, mb, out.detach())
             if not forward_only:
                 stash[(chunk, mb)] = (x, out)
-        else:
-            grad = None if last(chunk) else receive(comm.next_rank, GRADIENT_TAG)
-            start = time.perf_counter()
+        elif action.kind == "B":
             x, out = stash.pop((chunk, mb))
-            torch.autograd.backward(out, grad_tensors=grad)
-            if not first(chunk):
-                pending.append((x.grad, comm.prev_rank, GRADIENT_TAG))
+            if (chunk, mb) in split:
+                grad_input, weight_grads[(chunk, mb)] = backward_input(out, received, x)
+            else:
+                torch.autograd.backward(out, grad_tensors=received)
+                grad_input = None if x is None else x.grad
+            if not stages.first(chunk):
+                deliver("B", chunk, mb, grad_input)
+        else:
+            backward_weight(weight_grads.pop((chunk, mb)))
         if record is not None:
             record.add(action.kind, chunk, mb, start, time.perf_counter())
-    if pending:
-        comm.exchange(pending, None)
     comm.flush()
     return [float(x) for x in torch.stack(losses)] if losses else []

@@ -62,18 +62,56 @@ def _pipeline(rank, world, argv, pp, tp, schedule, chunks_per_rank):
     return losses, (grads if tp == 1 else {})
 
 
+# Each spawned world costs seconds (every rank imports torch), so one world per size serves every check
+# of that size: a rank runs the executor cases below, then pretrain() on the training-loop layouts, and
+# the tests assert on their share of the results.
+EXECUTOR_CASES = {2: [(2, 1, "1f1b", 1, False, False), (2, 1, "gpipe", 1, False, True), (2, 1, "1f1b", 2, False, True)],
+                  4: [(4, 1, "1f1b", 1, False, True), (2, 2, "1f1b", 1, True, False)]}
+# (pp, tp, schedule, chunks per rank, sequence parallel, tied embeddings)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The single-process references run in this process with one thread, as each spawned rank does: the
+    model is tiny, and on a busy 2-core machine two OpenMP threads made a reference ~100x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _argv(sp, tied):
+    return with_flags(ARGS, untie_embeddings_and_output_weights=not tied, sequence_parallel=sp)
+
+
+def _run_world(rank, world):
+    """This world size's executor cases, then pretrain() on its training-loop layouts."""
+    from megalite.training import pretrain
+    executor = [_pipeline(rank, world, _argv(sp, tied), pp, tp, schedule, chunks)
+                for pp, tp, schedule, chunks, sp, tied in EXECUTOR_CASES[world]]
+    loop = [pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history
+            for argv in _loop_layouts(world)]
+    return executor, loop
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    """world size -> each rank's results of _run_world, spawned on first use."""
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            cache[world] = run_ranks(world, _run_world)
+        return cache[world]
+    return get
+
+
 # every layout's losses are also checked through the training loop below; here, gradients per parameter
-@pytest.mark.parametrize("pp, tp, schedule, chunks, sp, tied", [
-    (2, 1, "1f1b", 1, False, False),
-    (4, 1, "1f1b", 1, False, True),
-    (2, 1, "gpipe", 1, False, True),
-    (2, 1, "1f1b", 2, False, True),
-    (2, 2, "1f1b", 1, True, False),
-])
-def test_pipeline_losses_and_gradients_equal_one_process(pp, tp, schedule, chunks, sp, tied):
-    argv = with_flags(ARGS, untie_embeddings_and_output_weights=not tied, sequence_parallel=sp)
-    ref_losses, ref_grads = _reference(argv)
-    results = run_ranks(pp * tp, _pipeline, argv, pp, tp, schedule, chunks)
+@pytest.mark.parametrize("pp, tp, schedule, chunks, sp, tied", [c for w in (2, 4) for c in EXECUTOR_CASES[w]])
+def test_pipeline_losses_and_gradients_equal_one_process(worlds, pp, tp, schedule, chunks, sp, tied):
+    case = EXECUTOR_CASES[pp * tp].index((pp, tp, schedule, chunks, sp, tied))
+    results = [executor[case] for executor, _ in worlds(pp * tp)]
+    ref_losses, ref_grads = _reference(_argv(sp, tied))
     last = results[-1][0]                                    # the last rank holds the last stage
     assert last == pytest.approx(ref_losses, rel=1e-5)
     seen = set()
@@ -134,12 +172,11 @@ def _loop_layouts(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_training_loop_with_pipelining_equals_one_process(world):
+def test_training_loop_with_pipelining_equals_one_process(worlds, world):
     serial = {tied: _pretrain_histories(0, 1, [with_flags(LOOP_ARGS, untie_embeddings_and_output_weights=not tied)])[0]
               for tied in (False, True)}
-    layouts = _loop_layouts(world)
-    last_rank = run_ranks(world, _pretrain_histories, layouts)[-1]      # the last rank logs the loss
-    for argv, history in zip(layouts, last_rank):
+    last_rank = worlds(world)[-1][1]                         # the last rank logs the loss
+    for argv, history in zip(_loop_layouts(world), last_rank):
         ref = serial["--untie-embeddings-and-output-weights" not in argv]
         assert len(history) == 10
         assert history == pytest.approx(ref, rel=1e-5), argv
