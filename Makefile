@@ -24,7 +24,7 @@ demo: $(STAMP)
 
 # the default suite; the long runs (marked slow) with: make test-slow
 test: $(STAMP)
-	WANDB_MODE=offline $(PY) -m pytest -q -m "not slow" tests
+	WANDB_MODE=offline $(PY) -m pytest -q -m "not slow and not cuda" tests
 
 test-slow: $(STAMP)
 	WANDB_MODE=offline $(PY) -m pytest -q -m slow tests

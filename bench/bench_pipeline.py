@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Pipeline bubble: measured share of idle time vs theory, for every synchronous schedule (GPipe, 1F1B,
-interleaved 1F1B, ZB-H1, ZB-V).
+"""Pipeline bubble: measured share of idle time vs theory, for every schedule (GPipe, 1F1B, interleaved
+1F1B, ZB-H1, ZB-V; PipeDream and PipeDream-2BW in their steady state).
 
 Each row runs one step of a small model through megalite's real schedule executor on 2 gloo ranks
 (one per core here) and measures 1 - busy/wall per rank (tools/plot_pipeline.py). Theory (REFERENCE §6):
 (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1 (Qi et al. 2024,
-equal F/B/W times; ZB-V about 0). Writes a section of the results file and a
-timeline PNG per schedule next to it (bench/ for the full run).
+equal F/B/W times; ZB-V about 0), 0 for the asynchronous schedules (no flush). Writes a section of the
+results file and a timeline PNG per schedule next to it (bench/ for the full run).
 
 A second section runs the same model (8 layers, hidden 512, fp32, pp=2) side by side with
 torch.distributed.pipelining's schedules (bench/pipeline_vs_torch.py): megalite's 1F1B vs Schedule1F1B,
@@ -36,13 +36,15 @@ PP = 2
 HEADLINE_MICROBATCHES = 8       # the summary's figure, and the timelines drawn
 
 
-SCHEDULES = [("1f1b", 1), ("1f1b", 2), ("gpipe", 1), ("zb-h1", 1), ("zbv", 2)]   # (schedule, chunks per rank)
+SCHEDULES = [("1f1b", 1), ("1f1b", 2), ("gpipe", 1), ("zb-h1", 1), ("zbv", 2),      # (schedule, chunks per rank)
+             ("pipedream", 1), ("pipedream-2bw", 1)]
 
 
 def schedule_name(schedule: str, vpp: int) -> str:
     if schedule == "1f1b":
         return "1F1B" if vpp == 1 else f"interleaved (v={vpp})"
-    return {"gpipe": "GPipe", "zb-h1": "ZB-H1", "zbv": "ZB-V"}[schedule]
+    return {"gpipe": "GPipe", "zb-h1": "ZB-H1", "zbv": "ZB-V", "pipedream": "PipeDream",
+            "pipedream-2bw": "PipeDream-2BW"}[schedule]
 
 
 def picture_name(schedule: str, vpp: int, m: int) -> str:
@@ -50,12 +52,17 @@ def picture_name(schedule: str, vpp: int, m: int) -> str:
     return f"pipeline_{tag}_m{m}.png"
 
 
-def measure(microbatches: tuple[int, ...], picture_dir: str) -> tuple[list[str], list[Headline]]:
+BUBBLE_MODEL = dict(layers=8, hidden=512)       # the side-by-side's model: real work per action
+BUBBLE_MODEL_QUICK = dict(layers=4, hidden=128)
+
+
+def measure(microbatches: tuple[int, ...], picture_dir: str, model: dict) -> tuple[list[str], list[Headline]]:
     rows, figures = [], []
     for schedule, vpp in SCHEDULES:
         name = schedule_name(schedule, vpp)
         for m in microbatches:
-            records = record_schedule(PP, m, vpp, schedule)
+            records = record_schedule(PP, m, vpp, schedule, layers_per_stage=model["layers"] // (PP * vpp),
+                                      hidden=model["hidden"])
             measured = measured_bubble_share(records)
             theory = theoretical_bubble_share(PP, m, vpp, schedule)
             ratio = f"{measured / theory:.2f}x" if theory else "-"
@@ -71,6 +78,7 @@ def measure(microbatches: tuple[int, ...], picture_dir: str) -> tuple[list[str],
 # the side-by-side with torch.distributed.pipelining: the issue's model, fp32, pp=2
 VS_TORCH = dict(layers=8, hidden=512, heads=8, seq=128, mbs=2, vocab=1000, repeats=3)
 VS_TORCH_QUICK = dict(layers=8, hidden=128, heads=4, seq=64, mbs=2, vocab=1000, repeats=1)
+LOSS_TOLERANCE = 1e-4           # relative, fp32: the three runs sum the same terms in different orders
 
 
 def versus_torch(args, argv: list[str], microbatches: tuple[int, ...]) -> None:
@@ -81,6 +89,9 @@ def versus_torch(args, argv: list[str], microbatches: tuple[int, ...]) -> None:
         pairs, ref_losses, ref_ms = summarize(per_rank, m)
         for row, torch_cls in ((row, cls) for row, _, _, cls in PAIRS):
             mine, theirs, ratio, diff = pairs[row]
+            if diff > LOSS_TOLERANCE:      # not the same computation: the timings would compare nothing
+                raise SystemExit(f"bench_pipeline: {row} at m={m}: megalite's or torch's losses differ from one "
+                                 f"process's by {diff:.1e} (relative), more than {LOSS_TOLERANCE}")
             rows.append(f"| {row} | `{torch_cls}` | {m} | {mine:.0f} | {theirs:.0f} | {ratio:.2f}x | "
                         f"{mine / ref_ms:.2f}x | {diff:.1e} |")
             print(rows[-1], flush=True)
@@ -118,13 +129,16 @@ def main(argv: list[str]) -> None:
         return
     picture_dir = os.path.dirname(os.path.abspath(results_path(args)))
     os.makedirs(picture_dir, exist_ok=True)
-    rows, figures = measure(microbatches, picture_dir)
+    model = BUBBLE_MODEL_QUICK if args.quick else BUBBLE_MODEL
+    rows, figures = measure(microbatches, picture_dir, model)
     command = command_line("bench_pipeline.py", argv)
-    body = [f"pp={PP} gloo ranks, 2 layers per model chunk, hidden 128, seq 128, micro-batch 2. Bubble share = "
+    body = [f"pp={PP} gloo ranks, {model['layers']} layers split evenly over the model chunks, hidden {model['hidden']}, "
+            "4 heads, vocabulary 1000, seq 128, micro-batch 2, fp32. Bubble share = "
             "1 - busy/wall of one step (after one warm-up step), averaged over ranks. Theory (REFERENCE §6): "
             "(p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1, about 0 for ZB-V "
-            "(equal F/B/W times). The model is tiny, so point-to-point latency and Python overhead weigh more "
-            "than on a GPU; the timelines for m=8 are "
+            "(equal F/B/W times), 0 for PipeDream and PipeDream-2BW (no flush; their step is the second of three, "
+            "in the steady state). The last stage also runs the output layer and the loss, so stages are not "
+            "quite equal (theory assumes they are); the timelines for m=8 are "
             + ", ".join(picture_name(s, v, HEADLINE_MICROBATCHES) for s, v in SCHEDULES) + " next to this file.",
             "", "| schedule | micro-batches | measured | theory | ratio |", "|---|---|---|---|---|", *rows]
     publish(args, "bench_pipeline", "Pipeline bubble, measured vs theory", command,

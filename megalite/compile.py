@@ -41,7 +41,7 @@ def compile_unsupported_reason(config: MegaliteConfig, device: torch.device) -> 
     """Why this run's layers cannot be compiled, or None when they can.
 
     Checked equal to eager (tests/test_compile.py): serial, TP + SP, DP with ZeRO-1/2/3 and overlap,
-    PP (1F1B, interleaved), CP, full and selective recomputation, dropout, FSDP2. Refused: the
+    PP (1F1B, interleaved, zero-bubble), CP, full and selective recomputation, dropout, FSDP2. Refused: the
     asynchronous pipeline schedules, which swap weight versions in place under what autograd saved in
     forward; a compiled graph may save tensors computed from the weights instead, which that swap
     does not reach. And environments where torch.compile cannot build kernels."""

@@ -209,6 +209,15 @@ def per_token_loss_weights(trainer: Trainer, batches: list) -> dict | None:
 
 # ---- one step ------------------------------------------------------------------------------------
 def train_step(trainer: Trainer, data_iterator) -> tuple[float, object]:
+    """One global batch: forward/backward over its micro-batches, gradient sync, optimizer step.
+
+    Host-device synchronisations of a step on a GPU (the rest is queued asynchronously): the loss read
+    back after the last backward (the schedules return floats; with a process group, again after its
+    data-parallel average), and the global gradient norm, which the host needs to decide clipping and
+    to refuse a NaN/Inf update on every rank alike (as Megatron does); fp16 adds the overflow flag. The
+    NaN/Inf checks use those values and read nothing more. Timers synchronise
+    only at --timing-log-level >= their level; --calculate-per-token-loss and --exit-signal-handler /
+    --exit-duration-in-mins each read back one all-reduced value per step."""
     model, optimizer = trainer.model, trainer.optimizer
     t = trainer.config.training
     model.train()

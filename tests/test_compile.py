@@ -99,6 +99,7 @@ SLOW_LAYOUTS = {
     "dp2-zero1-overlap": dict(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True),
     "dp2-zero2": dict(data_parallel_sharding_strategy="optim_grads", overlap_grad_reduce=True),
     "pp2": dict(pipeline_model_parallel_size=2),
+    "pp2-zb-h1": dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1"),
     "pp2-interleaved": dict(pipeline_model_parallel_size=2, num_layers=4, num_layers_per_virtual_pipeline_stage=1),
     "cp2": dict(context_parallel_size=2),
     "tp2-recompute-full": dict(tensor_model_parallel_size=2, recompute_granularity="full", recompute_method="uniform",

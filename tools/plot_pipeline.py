@@ -38,32 +38,6 @@ SCHEDULES = SYNCHRONOUS_SCHEDULES + ASYNC_SCHEDULES
 ASYNC_STEPS = 3                 # the asynchronous schedules' run: fill the pipeline, record, drain
 
 
-class RecordedAsyncPipeline(AsyncPipeline):
-    """AsyncPipeline with each forward and backward recorded (it takes no record= argument): an action's
-    time spent waiting in a receive counts as idle, as the synchronous executor records it."""
-    record: PipelineRecord | None = None
-    _waited = 0.0
-
-    def _receive(self, src: int, tag: int):
-        start = time.perf_counter()
-        received = super()._receive(src, tag)
-        self._waited += time.perf_counter() - start
-        return received
-
-    def _timed(self, kind: str, j: int, action, *args) -> None:
-        self._waited, start = 0.0, time.perf_counter()
-        action(j, *args)
-        if self.record is not None:
-            self.record.wait_seconds += self._waited
-            self.record.add(kind, 0, j, start + self._waited, time.perf_counter())
-
-    def _forward(self, j: int, loss_scale: float) -> None:
-        self._timed("F", j, super()._forward, loss_scale)
-
-    def _backward(self, j: int) -> None:
-        self._timed("B", j, super()._backward)
-
-
 def theoretical_bubble_share(pp: int, microbatches: int, vpp: int = 1, schedule: str = "1f1b") -> float:
     if schedule in ASYNC_SCHEDULES:          # no flush: the steady state keeps every stage busy
         return 0.0
@@ -149,8 +123,8 @@ def run_async_steps(schedule: str, buffer, comm, state, m: int, batches: list, f
     the PipelineRecord of the middle one, a step in the steady state."""
     import torch
     import torch.distributed
-    runner = RecordedAsyncPipeline(schedule, buffer.param_data, comm, state.pp_size, state.pp_rank, m,
-                                   ASYNC_STEPS, forward)
+    runner = AsyncPipeline(schedule, buffer.param_data, comm, state.pp_size, state.pp_rank, m,
+                           ASYNC_STEPS, forward)
     record = PipelineRecord(state.pp_rank)
     for step in range(ASYNC_STEPS):
         torch.distributed.barrier()

@@ -48,6 +48,7 @@ micro-batches' dropout masks, so it is exact only without dropout.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -172,7 +173,8 @@ class AsyncPipeline:
         self.weights: dict = {}          # per-token loss weights by id(batch)
         self.next_input = None           # the next forward's input, received at the end of the last step
         self.started = False
-        self.pending: list = []          # sends that go out with the next receive (one batch_isend_irecv)
+        self.posted: dict = {}           # ("F" or "B", micro-batch) -> its receive, posted ahead of need
+        self.record = None               # a schedules.PipelineRecord to fill (timelines), or None
         self.losses: list = []
         self.next_unread = 0             # the first micro-batch not read from the data iterator yet
 
@@ -194,16 +196,22 @@ class AsyncPipeline:
         self.in_flight, self.batches, self.weights, self.next_input, self.started = {}, {}, {}, None, False
         self.next_unread = iteration * self.m
 
-    # ---- point to point --------------------------------------------------------------------------
-    def _receive(self, src: int, tag: int):
-        received = self.comm.exchange(self.pending, src, tag=tag)
-        self.pending = []
-        return received
+    # ---- point to point (overlapped as in the synchronous executor: p2p.py) -------------------------
+    def _source(self, kind: str) -> tuple[int, int]:
+        return (self.comm.prev_rank, ACTIVATION_TAG) if kind == "F" else (self.comm.next_rank, GRADIENT_TAG)
 
-    def _push_sends(self) -> None:
-        if self.pending:
-            self.comm.exchange(self.pending, None)
-            self.pending = []
+    def _post(self, kind: str, j: int) -> None:
+        """Post the receive F(j) or B(j) needs, so it arrives while this stage computes something else."""
+        if (kind, j) not in self.posted:
+            self.posted[(kind, j)] = self.comm.post_recv(*self._source(kind))
+
+    def _receive(self, kind: str, j: int):
+        self._post(kind, j)
+        start = time.perf_counter()
+        received = self.comm.wait(self.posted.pop((kind, j)))
+        if self.record is not None:
+            self.record.wait_seconds += time.perf_counter() - start
+        return received
 
     # ---- actions ---------------------------------------------------------------------------------
     def _forward(self, j: int, loss_scale: float) -> None:
@@ -212,8 +220,9 @@ class AsyncPipeline:
         if not self.first:
             x, self.next_input = self.next_input, None
             if x is None:
-                x = self._receive(self.comm.prev_rank, ACTIVATION_TAG)
+                x = self._receive("F", j)
             x.requires_grad_()
+        start = time.perf_counter()
         batch = self.batches[j]
         out = self.forward_fn(0, x, batch, self.last)
         if self.last:
@@ -222,18 +231,23 @@ class AsyncPipeline:
             self.losses.append(out.detach())
             out = out * (loss_scale / self.m)
         else:
-            self.pending.append((out.detach(), self.comm.next_rank, ACTIVATION_TAG))
+            self.comm.send(out.detach(), self.comm.next_rank, ACTIVATION_TAG)     # at once: never deferred
         self.in_flight[j] = (x, out)
+        if self.record is not None:
+            self.record.add("F", 0, j, start, time.perf_counter())
 
     def _backward(self, j: int) -> None:
         self.versions.use(self.version(j))
-        grad = None if self.last else self._receive(self.comm.next_rank, GRADIENT_TAG)
+        grad = None if self.last else self._receive("B", j)
+        start = time.perf_counter()
         x, out = self.in_flight.pop(j)
         torch.autograd.backward(out, grad_tensors=grad)
         if not self.first:
-            self.pending.append((x.grad, self.comm.prev_rank, GRADIENT_TAG))
+            self.comm.send(x.grad, self.comm.prev_rank, GRADIENT_TAG)
         self.batches.pop(j, None)
         self.versions.drop_older_than(self.version(j + 1))
+        if self.record is not None:
+            self.record.add("B", 0, j, start, time.perf_counter())
 
     # ---- one training step -----------------------------------------------------------------------
     def forward_backward(self, iteration: int, read_batch, loss_scale: float = 1.0) -> list[float]:
@@ -249,10 +263,13 @@ class AsyncPipeline:
                 self._forward(j, loss_scale)
             self.started = True
         for j in range(start, start + m):
+            if not self.last:
+                self._post("B", j)                        # B(j)'s gradient arrives while F(j + w) computes
             if j + self.w < self.total:
                 self._forward(j + self.w, loss_scale)
+            if not self.first and j + 1 < start + m and j + self.w + 1 < self.total:
+                self._post("F", j + self.w + 1)           # the next forward's input, while B(j) computes
             self._backward(j)
-        self._push_sends()
         return [float(x) for x in torch.stack(self.losses)] if self.losses else []
 
     def _read_up_to(self, end: int, read_batch) -> None:
@@ -275,7 +292,7 @@ class AsyncPipeline:
         self.versions.after_update(self.version((iteration + 1) * self.m))
         next_forward = (iteration + 1) * self.m + self.w
         if not self.first and next_forward < self.total:
-            self.next_input = self._receive(self.comm.prev_rank, ACTIVATION_TAG)
+            self.next_input = self._receive("F", next_forward)
         if self.comm is not None:
             self.comm.flush()
 

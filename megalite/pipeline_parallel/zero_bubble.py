@@ -160,8 +160,8 @@ def check_zero_bubble(parallel, model, dp_size: int = 1) -> None:
         vpp = getattr(parallel, "num_virtual_stages_per_pipeline_rank", None)
         if vpp not in (None, 2):
             raise UserError(f"{flag} needs two chunks per rank, not --num-virtual-stages-per-pipeline-rank {vpp}")
-        sharded = dp_size > 1 and (getattr(parallel, "use_distributed_optimizer", False) or
-                                   getattr(parallel, "data_parallel_sharding_strategy", "no_shard") != "no_shard")
+        strategy = getattr(parallel, "data_parallel_sharding_strategy", None) or "no_shard"   # None: not given
+        sharded = dp_size > 1 and (getattr(parallel, "use_distributed_optimizer", False) or strategy != "no_shard")
         if sharded and not getattr(model, "untie_embeddings_and_output_weights", True):
             raise UserError(f"{flag} keeps both copies of the tied embedding on rank 0 and sums their gradients there, "
                             "which gradients sharded over data-parallel ranks (--use-distributed-optimizer / ZeRO) do not allow; add "

@@ -145,7 +145,8 @@ sys.exit(pretrain_gpt.main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("kill_in, kill_rank", [("write_tensor_file", 1), ("publish", 0)])
+@pytest.mark.parametrize("kill_in, kill_rank", [("write_tensor_file", 1),
+                                               pytest.param("publish", 0, marks=pytest.mark.slow)])
 def test_a_run_killed_while_saving_restarts_from_the_previous_checkpoint(tmp_path, kill_in, kill_rank):
     """SIGKILL in the middle of the second save (a half-written tensor file on one rank, or just before
     publishing): the tracker still names the first checkpoint, and re-running resumes from it."""

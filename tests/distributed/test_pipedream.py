@@ -139,8 +139,14 @@ class _LoopbackComm:
     """Stands in for the neighbours: every receive returns a fresh one-element tensor, sends vanish."""
     prev_rank = next_rank = 0
 
-    def exchange(self, sends, recv_from, tag=0):
-        return torch.ones(1) if recv_from is not None else None
+    def send(self, tensor, dst, tag):
+        pass
+
+    def post_recv(self, src, tag):
+        return torch.ones(1)
+
+    def wait(self, received):
+        return received
 
     def flush(self):
         pass

@@ -95,15 +95,19 @@ def _run_world(rank, world):
 
 
 @pytest.fixture(scope="module")
-def worlds():
-    """world size -> each rank's results of _run_world, spawned on first use."""
-    cache = {}
+def world_of_2():
+    return run_ranks(2, _run_world)
 
-    def get(world):
-        if world not in cache:
-            cache[world] = run_ranks(world, _run_world)
-        return cache[world]
-    return get
+
+@pytest.fixture(scope="module")
+def world_of_4():
+    return run_ranks(4, _run_world)
+
+
+@pytest.fixture
+def worlds(request):
+    """world size -> each rank's results of _run_world (each world spawned once, on first use)."""
+    return lambda world: request.getfixturevalue(f"world_of_{world}")
 
 
 # every layout's losses are also checked through the training loop below; here, gradients per parameter

@@ -13,8 +13,8 @@ from megalite.errors import UserError
 from megalite.model.gpt import GPTModel
 from megalite.parallel_state import ParallelState
 from megalite.pipeline_parallel.p2p import PipelineComm
-from megalite.pipeline_parallel.schedules import (ACTIVATION_TAG, SYNCHRONOUS_SCHEDULES, StageMap, run_pipeline_schedule,
-                                                  schedule_order, stage_placement)
+from megalite.pipeline_parallel.schedules import (SYNCHRONOUS_SCHEDULES, StageMap, run_pipeline_schedule, schedule_order,
+                                                  stage_placement)
 from megalite.pipeline_parallel.stages import build_model_chunks, chunk_forward, sync_shared_embedding_grads
 from megalite.tensor_parallel.setup import build_tensor_parallel, finalize_tensor_parallel_grads
 
@@ -125,8 +125,8 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _argv(tied, sp=False):
-    return with_flags(ARGS, untie_embeddings_and_output_weights=not tied, sequence_parallel=sp)
+def _argv(tied, sp=False, num_layers=4):
+    return with_flags(ARGS, untie_embeddings_and_output_weights=not tied, sequence_parallel=sp, num_layers=num_layers)
 
 
 def _loop_argv(tied, **layout):
@@ -240,13 +240,19 @@ AT_SCALE = [(2, 1, "zb-h1", True, False), (2, 1, "zbv", False, False),
             (2, 2, "zb-h1", False, True), (2, 2, "zbv", True, True)]       # (pp, tp, schedule, tied, sp)
 
 
+def _scale_argv(pp, schedule, tied, sp):
+    """zbv has 2 * pp virtual stages, one layer or more each."""
+    return _argv(tied, sp, num_layers=max(4, 2 * pp) if schedule == "zbv" else 4)
+
+
 @pytest.fixture(scope="module")
 def at_scale():
     """Every AT_SCALE case, one world per world size."""
     results = {}
     for world in (2, 4):
         cases = [c for c in AT_SCALE if c[0] * c[1] == world]
-        per_rank = run_ranks(world, _run_cases, [(_argv(tied, sp), pp, tp, s) for pp, tp, s, tied, sp in cases], [])
+        per_rank = run_ranks(world, _run_cases, [(_scale_argv(pp, s, tied, sp), pp, tp, s)
+                                                 for pp, tp, s, tied, sp in cases], [])
         results.update({c: [executor[i] for executor, _ in per_rank] for i, c in enumerate(cases)})
     return results
 
@@ -254,7 +260,8 @@ def at_scale():
 @pytest.mark.slow
 @pytest.mark.parametrize("pp, tp, schedule, tied, sp", AT_SCALE)
 def test_zero_bubble_equals_one_process_at_scale(at_scale, pp, tp, schedule, tied, sp):
-    _check_equals_one_process(at_scale[(pp, tp, schedule, tied, sp)], _argv(tied, sp), tp, schedule)
+    _check_equals_one_process(at_scale[(pp, tp, schedule, tied, sp)], _scale_argv(pp, schedule, tied, sp), tp,
+                              schedule)
 
 
 @pytest.mark.parametrize("flags, message", [

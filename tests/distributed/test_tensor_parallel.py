@@ -153,7 +153,8 @@ def _layouts(tp):
             for style in ("llama", "gpt2") for sp in (False, True)]
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+# TP=4 (slow): TP=4 layers are checked in the default suite by test_parallel_layers_equal_single_device_layers[4]
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_training_at_tp_equals_single_process(tp):
     reference = _train_losses(0, 1, [STYLES["llama"], STYLES["gpt2"]])
     results = run_ranks(tp, _train_losses, _layouts(tp))
