@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.autograd_outputs import input_grads_to_compute
 from megalite.config import ModelConfig
 from megalite.context_parallel.ring_attention import ContextParallel, ring_attention
 from megalite.errors import UserError
@@ -45,16 +46,19 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
+        need_x, need_w, _ = input_grads_to_compute(ctx)      # zero-bubble B and W passes need one each
         normed = x.float() * rstd
         grad = grad.float()
-        grad_w = (grad * normed).reshape(-1, x.shape[-1]).sum(dim=0)
+        grad_w = (grad * normed).reshape(-1, x.shape[-1]).sum(dim=0).to(weight.dtype) if need_w else None
+        if not need_x:
+            return None, grad_w, None
         grad_normed = grad * weight.float()
         # d/dx of x * rstd(x): rstd * (g - normed * mean(g * normed)) over the normalised dimension; the
         # row means as dot products and the rest in place keep the fp32 passes over [.., h] few (CPU: the
         # backward is memory-bound)
         mean = torch.linalg.vecdot(grad_normed, normed).unsqueeze(-1).div_(x.shape[-1])
         grad_x = grad_normed.addcmul_(normed, mean, value=-1).mul_(rstd)
-        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+        return grad_x.to(x.dtype), grad_w, None
 
 
 class _ZeroCenteredWeight:

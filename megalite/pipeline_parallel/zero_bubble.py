@@ -8,7 +8,7 @@ kernel:
 
 - the *input path* is the set of graph nodes from which the stage's input is reachable; every other
   node hangs off it in a *weight branch* that ends in parameters;
-- B runs autograd only towards the input (``torch.autograd.grad(..., inputs=[x])``: the engine skips
+- B runs autograd only towards the input (``backward(..., inputs=[x])``: the engine skips
   weight branches) and records, with a pre-hook, the gradient arriving at each input-path node that
   has a weight branch;
 - W runs backward from each such node with the recorded gradient, restricted to that node's own
@@ -16,9 +16,9 @@ kernel:
   through autograd's own accumulation: main_grad, the bf16 accumulation hook and the data-parallel
   reduction hooks (distributed/ddp.py) see them exactly as after a plain backward.
 
-A node of the input path that is a custom autograd function with a parameter input (sequence-parallel
-linear, RMSNorm) computes its input gradient again in W (a custom backward computes all its outputs);
-plain linears (matmul) do not.
+A custom autograd function with a parameter input on the input path (sequence-parallel linear, RMSNorm)
+asks the engine which of its gradients the pass wants (autograd_outputs.py), so B computes no weight
+gradient there and W no input gradient, as the built-in ops (matmul) already do.
 
 On the first stage there is no input to differentiate towards: B is empty and W is the whole backward.
 
@@ -109,10 +109,14 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None,
             grads.update({i: g for i, g in enumerate(grad_outputs) if g is not None})
         hooks.append(node.register_prehook(record))
     try:
-        (grad_input,) = torch.autograd.grad(output, input_tensor, grad_output, retain_graph=True)
+        # backward() into input_tensor.grad rather than autograd.grad(): only then can a custom backward ask
+        # the engine which of its gradients are wanted (autograd_outputs.py) and skip the weights' here
+        input_tensor.grad = None
+        torch.autograd.backward(output, grad_output, inputs=[input_tensor], retain_graph=True)
     finally:
         for hook in hooks:
             hook.remove()
+    grad_input, input_tensor.grad = input_tensor.grad, None
     return grad_input, pending
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.autograd_outputs import input_grads_to_compute
 from megalite.tensor_parallel.mappings import (all_gather, all_gather_sequence_async, copy_to_tp_region,
                                                gather_from_tp_region, reduce_from_tp_region,
                                                reduce_scatter_sequence_async, reduce_scatter_to_sp_region)
@@ -87,7 +88,7 @@ class _LinearWithSequenceGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x, need_w, need_b = input_grads_to_compute(ctx)[:3]     # zero-bubble B / W: one side each
         if need_w:
             x_full, gathering = all_gather_sequence_async(x, ctx.group)      # in flight during grad_x
         grad_x = grad_y.matmul(weight) if need_x else None
