@@ -503,26 +503,7 @@ class DistributedDataParallel:
         ``(first_row, end_row)`` of each (model-parallel fix-ups after ``finish_grad_sync``, e.g. the
         sequence-parallel norm weights over TP). Works for every sharding strategy: only the part of
         each gradient this rank holds is reduced; ranks of ``group`` share the buffer layout."""
-        if group is None:
-            return
-        views = []
-        for param, rows in selection:
-            lo, hi = 0, param.numel()
-            if rows is not None:
-                row = param.numel() // param.shape[0]
-                lo, hi = rows[0] * row, rows[1] * row
-            for view, offset in self.grad_views(param):
-                a, b = max(lo, offset), min(hi, offset + view.numel())
-                if a < b:
-                    views.append(view[a - offset:b - offset])
-        if not views:
-            return
-        flat = torch.cat(views)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        offset = 0
-        for view in views:
-            view.copy_(flat[offset:offset + view.numel()])
-            offset += view.numel()
+        all_reduce_held_grads(selection, group, self.grad_views)
 
     def average_over_dp(self, value: float) -> float:
         """The mean of ``value`` over the data-parallel ranks (e.g. the loss for logging)."""
@@ -639,3 +620,31 @@ def _tensors(output) -> list[torch.Tensor]:
     if isinstance(output, dict):
         return [t for item in output.values() for t in _tensors(item)]
     return []
+
+
+@torch.no_grad()
+def all_reduce_held_grads(selection: list[tuple[nn.Parameter, tuple | None]], group, grad_views) -> None:
+    """Sum over ``group``, in one all-reduce, the pieces of the selected parameters' gradients this rank
+    holds (``grad_views(param)`` -> [(view, offset in the flattened parameter)]), or of a row range
+    ``(first_row, end_row)`` of each. The ranks of ``group`` must hold the same pieces (they share a
+    buffer layout or a sharding). Used by DistributedDataParallel and the FSDP2 backend alike."""
+    if group is None:
+        return
+    views = []
+    for param, rows in selection:
+        lo, hi = 0, param.numel()
+        if rows is not None:
+            row = param.numel() // param.shape[0]
+            lo, hi = rows[0] * row, rows[1] * row
+        for view, offset in grad_views(param):
+            a, b = max(lo, offset), min(hi, offset + view.numel())
+            if a < b:
+                views.append(view[a - offset:b - offset])
+    if not views:
+        return
+    flat = torch.cat(views)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for view in views:
+        view.copy_(flat[offset:offset + view.numel()])
+        offset += view.numel()

@@ -57,7 +57,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from megalite.config import ParallelConfig
-from megalite.distributed.ddp import data_parallel_group
+from megalite.distributed.ddp import all_reduce_held_grads, data_parallel_group
 from megalite.errors import UserError
 from megalite.parallel_state import ParallelState
 
@@ -275,21 +275,4 @@ class FullyShardedDataParallel:
         """Sum over ``group`` the held gradients of the selected parameters, or of a row range of each
         (sequence-parallel norms over TP, the tied embedding over the embedding group). The ranks of
         ``group`` shard each of these parameters alike, so their local shards line up."""
-        if group is None:
-            return
-        views = []
-        for param, rows in selection:
-            row = param.numel() // param.shape[0]
-            lo, hi = (0, param.numel()) if rows is None else (rows[0] * row, rows[1] * row)
-            for view, offset in self.grad_views(param):
-                a, b = max(lo, offset), min(hi, offset + view.numel())
-                if a < b:
-                    views.append(view[a - offset:b - offset])
-        if not views:
-            return
-        flat = torch.cat(views)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        offset = 0
-        for view in views:
-            view.copy_(flat[offset:offset + view.numel()])
-            offset += view.numel()
+        all_reduce_held_grads(selection, group, self.grad_views)

@@ -5,62 +5,10 @@ import torch
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 from megalite.arguments import parse_args
-from megalite.distributed.grad_buffer import ParamAndGradBuffer
 from megalite.errors import UserError
-from megalite.model.gpt import GPTModel
-from megalite.parallel_state import ParallelState
-from megalite.pipeline_parallel.p2p import PipelineComm
-from megalite.pipeline_parallel.schedules import (gpipe_order, interleaved_order, one_f_one_b_order,
-                                                  run_pipeline_schedule)
-from megalite.pipeline_parallel.stages import (build_model_chunks, check_pipeline_split, chunk_forward,
-                                               sync_shared_embedding_grads)
-from megalite.tensor_parallel.setup import build_tensor_parallel, finalize_tensor_parallel_grads
-
-ARGS = with_flags(TINY_LLAMA_ARGS, num_layers=4, make_vocab_size_divisible_by=32)
-M, MBS, SEQ = 4, 2, 32
-
-
-def _batches():
-    g = torch.Generator().manual_seed(4)
-    out = []
-    for _ in range(M):
-        x = torch.randint(0, 201, (MBS, SEQ + 1), generator=g)
-        out.append({"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": torch.ones(MBS, SEQ),
-                    "position_ids": torch.arange(SEQ).expand(MBS, SEQ)})
-    return out
-
-
-def _reference(argv):
-    model = GPTModel(parse_args(argv, world_size=1).model, seed=11)
-    losses = []
-    for batch in _batches():
-        loss = model(batch["tokens"], labels=batch["labels"]).mean()
-        (loss / M).backward()
-        losses.append(loss.item())
-    # with tied embeddings the last stage's output copy reports under the embedding's global name, so
-    # both copies are compared with the full (embedding + output) gradient
-    return losses, {model.global_name(n): p.grad for n, p in model.named_parameters()}
-
-
-def _pipeline(rank, world, argv, pp, tp, schedule, chunks_per_rank):
-    cfg = parse_args(argv, world_size=1).model
-    state = ParallelState.build(world, rank, tp=tp, pp=pp)
-    sp = "--sequence-parallel" in argv
-    tpc = build_tensor_parallel(state, sp, 11, torch.device("cpu"), cfg.num_query_groups)
-    chunks = build_model_chunks(cfg, 11, tpc, state.pp_rank, pp, chunks_per_rank)
-    named = [(f"{i}.{n}", p) for i, c in enumerate(chunks) for n, p in c.named_parameters()]
-    ParamAndGradBuffer(named)
-    shape = (SEQ // tp if sp else SEQ, MBS, cfg.hidden_size)
-    comm = PipelineComm(state.group("pp"), state.pp_rank, pp, shape, torch.float32, torch.device("cpu"))
-    order = {"1f1b": one_f_one_b_order, "gpipe": gpipe_order}[schedule](pp, state.pp_rank, M) \
-        if chunks_per_rank == 1 else interleaved_order(pp, state.pp_rank, M, chunks_per_rank)
-    losses = run_pipeline_schedule(order, chunk_forward(chunks, torch.device("cpu")), _batches(), comm,
-                                   chunks_per_rank)
-    finalize_tensor_parallel_grads([p for _, p in named], tpc)
-    sync_shared_embedding_grads(chunks, state)
-    grads = {c.global_name(n): p.main_grad.clone() for c in chunks for n, p in c.named_parameters()}
-    return losses, (grads if tp == 1 else {})
-
+from megalite.pipeline_parallel.schedules import gpipe_order, interleaved_order, one_f_one_b_order
+from megalite.pipeline_parallel.stages import check_pipeline_split
+from pipeline_workloads import ARGS, one_thread, reference, run_executor  # noqa: F401 (one_thread: autouse fixture)
 
 # Each spawned world costs seconds (every rank imports torch), so one world per size serves every check
 # of that size: a rank runs the executor cases below, then pretrain() on the training-loop layouts, and
@@ -70,16 +18,6 @@ EXECUTOR_CASES = {2: [(2, 1, "1f1b", 1, False, False), (2, 1, "gpipe", 1, False,
 # (pp, tp, schedule, chunks per rank, sequence parallel, tied embeddings)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The single-process references run in this process with one thread, as each spawned rank does: the
-    model is tiny, and on a busy 2-core machine two OpenMP threads made a reference ~100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _argv(sp, tied):
     return with_flags(ARGS, untie_embeddings_and_output_weights=not tied, sequence_parallel=sp)
 
@@ -87,7 +25,7 @@ def _argv(sp, tied):
 def _run_world(rank, world):
     """This world size's executor cases, then pretrain() on its training-loop layouts."""
     from megalite.training import pretrain
-    executor = [_pipeline(rank, world, _argv(sp, tied), pp, tp, schedule, chunks)
+    executor = [run_executor(rank, world, _argv(sp, tied), pp, tp, schedule, chunks)
                 for pp, tp, schedule, chunks, sp, tied in EXECUTOR_CASES[world]]
     loop = [pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history
             for argv in _loop_layouts(world)]
@@ -115,7 +53,7 @@ def worlds(request):
 def test_pipeline_losses_and_gradients_equal_one_process(worlds, pp, tp, schedule, chunks, sp, tied):
     case = EXECUTOR_CASES[pp * tp].index((pp, tp, schedule, chunks, sp, tied))
     results = [executor[case] for executor, _ in worlds(pp * tp)]
-    ref_losses, ref_grads = _reference(_argv(sp, tied))
+    ref_losses, ref_grads = reference(_argv(sp, tied))
     last = results[-1][0]                                    # the last rank holds the last stage
     assert last == pytest.approx(ref_losses, rel=1e-5)
     seen = set()

@@ -8,15 +8,9 @@ import torch
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 from megalite.arguments import parse_args
-from megalite.distributed.grad_buffer import ParamAndGradBuffer
 from megalite.errors import UserError
-from megalite.model.gpt import GPTModel
-from megalite.parallel_state import ParallelState
-from megalite.pipeline_parallel.p2p import PipelineComm
-from megalite.pipeline_parallel.schedules import (SYNCHRONOUS_SCHEDULES, StageMap, run_pipeline_schedule, schedule_order,
-                                                  stage_placement)
-from megalite.pipeline_parallel.stages import build_model_chunks, chunk_forward, sync_shared_embedding_grads
-from megalite.tensor_parallel.setup import build_tensor_parallel, finalize_tensor_parallel_grads
+from megalite.pipeline_parallel.schedules import SYNCHRONOUS_SCHEDULES, StageMap, schedule_order, stage_placement
+from pipeline_workloads import ARGS, one_thread, reference, run_executor  # noqa: F401 (one_thread: autouse fixture)
 
 LAYOUTS = [(schedule, pp, m, chunks) for schedule in SYNCHRONOUS_SCHEDULES for pp in (2, 4) for m in (4, 8, 16)
            for chunks in ((2,) if schedule == "zbv" else (1, 2) if schedule == "1f1b" else (1,))]
@@ -109,20 +103,8 @@ def test_unit_cost_bubbles_meet_theory(pp, m):
 # Each spawned world costs seconds (every rank imports torch), so one world serves several checks: a rank
 # runs every executor case it is given, then pretrain() on every training-loop layout, and the tests
 # below assert on their share of the results.
-ARGS = with_flags(TINY_LLAMA_ARGS, num_layers=4, make_vocab_size_divisible_by=32)
-M, MBS, SEQ = 4, 2, 32
 LOOP_ARGS = with_flags(TINY_LLAMA_ARGS, num_layers=4, train_iters=4, global_batch_size=8,
                        make_vocab_size_divisible_by=32, lr_warmup_iters=1, clip_grad=0.5, weight_decay=0.1)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The single-process references run in this process with one thread, as each spawned rank does: the
-    model is tiny, and on a busy 2-core machine two OpenMP threads made a reference ~100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _argv(tied, sp=False, num_layers=4):
@@ -133,61 +115,18 @@ def _loop_argv(tied, **layout):
     return with_flags(LOOP_ARGS, untie_embeddings_and_output_weights=not tied, **layout)
 
 
-def _batches():
-    g = torch.Generator().manual_seed(4)
-    out = []
-    for _ in range(M):
-        x = torch.randint(0, 201, (MBS, SEQ + 1), generator=g)
-        out.append({"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": torch.ones(MBS, SEQ),
-                    "position_ids": torch.arange(SEQ).expand(MBS, SEQ)})
-    return out
-
-
-def _reference(argv):
-    model = GPTModel(parse_args(argv, world_size=1).model, seed=11)
-    losses = []
-    for batch in _batches():
-        loss = model(batch["tokens"], labels=batch["labels"]).mean()
-        (loss / M).backward()
-        losses.append(loss.item())
-    return losses, {model.global_name(n): p.grad for n, p in model.named_parameters()}
-
-
-def _pipeline(rank, world, argv, pp, tp, schedule):
-    from megalite.pipeline_parallel.p2p import separate_gradient_group
-    cfg = parse_args(argv, world_size=1).model
-    state = ParallelState.build(world, rank, tp=tp, pp=pp)
-    sp = "--sequence-parallel" in argv
-    tpc = build_tensor_parallel(state, sp, 11, torch.device("cpu"), cfg.num_query_groups)
-    chunks_per_rank = 2 if schedule == "zbv" else 1
-    chunks = build_model_chunks(cfg, 11, tpc, state.pp_rank, pp, chunks_per_rank, placement=stage_placement(schedule))
-    named = [(f"{i}.{n}", p) for i, c in enumerate(chunks) for n, p in c.named_parameters()]
-    ParamAndGradBuffer(named)
-    comm = PipelineComm(state.group("pp"), state.pp_rank, pp, (SEQ // tp if sp else SEQ, MBS, cfg.hidden_size),
-                        torch.float32, torch.device("cpu"))
-    if schedule == "zbv":
-        comm.gradient_group = separate_gradient_group(state)
-    order = schedule_order(schedule, pp, state.pp_rank, M, chunks_per_rank)
-    losses = run_pipeline_schedule(order, chunk_forward(chunks, torch.device("cpu")), _batches(), comm,
-                                   chunks_per_rank, placement=stage_placement(schedule))
-    finalize_tensor_parallel_grads([p for _, p in named], tpc)
-    sync_shared_embedding_grads(chunks, state)
-    grads = {c.global_name(n): p.main_grad.clone() for c in chunks for n, p in c.named_parameters()}
-    last = [c for c in chunks if c.post_process]
-    return (losses if last else None), (grads if tp == 1 else {})
-
-
 def _run_cases(rank, world, executor_cases, loop_argvs):
     """Every executor case (argv, pp, tp, schedule), then pretrain() on every loop argv, in one world."""
     from megalite.training import pretrain
-    executor = [_pipeline(rank, world, *case) for case in executor_cases]
+    executor = [run_executor(rank, world, argv, pp, tp, schedule, 2 if schedule == "zbv" else 1)
+                for argv, pp, tp, schedule in executor_cases]
     loop = [pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history for argv in loop_argvs]
     return executor, loop
 
 
 def _check_equals_one_process(per_rank, argv, tp, schedule):
     """per_rank: each rank's (losses, grads) of one executor case."""
-    ref_losses, ref_grads = _reference(argv)
+    ref_losses, ref_grads = reference(argv)
     holder = 0 if schedule == "zbv" else -1              # zbv's last virtual stage is on rank 0
     assert per_rank[holder][0] == pytest.approx(ref_losses, rel=1e-5)
     seen = set()

@@ -1,0 +1,43 @@
+#!/usr/bin/env python
+"""CPU allocator settings against step time and page faults: megalite's training loop (bench_vs_hf.py's model)
+in one process per setting, since glibc's malloc options are per process.
+
+    python bench/allocator_probe.py fp32 default,keep,glibc,thr16,thr64 1
+
+default: megalite's CPU default (1 MiB mmap threshold, initialize.return_freed_memory_to_os); keep:
+MEGALITE_KEEP_FREED_MEMORY=1; glibc: glibc's adaptive threshold; thrN: a fixed N MiB threshold.
+Prints ms per iteration, system time, minor page faults per iteration and max RSS."""
+import os, sys, time, statistics, multiprocessing as mp
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE); sys.path.insert(0, os.path.dirname(HERE))
+
+def worker(mode, dtype, n, q):
+    import resource
+    if mode == "keep":
+        os.environ["MEGALITE_KEEP_FREED_MEMORY"] = "1"
+    import megalite.initialize as init
+    if mode == "glibc":
+        init.return_freed_memory_to_os = lambda: None
+    if mode.startswith("thr"):
+        init.MMAP_THRESHOLD = int(mode[3:]) << 20
+    import torch
+    torch.set_num_threads(2)
+    from bench_vs_hf import MegaliteLoop, FULL
+    loop = MegaliteLoop(FULL, dtype, False)
+    loop.run(2)
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    times = loop.run(n)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    q.put((mode, statistics.median(times) * 1000, (r1.ru_stime - r0.ru_stime) / n * 1000,
+           (r1.ru_minflt - r0.ru_minflt) / n, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    dtype = sys.argv[1]
+    modes = sys.argv[2].split(",")
+    for rnd in range(int(sys.argv[3])):
+        for mode in modes:
+            q = ctx.Queue()
+            p = ctx.Process(target=worker, args=(mode, dtype, 3, q)); p.start()
+            m, ms, sys_ms, flt, rss = q.get(); p.join()
+            print(f"{dtype} {m:8s} {ms:7.0f} ms/iter  sys {sys_ms:6.0f} ms/iter  minflt {flt:9.0f}/iter  maxrss {rss:.0f} MiB", flush=True)
