@@ -7,12 +7,20 @@ in one process per setting, since glibc's malloc options are per process.
 default: megalite's CPU default (1 MiB mmap threshold, initialize.return_freed_memory_to_os); keep:
 MEGALITE_KEEP_FREED_MEMORY=1; glibc: glibc's adaptive threshold; thrN: a fixed N MiB threshold.
 Prints ms per iteration, system time, minor page faults per iteration and max RSS."""
-import os, sys, time, statistics, multiprocessing as mp
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE); sys.path.insert(0, os.path.dirname(HERE))
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import sys
 
-def worker(mode, dtype, n, q):
-    import resource
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+ITERATIONS = 3          # timed per process, after 2 warm-up iterations
+
+
+def worker(mode: str, dtype: str, n: int, q) -> None:
+    """One setting in this fresh process: set glibc's policy the way start-up will, then time n iterations."""
     if mode == "keep":
         os.environ["MEGALITE_KEEP_FREED_MEMORY"] = "1"
     import megalite.initialize as init
@@ -31,13 +39,22 @@ def worker(mode, dtype, n, q):
     q.put((mode, statistics.median(times) * 1000, (r1.ru_stime - r0.ru_stime) / n * 1000,
            (r1.ru_minflt - r0.ru_minflt) / n, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
 
-if __name__ == "__main__":
+
+
+def main(dtype: str, modes: list[str], rounds: int) -> None:
     ctx = mp.get_context("spawn")
-    dtype = sys.argv[1]
-    modes = sys.argv[2].split(",")
-    for rnd in range(int(sys.argv[3])):
+    for _ in range(rounds):
         for mode in modes:
             q = ctx.Queue()
-            p = ctx.Process(target=worker, args=(mode, dtype, 3, q)); p.start()
-            m, ms, sys_ms, flt, rss = q.get(); p.join()
-            print(f"{dtype} {m:8s} {ms:7.0f} ms/iter  sys {sys_ms:6.0f} ms/iter  minflt {flt:9.0f}/iter  maxrss {rss:.0f} MiB", flush=True)
+            p = ctx.Process(target=worker, args=(mode, dtype, ITERATIONS, q))
+            p.start()
+            m, ms, sys_ms, faults, rss = q.get()
+            p.join()
+            print(f"{dtype} {m:8s} {ms:7.0f} ms/iter  sys {sys_ms:6.0f} ms/iter  minflt {faults:9.0f}/iter  "
+                  f"maxrss {rss:.0f} MiB", flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4:
+        raise SystemExit("usage: python bench/allocator_probe.py fp32|bf16 MODE[,MODE...] ROUNDS")
+    main(sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]))
