@@ -7,6 +7,7 @@ pretrain(config)
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import math
@@ -14,6 +15,7 @@ import os
 import signal
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -138,6 +140,28 @@ def ignore_stop_signals(_worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def shut_down_workers_at_exit(iterator):
+    """Stop the iterator's workers when the interpreter exits with it still alive (an uncaught
+    exception's traceback holds it, or a script keeps it in a global).
+
+    Without this the exit hangs for good: multiprocessing's own exit hook SIGTERMs the workers, which
+    ignore SIGTERM (ignore_stop_signals), and then joins them. torch registers such a hook itself only
+    for pinned-memory loaders. atexit runs hooks last-registered first, so this one runs before
+    multiprocessing's and before torch marks the interpreter as exiting (after which the shut-down is a
+    no-op). The weak reference lets an iterator that goes away earlier shut down as usual."""
+    if not hasattr(iterator, "_shutdown_workers"):        # no workers (--num-workers 0)
+        return iterator
+    ref = weakref.ref(iterator)
+
+    def shut_down():
+        alive = ref()
+        if alive is not None:
+            alive._shutdown_workers()      # what the iterator's __del__ calls; there is no public name
+
+    atexit.register(shut_down)
+    return iterator
+
+
 def build_data_iterators(trainer: Trainer, tokenizer):
     cfg, t = trainer.config, trainer.config.training
     evaluations = t.train_iters // t.eval_interval + 1 if t.eval_iters > 0 else 0
@@ -154,7 +178,7 @@ def build_data_iterators(trainer: Trainer, tokenizer):
         loader = DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.data.num_workers,
                             pin_memory=trainer.device.type == "cuda",
                             persistent_workers=cfg.data.num_workers > 0, worker_init_fn=ignore_stop_signals)
-        return iter(loader)
+        return shut_down_workers_at_exit(iter(loader))
 
     return (iterator(train, trainer.state.consumed_train_samples),
             iterator(valid, trainer.state.consumed_valid_samples), iterator(test, 0))

@@ -1,5 +1,6 @@
 """The training step: optimizer equals torch's AdamW, a fixed batch is memorised, fp16 skips overflows."""
 import itertools
+import os
 
 import pytest
 import torch
@@ -117,3 +118,32 @@ def test_pretrain_on_mock_data_reduces_the_loss(capsys):
     out = capsys.readouterr().out
     assert out.count("validation loss at iteration") == 2
     assert "validation loss at the end of training for val data" in out
+
+
+CRASH_WITH_LIVE_LOADERS = """
+import sys
+sys.path.insert(0, {tests!r})
+from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
+from megalite.arguments import parse_args
+from megalite.data.tokenizers import build_tokenizer
+from megalite.training import build_data_iterators, build_trainer
+config = parse_args(with_flags(TINY_LLAMA_ARGS, num_workers=2), world_size=1)
+trainer = build_trainer(config, print_fn=lambda *_: None)
+iterators = build_data_iterators(trainer, build_tokenizer(config.data))
+next(iterators[0])
+raise RuntimeError("boom")      # uncaught: the traceback keeps the iterators and their workers alive
+"""
+
+
+def test_a_crash_with_live_data_workers_exits_instead_of_hanging(tmp_path):
+    """Data-loader workers ignore SIGTERM (so a torchrun/SLURM signal cannot kill them before the rank
+    saves); multiprocessing's exit hook would SIGTERM and then join them forever. The rank must shut
+    them down itself and exit with the error."""
+    import subprocess
+    import sys
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH_WITH_LIVE_LOADERS.format(tests=tests))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                            cwd=os.path.dirname(tests))
+    assert result.returncode == 1 and "RuntimeError: boom" in result.stderr
