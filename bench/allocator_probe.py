@@ -4,7 +4,8 @@ in one process per setting, since glibc's malloc options are per process.
 
     python bench/allocator_probe.py fp32 default,keep,glibc,thr16,thr64 1
 
-default: megalite's CPU default (1 MiB mmap threshold, initialize.return_freed_memory_to_os); keep:
+default: megalite's CPU default (1 MiB mmap threshold, initialize.return_freed_memory_to_os; transparent huge
+pages for tensors of 2 MiB or more, megalite/__init__.py); default4k: the same with 4 KiB pages; keep:
 MEGALITE_KEEP_FREED_MEMORY=1; glibc: glibc's adaptive threshold; thrN: a fixed N MiB threshold.
 Prints ms per iteration, system time, minor page faults per iteration and max RSS."""
 import multiprocessing as mp
@@ -21,13 +22,16 @@ ITERATIONS = 3          # timed per process, after 2 warm-up iterations
 
 def worker(mode: str, dtype: str, n: int, q) -> None:
     """One setting in this fresh process: set glibc's policy the way start-up will, then time n iterations."""
-    if mode == "keep":
+    policy = mode.removesuffix("4k")
+    if mode.endswith("4k"):
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "0"         # before megalite sets its default
+    if policy == "keep":
         os.environ["MEGALITE_KEEP_FREED_MEMORY"] = "1"
     import megalite.initialize as init
-    if mode == "glibc":
+    if policy == "glibc":
         init.return_freed_memory_to_os = lambda: None
-    if mode.startswith("thr"):
-        init.MMAP_THRESHOLD = int(mode[3:]) << 20
+    if policy.startswith("thr"):
+        init.MMAP_THRESHOLD = int(policy[3:]) << 20
     import torch
     torch.set_num_threads(2)
     from bench_vs_hf import MegaliteLoop, FULL
