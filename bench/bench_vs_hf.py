@@ -149,8 +149,8 @@ class HFLoop:
 
 
 def worker(kind: str, shape: Shape, dtype: str, conn) -> None:
-    if kind == "hf":      # transformers runs as its users run it: importing megalite here (the parent did)
-        os.environ.pop("THP_MEM_ALLOC_ENABLE", None)      # turned on huge pages, megalite/__init__.py
+    if kind == "hf":      # transformers runs as its users run it, without the huge pages that importing
+        os.environ.pop("THP_MEM_ALLOC_ENABLE", None)      # megalite (the parent did) turns on
     loop = HFLoop(shape, dtype) if kind == "hf" else MegaliteLoop(shape, dtype, compiled=kind == "megalite-compiled")
     conn.send("ready")
     while (n := conn.recv()) > 0:

@@ -1,6 +1,8 @@
 """The training step: optimizer equals torch's AdamW, a fixed batch is memorised, fp16 skips overflows."""
 import itertools
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -139,8 +141,6 @@ def test_a_crash_with_live_data_workers_exits_instead_of_hanging(tmp_path):
     """Data-loader workers ignore SIGTERM (so a torchrun/SLURM signal cannot kill them before the rank
     saves); multiprocessing's exit hook would SIGTERM and then join them forever. The rank must shut
     them down itself and exit with the error."""
-    import subprocess
-    import sys
     tests = os.path.dirname(os.path.abspath(__file__))
     script = tmp_path / "crash.py"
     script.write_text(CRASH_WITH_LIVE_LOADERS.format(tests=tests))
