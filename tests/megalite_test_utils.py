@@ -37,3 +37,18 @@ def with_flags(base: list[str], **overrides) -> list[str]:
             argv += [flag, str(value)]
     return argv
 
+
+
+def wandb_offline_history(run_dir: str) -> bytes:
+    """The bytes of the one offline run file under run_dir, once wandb's service has written all of it.
+
+    run.finish() returns when the service has the run's records, not when its writer has flushed them to
+    the file (a slow machine showed only the 7-byte header). wandb.teardown() waits for the service
+    process to exit, so every record is on disk."""
+    import glob
+    import wandb
+    wandb.teardown()
+    history = glob.glob(os.path.join(run_dir, "**", "offline-run-*", "run-*.wandb"), recursive=True)
+    assert len(history) == 1, history
+    with open(history[0], "rb") as f:
+        return f.read()

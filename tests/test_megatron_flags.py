@@ -21,7 +21,6 @@ import json
 import os
 import pickle
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -31,7 +30,7 @@ from harness import run_ranks
 from megalite.arguments import parse_args, startup_notes
 from megalite.errors import UserError
 from megalite.training import build_trainer, optional_norms, pretrain, train_step
-from megalite_test_utils import ROOT, TINY_LLAMA_ARGS, with_flags
+from megalite_test_utils import ROOT, TINY_LLAMA_ARGS, wandb_offline_history, with_flags
 
 transformers = pytest.importorskip("transformers")
 
@@ -577,14 +576,7 @@ def test_log_fields_in_stdout_jsonl_tensorboard_and_wandb(tmp_path):
     scalars.Reload()
     for key in ("params norm", "num zeros", "iteration-time", "time forward-backward (ms)"):
         assert [e.step for e in scalars.Scalars(key)] == [2, 4], key
-    history = glob.glob(str(tmp_path / "wandb" / "wandb" / "offline-run-*" / "run-*.wandb")) or \
-        glob.glob(str(tmp_path / "wandb" / "**" / "run-*.wandb"), recursive=True)
-    content = b""
-    for _ in range(50):      # wandb's service may still be writing the offline file when finish() returns
-        content = open(history[0], "rb").read()
-        if b"iteration-time" in content:
-            break
-        time.sleep(0.2)
+    content = wandb_offline_history(str(tmp_path / "wandb"))
     for r in records:       # values are stored as JSON text (a whole float as an integer)
         assert repr(r["params norm"]).encode() in content and b"%d" % r["num zeros"] in content
     assert b"num zeros" in content and b"iteration-time" in content
