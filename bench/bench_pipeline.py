@@ -34,6 +34,7 @@ from pipeline_vs_torch import PAIRS, run_comparison, summarize  # noqa: E402
 
 PP = 2
 HEADLINE_MICROBATCHES = 8       # the summary's figure, and the timelines drawn
+BUBBLE_STEPS = 5                # steps recorded per row; the median one (by bubble share) is reported and drawn
 
 
 SCHEDULES = [("1f1b", 1), ("1f1b", 2), ("gpipe", 1), ("zb-h1", 1), ("zbv", 2),      # (schedule, chunks per rank)
@@ -56,13 +57,14 @@ BUBBLE_MODEL = dict(layers=8, hidden=512)       # the side-by-side's model: real
 BUBBLE_MODEL_QUICK = dict(layers=4, hidden=128)
 
 
-def measure(microbatches: tuple[int, ...], picture_dir: str, model: dict) -> tuple[list[str], list[Headline]]:
+def measure(microbatches: tuple[int, ...], picture_dir: str, model: dict,
+            quick: bool) -> tuple[list[str], list[Headline]]:
     rows, figures = [], []
     for schedule, vpp in SCHEDULES:
         name = schedule_name(schedule, vpp)
         for m in microbatches:
             records = record_schedule(PP, m, vpp, schedule, layers_per_stage=model["layers"] // (PP * vpp),
-                                      hidden=model["hidden"])
+                                      hidden=model["hidden"], steps=2 if quick else BUBBLE_STEPS)
             measured = measured_bubble_share(records)
             theory = theoretical_bubble_share(PP, m, vpp, schedule)
             ratio = f"{measured / theory:.2f}x" if theory else "-"
@@ -76,7 +78,7 @@ def measure(microbatches: tuple[int, ...], picture_dir: str, model: dict) -> tup
 
 
 # the side-by-side with torch.distributed.pipelining: the model, fp32, pp=2
-VS_TORCH = dict(layers=8, hidden=512, heads=8, seq=128, mbs=2, vocab=1000, repeats=3)
+VS_TORCH = dict(layers=8, hidden=512, heads=8, seq=128, mbs=2, vocab=1000, repeats=5)
 VS_TORCH_QUICK = dict(layers=8, hidden=128, heads=4, seq=64, mbs=2, vocab=1000, repeats=1)
 LOSS_TOLERANCE = 1e-4           # relative, fp32: the three runs sum the same terms in different orders
 
@@ -106,8 +108,9 @@ def versus_torch(args, argv: list[str], microbatches: tuple[int, ...]) -> None:
             f"{o['mbs']}, vocabulary {o['vocab']}, fp32 (Llama-style: RoPE, RMSNorm, SwiGLU, untied output). pp={PP} "
             "gloo ranks, one thread each. Both sides run the same chunks (same seed, so the same weights), the same "
             "stage placement and micro-batches; one step = forward and backward of every micro-batch, no optimizer. "
-            "Steps alternate megalite / torch within each round; median of "
-            f"{o['repeats']} rounds after one warm-up round. Step time = barrier to barrier, slowest rank. "
+            "Steps alternate megalite / torch within each round; times are medians of "
+            f"{o['repeats']} rounds after one warm-up round, and megalite / torch is the median of each round's "
+            "ratio (paired, so a round's machine load cancels). Step time = barrier to barrier, slowest rank. "
             "torch has no ZB-H1 class: its ScheduleInterleavedZeroBubble (ZB1P) with one stage per rank is the "
             "ZB-H1 order. The last column is the largest relative difference of each micro-batch's loss, "
             "megalite's and torch's, from the one-process run's.",
@@ -130,14 +133,15 @@ def main(argv: list[str]) -> None:
     picture_dir = os.path.dirname(os.path.abspath(results_path(args)))
     os.makedirs(picture_dir, exist_ok=True)
     model = BUBBLE_MODEL_QUICK if args.quick else BUBBLE_MODEL
-    rows, figures = measure(microbatches, picture_dir, model)
+    rows, figures = measure(microbatches, picture_dir, model, args.quick)
     command = command_line("bench_pipeline.py", argv)
     body = [f"pp={PP} gloo ranks, {model['layers']} layers split evenly over the model chunks, hidden {model['hidden']}, "
             "4 heads, vocabulary 1000, seq 128, micro-batch 2, fp32. Bubble share = "
-            "1 - busy/wall of one step (after one warm-up step), averaged over ranks. Theory (REFERENCE §6): "
+            "1 - busy/wall of one step, averaged over ranks; each row records "
+            f"{2 if args.quick else BUBBLE_STEPS} steps after one warm-up step and reports (and draws) the median. Theory (REFERENCE §6): "
             "(p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1, about 0 for ZB-V "
-            "(equal F/B/W times), 0 for PipeDream and PipeDream-2BW (no flush; their step is the second of three, "
-            "in the steady state). The last stage also runs the output layer and the loss, so stages are not "
+            "(equal F/B/W times), 0 for PipeDream and PipeDream-2BW (no flush; their steps are recorded in the "
+            "steady state, after one step has filled the pipeline). The last stage also runs the output layer and the loss, so stages are not "
             "quite equal (theory assumes they are); the timelines for m=8 are "
             + ", ".join(picture_name(s, v, HEADLINE_MICROBATCHES) for s, v in SCHEDULES) + " next to this file.",
             "", "| schedule | micro-batches | measured | theory | ratio |", "|---|---|---|---|---|", *rows]

@@ -233,7 +233,10 @@ def last_stage_losses(per_rank: list[dict], m: int, row: str) -> tuple[list[floa
 
 def summarize(per_rank: list[dict], m: int) -> tuple[dict, list[float], float]:
     """{row: (megalite ms, torch ms, ratio, max relative loss difference)}, the reference losses and ms.
-    A step's time is the slowest rank's (they end at a barrier, so they differ by its latency only)."""
+    A step's time is the slowest rank's (they end at a barrier, so they differ by its latency only). The
+    ratio is the median over rounds of megalite's step over torch's step of the same round: the two ran
+    back to back, so a round's load slows both, and pairing them cancels it (shared cores vary by ±10%
+    from one round to the next)."""
     ref = per_rank[0][m]["reference"]
     ref_losses = ref["losses"]
     out = {}
@@ -243,5 +246,6 @@ def summarize(per_rank: list[dict], m: int) -> tuple[dict, list[float], float]:
         mine_l, theirs_l = last_stage_losses(per_rank, m, row)
         diff = max(abs(a - c) / abs(c) for a, c in zip(mine_l + theirs_l, ref_losses + ref_losses))
         mine_ms, theirs_ms = 1000 * statistics.median(mine_s), 1000 * statistics.median(theirs_s)
-        out[row] = (mine_ms, theirs_ms, mine_ms / theirs_ms, diff)
+        ratio = statistics.median(a / b for a, b in zip(mine_s, theirs_s))
+        out[row] = (mine_ms, theirs_ms, ratio, diff)
     return out, ref_losses, 1000 * statistics.median(ref["seconds"])

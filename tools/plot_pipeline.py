@@ -7,8 +7,9 @@ and writes a PNG. It also prints the measured bubble share (idle time / wall tim
 averaged over ranks) next to theory (REFERENCE §6): (p-1)/(m+p-1) for GPipe and 1F1B,
 (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) for ZB-H1 (Qi et al. 2024, equal F/B/W times); ZB-V's is
 about zero under the same assumption (its warm-up only). The asynchronous schedules (pipedream,
-pipedream-2bw) never flush: their step is drawn in the steady state (the second of three steps, the first
-having filled the pipeline), where theory has no bubble; each micro-batch is numbered over the run.
+pipedream-2bw) never flush: their step is drawn in the steady state (after a first step has filled the
+pipeline, before a last one drains it), where theory has no bubble; each micro-batch is numbered over the run.
+With --steps N it records N steps and draws the one whose bubble is the median.
 
     python tools/plot_pipeline.py --pp 2 --microbatches 8 --output runs/pipeline_1f1b.png
     python tools/plot_pipeline.py --pp 2 --vpp 2 --microbatches 8 --output runs/pipeline_interleaved.png
@@ -26,7 +27,6 @@ import os
 import socket
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -35,7 +35,7 @@ from megalite.pipeline_parallel.pipedream import ASYNC_SCHEDULES, AsyncPipeline 
 from megalite.pipeline_parallel.schedules import SYNCHRONOUS_SCHEDULES, PipelineRecord  # noqa: E402
 
 SCHEDULES = SYNCHRONOUS_SCHEDULES + ASYNC_SCHEDULES
-ASYNC_STEPS = 3                 # the asynchronous schedules' run: fill the pipeline, record, drain
+ASYNC_STEPS = 2                 # the asynchronous schedules' run: fill the pipeline, then the recorded steps, drain
 
 
 def theoretical_bubble_share(pp: int, microbatches: int, vpp: int = 1, schedule: str = "1f1b") -> float:
@@ -56,6 +56,13 @@ def measured_bubble_share(records: list) -> float:
     return sum(1.0 - b / (end - start) for b in busy) / len(records)
 
 
+def median_step(steps: list[list]) -> list:
+    """Of several recorded steps (each a list of per-rank records), the one whose bubble is the median: one
+    step on shared cores can be slowed by anything else running, so a single step is a noisy figure."""
+    ranked = sorted(steps, key=measured_bubble_share)
+    return ranked[len(ranked) // 2]
+
+
 def _rank_main(rank: int, world: int, port: int, out_dir: str, opts: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -64,13 +71,14 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, opts: dict) -> No
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        torch.save(run_one_step(rank, world, opts), os.path.join(out_dir, f"{rank}.pt"))
+        torch.save(run_steps(rank, world, opts), os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def run_one_step(rank: int, world: int, opts: dict):
-    """One forward/backward step through the schedule; returns this rank's PipelineRecord."""
+def run_steps(rank: int, world: int, opts: dict) -> list:
+    """opts["steps"] forward/backward steps through the schedule after one warm-up step; returns this
+    rank's PipelineRecord of each."""
     import torch
     import torch.distributed
     from megalite.arguments import parse_args
@@ -109,48 +117,53 @@ def run_one_step(rank: int, world: int, opts: dict):
                         "position_ids": torch.arange(opts["seq"]).expand(opts["mbs"], opts["seq"])})
     forward = chunk_forward(chunks, device)
     if opts["schedule"] in ASYNC_SCHEDULES:
-        return run_async_steps(opts["schedule"], buffer, comm, state, m, batches, forward)
+        return run_async_steps(opts["schedule"], buffer, comm, state, m, batches, forward, opts["steps"])
     order = schedule_order(opts["schedule"], pp, state.pp_rank, m, vpp)
     run_pipeline_schedule(order, forward, batches, comm, vpp, placement=placement)      # warm-up step
-    torch.distributed.barrier()
-    record = PipelineRecord(rank)
-    run_pipeline_schedule(order, forward, batches, comm, vpp, record=record, placement=placement)
-    return record
+    records = []
+    for _ in range(opts["steps"]):
+        torch.distributed.barrier()
+        records.append(PipelineRecord(rank))
+        run_pipeline_schedule(order, forward, batches, comm, vpp, record=records[-1], placement=placement)
+    return records
 
 
-def run_async_steps(schedule: str, buffer, comm, state, m: int, batches: list, forward):
-    """ASYNC_STEPS training steps (plain SGD on the flat buffer) under pipedream / pipedream-2bw; returns
-    the PipelineRecord of the middle one, a step in the steady state."""
+def run_async_steps(schedule: str, buffer, comm, state, m: int, batches: list, forward, steps: int) -> list:
+    """ASYNC_STEPS + ``steps`` training steps (plain SGD on the flat buffer) under pipedream / pipedream-2bw;
+    returns the PipelineRecords of the ``steps`` after the first, which are in the steady state (the last
+    one drains the pipeline and is not recorded)."""
     import torch
     import torch.distributed
-    runner = AsyncPipeline(schedule, buffer.param_data, comm, state.pp_size, state.pp_rank, m,
-                           ASYNC_STEPS, forward)
-    record = PipelineRecord(state.pp_rank)
-    for step in range(ASYNC_STEPS):
+    total = ASYNC_STEPS + steps
+    runner = AsyncPipeline(schedule, buffer.param_data, comm, state.pp_size, state.pp_rank, m, total, forward)
+    records = [PipelineRecord(state.pp_rank) for _ in range(steps)]
+    for step in range(total):
         torch.distributed.barrier()
-        runner.record = record if step == 1 else None
+        runner.record = records[step - 1] if 1 <= step <= steps else None
         runner.forward_backward(step, lambda: (batches, None))
         runner.before_update()
         with torch.no_grad():
             buffer.param_data.add_(buffer.grad_data, alpha=-1e-4)
         runner.after_update(step)
         buffer.zero_grad()
-    return record
+    return records
 
 
 def record_schedule(pp: int, microbatches: int, vpp: int = 1, schedule: str = "1f1b", layers_per_stage: int = 2,
-                    hidden: int = 128, seq: int = 128, mbs: int = 2) -> list:
-    """Run the step on ``pp`` spawned ranks and return their PipelineRecords."""
+                    hidden: int = 128, seq: int = 128, mbs: int = 2, steps: int = 1) -> list:
+    """Run ``steps`` steps on ``pp`` spawned ranks; returns the ranks' PipelineRecords of the median step
+    (by bubble share)."""
     import torch
     import torch.multiprocessing as mp
     opts = dict(pp=pp, vpp=vpp, microbatches=microbatches, schedule=schedule, layers_per_stage=layers_per_stage,
-                hidden=hidden, seq=seq, mbs=mbs)
+                hidden=hidden, seq=seq, mbs=mbs, steps=steps)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_rank_main, args=(pp, port, out_dir, opts), nprocs=pp, join=True)
-        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(pp)]
+        per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(pp)]
+    return median_step([list(step) for step in zip(*per_rank)])
 
 
 def draw(records: list, path: str, title: str) -> None:
@@ -185,6 +198,7 @@ def main() -> None:
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                         help="zbv always runs two chunks per rank")
     parser.add_argument("--output", default="runs/pipeline_timeline.png")
+    parser.add_argument("--steps", type=int, default=1, help="steps recorded; the median one (by bubble) is drawn")
     args = parser.parse_args()
     if args.schedule == "zbv":
         args.vpp = 2
@@ -194,7 +208,9 @@ def main() -> None:
         parser.error(f"--schedule pipedream-2bw needs --microbatches >= --pp - 1 = {args.pp - 1}")
     if args.vpp > 1 and args.microbatches % args.pp:
         parser.error("--microbatches must be a multiple of --pp for the interleaved schedule")
-    records = record_schedule(args.pp, args.microbatches, args.vpp, args.schedule)
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    records = record_schedule(args.pp, args.microbatches, args.vpp, args.schedule, steps=args.steps)
     name = "interleaved 1F1B" if args.vpp > 1 and args.schedule == "1f1b" else args.schedule.upper()
     measured = measured_bubble_share(records)
     theory = theoretical_bubble_share(args.pp, args.microbatches, args.vpp, args.schedule)
