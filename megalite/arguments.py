@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--overlap-grad-reduce, else one bucket)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="data-parallel gradient reductions in bf16 (gradient accumulation stays fp32)")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
+                   help="compute each linear's weight gradient on its own and add it into the fp32 main_grad after; "
+                        "by default the matmul adds it in place (fp32 weights; bf16/fp16 on CUDA)")
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="PyTorch FSDP2 (fully_shard per layer) instead of megalite's own data parallelism; ZeRO-3 "
                         "by default, --data-parallel-sharding-strategy optim_grads keeps parameters gathered "
@@ -290,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 # scripts run, and says once at start-up that they change nothing.
 COMPAT_NO_EFFECT = ["--use-mcore-models", "--use-flash-attn", "--no-masked-softmax-fusion",
                     "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
-                    "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--attention-softmax-in-fp32",
+                    "--no-rope-fusion", "--attention-softmax-in-fp32",
                     "--accumulate-allreduce-grads-in-fp32", "--use-rotary-position-embeddings"]
 
 # synchronous: gpipe, 1f1b (interleaved with virtual stages), zb-h1, zbv (zero bubble, Qi et al. 2024);
@@ -837,7 +840,8 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
         use_distributed_optimizer=sharding_strategy(args) != "no_shard",
         overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
         data_parallel_sharding_strategy=sharding_strategy(args), ddp_bucket_size=args.ddp_bucket_size,
-        grad_reduce_in_bf16=args.grad_reduce_in_bf16, use_torch_fsdp2=args.use_torch_fsdp2)
+        grad_reduce_in_bf16=args.grad_reduce_in_bf16, use_torch_fsdp2=args.use_torch_fsdp2,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion)
 
 
 def train_iters_of(args) -> int:

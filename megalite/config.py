@@ -78,6 +78,7 @@ class ParallelConfig:
     data_parallel_sharding_strategy: str = "no_shard"
     ddp_bucket_size: Optional[int] = None       # elements per gradient bucket; None: Megatron's default
     grad_reduce_in_bf16: bool = False           # data-parallel gradient reductions in bf16 (accumulation stays fp32)
+    gradient_accumulation_fusion: bool = True   # linears add their weight gradient straight into main_grad
     use_torch_fsdp2: bool = False               # PyTorch FSDP2 instead of megalite's own DP/ZeRO (distributed/fsdp2.py)
 
     @property

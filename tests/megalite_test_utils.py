@@ -38,7 +38,6 @@ def with_flags(base: list[str], **overrides) -> list[str]:
     return argv
 
 
-
 def wandb_offline_history(run_dir: str) -> bytes:
     """The bytes of the one offline run file under run_dir, once wandb's service has written all of it.
 

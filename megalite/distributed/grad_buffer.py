@@ -8,6 +8,9 @@ reduction a handful of large operations instead of one per parameter.
 fp32 models: ``param.grad`` *is* the main_grad view, so autograd accumulates into it in place.
 bf16/fp16 models: a post-accumulate hook adds the low-precision grad into the fp32 main_grad and frees
 it, so micro-batch accumulation happens in fp32 (Megatron's behaviour).
+``fuse_weight_grads()`` marks the linear weights whose gradient the matmul itself can add into main_grad
+(gradient-accumulation fusion, tensor_parallel/layers.py): fp32 weights anywhere, bf16/fp16 where PyTorch
+has a mixed-dtype addmm on the device (CUDA). Not with ``shard_grads``: there main_grad is not kept.
 
 Buckets (data parallelism). The flat layout is split into buckets, each a run of whole parameters
 (about ``bucket_size`` elements; a parameter is never split) and padded to a multiple of the
@@ -35,6 +38,7 @@ wrapper), so no rank ever materialises a tensor it does not keep.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -308,6 +312,19 @@ class ParamAndGradBuffer:
             for p in self.params:
                 p.grad = None
 
+    def fuse_weight_grads(self) -> int:
+        """Mark every 2-D parameter whose gradient the matmul can add straight into its main_grad
+        (``fuse_wgrad_into_main_grad``); returns how many. Only the linears of tensor_parallel/layers.py
+        act on the mark; an embedding's gradient still arrives through autograd."""
+        if self.shard_grads:
+            return 0
+        fused = 0
+        for p in self.params:
+            if p.dim() == 2 and (p.dtype == torch.float32 or _mixed_dtype_addmm_works(p.device, p.dtype)):
+                p.fuse_wgrad_into_main_grad = True
+                fused += 1
+        return fused
+
     # ---- accounting ------------------------------------------------------------------------------
     def param_bytes(self) -> int:
         """Bytes of parameter storage this rank holds now (ZeRO-3: its shard plus gathered buckets)."""
@@ -336,6 +353,20 @@ def _fill(target: torch.Tensor, param: nn.Parameter, start: int, end: int) -> No
         target[lo - start:hi - start].copy_(init_values(lo, hi))
 
 
+@functools.cache
+def _mixed_dtype_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(fp32 c, low-precision a, b, out_dtype=fp32, out=c)`` runs here and is right
+    (PyTorch has it for CUDA only; on CPU it raises NotImplementedError)."""
+    try:
+        a = torch.ones(4, 8, dtype=dtype, device=device)
+        c = torch.ones(4, 4, dtype=torch.float32, device=device)
+        torch.addmm(c, a, a.t(), out_dtype=torch.float32, out=c)
+        return bool((c == 9).all())
+    except (RuntimeError, TypeError):         # NotImplementedError is a RuntimeError
+        return False
+
+
 def _accumulate_into_main_grad(param: nn.Parameter) -> None:
-    param.main_grad.add_(param.grad)
+    if param.grad is not None:               # None: the matmul already added it (fuse_weight_grads)
+        param.main_grad.add_(param.grad)
     param.grad = None

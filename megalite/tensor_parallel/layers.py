@@ -12,6 +12,14 @@ Megatron) and ``take_shard(full) -> local``; ``shard_positions`` turns those int
 and columns of the local elements, so initialisation and checkpoints address the unsharded tensor
 without ever building it. ``tensor_model_parallel`` marks sharded parameters and
 ``sequence_parallel`` replicated ones whose gradients differ per rank under sequence parallelism.
+
+Gradient-accumulation fusion (Megatron's, on by default; ``--no-gradient-accumulation-fusion``): a weight
+marked ``fuse_wgrad_into_main_grad`` (distributed/grad_buffer.py marks those it can) gets its gradient
+added straight into its fp32 ``main_grad`` by the matmul itself, ``main_grad += grad_y^T x``, instead of
+a separate [out, in] gradient that autograd then adds (fp32) or a hook adds and frees (bf16). That saves
+one weight-sized temporary and one pass over it per linear per micro-batch. The backward returns no
+weight gradient; autograd still runs the parameter's post-accumulate hooks (with ``grad`` None), so the
+data-parallel reduction sees the weight as ready exactly as before.
 """
 from __future__ import annotations
 
@@ -71,6 +79,61 @@ def shard_positions(param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor, in
     return rows, cols, full_cols
 
 
+def _fuses_into_main_grad(weight: torch.Tensor) -> bool:
+    """Whether adding into main_grad is exactly what autograd would do with the gradient: always for a
+    low-precision weight (its hook adds .grad into main_grad), and for an fp32 weight while its .grad is
+    the main_grad view (the buffer's zero_grad sets that; code that resets .grad to None, such as a plain
+    torch optimizer's zero_grad, gets autograd's fresh .grad instead)."""
+    if not getattr(weight, "fuse_wgrad_into_main_grad", False) or torch.compiler.is_compiling():
+        return False
+    if weight.main_grad.dtype != weight.dtype:
+        return True
+    return weight.grad is not None and weight.grad.data_ptr() == weight.main_grad.data_ptr()
+
+
+def weight_grad(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor | None:
+    """grad_W = grad_2d^T input_2d, or, for a weight marked for gradient-accumulation fusion, that added into
+    its main_grad in the same matmul (then None: there is nothing left for autograd to accumulate)."""
+    if not _fuses_into_main_grad(weight):
+        return grad_2d.t().matmul(input_2d)
+    main_grad = weight.main_grad
+    if main_grad.dtype == grad_2d.dtype:
+        main_grad.addmm_(grad_2d.t(), input_2d)
+    else:       # bf16/fp16 operands, fp32 accumulator: where PyTorch has the mixed-dtype matmul (grad_buffer.py)
+        torch.addmm(main_grad, grad_2d.t(), input_2d, out_dtype=main_grad.dtype, out=main_grad)
+    return None
+
+
+class _LinearAccumulatingWeightGrad(torch.autograd.Function):
+    """y = x W^T (+ b) whose backward adds grad_W into W.main_grad (gradient-accumulation fusion); the same
+    saved tensors (x, W) as F.linear."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = input_grads_to_compute(ctx)[:3]     # zero-bubble B / W: one side each
+        grad_x = grad_y.matmul(weight) if need_x else None
+        grad_2d = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_w = weight_grad(weight, grad_2d, x.reshape(-1, x.shape[-1])) if need_w else None
+        grad_b = grad_2d.sum(dim=0) if need_b and ctx.has_bias else None
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with gradient-accumulation fusion for a weight marked for it. A compiled region keeps
+    F.linear: torch.compile builds its own backward, which cannot write into main_grad."""
+    if getattr(weight, "fuse_wgrad_into_main_grad", False) and torch.is_grad_enabled() \
+            and not torch.compiler.is_compiling():
+        return _LinearAccumulatingWeightGrad.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class _LinearWithSequenceGather(torch.autograd.Function):
     """y = all_gather_seq(x) W^T (+ b), keeping only the local x shard [s/t, b, h] for backward.
 
@@ -99,7 +162,7 @@ class _LinearWithSequenceGather(torch.autograd.Function):
             grad_x, scattering = reduce_scatter_sequence_async(grad_x, ctx.group)   # in flight during grad_W
         grad_2d = grad_y.reshape(-1, grad_y.shape[-1])
         if need_w:
-            grad_w = grad_2d.t().matmul(x_full.reshape(-1, x_full.shape[-1]))
+            grad_w = weight_grad(weight, grad_2d, x_full.reshape(-1, x_full.shape[-1]))
         if need_b and ctx.has_bias:
             grad_b = grad_2d.sum(dim=0)
         if scattering is not None:
@@ -114,7 +177,7 @@ def linear_with_sequence_gather(x: torch.Tensor, weight: torch.Tensor, bias: tor
     copy_to_tp_region (backward all-reduces the input gradient)."""
     if tp.sequence_parallel and tp.group is not None:
         return _LinearWithSequenceGather.apply(x, weight, bias, tp.group)
-    return F.linear(copy_to_tp_region(x, tp.group), weight, bias)
+    return linear(copy_to_tp_region(x, tp.group), weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -157,7 +220,7 @@ class RowParallelLinear(nn.Module):
             self.bias.sequence_parallel = tp.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.tp.sequence_parallel:
             y = reduce_scatter_to_sp_region(y, self.tp.group)
         else:

@@ -87,6 +87,29 @@ def test_fp16_with_dynamic_loss_scaling_skips_overflows_and_trains():
     assert values[-1] < values[0]
 
 
+def test_bf16_weight_gradients_accumulate_fused_into_fp32_main_grad_on_the_gpu():
+    """Gradient-accumulation fusion for bf16 weights (tensor_parallel/layers.py): the matmul adds the weight
+    gradient of bf16 operands straight into the fp32 main_grad; equal to the fp32 sum of bf16 gradients,
+    and the whole bf16 run trains the same with fusion turned off."""
+    from megalite.distributed.grad_buffer import ParamAndGradBuffer
+    from megalite.tensor_parallel.layers import ColumnParallelLinear, TensorParallel
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    torch.manual_seed(0)
+    fc = ColumnParallelLinear(64, 32, False, torch.bfloat16, TensorParallel()).to(device)
+    torch.nn.init.normal_(fc.weight)
+    buffer = ParamAndGradBuffer([("fc.weight", fc.weight)], device=device)
+    assert buffer.fuse_weight_grads() == (1 if on_gpu else 0)
+    xs = [torch.randn(16, 64, dtype=torch.bfloat16, device=device) for _ in range(4)]
+    for x in xs:
+        fc(x).float().sum().backward()
+    assert fc.weight.grad is None
+    expected = sum(torch.ones(16, 32, device=device).t().matmul(x.float()) for x in xs)
+    torch.testing.assert_close(fc.weight.main_grad, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    argv = with_flags(ARGV, bf16=True)
+    assert_close(losses(pretrain(argv)), losses(pretrain(argv + ["--no-gradient-accumulation-fusion"])), rtol=2e-2)
+
+
 def test_tf32_is_on_by_default_and_off_with_no_tf32():
     from megalite.arguments import parse_args
     from megalite.training import build_trainer
