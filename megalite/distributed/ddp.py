@@ -265,8 +265,8 @@ class DistributedDataParallel:
                                          self.shard_params, units=unit_of if self.shard_grads else None,
                                          device=device, staging_dtype=self.comm.reduce_dtype or torch.float32)
         named = self._swap_materialised(named)
-        self.fused_weight_grads = self.buffer.fuse_weight_grads() \
-            if getattr(config, "gradient_accumulation_fusion", True) else 0
+        if getattr(config, "gradient_accumulation_fusion", True):
+            self.buffer.fuse_weight_grads()
         self.named_params = named
         self.buckets = self.buffer.buckets
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
