@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import statistics
 import sys
 import tempfile
 
@@ -33,6 +34,7 @@ sys.path.insert(0, ROOT)
 
 from megalite.pipeline_parallel.pipedream import ASYNC_SCHEDULES, AsyncPipeline  # noqa: E402
 from megalite.pipeline_parallel.schedules import SYNCHRONOUS_SCHEDULES, PipelineRecord  # noqa: E402
+from megalite.pipeline_parallel.simulate import replay_schedule  # noqa: E402
 
 SCHEDULES = SYNCHRONOUS_SCHEDULES + ASYNC_SCHEDULES
 ASYNC_STEPS = 2                 # the asynchronous schedules' run: fill the pipeline, then the recorded steps, drain
@@ -54,6 +56,35 @@ def measured_bubble_share(records: list) -> float:
     end = max(e[4] for r in records for e in r.events)
     busy = [sum(e[4] - e[3] for e in r.events) for r in records]
     return sum(1.0 - b / (end - start) for b in busy) / len(records)
+
+
+def replayed_bubble_share(records: list, schedule: str, vpp: int = 1) -> float | None:
+    """The bubble of the schedule's own orders when each action takes its rank's median measured time for
+    its kind and chunk, with no transfer time and no spread (megalite/pipeline_parallel/simulate.py): what
+    the order can do on this model's real, unequal stages. None for the asynchronous schedules (no order
+    to replay: they never flush)."""
+    if schedule in ASYNC_SCHEDULES:
+        return None
+    durations: dict = {}
+    for r in records:
+        for kind, chunk, _, start, end in r.events:
+            durations.setdefault((r.rank, kind, chunk), []).append(end - start)
+    cost = {key: statistics.median(times) for key, times in durations.items()}
+    microbatches = 1 + max(e[2] for e in records[0].events)
+    return replay_schedule(schedule, len(records), microbatches, vpp,
+                           lambda rank, action: cost[(rank, action.kind, action.chunk)]).bubble
+
+
+def forward_spread(records: list) -> float:
+    """The spread of identical work on this machine, measured in the same step: the coefficient of
+    variation (stdev / mean) of the forward times of each rank's chunk, averaged over them."""
+    times: dict = {}
+    for r in records:
+        for kind, chunk, _, start, end in r.events:
+            if kind == "F":
+                times.setdefault((r.rank, chunk), []).append(end - start)
+    spreads = [statistics.pstdev(t) / statistics.mean(t) for t in times.values() if len(t) > 1]
+    return statistics.mean(spreads) if spreads else 0.0
 
 
 def median_step(steps: list[list]) -> list:
@@ -216,8 +247,11 @@ def main() -> None:
     theory = theoretical_bubble_share(args.pp, args.microbatches, args.vpp, args.schedule)
     draw(records, args.output, f"{name}: pp={args.pp}, vpp={args.vpp}, m={args.microbatches}; "
                                f"bubble {100 * measured:.0f}% (theory {100 * theory:.0f}%)")
+    replayed = replayed_bubble_share(records, args.schedule, args.vpp)
     print(f"{name} pp={args.pp} vpp={args.vpp} m={args.microbatches}: measured bubble share {100 * measured:.1f}% "
-          f"| theory {100 * theory:.1f}% | timeline {args.output}")
+          f"| theory {100 * theory:.1f}%"
+          + ("" if replayed is None else f" | the order with the measured action times {100 * replayed:.1f}%")
+          + f" | forward time spread {100 * forward_spread(records):.0f}% | timeline {args.output}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 from megalite.arguments import parse_args
 from megalite.errors import UserError
-from megalite.pipeline_parallel.schedules import SYNCHRONOUS_SCHEDULES, StageMap, schedule_order, stage_placement
+from megalite.pipeline_parallel.schedules import SYNCHRONOUS_SCHEDULES, schedule_order
+from megalite.pipeline_parallel.simulate import replay_schedule
+from megalite.pipeline_parallel.zero_bubble import ZERO_BUBBLE_SCHEDULES
 from pipeline_workloads import ARGS, one_thread, reference, run_executor  # noqa: F401 (one_thread: autouse fixture)
 
 LAYOUTS = [(schedule, pp, m, chunks) for schedule in SYNCHRONOUS_SCHEDULES for pp in (2, 4) for m in (4, 8, 16)
@@ -20,49 +22,11 @@ def _orders(schedule, pp, m, chunks):
     return [schedule_order(schedule, pp, r, m, chunks) for r in range(pp)]
 
 
-def simulate(schedule, pp, m, chunks, cost=None):
-    """Run every rank's order as the executor does (sends never block, an action waits for its input)
-    with per-kind costs; returns (per-rank busy time, makespan). Fails on a deadlock or when a message
-    would be matched to the wrong receive. Matching is NCCL's: in posting order per sender, receiver and
-    communicator, tags ignored; zbv sends gradients in a second group (p2p.py), so there it is per kind."""
-    cost = cost or {"F": 1.0, "B": 2.0, "W": 0.0}
-    orders = _orders(schedule, pp, m, chunks)
-    maps = [StageMap(pp, r, chunks, stage_placement(schedule)) for r in range(pp)]
-    if any(a.kind == "W" for a in orders[0]):
-        cost = {**cost, "B": cost["B"] - cost.get("W_split", 1.0), "W": cost.get("W_split", 1.0)}
-    sent = {}           # (src, dst, tag) -> [(arrival time, message id)], in send order
-    taken = {}          # (src, dst, tag) -> messages received so far
-    clock, position, busy = [0.0] * pp, [0] * pp, [0.0] * pp
-    progress = True
-    while progress:
-        progress = False
-        for r in range(pp):
-            while position[r] < len(orders[r]):
-                a = orders[r][position[r]]
-                source = maps[r].source(a)
-                start = clock[r]
-                if source is not None:
-                    channel = (source.rank, r, source.tag if schedule == "zbv" else 0)
-                    queue, n = sent.get(channel, []), taken.get(channel, 0)
-                    if len(queue) <= n:
-                        break                                   # input not sent yet
-                    arrival, message = queue[n]
-                    v = maps[r].stage[a.chunk]
-                    assert message == (a.kind, v - 1 if a.kind == "F" else v + 1, a.microbatch), \
-                        f"{schedule} pp={pp} m={m}: rank {r} {a} would receive {message}"
-                    taken[channel] = n + 1
-                    start = max(start, arrival)
-                clock[r] = start + cost[a.kind] / chunks            # a chunk holds 1/chunks of the rank's layers
-                busy[r] += clock[r] - start
-                if a.kind in "FB" and not (a.kind == "F" and maps[r].last(a.chunk)) and \
-                        not (a.kind == "B" and maps[r].first(a.chunk)):
-                    to = maps[r].destination(a.kind, a.chunk)
-                    sent.setdefault((r, to.rank, to.tag if schedule == "zbv" else 0), []).append(
-                        (clock[r], (a.kind, maps[r].stage[a.chunk], a.microbatch)))
-                position[r] += 1
-                progress = True
-    assert all(position[r] == len(orders[r]) for r in range(pp)), f"{schedule} pp={pp} m={m} deadlocks"
-    return busy, max(clock)
+def unit_cost_bubble(schedule, pp, m, chunks=1):
+    """The order's bubble with F = 1 and B = 2 per rank (B = W = 1 when the schedule splits B and W), a
+    chunk taking 1/chunks of that (replay_schedule also fails on a deadlock or a mismatched message)."""
+    cost = {"F": 1.0, "B": 1.0, "W": 1.0} if schedule in ZERO_BUBBLE_SCHEDULES else {"F": 1.0, "B": 2.0}
+    return replay_schedule(schedule, pp, m, chunks, lambda rank, action: cost[action.kind] / chunks).bubble
 
 
 @pytest.mark.parametrize("schedule, pp, m, chunks", LAYOUTS)
@@ -81,7 +45,7 @@ def test_orders_are_complete_causal_and_deadlock_free(schedule, pp, m, chunks):
                 assert at > seen[("B", c, i)]
         if schedule in ("zb-h1", "zbv"):
             assert {(c, i) for k, c, i in seen if k == "W"} == work
-    simulate(schedule, pp, m, chunks)
+    unit_cost_bubble(schedule, pp, m, chunks)
 
 
 @pytest.mark.parametrize("pp, m", [(2, 8), (4, 8), (4, 16)])
@@ -89,8 +53,7 @@ def test_unit_cost_bubbles_meet_theory(pp, m):
     """With F = 1, B = 2 (1F1B) or B = W = 1 (zero bubble): the orders themselves reach the theory of
     REFERENCE §6 and Qi et al. 2024; what bench/bench_pipeline.py measures beyond is the executor's."""
     def bubble(schedule, chunks=1):
-        busy, span = simulate(schedule, pp, m, chunks)
-        return sum(1 - b / span for b in busy) / pp
+        return unit_cost_bubble(schedule, pp, m, chunks)
     assert bubble("1f1b") == pytest.approx((pp - 1) / (m + pp - 1))
     assert bubble("gpipe") == pytest.approx((pp - 1) / (m + pp - 1))
     assert bubble("1f1b", 2) == pytest.approx((pp - 1) / (2 * m + pp - 1))
