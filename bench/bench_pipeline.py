@@ -60,13 +60,13 @@ BUBBLE_MODEL_QUICK = dict(layers=4, hidden=128)
 
 
 def measure(microbatches: tuple[int, ...], picture_dir: str, model: dict,
-            quick: bool) -> tuple[list[str], list[Headline]]:
+            steps: int) -> tuple[list[str], list[Headline]]:
     rows, figures, bubbles = [], [], {}
     for schedule, vpp in SCHEDULES:
         name = schedule_name(schedule, vpp)
         for m in microbatches:
             records = record_schedule(PP, m, vpp, schedule, layers_per_stage=model["layers"] // (PP * vpp),
-                                      hidden=model["hidden"], steps=2 if quick else BUBBLE_STEPS)
+                                      hidden=model["hidden"], steps=steps)
             measured = measured_bubble_share(records)
             theory = theoretical_bubble_share(PP, m, vpp, schedule)
             ratio = f"{measured / theory:.2f}x" if theory else "-"
@@ -155,12 +155,13 @@ def main(argv: list[str]) -> None:
     picture_dir = os.path.dirname(os.path.abspath(results_path(args)))
     os.makedirs(picture_dir, exist_ok=True)
     model = BUBBLE_MODEL_QUICK if args.quick else BUBBLE_MODEL
-    rows, figures = measure(microbatches, picture_dir, model, args.quick)
+    steps = 2 if args.quick else BUBBLE_STEPS
+    rows, figures = measure(microbatches, picture_dir, model, steps)
     command = command_line("bench_pipeline.py", argv)
     body = [f"pp={PP} gloo ranks, {model['layers']} layers split evenly over the model chunks, hidden {model['hidden']}, "
             "4 heads, vocabulary 1000, seq 128, micro-batch 2, fp32. Bubble share = "
             "1 - busy/wall of one step, averaged over ranks; each row records "
-            f"{2 if args.quick else BUBBLE_STEPS} steps after one warm-up step and reports (and draws) the median. Theory (REFERENCE §6): "
+            f"{steps} steps after one warm-up step and reports (and draws) the median. Theory (REFERENCE §6): "
             "(p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1, about 0 for ZB-V "
             "(equal F/B/W times), 0 for PipeDream and PipeDream-2BW (no flush; their steps are recorded in the "
             "steady state, after one step has filled the pipeline). The last stage also runs the output layer and the loss, so stages are not "

@@ -53,8 +53,7 @@ def replay_schedule(schedule: str, pp: int, num_microbatches: int, num_chunks: i
                     if len(queue) <= n:
                         break                                       # its input is not sent yet
                     arrival, message = queue[n]
-                    v = maps[r].stage[action.chunk]
-                    wanted = (action.kind, v - 1 if action.kind == "F" else v + 1, action.microbatch)
+                    wanted = (action.kind, maps[source.rank].stage[source.chunk], action.microbatch)
                     if message != wanted:
                         raise RuntimeError(f"{schedule} pp={pp} m={num_microbatches}: rank {r} {action} would "
                                            f"receive {message}")

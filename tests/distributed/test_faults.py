@@ -132,6 +132,10 @@ def faulty(trainer, data):
     calls.append(1)
     if int(os.environ["RANK"]) == 1 and len(calls) == 3:
         if os.environ["FAULT"] == "die":
+            # die once rank 0 waits on this rank in a collective (its step takes well under 2 s): the case
+            # under test. Dying at once raced torchrun, which SIGTERMs the survivors 0.1 s after a worker
+            # exits: a rank 0 still computing its step was killed before any collective told it why
+            time.sleep(2)
             os._exit(7)
         time.sleep(300)                  # stuck: alive but never reaching the next collective
     return original(trainer, data)
