@@ -2,11 +2,13 @@
 """CPU allocator settings against step time and page faults: megalite's training loop (bench_vs_hf.py's model)
 in one process per setting, since glibc's malloc options are per process.
 
-    python bench/allocator_probe.py fp32 default,keep,glibc,thr16,thr64 1
+    python bench/allocator_probe.py fp32 default,exact,keep,glibc,thr16,thr64 1
 
-default: megalite's CPU default (1 MiB mmap threshold, initialize.return_freed_memory_to_os; transparent huge
-pages for tensors of 2 MiB or more, megalite/__init__.py); default4k: the same with 4 KiB pages; keep:
-MEGALITE_KEEP_FREED_MEMORY=1; glibc: glibc's adaptive threshold; thrN: a fixed N MiB threshold.
+default: megalite's CPU default (the caching CPU allocator, megalite/caching_cpu_allocator.py, over a 1 MiB
+mmap threshold; transparent huge pages for tensors of 2 MiB or more, megalite/__init__.py); exact: no cache
+(MEGALITE_CPU_CACHE=0), every block of 1 MiB or more back to the OS when freed; a "4k" suffix: the same with
+4 KiB pages; keep: MEGALITE_KEEP_FREED_MEMORY=1; glibc: glibc's adaptive threshold; thrN: a fixed N MiB
+threshold (the last two without the cache).
 Prints ms per iteration, system time, minor page faults per iteration and max RSS."""
 import multiprocessing as mp
 import os
@@ -27,6 +29,8 @@ def worker(mode: str, dtype: str, n: int, q) -> None:
         os.environ["THP_MEM_ALLOC_ENABLE"] = "0"         # before megalite sets its default
     if policy == "keep":
         os.environ["MEGALITE_KEEP_FREED_MEMORY"] = "1"
+    if policy == "exact" or policy == "glibc" or policy.startswith("thr"):
+        os.environ["MEGALITE_CPU_CACHE"] = "0"
     import megalite.initialize as init
     if policy == "glibc":
         init.return_freed_memory_to_os = lambda: None

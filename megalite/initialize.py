@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megalite import caching_cpu_allocator
 from megalite.config import ParallelConfig
 from megalite.errors import UserError
 from megalite.parallel_state import ParallelState
@@ -83,10 +84,7 @@ def device_for(local_rank: int) -> torch.device:
                              "at most one process per GPU (torchrun --nproc_per_node)")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
-    if os.environ.get("MEGALITE_KEEP_FREED_MEMORY") == "1":
-        keep_freed_memory_in_process()
-    else:
-        return_freed_memory_to_os()
+    set_cpu_memory_policy(log_notice=local_rank == 0)
     return torch.device("cpu")
 
 
@@ -143,6 +141,31 @@ def _mallopt(option: int, value: int) -> None:
         ctypes.CDLL("libc.so.6").mallopt(option, value)
     except (OSError, AttributeError):      # not glibc: its own policy applies
         pass
+
+
+def set_cpu_memory_policy(log_notice: bool = True) -> str:
+    """How a CPU process hands out and takes back its large blocks; returns the policy's name.
+
+    - "caching" (default): megalite's caching CPU allocator (megalite/caching_cpu_allocator.py) reuses the
+      blocks a step freed for the next step's same-sized requests, within the peak of what was alive at
+      once, and glibc returns what the cache releases (return_freed_memory_to_os). Peak RSS stays what
+      returning everything gives, without re-faulting every activation's pages each step.
+    - "exact" (MEGALITE_CPU_CACHE=0, or no C++ compiler): every block of 1 MiB or more goes back to the OS.
+    - "keep" (MEGALITE_KEEP_FREED_MEMORY=1): glibc keeps everything in its heap.
+    """
+    if os.environ.get("MEGALITE_KEEP_FREED_MEMORY") == "1":
+        keep_freed_memory_in_process()
+        return "keep"
+    return_freed_memory_to_os()
+    if os.environ.get("MEGALITE_CPU_CACHE", "1") == "0":
+        return "exact"
+    why_not = caching_cpu_allocator.install()
+    if why_not is None:
+        return "caching"
+    if log_notice:
+        print(f" > CPU caching allocator unavailable ({why_not}); freed blocks go back to the OS, "
+              "which is slower (MEGALITE_CPU_CACHE=0 silences this)", flush=True)
+    return "exact"
 
 
 def return_freed_memory_to_os() -> None:

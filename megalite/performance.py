@@ -13,6 +13,7 @@ import resource
 
 import torch
 
+from megalite import caching_cpu_allocator
 from megalite.config import ModelConfig
 
 # Dense (no sparsity) bf16 tensor-core peaks in FLOP/s, from the vendors' datasheets. Matched as
@@ -89,7 +90,9 @@ def current_rss_bytes() -> int:
 
 def reset_peak_rss() -> bool:
     """Restart this process's RSS high-water mark (Linux: /proc/self/clear_refs), so ``window_peak_rss_bytes``
-    measures the peak of what runs next. False where the kernel does not allow it."""
+    measures the peak of what runs next. False where the kernel does not allow it. The caching CPU
+    allocator gives its cached blocks back first: they are room below an earlier peak, not this window's."""
+    caching_cpu_allocator.empty_cache()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
