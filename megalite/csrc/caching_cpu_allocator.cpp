@@ -28,6 +28,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
+#include <pthread.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -151,6 +152,11 @@ class CachingCPUAllocator final : public c10::Allocator {
     budget_bytes_ = live_bytes_;
   }
 
+  // fork() copies the lock as it is: hold it across the fork so a child (a data-loader worker) never
+  // starts with it taken by a thread that does not exist there.
+  void lock_for_fork() { mutex_.lock(); }
+  void unlock_after_fork() { mutex_.unlock(); }
+
   Stats stats() {
     std::lock_guard<std::mutex> guard(mutex_);
     return {static_cast<int64_t>(live_bytes_), static_cast<int64_t>(cached_bytes_),
@@ -229,6 +235,9 @@ CachingCPUAllocator* g_allocator = nullptr;  // never destroyed: tensors may out
 
 void delete_cached(void* ptr) { g_allocator->free(ptr); }
 
+void before_fork() { g_allocator->lock_for_fork(); }
+void after_fork() { g_allocator->unlock_after_fork(); }
+
 }  // namespace
 
 extern "C" {
@@ -237,6 +246,7 @@ extern "C" {
 int megalite_cpu_cache_install(int64_t min_block_bytes) {
   if (g_allocator != nullptr) return 1;
   g_allocator = new CachingCPUAllocator(c10::GetCPUAllocator(), static_cast<size_t>(min_block_bytes));
+  pthread_atfork(&before_fork, &after_fork, &after_fork);
   c10::SetCPUAllocator(g_allocator, /*priority=*/1);
   return 0;
 }
