@@ -25,8 +25,9 @@ def main(argv: list[str]) -> int:
     except UserError as error:
         report(error)
         return 1
-    from megalite.faults import CollectiveFailure
+    from megalite.faults import CollectiveFailure, report_sigterm_in_one_line
     from megalite.training import pretrain
+    report_sigterm_in_one_line(report)
     try:
         if _is_logging_rank():
             for note in startup_notes(argv):

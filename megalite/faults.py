@@ -9,11 +9,16 @@ dead or stuck ranks. Each ends with a checkpoint where that is safe, and always 
   update (the weights are untouched), so stopping here keeps the weights and checkpoints clean.
 - collective_phase: a collective that times out (--distributed-timeout-minutes) or whose peer died
   becomes a CollectiveFailure naming what the run was doing, instead of hanging or a long traceback.
+- report_sigterm_in_one_line: without --exit-signal-handler, a rank stopped from outside (torchrun stops
+  the survivors when one rank exits; a scheduler cancels the job) says so in one line naming what it
+  was doing (Activity), instead of vanishing silently.
 """
 from __future__ import annotations
 
+import os
 import signal
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -32,6 +37,32 @@ class CollectiveFailure(TrainingFault):
     """A collective timed out or lost its peer. Only this rank knows its own view, so every rank
     that hits one reports it (``local``)."""
     local = True
+
+
+class Activity:
+    """What this rank is doing now: the iteration, and the phase that collective_phase names."""
+    iteration: int | None = None
+    phase: str = "start-up"
+
+    @classmethod
+    def describe(cls) -> str:
+        return cls.phase if cls.iteration is None else f"iteration {cls.iteration}: {cls.phase}"
+
+
+def report_sigterm_in_one_line(report: Callable[[Exception], None]) -> None:
+    """Python's default for SIGTERM ends the process without a word. When torchrun sees one rank exit it
+    SIGTERMs the others 0.1 s later; a rank still computing (not yet in the collective that would tell it
+    a peer died) used to leave no line at all. Now it reports one (``report``: pretrain_gpt's, stderr and
+    torchrun's error file) and exits at once with 128+15: no teardown, since the process group may be
+    broken. --exit-signal-handler replaces this for the length of training (save, then exit 0)."""
+    def on_sigterm(signum, frame) -> None:
+        stopped = TrainingFault(f"stopped by SIGTERM during {Activity.describe()} (torchrun sends it when "
+                                "another rank has exited, a scheduler when the job ends; that rank's line, or "
+                                "torchrun's Root Cause, says why)")
+        stopped.local = True          # this rank's own view: prefixed with its rank
+        report(stopped)
+        os._exit(128 + signum)
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 class ExitConditions:
@@ -99,6 +130,7 @@ COMMUNICATION_FAILURES = ("timed out", "timeout", "connection closed", "connecti
 @contextmanager
 def collective_phase(what: str, timeout_minutes: float):
     """Turn a failed collective inside the block into a one-line CollectiveFailure naming ``what``."""
+    outer, Activity.phase = Activity.phase, what
     try:
         yield
     except RuntimeError as error:     # torch.distributed.DistBackendError is a RuntimeError
@@ -110,3 +142,5 @@ def collective_phase(what: str, timeout_minutes: float):
         cause = (f"no answer within --distributed-timeout-minutes {timeout_minutes:g}" if "time" in text.lower()
                  else "a peer rank died")
         raise CollectiveFailure(f"{cause} during {what} ({first}); another rank died or hung, see its log") from None
+    finally:
+        Activity.phase = outer

@@ -28,7 +28,7 @@ from megalite.compile import compile_layers
 from megalite.config import MegaliteConfig
 from megalite.context_parallel.ring_attention import (build_context_parallel, context_parallel_loss,
                                                       slice_for_context_parallel)
-from megalite.faults import (ExitConditions, TrainingFault, collective_phase, nonfinite_message,
+from megalite.faults import (Activity, ExitConditions, TrainingFault, collective_phase, nonfinite_message,
                              ranks_with_nonfinite_loss)
 from megalite.data.builder import build_train_valid_test_datasets
 from megalite.data.samplers import MegatronPretrainingSampler
@@ -494,6 +494,7 @@ def train(trainer: Trainer, train_iter, valid_iter, log, sinks) -> None:
         while state.iteration < t.train_iters:
             batch_size = cfg.global_batch_size_at(state.consumed_train_samples)
             profiler.before_step(state.iteration)
+            Activity.iteration, Activity.phase = state.iteration + 1, "the training step"
             loss, result = train_step(trainer, train_iter)
             state.iteration += 1
             state.consumed_train_samples += batch_size

@@ -130,6 +130,10 @@ import megalite.training as training
 original, calls = training.train_step, []
 def faulty(trainer, data):
     calls.append(1)
+    if os.environ["FAULT"] == "die-while-peer-computes" and len(calls) == 3:
+        if int(os.environ["RANK"]) == 1:
+            os._exit(7)
+        time.sleep(30)                   # rank 0 "computes" until torchrun SIGTERMs it (0.1 s after rank 1 exits)
     if int(os.environ["RANK"]) == 1 and len(calls) == 3:
         if os.environ["FAULT"] == "die":
             # die once rank 0 waits on this rank in a collective (its step takes well under 2 s): the case
@@ -145,11 +149,16 @@ sys.exit(pretrain_gpt.main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("fault, message", [
-    ("hang", "no answer within --distributed-timeout-minutes 0.1"),
-    ("die", "a peer rank died"),
+STOPPED = "stopped by SIGTERM during iteration 3: the training step (torchrun sends it when another rank has exited"
+
+
+@pytest.mark.parametrize("fault, message, also", [
+    # the stuck rank, stopped by torchrun once rank 0 gave up on it, says where it was stuck
+    ("hang", "no answer within --distributed-timeout-minutes 0.1", ["error: rank 1: " + STOPPED]),
+    ("die", "a peer rank died", []),
+    ("die-while-peer-computes", STOPPED, []),
 ])
-def test_a_dead_or_stuck_rank_ends_the_others_with_one_line(tmp_path, fault, message):
+def test_a_dead_or_stuck_rank_ends_the_others_with_one_line(tmp_path, fault, message, also):
     script = tmp_path / "faulty.py"
     script.write_text(FAULTY_RANK.format(root=ROOT))
     argv = with_flags(STEADY, train_iters=20) + ["--distributed-timeout-minutes", "0.1"]
@@ -160,5 +169,8 @@ def test_a_dead_or_stuck_rank_ends_the_others_with_one_line(tmp_path, fault, mes
     assert proc.returncode != 0                      # torchrun reports the failed run
     assert time.monotonic() - start < 120
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(ours) == 1 and ours[0].startswith("error: rank 0: ") and message in ours[0], proc.stderr[-3000:]
-    assert "during " in ours[0]                      # names what the run was doing
+    rank0 = [line for line in ours if line.startswith("error: rank 0: ")]
+    assert len(rank0) == 1 and message in rank0[0], proc.stderr[-3000:]
+    assert "during " in rank0[0]                     # names what the run was doing
+    others = sorted(line for line in ours if line not in rank0)
+    assert len(others) == len(also) and all(o.startswith(a) for o, a in zip(others, also)), proc.stderr[-3000:]
