@@ -11,11 +11,11 @@ loads it. Where no compiler is found, ``install`` returns the reason and the cal
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,8 +62,9 @@ def compile_command(output: Path) -> list[str]:
 
 
 def build() -> Path:
-    """Compile the library unless this version is already built; concurrent ranks each write their own
-    temporary file and rename it into place, so none ever loads a half-written one."""
+    """Compile the library unless this version is already built. Ranks starting together take turns on a
+    lock file, so one compiles and the rest load its result; the file is written under another name and
+    renamed into place, so a build killed half-way leaves nothing to load."""
     target = library_path()
     if target.exists():
         return target
@@ -71,17 +72,19 @@ def build() -> Path:
     if shutil.which(command[0]) is None:
         raise RuntimeError(f"no C++ compiler ({command[0]}; set CXX to another)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
-    os.close(fd)
-    command[-1] = partial
-    try:
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(command[:1])} failed: {result.stderr.strip()[-400:]}")
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():                    # another rank built it while this one waited
+            return target
+        partial = target.with_suffix(f".{os.getpid()}.partial")
+        command[-1] = str(partial)
+        try:
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{command[0]} failed: {result.stderr.strip()[-400:]}")
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
     return target
 
 
