@@ -25,6 +25,7 @@ from megalite.checkpoint_files import CheckpointReader, check_writable
 from megalite.checkpointing import (full_shape, has_checkpoint, load_checkpoint, param_entries, restore_rng,
                                    save_checkpoint)
 from megalite.compile import compile_layers
+from megalite import caching_cpu_allocator
 from megalite.config import MegaliteConfig
 from megalite.context_parallel.ring_attention import (build_context_parallel, context_parallel_loss,
                                                       slice_for_context_parallel)
@@ -305,9 +306,12 @@ def advance_lr_schedule(trainer: Trainer, batch_size: int) -> None:
 
 
 def release_cached_memory(device: torch.device) -> None:
-    """--empty-unused-memory-level: hand the CUDA caching allocator's unused blocks back; CPUs have no cache."""
+    """--empty-unused-memory-level: hand the caching allocator's unused blocks back (CUDA's, or on CPUs
+    megalite's, megalite/caching_cpu_allocator.py)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    else:
+        caching_cpu_allocator.empty_cache()
 
 
 def mean_loss(losses: list[float]) -> float:
