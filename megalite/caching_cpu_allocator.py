@@ -1,8 +1,9 @@
 """The caching CPU allocator (megalite/csrc/caching_cpu_allocator.cpp): build, install, measure.
 
 Large CPU blocks freed by one training step serve the next step's requests with their pages still
-resident, and the bytes held for them stay within the peak of what was alive at once, so peak RSS is what returning every block
-to the OS gives, without its page faults (see the C++ file and bench/RESULTS.md, "CPU allocator").
+resident, and the bytes held for them stay within the peak of what was alive at once, so peak RSS is
+what returning every block to the OS gives, without its page faults (see the C++ file and
+bench/RESULTS.md, "CPU allocator").
 
 The library is compiled on first use with the system's C++ compiler against PyTorch's c10 headers (a few
 seconds) into a cache keyed by the source and the PyTorch build, so every process after the first only
@@ -107,10 +108,6 @@ def install(min_block_bytes: int = MIN_BLOCK_BYTES) -> str | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return " ".join(str(e).split())
     return None
-
-
-def installed() -> bool:
-    return _library is not None
 
 
 def empty_cache() -> None:

@@ -146,10 +146,11 @@ def _mallopt(option: int, value: int) -> None:
 def set_cpu_memory_policy(log_notice: bool = True) -> str:
     """How a CPU process hands out and takes back its large blocks; returns the policy's name.
 
-    - "caching" (default): megalite's caching CPU allocator (megalite/caching_cpu_allocator.py) reuses the
-      blocks a step freed for the next step's same-sized requests, within the peak of what was alive at
-      once, and glibc returns what the cache releases (return_freed_memory_to_os). Peak RSS stays what
-      returning everything gives, without re-faulting every activation's pages each step.
+    - "caching" (default): megalite's caching CPU allocator (megalite/caching_cpu_allocator.py) serves
+      PyTorch's blocks of 1 MiB or more from the blocks earlier steps freed, holding no more than the peak
+      of what was alive at once: peak RSS stays what returning everything gives, without re-faulting
+      every activation's pages each step. glibc's fixed threshold (return_freed_memory_to_os) still
+      applies to large blocks from elsewhere (oneDNN scratch, NumPy).
     - "exact" (MEGALITE_CPU_CACHE=0, or no C++ compiler): every block of 1 MiB or more goes back to the OS.
     - "keep" (MEGALITE_KEEP_FREED_MEMORY=1): glibc keeps everything in its heap.
     """
