@@ -17,6 +17,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,9 +41,17 @@ class CacheStats:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("MEGALITE_BUILD_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "megalite")
-    return Path(base)
+    """MEGALITE_BUILD_CACHE, else ~/.cache/megalite, else (a home one cannot write) a per-user folder in /tmp."""
+    if os.environ.get("MEGALITE_BUILD_CACHE"):
+        return Path(os.environ["MEGALITE_BUILD_CACHE"])
+    home = Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "megalite"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"megalite-{os.getuid()}"
 
 
 def library_path() -> Path:

@@ -7,7 +7,9 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,3 +151,11 @@ def test_without_a_compiler_start_up_says_so_in_one_line_and_returns_blocks_to_t
     lines = result.stdout.strip().splitlines()
     assert lines[-1] == "policy exact"
     assert len(lines) == 2 and "no C++ compiler (no-such-compiler; set CXX to another)" in lines[0], lines
+
+
+def test_the_library_is_built_under_tmp_where_the_home_cache_cannot_be_written(monkeypatch):
+    monkeypatch.delenv("MEGALITE_BUILD_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/proc/no-such-dir")       # mkdir fails there, even for root
+    assert cache.cache_dir() == Path(tempfile.gettempdir()) / f"megalite-{os.getuid()}"
+    monkeypatch.setenv("MEGALITE_BUILD_CACHE", "/somewhere/else")
+    assert cache.cache_dir() == Path("/somewhere/else")
