@@ -29,7 +29,7 @@ def worker(mode: str, dtype: str, n: int, q) -> None:
         os.environ["THP_MEM_ALLOC_ENABLE"] = "0"         # before megalite sets its default
     if policy == "keep":
         os.environ["MEGALITE_KEEP_FREED_MEMORY"] = "1"
-    if policy == "exact" or policy == "glibc" or policy.startswith("thr"):
+    if policy in ("exact", "glibc") or policy.startswith("thr"):
         os.environ["MEGALITE_CPU_CACHE"] = "0"
     import megalite.initialize as init
     if policy == "glibc":

@@ -61,10 +61,13 @@ def library_path() -> Path:
     return cache_dir() / f"caching_cpu_allocator-{key}.so"
 
 
+def compiler() -> str:
+    return os.environ.get("CXX") or "c++"
+
+
 def compile_command(output: Path) -> list[str]:
     from torch.utils.cpp_extension import include_paths, library_paths
-    compiler = os.environ.get("CXX") or "c++"
-    return [compiler, "-O2", "-std=c++17", "-shared", "-fPIC",
+    return [compiler(), "-O2", "-std=c++17", "-shared", "-fPIC",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             *[f"-I{p}" for p in include_paths()], str(SOURCE),
             *[f"-L{p}" for p in library_paths()], "-lc10",
@@ -78,20 +81,18 @@ def build() -> Path:
     target = library_path()
     if target.exists():
         return target
-    command = compile_command(target)
-    if shutil.which(command[0]) is None:
-        raise RuntimeError(f"no C++ compiler ({command[0]}; set CXX to another)")
+    if shutil.which(compiler()) is None:
+        raise RuntimeError(f"no C++ compiler ({compiler()}; set CXX to another)")
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.exists():                    # another rank built it while this one waited
             return target
         partial = target.with_suffix(f".{os.getpid()}.partial")
-        command[-1] = str(partial)
         try:
-            result = subprocess.run(command, capture_output=True, text=True)
+            result = subprocess.run(compile_command(partial), capture_output=True, text=True)
             if result.returncode != 0:
-                raise RuntimeError(f"{command[0]} failed: {result.stderr.strip()[-400:]}")
+                raise RuntimeError(f"{compiler()} failed: {result.stderr.strip()[-400:]}")
             os.replace(partial, target)
         finally:
             partial.unlink(missing_ok=True)
