@@ -35,7 +35,6 @@ from megalite.data.builder import build_train_valid_test_datasets
 from megalite.data.samplers import MegatronPretrainingSampler
 from megalite.data.tokenizers import build_tokenizer
 from megalite.distributed.ddp import DistributedDataParallel
-from megalite.distributed.fsdp2 import FullyShardedDataParallel
 from megalite.distributed.grad_buffer import ParamAndGradBuffer
 from megalite.initialize import initialize_distributed, set_matmul_precision, set_seed
 from megalite.logging import (MetricsSinks, Timers, flops_per_iteration, format_timers, format_training_line,
@@ -109,7 +108,10 @@ def build_trainer(config: MegaliteConfig, print_fn=None) -> Trainer:
                                 stage_layers=virtual_stage_layers(config.model.num_layers, parallel.pp_size, split),
                                 placement=stage_placement(config.parallel.pipeline_schedule))
     model = chunks[0]
-    data_parallel = FullyShardedDataParallel if config.parallel.use_torch_fsdp2 else DistributedDataParallel
+    data_parallel = DistributedDataParallel
+    if config.parallel.use_torch_fsdp2:
+        # imported here: torch.distributed.fsdp and DTensor add ~0.5-1 s to every rank's start-up
+        from megalite.distributed.fsdp2 import FullyShardedDataParallel as data_parallel
     ddp = data_parallel(chunks if len(chunks) > 1 or parallel.pp_size > 1 else model, config.parallel,
                         parallel, config.num_microbatches, device=device)
     for chunk in chunks if not config.parallel.use_torch_fsdp2 else []:   # FSDP2 placed its own (fsdp2.py)
