@@ -8,9 +8,10 @@ traceback. ``run_pretrain`` launches pretrain_gpt.py under torchrun and returns 
 
 Ranks are forked from a forkserver that imported torch and megalite once for the whole session:
 a spawned rank re-imports them, about 4 s of CPU each (torch, and torch._dynamo, which every
-torch.optim optimizer imports), and the suite starts ~90 ranks on 2 cores. The forkserver holds
-no tensors and never runs an op, so a rank starts as clean as a spawned one; it gets the test's
-environment (os.environ at the call), not the forkserver's.
+torch.optim optimizer imports), and the suite starts ~90 ranks on 2 cores. The forkserver only
+imports: it starts no OpenMP or intra-op thread pool (its one native thread besides main is the one
+``import torch`` starts anywhere), so nothing a rank needs is lost across the fork. A rank gets the
+test's environment (os.environ at the call), not the forkserver's.
 """
 from __future__ import annotations
 
