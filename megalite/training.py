@@ -110,7 +110,7 @@ def build_trainer(config: MegaliteConfig, print_fn=None) -> Trainer:
     model = chunks[0]
     data_parallel = DistributedDataParallel
     if config.parallel.use_torch_fsdp2:
-        # imported here: torch.distributed.fsdp and DTensor add ~0.5-1 s to every rank's start-up
+        # imported here: torch.distributed.fsdp and DTensor cost every other rank's start-up 0.2-1 s
         from megalite.distributed.fsdp2 import FullyShardedDataParallel as data_parallel
     ddp = data_parallel(chunks if len(chunks) > 1 or parallel.pp_size > 1 else model, config.parallel,
                         parallel, config.num_microbatches, device=device)

@@ -36,8 +36,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# imported once in the forkserver; the ranks forked from it start with these loaded
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "megalite.training", "megalite.distributed.fsdp2"]
+# imported once in the forkserver (it starts at the first run_ranks); the ranks forked from it have them loaded
+mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "megalite.training",
+                           "megalite.distributed.fsdp2"])
 
 
 def _rank_main(rank: int, world_size: int, port: int, result_dir: str, environ: dict, fn, args) -> None:
@@ -61,7 +62,6 @@ def _rank_main(rank: int, world_size: int, port: int, result_dir: str, environ: 
 def run_ranks(world_size: int, fn, *args) -> list:
     with tempfile.TemporaryDirectory() as result_dir:
         try:
-            mp.set_forkserver_preload(PRELOAD)
             mp.start_processes(_rank_main, args=(world_size, free_port(), result_dir, dict(os.environ), fn, args),
                                nprocs=world_size, join=True, start_method="forkserver")
         except Exception:
