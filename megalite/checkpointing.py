@@ -163,6 +163,22 @@ def restore_rng(tensors: dict[str, torch.Tensor], tracker) -> None:
                 tracker.states[name] = tensors[f"tracker.{name}"].clone()
 
 
+def saved_rng(reader, trainer) -> tuple[dict[str, torch.Tensor] | None, str]:
+    """This rank's saved generator states, or None and why they do not apply to this run: a rank's
+    streams are seeded by its tensor- and pipeline-parallel rank, so they carry over only at the same
+    layout, and a CUDA generator's state does not fit a CPU one (or the reverse)."""
+    if reader.metadata.get("layout") != layout_of(trainer):
+        return None, "the layout differs"
+    tensors = reader.rng_tensors(f"rng-rank{trainer.parallel.rank:05d}.safetensors")
+    if tensors is None:
+        return None, "the checkpoint has none"
+    tracker = trainer.model.tp.rng
+    streams = tracker.states.items() if tracker is not None else ()
+    if any(tensors.get(f"tracker.{name}", state).shape != state.shape for name, state in streams):
+        return None, "it was saved on another kind of device"
+    return tensors, ""
+
+
 def layout_of(trainer) -> dict:
     p = trainer.parallel
     return {"world_size": p.world_size, "tensor_model_parallel_size": p.tp_size, "pipeline_model_parallel_size": p.pp_size,
@@ -435,14 +451,14 @@ def load_checkpoint(trainer, path: str, load_optimizer: bool = True, load_rng: b
 
     Collective: ranks read different parts of the checkpoint, so a part that fails on one rank (a
     corrupt piece) must stop them all, in one line."""
-    error, rng = None, None
+    error, rng, rng_skipped = None, None, ""
     try:
         reader = CheckpointReader(path)
         meta = reader.metadata
         load_optimizer = load_optimizer and not finetune and meta.get("optimizer") is not None
         load_tensors(trainer, reader, load_optimizer)
-        if load_rng and not finetune and meta.get("layout") == layout_of(trainer):
-            rng = reader.rng_tensors(f"rng-rank{trainer.parallel.rank:05d}.safetensors")
+        if load_rng and not finetune:
+            rng, rng_skipped = saved_rng(reader, trainer)
     except UserError as e:
         error = str(e)
     _agree(error is None, error or "", trainer.device)
@@ -467,7 +483,8 @@ def load_checkpoint(trainer, path: str, load_optimizer: bool = True, load_rng: b
     if not load_optimizer:
         trainer.scheduler.load_state_dict({"num_steps": trainer.state.iteration})
     what = "weights, optimizer" if load_optimizer else "weights"
-    note = "" if rng is not None or not load_rng else " (RNG state not restored: the layout differs)"
+    note = "" if rng is not None or not load_rng else (f" (RNG state not restored: {rng_skipped}; dropout masks "
+                                                       "start again from --seed)")
     log(f" > loaded checkpoint {reader.directory} at iteration {trainer.state.iteration}: {what}{note}")
     return rng
 

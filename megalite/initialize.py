@@ -21,6 +21,7 @@ from megalite import caching_cpu_allocator
 from megalite.config import ParallelConfig
 from megalite.errors import UserError
 from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel.random import stage_seed
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -212,7 +213,12 @@ def set_matmul_precision(tf32: bool, device: torch.device) -> None:
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
 
 
-def set_seed(seed: int) -> None:
+def set_seed(seed: int, pp_rank: int = 0) -> int:
+    """Seed Python, NumPy and torch for pipeline stage ``pp_rank`` with ``stage_seed`` (Megatron's
+    --seed + 100 x stage, so stages draw different dropout masks); returns that seed, on which the
+    stage's model-parallel RNG stream is built (build_rng_tracker)."""
+    seed = stage_seed(seed, pp_rank)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    return seed

@@ -92,8 +92,8 @@ class Trainer:
 def build_trainer(config: MegaliteConfig, print_fn=None) -> Trainer:
     parallel, device = initialize_distributed(config.parallel, config.training.distributed_timeout_minutes)
     set_matmul_precision(config.training.tf32, device)
-    set_seed(config.training.seed)
-    tp = build_tensor_parallel(parallel, config.parallel.sequence_parallel, config.training.seed, device,
+    seed = set_seed(config.training.seed, parallel.pp_rank)     # dropout's: each pipeline stage its own
+    tp = build_tensor_parallel(parallel, config.parallel.sequence_parallel, seed, device,
                                config.model.num_query_groups)
     cp = build_context_parallel(parallel)
     check_zero_bubble(config.parallel, config.model, parallel.dp_size)

@@ -164,7 +164,10 @@ class GPTModel(nn.Module):
             rotary = self.rotary.tables(positions, full_seq, x.dtype)
         elif self.rotary is not None:
             rotary = self.rotary.tables(positions, full_seq, x.dtype)
-        x = self.run_layers(x, rotary, kv_cache)
+        # sequence parallelism: each TP rank's hidden dropout acts on its own sequence shard, so the whole
+        # stack draws from the rank's model-parallel stream, not the default one shared by the TP ranks
+        with self.tp.rng.fork() if self.tp.sequence_parallel and self.tp.rng is not None else nullcontext():
+            x = self.run_layers(x, rotary, kv_cache)
         if kv_cache is not None:
             kv_cache.length += x.shape[0]
         if not self.post_process:
