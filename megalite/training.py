@@ -66,7 +66,8 @@ class TrainState:
     nan_iterations: int = 0
     exit_reason: str | None = None                   # why training stopped before --train-iters, if it did
     last_local_loss: float = 0.0                     # this rank's own loss of the last step (NaN diagnosis)
-    history: list = field(default_factory=list)      # per-iteration lm loss, for callers and tests
+    history: list = field(default_factory=list)      # per-iteration lm loss as this rank has it (0.0 on
+                                                     # pipeline ranks without the loss), for callers and tests
 
 
 @dataclass
@@ -321,6 +322,28 @@ def mean_loss(losses: list[float]) -> float:
     return sum(losses) / len(losses) if losses else 0.0
 
 
+def loss_pipeline_rank(trainer: Trainer) -> int:
+    """The pipeline rank holding the last virtual stage, the chunk that computes the loss (its
+    post_process; build_model_chunks places chunks with the same stage_placement): the last rank, but
+    rank 0 under zbv's V placement."""
+    pp, chunks = trainer.parallel.pp_size, len(trainer.chunks)
+    place = stage_placement(trainer.config.parallel.pipeline_schedule)
+    return next(r for r in range(pp) for c in range(chunks) if place(r, c, pp, chunks) == pp * chunks - 1)
+
+
+def reported_loss(trainer: Trainer, value: float) -> float:
+    """``value`` (a loss, or a sum of losses) as the pipeline rank that computes the loss has it, on every
+    rank, so that the logging rank reports it whichever rank that is. A broadcast over the pipeline group:
+    every rank calls it at the same points (log iterations, evaluations, a NaN step), not every step."""
+    comm = trainer.pipeline
+    if comm is None:
+        return value
+    loss = torch.tensor([value], dtype=torch.float64, device=trainer.device)
+    with collective_phase("logging (loss broadcast)", trainer.config.training.distributed_timeout_minutes):
+        torch.distributed.broadcast(loss, src=comm.global_rank(loss_pipeline_rank(trainer)), group=comm.group)
+    return float(loss)
+
+
 def forward_backward_pipelined(trainer: Trainer, batches: list, loss_scale: float, forward_only: bool = False,
                                record: PipelineRecord | None = None, weights: dict | None = None) -> list[float]:
     """One global batch (``batches``, its micro-batches) through this rank's stages with a synchronous
@@ -374,7 +397,8 @@ def _evaluate(trainer: Trainer, data_iterator, num_batches: int) -> float:
             release_cached_memory(trainer.device)
     for chunk in trainer.chunks:
         chunk.train()
-    return trainer.ddp.average_over_dp(mean_loss(losses)) if trainer.ddp else mean_loss(losses)
+    loss = trainer.ddp.average_over_dp(mean_loss(losses)) if trainer.ddp else mean_loss(losses)
+    return reported_loss(trainer, loss)
 
 
 # ---- the loop ------------------------------------------------------------------------------------
@@ -581,6 +605,7 @@ def handle_nonfinite_step(trainer: Trainer, loss: float, result, log) -> None:
     Stop, with the ranks whose own loss went bad, unless --skip-nan-iterations."""
     t, state = trainer.config.training, trainer.state
     bad_ranks = ranks_with_nonfinite_loss(state.last_local_loss, trainer.device)
+    loss = reported_loss(trainer, loss)
     last = (os.path.join(t.save, f"iter_{trainer.last_saved_iteration:07d}")
             if t.save and trainer.last_saved_iteration else None)
     message = nonfinite_message(state.iteration, loss, result.grad_norm, bad_ranks, last, t.skip_nan_iterations)
@@ -639,7 +664,7 @@ class IntervalStats:
 def log_iteration(trainer: Trainer, interval: IntervalStats, seconds_per_iter: float, throughput: Throughput,
                   log) -> dict:
     t, state = trainer.config.training, trainer.state
-    loss = interval.loss_sum / interval.iterations
+    loss = reported_loss(trainer, interval.loss_sum) / interval.iterations
     # Throughput assumes full global batches; a ramp-up interval's smaller ones take proportionally
     # fewer tokens and FLOPs, i.e. count as a proportionally longer time per full batch
     full_batches = interval.samples / t.global_batch_size if interval.samples else interval.iterations
