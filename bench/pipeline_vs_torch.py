@@ -58,8 +58,9 @@ class MegaliteRunner:
 
     def __init__(self, cfg, state, tp, schedule: str, chunks_per_rank: int, batches: list):
         from megalite.distributed.grad_buffer import ParamAndGradBuffer
-        from megalite.pipeline_parallel.p2p import PipelineComm, separate_gradient_group
-        from megalite.pipeline_parallel.schedules import schedule_order, stage_placement
+        from megalite.pipeline_parallel.p2p import PipelineComm
+        from megalite.pipeline_parallel.plan import rank_plan
+        from megalite.pipeline_parallel.schedules import stage_placement
         from megalite.pipeline_parallel.stages import build_model_chunks, chunk_forward
         self.placement = stage_placement(schedule)
         self.chunks = build_model_chunks(cfg, 1, tp, state.pp_rank, state.pp_size, chunks_per_rank,
@@ -69,17 +70,14 @@ class MegaliteRunner:
         mbs, seq = batches[0]["tokens"].shape
         self.comm = PipelineComm(state.group("pp"), state.pp_rank, state.pp_size, (seq, mbs, cfg.hidden_size),
                                  torch.float32, torch.device("cpu"))
-        if schedule == "zbv":
-            self.comm.gradient_group = separate_gradient_group(state)
-        self.order = schedule_order(schedule, state.pp_size, state.pp_rank, len(batches), chunks_per_rank)
+        self.plan = rank_plan(schedule, state.pp_size, state.pp_rank, len(batches), chunks_per_rank)
         self.forward = chunk_forward(self.chunks, torch.device("cpu"))
         self.batches, self.chunks_per_rank = batches, chunks_per_rank
 
     def step(self) -> list[float]:
-        from megalite.pipeline_parallel.schedules import run_pipeline_schedule
+        from megalite.pipeline_parallel.executor import run_pipeline_schedule
         self.buffer.zero_grad()
-        return run_pipeline_schedule(self.order, self.forward, self.batches, self.comm, self.chunks_per_rank,
-                                     placement=self.placement)
+        return run_pipeline_schedule(self.plan, self.forward, self.batches, self.comm)
 
 
 class StageModule(torch.nn.Module):

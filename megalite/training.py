@@ -47,10 +47,11 @@ from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.optimizer.mixed_precision import MixedPrecisionAdamW
 from megalite.performance import Throughput, memory_usage, peak_flops_per_device
 from megalite.parallel_state import ParallelState
-from megalite.pipeline_parallel.p2p import PipelineComm, separate_gradient_group
+from megalite.pipeline_parallel.executor import PipelineRecord, run_pipeline_schedule
+from megalite.pipeline_parallel.p2p import PipelineComm
 from megalite.pipeline_parallel.pipedream import AsyncPipeline, build_async_pipeline
-from megalite.pipeline_parallel.schedules import (PipelineRecord, forward_backward_no_pipelining, forward_only_order,
-                                                  run_pipeline_schedule, schedule_order, stage_placement)
+from megalite.pipeline_parallel.plan import rank_plan
+from megalite.pipeline_parallel.schedules import forward_backward_no_pipelining, stage_placement
 from megalite.pipeline_parallel.stages import (SplitFlags, build_model_chunks, check_pipeline_split, chunk_forward,
                                                sync_shared_embedding_grads, virtual_stage_layers)
 from megalite.pipeline_parallel.zero_bubble import check_zero_bubble, schedule_split
@@ -127,8 +128,6 @@ def build_trainer(config: MegaliteConfig, print_fn=None) -> Trainer:
         comm = PipelineComm(parallel.group("pp"), parallel.pp_rank, parallel.pp_size,
                             (seq, config.training.micro_batch_size, config.model.hidden_size),
                             DTYPES[config.model.params_dtype], device)
-        if config.parallel.pipeline_schedule == "zbv":      # activations and gradients cross (p2p.py)
-            comm.gradient_group = separate_gradient_group(parallel)
     async_pipeline = build_async_pipeline(config, parallel, ddp, comm, chunk_forward(chunks, device))
     return Trainer(config, parallel, device, model, ddp.buffer, optimizer, scheduler,
                    Timers(config.training.timing_log_level, device), ddp=ddp, chunks=chunks, pipeline=comm,
@@ -351,9 +350,7 @@ def forward_backward_pipelined(trainer: Trainer, batches: list, loss_scale: floa
     per_token_loss_weights)."""
     cfg, comm = trainer.config, trainer.pipeline
     chunks = len(trainer.chunks)
-    order = schedule_order(cfg.parallel.pipeline_schedule, comm.size, comm.rank, len(batches), chunks)
-    if forward_only:
-        order = forward_only_order(order)
+    plan = rank_plan(cfg.parallel.pipeline_schedule, comm.size, comm.rank, len(batches), chunks, forward_only)
     record = record or PipelineRecord(comm.rank)
     forward = chunk_forward(trainer.chunks, trainer.device)
     if weights is not None:
@@ -362,8 +359,7 @@ def forward_backward_pipelined(trainer: Trainer, batches: list, loss_scale: floa
         def forward(chunk, x, batch, is_last_stage):
             out = unweighted(chunk, x, batch, is_last_stage)
             return out * weights[id(batch)] if is_last_stage else out
-    losses = run_pipeline_schedule(order, forward, batches, comm, chunks, loss_scale, forward_only, record,
-                                   placement=stage_placement(cfg.parallel.pipeline_schedule))
+    losses = run_pipeline_schedule(plan, forward, batches, comm, loss_scale, forward_only, record)
     trainer.timers.add("pipeline-receive-wait", record.wait_seconds, level=2)
     return losses
 

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from megalite.pipeline_parallel.schedules import PipelineRecord, schedule_order
+from megalite.pipeline_parallel.executor import PipelineRecord
+from megalite.pipeline_parallel.schedules import schedule_order
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 from plot_pipeline import forward_spread, replayed_bubble_share  # noqa: E402

@@ -33,7 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megalite.pipeline_parallel.pipedream import ASYNC_SCHEDULES, AsyncPipeline  # noqa: E402
-from megalite.pipeline_parallel.schedules import SYNCHRONOUS_SCHEDULES, PipelineRecord  # noqa: E402
+from megalite.pipeline_parallel.executor import PipelineRecord  # noqa: E402
+from megalite.pipeline_parallel.schedules import SYNCHRONOUS_SCHEDULES  # noqa: E402
 from megalite.pipeline_parallel.simulate import replay_schedule  # noqa: E402
 
 SCHEDULES = SYNCHRONOUS_SCHEDULES + ASYNC_SCHEDULES
@@ -115,10 +116,10 @@ def run_steps(rank: int, world: int, opts: dict) -> list:
     from megalite.arguments import parse_args
     from megalite.distributed.grad_buffer import ParamAndGradBuffer
     from megalite.parallel_state import ParallelState
+    from megalite.pipeline_parallel.executor import PipelineRecord, run_pipeline_schedule
     from megalite.pipeline_parallel.p2p import PipelineComm
-    from megalite.pipeline_parallel.p2p import separate_gradient_group
-    from megalite.pipeline_parallel.schedules import (PipelineRecord, run_pipeline_schedule, schedule_order,
-                                                      stage_placement)
+    from megalite.pipeline_parallel.plan import rank_plan
+    from megalite.pipeline_parallel.schedules import stage_placement
     from megalite.pipeline_parallel.stages import build_model_chunks, chunk_forward
     from megalite.tensor_parallel.setup import build_tensor_parallel
     pp, vpp, m = opts["pp"], opts["vpp"], opts["microbatches"]
@@ -138,8 +139,6 @@ def run_steps(rank: int, world: int, opts: dict) -> list:
     buffer = ParamAndGradBuffer([(f"{i}.{n}", p) for i, c in enumerate(chunks) for n, p in c.named_parameters()])
     comm = PipelineComm(state.group("pp"), state.pp_rank, pp, (opts["seq"], opts["mbs"], opts["hidden"]),
                         torch.float32, device)
-    if opts["schedule"] == "zbv":
-        comm.gradient_group = separate_gradient_group(state)
     g = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(m):
@@ -149,13 +148,13 @@ def run_steps(rank: int, world: int, opts: dict) -> list:
     forward = chunk_forward(chunks, device)
     if opts["schedule"] in ASYNC_SCHEDULES:
         return run_async_steps(opts["schedule"], buffer, comm, state, m, batches, forward, opts["steps"])
-    order = schedule_order(opts["schedule"], pp, state.pp_rank, m, vpp)
-    run_pipeline_schedule(order, forward, batches, comm, vpp, placement=placement)      # warm-up step
+    plan = rank_plan(opts["schedule"], pp, state.pp_rank, m, vpp)
+    run_pipeline_schedule(plan, forward, batches, comm)      # warm-up step
     records = []
     for _ in range(opts["steps"]):
         torch.distributed.barrier()
         records.append(PipelineRecord(rank))
-        run_pipeline_schedule(order, forward, batches, comm, vpp, record=records[-1], placement=placement)
+        run_pipeline_schedule(plan, forward, batches, comm, record=records[-1])
     return records
 
 

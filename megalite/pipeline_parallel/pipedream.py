@@ -55,7 +55,6 @@ import torch
 from megalite.errors import UserError
 
 ASYNC_SCHEDULES = ("pipedream", "pipedream-2bw")
-ACTIVATION_TAG, GRADIENT_TAG = 11, 12      # apart from the synchronous executor's tags
 SWAP_CHUNK = 1 << 22                        # elements swapped at a time (bounds the temporary)
 
 
@@ -196,14 +195,16 @@ class AsyncPipeline:
         self.in_flight, self.batches, self.weights, self.next_input, self.started = {}, {}, {}, None, False
         self.next_unread = iteration * self.m
 
-    # ---- point to point (overlapped as in the synchronous executor: p2p.py) -------------------------
-    def _source(self, kind: str) -> tuple[int, int]:
-        return (self.comm.prev_rank, ACTIVATION_TAG) if kind == "F" else (self.comm.next_rank, GRADIENT_TAG)
-
+    # ---- point to point (p2p.py: matched by posting order, as NCCL matches) ---------------------------
+    # Between stage s and s + 1 both ends post, in iteration j of s: the activation of F(j + w_s), then
+    # the gradient of B(j). Stage s posts that receive after its forward's send; stage s + 1 posts the
+    # activation's receive before its backward's send. So each pair's stream holds the same messages in
+    # the same order on both ends, and no receive waits behind a send its peer needs first (NCCL's rule:
+    # a rank pair's operations run in posting order on one stream).
     def _post(self, kind: str, j: int) -> None:
         """Post the receive F(j) or B(j) needs, so it arrives while this stage computes something else."""
         if (kind, j) not in self.posted:
-            self.posted[(kind, j)] = self.comm.post_recv(*self._source(kind))
+            self.posted[(kind, j)] = self.comm.post_recv(self.comm.prev_rank if kind == "F" else self.comm.next_rank)
 
     def _receive(self, kind: str, j: int):
         self._post(kind, j)
@@ -231,7 +232,7 @@ class AsyncPipeline:
             self.losses.append(out.detach())
             out = out * (loss_scale / self.m)
         else:
-            self.comm.send(out.detach(), self.comm.next_rank, ACTIVATION_TAG)     # at once: never deferred
+            self.comm.send(out.detach(), self.comm.next_rank)     # at once: never deferred
         self.in_flight[j] = (x, out)
         if self.record is not None:
             self.record.add("F", 0, j, start, time.perf_counter())
@@ -243,7 +244,7 @@ class AsyncPipeline:
         x, out = self.in_flight.pop(j)
         torch.autograd.backward(out, grad_tensors=grad)
         if not self.first:
-            self.comm.send(x.grad, self.comm.prev_rank, GRADIENT_TAG)
+            self.comm.send(x.grad, self.comm.prev_rank)
         self.batches.pop(j, None)
         self.versions.drop_older_than(self.version(j + 1))
         if self.record is not None:
@@ -263,12 +264,12 @@ class AsyncPipeline:
                 self._forward(j, loss_scale)
             self.started = True
         for j in range(start, start + m):
-            if not self.last:
-                self._post("B", j)                        # B(j)'s gradient arrives while F(j + w) computes
             if j + self.w < self.total:
                 self._forward(j + self.w, loss_scale)
-            if not self.first and j + 1 < start + m and j + self.w + 1 < self.total:
-                self._post("F", j + self.w + 1)           # the next forward's input, while B(j) computes
+            if not self.last:
+                self._post("B", j)                        # after F(j + w)'s send: the pair's order
+            if not self.first and j + self.w + 1 < self.total:
+                self._post("F", j + self.w + 1)           # before B(j)'s send; arrives while B(j) computes
             self._backward(j)
         return [float(x) for x in torch.stack(self.losses)] if self.losses else []
 

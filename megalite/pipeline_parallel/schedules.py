@@ -6,15 +6,10 @@ so the accumulated gradient is that of the mean over micro-batches (Megatron's d
 """
 from __future__ import annotations
 
-import time
-from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
-
-from megalite.pipeline_parallel.p2p import ACTIVATION_TAG, GRADIENT_TAG
-from megalite.pipeline_parallel.zero_bubble import backward_input, backward_weight
 
 
 def forward_backward_no_pipelining(loss_fn: Callable, data_iterator: Iterator, num_microbatches: int,
@@ -37,9 +32,9 @@ def forward_backward_no_pipelining(loss_fn: Callable, data_iterator: Iterator, n
 # A schedule is, per pipeline rank, an ordered list of actions: F(chunk, micro-batch), B(chunk,
 # micro-batch) and, for the zero-bubble schedules, W(chunk, micro-batch) (then B is the input gradient
 # only). One executor runs any of them: it receives what an action needs from the previous (forward)
-# or next (backward) virtual stage, computes, and sends the result on. Virtual stage v = chunk * pp +
-# rank (interleaved placement) or the V placement of zbv; the first virtual stage embeds, the last
-# computes the loss.
+# or next (backward) virtual stage, computes, and sends the result on (executor.py, posting in the order
+# of plan.py). Virtual stage v = chunk * pp + rank (interleaved placement) or the V placement of zbv; the
+# first virtual stage embeds, the last computes the loss.
 
 @dataclass(frozen=True)
 class Action:
@@ -188,24 +183,12 @@ def forward_only_order(order: list[Action]) -> list[Action]:
 
 
 
-@dataclass
-class PipelineRecord:
-    """What ran when on this rank, for timelines (tools/plot_pipeline.py) and bubble measurements."""
-    rank: int
-    events: list = field(default_factory=list)      # (kind, chunk, microbatch, start, end)
-    wait_seconds: float = 0.0                         # time spent waiting to receive
-
-    def add(self, kind: str, chunk: int, microbatch: int, start: float, end: float) -> None:
-        self.events.append((kind, chunk, microbatch, start, end))
-
-
 @dataclass(frozen=True)
 class Transfer:
     """Where an action's input comes from: ``rank`` (pipeline rank) and ``chunk`` of the neighbouring
     virtual stage; ``rank`` is this rank when the neighbour is another chunk here (zbv's turn)."""
     rank: int
     chunk: int
-    tag: int
 
 
 class StageMap:
@@ -226,107 +209,12 @@ class StageMap:
     def source(self, action: Action) -> Transfer | None:
         """Where a forward's activation or a backward's gradient comes from; None when it needs nothing."""
         if action.kind == "F" and not self.first(action.chunk):
-            return Transfer(*self.where[self.stage[action.chunk] - 1], ACTIVATION_TAG)
+            return Transfer(*self.where[self.stage[action.chunk] - 1])
         if action.kind == "B" and not self.last(action.chunk):
-            return Transfer(*self.where[self.stage[action.chunk] + 1], GRADIENT_TAG)
+            return Transfer(*self.where[self.stage[action.chunk] + 1])
         return None
 
     def destination(self, kind: str, chunk: int) -> Transfer:
         """Where a forward's output (kind F) or a backward's input gradient (kind B) goes."""
         v = self.stage[chunk] + (1 if kind == "F" else -1)
-        return Transfer(*self.where[v], ACTIVATION_TAG if kind == "F" else GRADIENT_TAG)
-
-
-RECEIVE_AHEAD = 1          # receiving actions whose receive is in flight beyond the current one
-
-
-def run_pipeline_schedule(order: list[Action], forward_fn: Callable, batches: list, comm, num_chunks: int,
-                          loss_scale: float = 1.0, forward_only: bool = False,
-                          record: PipelineRecord | None = None, placement: Callable = interleaved_stage
-                          ) -> list[float]:
-    """Execute ``order`` on this pipeline rank; returns the micro-batch losses on the last stage.
-
-    ``forward_fn(chunk, input_tensor, batch, is_last_stage)`` returns the chunk's output activation,
-    or on the last virtual stage the micro-batch's mean loss. Losses are backpropagated scaled by
-    ``loss_scale / num_microbatches``. A B action whose W also appears in ``order`` computes only the
-    input gradient; its W computes the weight gradients (zero_bubble.py). ``placement(rank, chunk, pp,
-    num_chunks)`` maps chunks to virtual stages (interleaved_stage or v_shape_stage).
-
-    Communication overlaps computation: each output is sent as soon as it exists, and the receive of
-    the next receiving action is posted before the current action computes (p2p.py).
-    """
-    stages = StageMap(comm.size, comm.rank, num_chunks, placement)
-    num_microbatches = len(batches)
-    split = {(a.chunk, a.microbatch) for a in order if a.kind == "W"} if not forward_only else set()
-    sources = [stages.source(a) if not (forward_only and a.kind != "F") else None for a in order]
-    remote = [k for k, s in enumerate(sources) if s is not None and s.rank != comm.rank]
-    posted: dict = {}                # action index -> PendingReceive
-    local: dict = {}                 # (kind, chunk, mb) -> tensor handed over between two chunks of this rank
-    stash: dict = {}                 # (chunk, mb) -> (input tensor, output tensor)
-    weight_grads: dict = {}          # (chunk, mb) -> zero_bubble.WeightGradients
-    losses: list = []
-    next_post = 0
-
-    def post_receives(k: int) -> None:
-        """Receives up to action k, and for the next RECEIVE_AHEAD receiving actions after it."""
-        nonlocal next_post
-        while next_post < len(remote) and (remote[next_post] <= k or
-                                           sum(1 for j in posted if j > k) < RECEIVE_AHEAD):
-            j = remote[next_post]
-            posted[j] = comm.post_recv(comm.global_rank(sources[j].rank), sources[j].tag)
-            next_post += 1
-
-    def take_input(k: int, action: Action):
-        source = sources[k]
-        if source is None:
-            return None
-        if source.rank == comm.rank:
-            return local.pop((action.kind, action.chunk, action.microbatch))
-        start = time.perf_counter()
-        tensor = comm.wait(posted.pop(k))
-        if record is not None:
-            record.wait_seconds += time.perf_counter() - start
-        return tensor
-
-    def deliver(kind: str, chunk: int, mb: int, tensor: torch.Tensor) -> None:
-        to = stages.destination(kind, chunk)
-        if to.rank == comm.rank:
-            local[(kind, to.chunk, mb)] = tensor
-        else:
-            comm.send(tensor, comm.global_rank(to.rank), to.tag)
-
-    for k, action in enumerate(order):
-        if forward_only and action.kind != "F":
-            continue
-        chunk, mb = action.chunk, action.microbatch
-        post_receives(k)
-        received = take_input(k, action)
-        start = time.perf_counter()
-        if action.kind == "F":
-            x = received
-            if x is not None and not forward_only:
-                x.requires_grad_()
-            with torch.no_grad() if forward_only else nullcontext():
-                out = forward_fn(chunk, x, batches[mb], stages.last(chunk))
-            if stages.last(chunk):
-                losses.append(out.detach())
-                out = out * (loss_scale / num_microbatches)
-            else:
-                deliver("F", chunk, mb, out.detach())
-            if not forward_only:
-                stash[(chunk, mb)] = (x, out)
-        elif action.kind == "B":
-            x, out = stash.pop((chunk, mb))
-            if (chunk, mb) in split:
-                grad_input, weight_grads[(chunk, mb)] = backward_input(out, received, x)
-            else:
-                torch.autograd.backward(out, grad_tensors=received)
-                grad_input = None if x is None else x.grad
-            if not stages.first(chunk):
-                deliver("B", chunk, mb, grad_input)
-        else:
-            backward_weight(weight_grads.pop((chunk, mb)))
-        if record is not None:
-            record.add(action.kind, chunk, mb, start, time.perf_counter())
-    comm.flush()
-    return [float(x) for x in torch.stack(losses)] if losses else []
+        return Transfer(*self.where[v])

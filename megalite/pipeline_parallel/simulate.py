@@ -1,15 +1,13 @@
-"""Replay every rank's schedule order with given action costs: the bubble an order leaves by itself.
+"""Replay every rank's schedule order: the bubble an order leaves by itself, and its messages.
 
-The executor (schedules.run_pipeline_schedule) runs one order per rank; sends never block and an action
-waits only for its input. Replaying the orders under that rule with a cost per action gives the step's
-timeline with no communication time and no jitter. With unit costs this is the theory of REFERENCE §6
-(tests check the orders reach it); with the per-action times measured on a real run
-(bench/bench_pipeline.py) it is what the order can do on that model's unequal stages, so the gap between
-it and the measured bubble is the machine's: transfer latency and the spread of identical actions.
-
-Messages are matched as NCCL matches them, in posting order per sender, receiver and communicator, tags
-ignored; zbv sends gradients in a second communicator (p2p.py), so there they match per kind. A replay
-that would deliver a message to the wrong receive, or deadlock, raises.
+``dataflow_replay`` runs the orders with a cost per action, an action starting once its input has
+been sent (sends never block). With unit costs this is the theory of the bubble formulas ((p-1)/(m+p-1)
+for 1F1B, (p-1)/(3m+p-1) for ZB-H1; tests check the orders reach it); with the per-action times
+measured on a real run (bench/bench_pipeline.py) it is what the order can do on that model's unequal
+stages, so the gap between it and the measured bubble is the machine's: transfer latency and the
+spread of identical actions. It also returns every message in the order it was sent, from which
+plan.py derives the order each rank posts its sends and receives in (and checks that order under
+NCCL's stream rules).
 """
 from __future__ import annotations
 
@@ -30,14 +28,47 @@ class Replay:
         return sum(1.0 - b / self.span for b in self.busy) / len(self.busy)
 
 
-def replay_schedule(schedule: str, pp: int, num_microbatches: int, num_chunks: int,
-                    cost: Callable[[int, Action], float]) -> Replay:
-    """Run the ranks' orders with ``cost(rank, action)`` seconds per action."""
-    orders = [schedule_order(schedule, pp, r, num_microbatches, num_chunks) for r in range(pp)]
-    maps = [StageMap(pp, r, num_chunks, stage_placement(schedule)) for r in range(pp)]
-    per_kind = schedule == "zbv"
-    sent: dict = {}            # (src, dst, channel) -> [(arrival, (kind, virtual stage, micro-batch))] in send order
-    taken: dict = {}           # (src, dst, channel) -> messages received so far
+@dataclass(frozen=True)
+class Message:
+    """One activation (kind F) or gradient (kind B) between two ranks: who sends it after which of its
+    actions, who receives it before which of its actions, and when it was sent in the replay."""
+    sender: int
+    sender_action: int
+    receiver: int
+    receiver_action: int
+    sent: float
+
+
+def sends(action: Action, stages: StageMap) -> bool:
+    """A forward sends its output unless its chunk is the last stage; a backward its input gradient
+    unless its chunk is the first. W sends nothing."""
+    if action.kind == "F":
+        return not stages.last(action.chunk)
+    return action.kind == "B" and not stages.first(action.chunk)
+
+
+def _payload(rank: int, action: Action, stages: StageMap) -> tuple:
+    """What an action sends: (kind, receiving virtual stage, micro-batch)."""
+    to = stages.destination(action.kind, action.chunk)
+    return action.kind, stages.stage[action.chunk] + (1 if action.kind == "F" else -1), action.microbatch, to.rank
+
+
+def _wanted(rank: int, action: Action, stages: StageMap) -> tuple | None:
+    """What a remote input an action needs: (kind, its own virtual stage, micro-batch, this rank)."""
+    source = stages.source(action)
+    if source is None or source.rank == rank:
+        return None
+    return action.kind, stages.stage[action.chunk], action.microbatch, rank
+
+
+def dataflow_replay(orders: list[list[Action]], maps: list[StageMap],
+                    cost: Callable[[int, Action], float]) -> tuple[Replay, list[Message]]:
+    """Run the orders with ``cost(rank, action)`` seconds per action; the replay and the messages in the
+    order they were sent (ties: lower sender rank, then earlier action). Raises on a deadlock."""
+    pp = len(orders)
+    consumer = {_wanted(r, a, maps[r]): (r, k) for r in range(pp) for k, a in enumerate(orders[r])
+                if _wanted(r, a, maps[r]) is not None}
+    arrived: dict = {}          # payload -> (time sent, sender, sender's action index)
     clock, position, busy = [0.0] * pp, [0] * pp, [0.0] * pp
     progress = True
     while progress:
@@ -45,36 +76,27 @@ def replay_schedule(schedule: str, pp: int, num_microbatches: int, num_chunks: i
         for r in range(pp):
             while position[r] < len(orders[r]):
                 action = orders[r][position[r]]
-                start = clock[r]
-                source = maps[r].source(action)
-                if source is not None:
-                    channel = (source.rank, r, source.tag if per_kind else 0)
-                    queue, n = sent.get(channel, []), taken.get(channel, 0)
-                    if len(queue) <= n:
-                        break                                       # its input is not sent yet
-                    arrival, message = queue[n]
-                    wanted = (action.kind, maps[source.rank].stage[source.chunk], action.microbatch)
-                    if message != wanted:
-                        raise RuntimeError(f"{schedule} pp={pp} m={num_microbatches}: rank {r} {action} would "
-                                           f"receive {message}")
-                    taken[channel] = n + 1
-                    start = max(start, arrival)
+                start, wanted = clock[r], _wanted(r, action, maps[r])
+                if wanted is not None:
+                    if wanted not in arrived:
+                        break                                        # its input is not sent yet
+                    start = max(start, arrived[wanted][0])
                 clock[r] = start + cost(r, action)
                 busy[r] += clock[r] - start
-                if _sends(action, maps[r]):
-                    to = maps[r].destination(action.kind, action.chunk)
-                    sent.setdefault((r, to.rank, to.tag if per_kind else 0), []).append(
-                        (clock[r], (action.kind, maps[r].stage[action.chunk], action.microbatch)))
+                if sends(action, maps[r]) and maps[r].destination(action.kind, action.chunk).rank != r:
+                    arrived[_payload(r, action, maps[r])] = (clock[r], r, position[r])
                 position[r] += 1
                 progress = True
     if any(position[r] < len(orders[r]) for r in range(pp)):
-        raise RuntimeError(f"{schedule} pp={pp} m={num_microbatches} deadlocks")
-    return Replay(busy, max(clock))
+        raise RuntimeError(f"the orders deadlock: ranks stop at actions {position}")
+    messages = [Message(sender, k, consumer[payload][0], consumer[payload][1], sent)
+                for payload, (sent, sender, k) in arrived.items()]
+    return Replay(busy, max(clock)), sorted(messages, key=lambda m: (m.sent, m.sender, m.sender_action))
 
 
-def _sends(action: Action, stages: StageMap) -> bool:
-    """A forward sends its output unless its chunk is the last stage; a backward its input gradient
-    unless its chunk is the first. W sends nothing."""
-    if action.kind == "F":
-        return not stages.last(action.chunk)
-    return action.kind == "B" and not stages.first(action.chunk)
+def replay_schedule(schedule: str, pp: int, num_microbatches: int, num_chunks: int,
+                    cost: Callable[[int, Action], float]) -> Replay:
+    """``dataflow_replay`` of a --pipeline-schedule's orders."""
+    orders = [schedule_order(schedule, pp, r, num_microbatches, num_chunks) for r in range(pp)]
+    maps = [StageMap(pp, r, num_chunks, stage_placement(schedule)) for r in range(pp)]
+    return dataflow_replay(orders, maps, cost)[0]

@@ -6,6 +6,9 @@ Ranks are fresh processes with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set as to
 code under test initialises exactly as in a real launch. A rank that raises fails the call with its
 traceback. ``run_pretrain`` launches pretrain_gpt.py under torchrun and returns its output.
 
+``nccl=True`` runs either under the NCCL-semantics tier (nccl_semantics.py): NCCL's stream and matching
+rules imposed on gloo, and a check that every rank of a group issued the same collectives.
+
 Ranks are forked from a forkserver that imported torch and megalite once for the whole session:
 a spawned rank re-imports them, about 4 s of CPU each (torch, and torch._dynamo, which every
 torch.optim optimizer imports), and the suite starts ~90 ranks on 2 cores. The forkserver only
@@ -41,7 +44,7 @@ mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "megal
                            "megalite.distributed.fsdp2"])
 
 
-def _rank_main(rank: int, world_size: int, port: int, result_dir: str, environ: dict, fn, args) -> None:
+def _rank_main(rank: int, world_size: int, port: int, result_dir: str, environ: dict, nccl: bool, fn, args) -> None:
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
@@ -49,7 +52,12 @@ def _rank_main(rank: int, world_size: int, port: int, result_dir: str, environ: 
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if nccl:
+            import nccl_semantics
+            nccl_semantics.install()
         result = fn(rank, world_size, *args)
+        if nccl:
+            nccl_semantics.write_log(result_dir)
         torch.save({"ok": True, "result": result}, os.path.join(result_dir, f"{rank}.pt"))
     except BaseException:
         torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(result_dir, f"{rank}.pt"))
@@ -59,10 +67,10 @@ def _rank_main(rank: int, world_size: int, port: int, result_dir: str, environ: 
             dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn, *args) -> list:
+def run_ranks(world_size: int, fn, *args, nccl: bool = False) -> list:
     with tempfile.TemporaryDirectory() as result_dir:
         try:
-            mp.start_processes(_rank_main, args=(world_size, free_port(), result_dir, dict(os.environ), fn, args),
+            mp.start_processes(_rank_main, args=(world_size, free_port(), result_dir, dict(os.environ), nccl, fn, args),
                                nprocs=world_size, join=True, start_method="forkserver")
         except Exception:
             pass                                   # reported below with the failing rank's traceback
@@ -75,15 +83,30 @@ def run_ranks(world_size: int, fn, *args) -> list:
             if not record["ok"]:
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{record['error']}")
             results.append(record["result"])
+        _check_collective_logs(result_dir)
         return results
 
 
-def run_pretrain(nproc: int, argv: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+def _check_collective_logs(directory: str) -> None:
+    import nccl_semantics
+    problems = nccl_semantics.compare_logs(directory)
+    if problems:
+        raise RuntimeError("ranks issued different collectives (NCCL would hang or mix them up):\n" + "\n".join(problems))
+
+
+def run_pretrain(nproc: int, argv: list[str], timeout: int = 600, nccl: bool = False) -> subprocess.CompletedProcess:
     """pretrain_gpt.py under torchrun (--standalone picks a free port), as a user launches it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(ROOT, "pretrain_gpt.py"), *argv]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if not nccl:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    with tempfile.TemporaryDirectory() as log_dir:
+        site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nccl_site")
+        env.update(MEGALITE_NCCL_SEMANTICS=log_dir, PYTHONPATH=os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")])))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        _check_collective_logs(log_dir)
+        return proc
 
 
 def logged_losses(stdout: str) -> dict[int, float]:

@@ -8,8 +8,10 @@ from megalite.arguments import parse_args
 from megalite.distributed.grad_buffer import ParamAndGradBuffer
 from megalite.model.gpt import GPTModel
 from megalite.parallel_state import ParallelState
-from megalite.pipeline_parallel.p2p import PipelineComm, separate_gradient_group
-from megalite.pipeline_parallel.schedules import run_pipeline_schedule, schedule_order, stage_placement
+from megalite.pipeline_parallel.executor import run_pipeline_schedule
+from megalite.pipeline_parallel.p2p import PipelineComm
+from megalite.pipeline_parallel.plan import rank_plan
+from megalite.pipeline_parallel.schedules import stage_placement
 from megalite.pipeline_parallel.stages import build_model_chunks, chunk_forward, sync_shared_embedding_grads
 from megalite.tensor_parallel.setup import build_tensor_parallel, finalize_tensor_parallel_grads
 
@@ -63,11 +65,8 @@ def run_executor(rank, world, argv, pp, tp, schedule, chunks_per_rank):
     ParamAndGradBuffer(named)
     comm = PipelineComm(state.group("pp"), state.pp_rank, pp, (SEQ // tp if sp else SEQ, MBS, cfg.hidden_size),
                         torch.float32, torch.device("cpu"))
-    if schedule == "zbv":
-        comm.gradient_group = separate_gradient_group(state)
-    order = schedule_order(schedule, pp, state.pp_rank, M, chunks_per_rank)
-    losses = run_pipeline_schedule(order, chunk_forward(chunks, torch.device("cpu")), batches(), comm,
-                                   chunks_per_rank, placement=placement)
+    plan = rank_plan(schedule, pp, state.pp_rank, M, chunks_per_rank)
+    losses = run_pipeline_schedule(plan, chunk_forward(chunks, torch.device("cpu")), batches(), comm)
     finalize_tensor_parallel_grads([p for _, p in named], tpc)
     sync_shared_embedding_grads(chunks, state)
     grads = {c.global_name(n): p.main_grad.clone() for c in chunks for n, p in c.named_parameters()}

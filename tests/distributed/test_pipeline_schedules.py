@@ -1,5 +1,6 @@
-"""Pipeline schedules: every order is complete, causal and deadlock-free (simulated), meets its bubble
-theory with unit costs, and the zero-bubble schedules (zb-h1, zbv) equal one process."""
+"""Pipeline schedules: every order is complete, causal and deadlock-free (simulated), its posting plan runs
+under NCCL's stream rules (simulated; the executor itself runs under the NCCL-semantics tier), it meets its
+bubble theory with unit costs, and the zero-bubble schedules (zb-h1, zbv) equal one process."""
 import functools
 
 import pytest
@@ -10,6 +11,7 @@ from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 from megalite.arguments import parse_args
 from megalite.errors import UserError
 from megalite.pipeline_parallel.schedules import SYNCHRONOUS_SCHEDULES, schedule_order
+from megalite.pipeline_parallel.plan import RankPlan, schedule_plans, stream_replay
 from megalite.pipeline_parallel.simulate import replay_schedule
 from megalite.pipeline_parallel.zero_bubble import ZERO_BUBBLE_SCHEDULES
 from pipeline_workloads import ARGS, one_thread, reference, run_executor  # noqa: F401 (one_thread: autouse fixture)
@@ -46,6 +48,37 @@ def test_orders_are_complete_causal_and_deadlock_free(schedule, pp, m, chunks):
         if schedule in ("zb-h1", "zbv"):
             assert {(c, i) for k, c, i in seen if k == "W"} == work
     unit_cost_bubble(schedule, pp, m, chunks)
+
+
+@pytest.mark.parametrize("schedule", SYNCHRONOUS_SCHEDULES)
+def test_plans_run_under_nccl_stream_rules(schedule):
+    """Every schedule at pp 2/4/8, m 4/8/16, with and without virtual stages, training and evaluation: the
+    executor's posts complete with one FIFO stream per rank pair and with one per rank, whatever the
+    receive-ahead depth, and every message reaches the receive meant for it."""
+    for pp in (2, 4, 8):
+        for m in (4, 8, 16):
+            for chunks in (2,) if schedule == "zbv" else (1, 2) if schedule == "1f1b" and m % pp == 0 else (1,):
+                for forward_only in (False, True):
+                    plans = list(schedule_plans(schedule, pp, m, chunks, forward_only))
+                    for per in ("pair", "rank"):
+                        for ahead in (0, 1, 4):
+                            stream_replay(plans, ahead, per)
+
+
+def _in_action_order(plan: RankPlan) -> RankPlan:
+    """The plan with each rank posting in its own action order (what the executor did before plan.py)."""
+    posts = sorted(plan.posts, key=lambda post: (post.action, post.send))
+    at = {post: i for i, post in enumerate(posts)}
+    return RankPlan(plan.order, plan.stages, posts, {a: at[plan.posts[i]] for a, i in plan.receive_of.items()},
+                    {a: at[plan.posts[i]] for a, i in plan.send_of.items()},
+                    {at[plan.posts[i]]: a for i, a in plan.source_action.items()})
+
+
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("1f1b", 2), ("zbv", 2)])
+def test_posting_in_action_order_deadlocks_under_the_stream_rules(schedule, chunks):
+    """The simulator can fail: each rank posting in its own action order is what hangs on NCCL."""
+    with pytest.raises(RuntimeError, match="deadlock"):
+        stream_replay([_in_action_order(p) for p in schedule_plans(schedule, 2, 4, chunks)], 1)
 
 
 @pytest.mark.parametrize("pp, m", [(2, 8), (4, 8), (4, 16)])
@@ -122,7 +155,7 @@ def world_of_two():
     """One world of 2 ranks: the executor cases of ZERO_BUBBLE, then the training loop's."""
     return run_ranks(2, _run_cases, [(_argv(tied), 2, 1, s) for s, tied in ZERO_BUBBLE],
                      [_loop_argv(tied, pipeline_model_parallel_size=2, pipeline_schedule=s)
-                      for s, tied in LOOP_ZERO_BUBBLE])
+                      for s, tied in LOOP_ZERO_BUBBLE], nccl=True)
 
 
 @pytest.mark.parametrize("case, schedule, tied", [(i, *c) for i, c in enumerate(ZERO_BUBBLE)])
@@ -154,7 +187,7 @@ def at_scale():
     for world in (2, 4):
         cases = [c for c in AT_SCALE if c[0] * c[1] == world]
         per_rank = run_ranks(world, _run_cases, [(_scale_argv(pp, s, tied, sp), pp, tp, s)
-                                                 for pp, tp, s, tied, sp in cases], [])
+                                                 for pp, tp, s, tied, sp in cases], [], nccl=True)
         results.update({c: [executor[i] for executor, _ in per_rank] for i, c in enumerate(cases)})
     return results
 
@@ -200,6 +233,6 @@ WORLD_4_LOOPS = [({"data_parallel_sharding_strategy": "optim_grads", "overlap_gr
 def test_training_loop_with_zero_bubble_composes_at_world_4():
     argvs = [_loop_argv(tied, pipeline_model_parallel_size=2, pipeline_schedule=s, **flags)
              for flags, s, tied in WORLD_4_LOOPS]
-    per_rank = run_ranks(4, _run_cases, [], argvs)
+    per_rank = run_ranks(4, _run_cases, [], argvs, nccl=True)
     for i, argv in enumerate(argvs):
         _check_loop_equals_one_process([loop[i] for _, loop in per_rank], argv)
