@@ -765,9 +765,13 @@ def _iters(samples: int | None, iters: int | None, global_batch_size: int) -> fl
 
 
 def world_size_from_env(env=None) -> int:
-    """WORLD_SIZE as torchrun sets it (SLURM_NTASKS under srun), 1 for a plain ``python pretrain_gpt.py``."""
+    """WORLD_SIZE as torchrun sets it (the step's number of tasks under srun), 1 for a plain ``python
+    pretrain_gpt.py``, also one inside a SLURM allocation that srun did not start."""
     env = os.environ if env is None else env
-    name = "WORLD_SIZE" if "RANK" in env or "SLURM_PROCID" not in env else "SLURM_NTASKS"   # as read_launch_env
+    if "RANK" not in env and "SLURM_PROCID" in env:    # SLURM: initialize.read_launch_env decides (loads torch)
+        from megalite.initialize import read_launch_env
+        return read_launch_env(env).world_size
+    name = "WORLD_SIZE"
     text = env.get(name, "1")
     try:
         value = int(text)

@@ -1,8 +1,9 @@
 """Process start-up: read the launcher's environment, start torch.distributed, pick the device, seed.
 
 Launchers: torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or SLURM's srun
-(SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, the first host of SLURM_JOB_NODELIST). A plain
-``python pretrain_gpt.py`` is rank 0 of 1 and starts no process group.
+(SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, the first host of SLURM_JOB_NODELIST). A plain
+``python pretrain_gpt.py`` is rank 0 of 1 and starts no process group, also inside a SLURM allocation
+that srun did not start it in (an sbatch script's batch step, a salloc shell).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.random import stage_seed
 
 DEFAULT_MASTER_PORT = 29500
+SLURM_MAX_NORMAL_STEP_ID = 0xFFFFFFF0     # Slurm's: the ids above are its batch, interactive and extern steps
 
 
 @dataclass(frozen=True)
@@ -33,11 +35,13 @@ class LaunchEnv:
     local_rank: int
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_MASTER_PORT
+    launched: bool = False          # started by torchrun, or by srun as a task of a job step
 
 
 def read_launch_env(env=None) -> LaunchEnv:
-    """torchrun's variables win; SLURM's are used when only they are set (``srun python ...``).
-    A value that is not a number, or a rank outside the world, is a one-line error (not a hang)."""
+    """torchrun's variables win; SLURM's are used when srun started this process (``srun python ...``,
+    see ``started_by_srun``), with the step's number of tasks as the world size. Anything else is one
+    process. A value that is not a number, or a rank outside the world, is a one-line error (not a hang)."""
     env = os.environ if env is None else env
 
     def number(name: str, default: int, low: int, high: int | None = None) -> int:
@@ -53,16 +57,46 @@ def read_launch_env(env=None) -> LaunchEnv:
         return value
 
     port = number("MASTER_PORT", DEFAULT_MASTER_PORT, 1, 65535)
-    if "RANK" in env or "SLURM_PROCID" not in env:
+    if "RANK" in env or not started_by_srun(env):
         world = number("WORLD_SIZE", 1, 1)
         launch = LaunchEnv(number("RANK", 0, 0, world - 1), world, number("LOCAL_RANK", 0, 0),
-                           env.get("MASTER_ADDR", "127.0.0.1"), port)
+                           env.get("MASTER_ADDR", "127.0.0.1"), port, "RANK" in env)
     else:
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
-        world = number("SLURM_NTASKS", 1, 1)
+        tasks = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+        world = number(tasks, 1, 1)
         launch = LaunchEnv(number("SLURM_PROCID", 0, 0, world - 1), world, number("SLURM_LOCALID", 0, 0),
-                           env.get("MASTER_ADDR", first_host(nodelist)), port)
+                           env.get("MASTER_ADDR", first_host(nodelist)), port, True)
     return launch
+
+
+def started_by_srun(env) -> bool:
+    """Whether srun started this process as one task of a job step.
+
+    srun gives every task SLURM_PROCID and the step's SLURM_STEP_ID (and the older SLURM_STEPID) and
+    SLURM_STEP_NUM_TASKS. The batch step running an sbatch script has the job's SLURM_NTASKS and
+    SLURM_PROCID=0 but none of the step variables, and neither has a salloc shell (salloc's interactive
+    step has a reserved step id): a python started there is one process, not task 0 of SLURM_NTASKS
+    waiting for peers that never come. Without SLURM_JOB_ID there is no allocation, and SLURM_PROCID
+    and SLURM_NTASKS set by some other launcher are taken as they are."""
+    if "SLURM_PROCID" not in env:
+        return False
+    if "SLURM_JOB_ID" not in env:
+        return True
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    if step is not None and step.strip().lstrip("-").isdigit():
+        return 0 <= int(step) <= SLURM_MAX_NORMAL_STEP_ID
+    return step is not None or "SLURM_STEP_NUM_TASKS" in env
+
+
+def single_process_note(env) -> str | None:
+    """The one line a process that runs alone inside a multi-task SLURM allocation prints."""
+    tasks = env.get("SLURM_NTASKS", "")
+    if "RANK" in env or started_by_srun(env) or not tasks.isdigit() or int(tasks) < 2:
+        return None
+    return (f" > SLURM_NTASKS={tasks}, but srun did not start this process (an sbatch script or a salloc shell "
+            f"runs it directly): running as one process; to run all {tasks} tasks, launch it with srun "
+            "(srun python pretrain_gpt.py ...)")
 
 
 def first_host(nodelist: str) -> str:
@@ -78,13 +112,25 @@ def first_host(nodelist: str) -> str:
 
 
 def device_for(local_rank: int) -> torch.device:
-    """The one place that decides between CUDA and CPU."""
+    """The one place that decides between CUDA and CPU, and which GPU a rank uses:
+
+    - one visible GPU: cuda:0, whatever LOCAL_RANK is. Each task sees only its own GPU, as device 0,
+      under ``srun --gpus-per-task=1`` or a launcher that sets CUDA_VISIBLE_DEVICES per rank;
+    - LOCAL_RANK below the visible count: cuda:LOCAL_RANK (torchrun, or srun with every task seeing
+      all of the node's GPUs);
+    - otherwise (e.g. 2 GPUs visible and local ranks 0-3) a one-line error: ranks sharing a GPU would
+      run out of memory or be refused by NCCL, and which rank doubles up would be a guess.
+    """
     if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
-            raise rank_error(f"LOCAL_RANK {local_rank} but this node has {torch.cuda.device_count()} GPU(s); launch "
-                             "at most one process per GPU (torchrun --nproc_per_node)")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        count = torch.cuda.device_count()
+        index = 0 if count == 1 else local_rank
+        if index >= count:
+            raise rank_error(f"LOCAL_RANK {local_rank} but this process sees {count} GPUs (CUDA_VISIBLE_DEVICES="
+                             f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most {count} ranks per "
+                             f"node (torchrun --nproc_per_node {count}), or give each rank one GPU (srun "
+                             "--gpus-per-task=1)")
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     set_cpu_memory_policy(log_notice=local_rank == 0)
     return torch.device("cpu")
 
@@ -92,23 +138,40 @@ def device_for(local_rank: int) -> torch.device:
 def initialize_distributed(parallel: ParallelConfig, timeout_minutes: float = 10,
                            env: LaunchEnv | None = None) -> tuple[ParallelState, torch.device]:
     """Start the process group (NCCL with CUDA, gloo otherwise) and build the rank grid."""
-    env = env or read_launch_env()
+    if env is None:
+        env = read_launch_env()
+        note = single_process_note(os.environ)
+        if note:
+            print(note, flush=True)
     device = device_for(env.local_rank)
-    launched = env.world_size > 1 or "RANK" in os.environ or "SLURM_PROCID" in os.environ
-    if launched and not dist.is_initialized():      # torchrun/srun, even with one process: size-1 groups
-        # take the same collective code paths as larger ones, so one GPU exercises every collective
+    if (env.launched or env.world_size > 1) and not dist.is_initialized():   # torchrun/srun, even with one
+        # process: size-1 groups take the same collective code paths as larger ones, so one GPU exercises
+        # every collective
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
         backend = "nccl" if device.type == "cuda" else "gloo"
         try:
             dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                                    timeout=timedelta(minutes=timeout_minutes))
+                                    timeout=timedelta(minutes=timeout_minutes), **process_group_options(device))
         except dist.DistError as e:
             raise rank_error(rendezvous_error(e, env.rank, env.world_size, timeout_minutes)) from None
     state = ParallelState.build(env.world_size, env.rank, parallel.tensor_model_parallel_size,
                                 parallel.context_parallel_size, parallel.pipeline_model_parallel_size,
                                 timeout=timedelta(minutes=timeout_minutes))
     return state, device
+
+
+def process_group_options(device: torch.device) -> dict:
+    """``device_id`` on CUDA (NCCL): the communicator forms inside init_process_group, so an unreachable
+    peer or a bad NCCL network setting fails there rather than at the first collective, and sub-groups
+    are split from it. torch 2.7.0 then also switches NCCL to its non-blocking mode, which hangs at
+    random with that release's NCCL 2.26 (pytorch/pytorch#153960; 2.7.1 no longer switches): there the
+    mode stays off unless TORCH_NCCL_USE_COMM_NONBLOCKING is set. gloo (CPU) takes no device."""
+    if device.type != "cuda":
+        return {}
+    if torch.__version__.split("+")[0] == "2.7.0":
+        os.environ.setdefault("TORCH_NCCL_USE_COMM_NONBLOCKING", "0")
+    return {"device_id": device}
 
 
 def rank_error(message: str) -> UserError:
