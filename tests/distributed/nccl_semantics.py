@@ -87,7 +87,10 @@ class Stream:
         threading.Thread(target=self._run, name=f"nccl-stream {name}", daemon=True).start()
 
     def submit(self, description: str, fn) -> Work:
-        work = Work(description, self)
+        """Queue ``fn``; it runs under the caller's grad mode (thread-local, and in-place writes into views
+        made under no_grad are refused with grad on)."""
+        work, grad = Work(description, self), torch.is_grad_enabled()
+        fn = (lambda inner=fn: _with_grad(grad, inner))
         self.waiting.append(description)
         self.queue.put((work, fn))
         return work
@@ -103,6 +106,11 @@ class Stream:
                 work.error = error
             self.current = None
             work.done.set()
+
+
+def _with_grad(enabled: bool, fn) -> None:
+    with torch.set_grad_enabled(enabled):
+        fn()
 
 
 def dump_streams() -> str:
