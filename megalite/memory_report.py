@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megalite.distributed import collectives
+
 
 def theoretical_optimizer_bytes(num_params: int, param_dtype: torch.dtype, shards: int) -> int:
     per_param = 8 if param_dtype == torch.float32 else 12
@@ -40,7 +42,7 @@ def gather_memory(ddp, optimizer) -> list[dict[str, int]]:
     device = ddp.buffer.params[0].device
     local = torch.tensor([mine[k] for k in keys], dtype=torch.int64, device=device)
     everyone = torch.empty(dist.get_world_size() * len(keys), dtype=torch.int64, device=device)
-    dist.all_gather_single(everyone, local)
+    collectives.all_gather_single(everyone, local)
     rows = everyone.view(-1, len(keys)).tolist()
     return [dict(zip(keys, row)) for row in rows]
 

@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config import ParallelConfig
+from megalite.distributed import collectives
 from megalite.distributed.grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.parallel_state import ParallelState
 
@@ -101,27 +102,30 @@ _DONE = _Done()
 
 class Comm:
     """The data-parallel group and how its collectives are called. ``reduce_dtype``: the dtype gradients
-    travel in (None: as they are, fp32)."""
+    travel in (None: as they are, fp32). On gloo the bucket collectives take the list forms in slices,
+    unless MEGALITE_FORCE_NCCL_COLLECTIVE_PATH=1 (collectives.bucket_list_form); otherwise the
+    single-tensor forms, as on NCCL."""
 
     def __init__(self, group, size: int, reduce_dtype: torch.dtype | None):
         self.group, self.size, self.reduce_dtype = group, size, reduce_dtype
-        self.gloo = group is not None and dist.get_backend(group) == "gloo"
+        self.list_form = collectives.bucket_list_form(group)
 
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, chunks: list, async_op: bool):
-        """Sum ``flat`` over the group, this rank keeping its chunk in ``out``. gloo: list input (1.5-2x
-        faster than its single-tensor form on CPU, same bytes on the wire), in slices (see GlooSlices)."""
-        if self.gloo:
+        """Sum ``flat`` over the group, this rank keeping its chunk in ``out``. gloo: list input (faster
+        than its single-tensor form on CPU, same bytes on the wire), in slices (see GlooSlices)."""
+        if self.list_form:
             return GlooSlices(out.numel(), lambda lo, hi: dist.reduce_scatter(
                 out[lo:hi], [c[lo:hi] for c in chunks], op=dist.ReduceOp.SUM, group=self.group, async_op=True),
                 async_op)
-        return dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return collectives.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group,
+                                                 async_op=async_op)
 
     def all_gather(self, out: torch.Tensor, local: torch.Tensor, async_op: bool):
-        if self.gloo:
+        if self.list_form:
             chunks = out.chunk(self.size)
             return GlooSlices(local.numel(), lambda lo, hi: dist.all_gather(
                 [c[lo:hi] for c in chunks], local[lo:hi], group=self.group, async_op=True), async_op)
-        return dist.all_gather_single(out, local, group=self.group, async_op=async_op)
+        return collectives.all_gather_single(out, local, group=self.group, async_op=async_op)
 
 
 GLOO_SLICE = 1 << 21          # elements per rank's chunk in one gloo collective

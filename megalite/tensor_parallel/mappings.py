@@ -20,11 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single (the old names warn);
-# older releases have only the old names
-_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from megalite.distributed.collectives import all_gather_single, reduce_scatter_single
 
 
 def _world(group) -> int:
@@ -46,7 +42,7 @@ def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     world = _world(group)
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_into(out, x, group=group)
+    all_gather_single(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -57,7 +53,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     if x.shape[0] % world:
         raise ValueError(f"dimension {dim} of size {x.shape[0]} is not divisible by {world} ranks")
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_into(out, x, op=dist.ReduceOp.SUM, group=group)
+    reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group)
     return out.movedim(0, dim)
 
 
@@ -78,7 +74,7 @@ def all_gather_sequence_async(x: torch.Tensor, group) -> tuple[torch.Tensor, Pen
     output is valid once ``pending.wait()`` returns, so the caller can compute in the meantime."""
     x = x.contiguous()
     out = torch.empty((_world(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    return out, Pending(_all_gather_into(out, x, group=group, async_op=True), x, out)
+    return out, Pending(all_gather_single(out, x, group=group, async_op=True), x, out)
 
 
 def reduce_scatter_sequence_async(x: torch.Tensor, group) -> tuple[torch.Tensor, Pending]:
@@ -88,7 +84,7 @@ def reduce_scatter_sequence_async(x: torch.Tensor, group) -> tuple[torch.Tensor,
     if x.shape[0] % world:
         raise ValueError(f"dimension 0 of size {x.shape[0]} is not divisible by {world} ranks")
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    return out, Pending(_reduce_scatter_into(out, x, op=dist.ReduceOp.SUM, group=group, async_op=True), x, out)
+    return out, Pending(reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group, async_op=True), x, out)
 
 
 def split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
