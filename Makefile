@@ -33,7 +33,8 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	WANDB_MODE=offline $(PY) -m pytest -q -m slow tests
 
-# the CUDA tier (tests/cuda): one GPU, NCCL at world size 1, --compile; skipped where torch sees no GPU.
+# the CUDA tier (tests/cuda): one GPU, NCCL at world size 1, --compile; with 2+ GPUs, TP/PP/DP/CP equivalence
+# over NCCL at world 2/4/8 (each world size where that many GPUs are visible); skipped where torch sees no GPU.
 # (PyPI's Linux torch wheel, which setup installs, is a CUDA build.)
 test-cuda: $(STAMP)
 	WANDB_MODE=offline $(PY) -m pytest -q -m cuda tests/cuda
