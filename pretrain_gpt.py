@@ -50,7 +50,7 @@ def report(error) -> None:
     error file. Not from rank 0 only: when another rank exits first, torchrun SIGTERMs rank 0, which
     may not have printed yet, and the user would see no error at all. A rank's own view of a failed
     collective is prefixed with the rank."""
-    rank, world = _env_int("RANK", "SLURM_PROCID", 0), _env_int("WORLD_SIZE", "SLURM_NTASKS", 1)
+    rank, world = _launch()
     local = getattr(error, "local", False) and world > 1
     line = f"error: rank {rank}: {error}" if local else f"error: {error}"
     write_torchrun_error_file(line)
@@ -75,15 +75,21 @@ def write_torchrun_error_file(message: str) -> None:
 
 
 def _is_logging_rank() -> bool:
-    """The last rank prints start-up lines, as training's own log (it holds the loss)."""
-    return _env_int("RANK", "SLURM_PROCID", 0) == _env_int("WORLD_SIZE", "SLURM_NTASKS", 1) - 1
+    """The last rank prints start-up lines, as training's own log does."""
+    rank, world = _launch()
+    return rank == world - 1
 
 
-def _env_int(name: str, slurm_name: str, default: int) -> int:
+def _launch() -> tuple[int, int]:
+    """(rank, world size) as the launcher set them (launch_env.py); (0, 1) where they are garbage, which
+    the launch-environment check reports itself."""
+    from megalite.errors import UserError
+    from megalite.launch_env import read_launch_env
     try:
-        return int(os.environ.get(name, os.environ.get(slurm_name, default)))
-    except ValueError:       # garbage is reported by the launch-environment check itself
-        return default
+        env = read_launch_env()
+    except UserError:
+        return 0, 1
+    return env.rank, env.world_size
 
 
 def shut_down_distributed() -> None:

@@ -11,6 +11,7 @@ import os
 
 from megalite.config import DataConfig, MegaliteConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from megalite.errors import UserError
+from megalite.launch_env import read_launch_env
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -768,8 +769,7 @@ def world_size_from_env(env=None) -> int:
     """WORLD_SIZE as torchrun sets it (the step's number of tasks under srun), 1 for a plain ``python
     pretrain_gpt.py``, also one inside a SLURM allocation that srun did not start."""
     env = os.environ if env is None else env
-    if "RANK" not in env and "SLURM_PROCID" in env:    # SLURM: initialize.read_launch_env decides (loads torch)
-        from megalite.initialize import read_launch_env
+    if "RANK" not in env and "SLURM_PROCID" in env:    # SLURM: whether srun started us decides (launch_env.py)
         return read_launch_env(env).world_size
     name = "WORLD_SIZE"
     text = env.get(name, "1")

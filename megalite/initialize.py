@@ -1,17 +1,13 @@
 """Process start-up: read the launcher's environment, start torch.distributed, pick the device, seed.
 
-Launchers: torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or SLURM's srun
-(SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, the first host of SLURM_JOB_NODELIST). A plain
-``python pretrain_gpt.py`` is rank 0 of 1 and starts no process group, also inside a SLURM allocation
-that srun did not start it in (an sbatch script's batch step, a salloc shell).
+Launchers: torchrun or SLURM's srun, read by launch_env.py. A plain ``python pretrain_gpt.py`` is rank
+0 of 1 and starts no process group, also inside a SLURM allocation that srun did not start it in.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import random
-import re
-from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
@@ -21,95 +17,9 @@ import torch.distributed as dist
 from megalite import caching_cpu_allocator
 from megalite.config import ParallelConfig
 from megalite.errors import UserError
+from megalite.launch_env import LaunchEnv, rank_error, read_launch_env, single_process_note
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.random import stage_seed
-
-DEFAULT_MASTER_PORT = 29500
-SLURM_MAX_NORMAL_STEP_ID = 0xFFFFFFF0     # Slurm's: the ids above are its batch, interactive and extern steps
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str = "127.0.0.1"
-    master_port: int = DEFAULT_MASTER_PORT
-    launched: bool = False          # started by torchrun, or by srun as a task of a job step
-
-
-def read_launch_env(env=None) -> LaunchEnv:
-    """torchrun's variables win; SLURM's are used when srun started this process (``srun python ...``,
-    see ``started_by_srun``), with the step's number of tasks as the world size. Anything else is one
-    process. A value that is not a number, or a rank outside the world, is a one-line error (not a hang)."""
-    env = os.environ if env is None else env
-
-    def number(name: str, default: int, low: int, high: int | None = None) -> int:
-        text = env.get(name, str(default))
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < low or (high is not None and value > high):
-            allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-            raise rank_error(f"{name}={text!r} must be {allowed}; fix the launcher's environment (torchrun and srun "
-                             "set it)")
-        return value
-
-    port = number("MASTER_PORT", DEFAULT_MASTER_PORT, 1, 65535)
-    if "RANK" in env or not started_by_srun(env):
-        world = number("WORLD_SIZE", 1, 1)
-        launch = LaunchEnv(number("RANK", 0, 0, world - 1), world, number("LOCAL_RANK", 0, 0),
-                           env.get("MASTER_ADDR", "127.0.0.1"), port, "RANK" in env)
-    else:
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
-        tasks = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
-        world = number(tasks, 1, 1)
-        launch = LaunchEnv(number("SLURM_PROCID", 0, 0, world - 1), world, number("SLURM_LOCALID", 0, 0),
-                           env.get("MASTER_ADDR", first_host(nodelist)), port, True)
-    return launch
-
-
-def started_by_srun(env) -> bool:
-    """Whether srun started this process as one task of a job step.
-
-    srun gives every task SLURM_PROCID and the step's SLURM_STEP_ID (and the older SLURM_STEPID) and
-    SLURM_STEP_NUM_TASKS. The batch step running an sbatch script has the job's SLURM_NTASKS and
-    SLURM_PROCID=0 but none of the step variables, and neither has a salloc shell (salloc's interactive
-    step has a reserved step id): a python started there is one process, not task 0 of SLURM_NTASKS
-    waiting for peers that never come. Without SLURM_JOB_ID there is no allocation, and SLURM_PROCID
-    and SLURM_NTASKS set by some other launcher are taken as they are."""
-    if "SLURM_PROCID" not in env:
-        return False
-    if "SLURM_JOB_ID" not in env:
-        return True
-    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
-    if step is not None and step.strip().lstrip("-").isdigit():
-        return 0 <= int(step) <= SLURM_MAX_NORMAL_STEP_ID
-    return step is not None or "SLURM_STEP_NUM_TASKS" in env
-
-
-def single_process_note(env) -> str | None:
-    """The one line a process that runs alone inside a multi-task SLURM allocation prints."""
-    tasks = env.get("SLURM_NTASKS", "")
-    if "RANK" in env or started_by_srun(env) or not tasks.isdigit() or int(tasks) < 2:
-        return None
-    return (f" > SLURM_NTASKS={tasks}, but srun did not start this process (an sbatch script or a salloc shell "
-            f"runs it directly): running as one process; to run all {tasks} tasks, launch it with srun "
-            "(srun python pretrain_gpt.py ...)")
-
-
-def first_host(nodelist: str) -> str:
-    """First host of a SLURM node list: "gpu[07-09,12],cpu1" -> "gpu07"."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        raise UserError(f"cannot read a host from SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR")
-    prefix, ranges = match.group(1), match.group(2)
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
-
 
 def device_for(local_rank: int) -> torch.device:
     """The one place that decides between CUDA and CPU, and which GPU a rank uses:
@@ -172,14 +82,6 @@ def process_group_options(device: torch.device) -> dict:
     if torch.__version__.split("+")[0] == "2.7.0":
         os.environ.setdefault("TORCH_NCCL_USE_COMM_NONBLOCKING", "0")
     return {"device_id": device}
-
-
-def rank_error(message: str) -> UserError:
-    """A start-up error only this rank may see (its environment, its rendezvous): every rank that hits
-    one reports it, not only rank 0 (``local``, as pretrain_gpt.py's report() reads it)."""
-    error = UserError(message)
-    error.local = True
-    return error
 
 
 def rendezvous_error(error: Exception, rank: int, world_size: int, timeout_minutes: float) -> str:

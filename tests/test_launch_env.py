@@ -9,7 +9,8 @@ from megalite import initialize
 from megalite.arguments import world_size_from_env
 from megalite.config import ParallelConfig
 from megalite.errors import UserError
-from megalite.initialize import LaunchEnv, device_for, initialize_distributed, read_launch_env, single_process_note
+from megalite.initialize import device_for, initialize_distributed
+from megalite.launch_env import LaunchEnv, read_launch_env, single_process_note
 
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOBID": "4242", "SLURM_NTASKS": "8", "SLURM_NPROCS": "8",
        "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2"}

@@ -7,7 +7,8 @@ code under test initialises exactly as in a real launch. A rank that raises fail
 traceback. ``run_pretrain`` launches pretrain_gpt.py under torchrun and returns its output.
 
 ``nccl=True`` runs either under the NCCL-semantics tier (nccl_semantics.py): NCCL's stream and matching
-rules imposed on gloo, and a check that every rank of a group issued the same collectives.
+rules imposed on gloo, a check that every rank of a group issued the same collectives, and the
+collectives' NCCL branch (MEGALITE_FORCE_NCCL_COLLECTIVE_PATH=1, megalite/distributed/collectives.py).
 
 Ranks are forked from a forkserver that imported torch and megalite once for the whole session:
 a spawned rank re-imports them, about 4 s of CPU each (torch, and torch._dynamo, which every
@@ -49,6 +50,8 @@ def _rank_main(rank: int, world_size: int, port: int, result_dir: str, environ: 
     os.environ.update(environ)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    if nccl:
+        os.environ["MEGALITE_FORCE_NCCL_COLLECTIVE_PATH"] = "1"
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -103,7 +106,8 @@ def run_pretrain(nproc: int, argv: list[str], timeout: int = 600, nccl: bool = F
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     with tempfile.TemporaryDirectory() as log_dir:
         site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nccl_site")
-        env.update(MEGALITE_NCCL_SEMANTICS=log_dir, PYTHONPATH=os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")])))
+        env.update(MEGALITE_NCCL_SEMANTICS=log_dir, MEGALITE_FORCE_NCCL_COLLECTIVE_PATH="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")])))
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         _check_collective_logs(log_dir)
         return proc

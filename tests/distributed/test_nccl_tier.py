@@ -26,10 +26,12 @@ COMBOS = {"tp2-sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True}
 ZERO_BUBBLE_REFUSES = {"zero3", "fsdp2"}        # their weight-gradient pass runs after the layer is reduced
 
 
-def _argv(schedule: str, pp: int, combo: str | None = None) -> list[str]:
+def _argv(schedule: str, pp: int, combo: str | None = None, global_batch_size: int = 8) -> list[str]:
+    """Two chunks per rank need a multiple of pp micro-batches: raise the global batch at pp 4 x dp 2."""
     layers = {"interleaved": 2 * pp, "zbv": 2 * pp}.get(schedule, pp)
     num_layers = max(8, layers)
-    flags = dict(SCHEDULES[schedule], pipeline_model_parallel_size=pp, num_layers=num_layers)
+    flags = dict(SCHEDULES[schedule], pipeline_model_parallel_size=pp, num_layers=num_layers,
+                 global_batch_size=global_batch_size)
     if schedule == "interleaved":
         flags["num_layers_per_virtual_pipeline_stage"] = num_layers // (2 * pp)
     return with_flags(ARGS, **flags, **(COMBOS[combo] if combo else {}))
@@ -50,8 +52,8 @@ def _histories(rank, world, argvs):
 
 
 @functools.cache
-def _serial(num_layers: int) -> list:
-    return _histories(0, 1, [with_flags(ARGS, num_layers=num_layers)])[0]
+def _serial(num_layers: int, global_batch_size: int) -> list:
+    return _histories(0, 1, [with_flags(ARGS, num_layers=num_layers, global_batch_size=global_batch_size)])[0]
 
 
 def check_under_the_tier(argvs: list[list[str]]) -> None:
@@ -61,7 +63,7 @@ def check_under_the_tier(argvs: list[list[str]]) -> None:
         per_rank = run_ranks(world, _histories, runs, nccl=True)
         for i, argv in enumerate(runs):
             logged = [h[i] for h in per_rank if h[i] and any(h[i])]
-            serial = _serial(int(argv[argv.index("--num-layers") + 1]))
+            serial = _serial(*(int(argv[argv.index(flag) + 1]) for flag in ("--num-layers", "--global-batch-size")))
             assert logged and logged[0] == pytest.approx(serial, rel=1e-5), argv
 
 
@@ -73,7 +75,7 @@ def test_schedules_with_dp_tp_cp_under_the_tier():
 MATRIX = [_argv(s, pp) for s in SCHEDULES for pp in (2, 4)] + \
          [_argv(s, 2, c) for s in SCHEDULES for c in COMBOS
           if not (s in ("zb-h1", "zbv") and c in ZERO_BUBBLE_REFUSES)] + \
-         [_argv("1f1b", 4, "zero1"), _argv("zbv", 4, "zero2"), _argv("interleaved", 4, "tp2-sp")]
+         [_argv("1f1b", 4, "zero1"), _argv("zbv", 4, "zero2", global_batch_size=16), _argv("interleaved", 4, "tp2-sp")]
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@ import pytest
 
 from harness import run_ranks
 from megalite.errors import UserError
-from megalite.initialize import first_host, read_launch_env
+from megalite.launch_env import first_host, read_launch_env
 from megalite.parallel_state import ParallelState, rank_grid_groups
 
 
