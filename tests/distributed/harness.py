@@ -109,6 +109,9 @@ def run_pretrain(nproc: int, argv: list[str], timeout: int = 600, nccl: bool = F
         env.update(MEGALITE_NCCL_SEMANTICS=log_dir, MEGALITE_FORCE_NCCL_COLLECTIVE_PATH="1",
                    PYTHONPATH=os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")])))
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        logs = [f for f in os.listdir(log_dir) if f.startswith("rank")]
+        if proc.returncode == 0 and len(logs) != nproc:
+            raise RuntimeError(f"the NCCL-semantics tier ran in {len(logs)} of {nproc} ranks (nccl_site not loaded?)")
         _check_collective_logs(log_dir)
         return proc
 

@@ -2,7 +2,8 @@
 validation lines, and of its metrics file, against the serial run's. The loss is computed on the rank
 holding the last virtual stage (pipeline rank 0 under zbv's V placement) and printed by the last rank.
 The asynchronous schedules train on stale weights by design: their printed losses are checked against
-their single-process reference (test_pipedream.py) instead."""
+their single-process reference (test_pipedream.py) instead. The pipelined runs go through torchrun under
+the NCCL-semantics tier (harness.run_pretrain(..., nccl=True)), as a user's command line would run on NCCL."""
 import json
 import math
 import re
@@ -34,9 +35,9 @@ def schedule_argv(name: str) -> list[str]:
     return with_flags(ARGV, pipeline_model_parallel_size=2, **flags)
 
 
-def reported(nproc: int, argv: list[str], metrics_file) -> dict:
+def reported(nproc: int, argv: list[str], metrics_file, nccl: bool = False) -> dict:
     """The run's printed training losses, printed validation losses and metrics-file records."""
-    proc = run_pretrain(nproc, with_flags(argv, metrics_file=str(metrics_file)))
+    proc = run_pretrain(nproc, with_flags(argv, metrics_file=str(metrics_file)), nccl=nccl)
     assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-3000:]
     with open(metrics_file, encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
@@ -71,7 +72,7 @@ def serial(tmp_path_factory):
                                   for name in SCHEDULES])
 def test_printed_losses_are_the_computed_losses(serial, tmp_path, name):
     argv = schedule_argv(name)
-    run = reported(2, argv, tmp_path / "metrics.jsonl")
+    run = reported(2, argv, tmp_path / "metrics.jsonl", nccl=True)
     check_consistent(run)
     if name in ASYNCHRONOUS:
         reference = reference_history(argv, name, 2)
