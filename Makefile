@@ -24,8 +24,7 @@ demo: $(STAMP)
 
 # the default suite; the long runs (marked slow) with: make test-slow.
 # Two pytest workers, whole test files each (so a module's fixtures run once): one worker leaves a core
-# idle while its launches start up or wait, and the suite took 23.5 min that way against 16.3 with two on
-# 2 cores. TEST_WORKERS=0 runs it in one process.
+# idle while its launches start up or wait. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	WANDB_MODE=offline $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not cuda" tests
