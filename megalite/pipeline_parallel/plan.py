@@ -170,12 +170,13 @@ def stream_replay(plans: list[RankPlan], receive_ahead: int = RECEIVE_AHEAD, per
         return True
 
     progress = True
-    while progress:
-        progress = match()
+    while progress:                     # until neither an action nor a message can move
+        progress = False
         for r in range(len(plans)):
             while position[r] < len(plans[r].order) and advance(r):
                 progress = True
+        progress = match() or progress
     stuck = {r: plans[r].order[position[r]] for r in range(len(plans)) if position[r] < len(plans[r].order)}
-    if stuck or any(streams.values()):
+    if stuck or any(len(done[r]) < len(p.posts) for r, p in enumerate(plans)):
         raise RuntimeError(f"the plans deadlock under NCCL's rules (one stream per {per}): ranks wait at {stuck}, "
                            f"{sum(map(len, streams.values()))} operations never complete")
