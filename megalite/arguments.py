@@ -9,7 +9,8 @@ import argparse
 import math
 import os
 
-from megalite.config import DataConfig, MegaliteConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
+from megalite.config import (PIPELINE_SCHEDULES, DataConfig, MegaliteConfig, ModelConfig, OptimizerConfig,
+                             ParallelConfig, TrainingConfig, padded_vocab_size)
 from megalite.errors import UserError
 from megalite.launch_env import read_launch_env
 
@@ -297,9 +298,6 @@ COMPAT_NO_EFFECT = ["--use-mcore-models", "--use-flash-attn", "--no-masked-softm
                     "--no-rope-fusion", "--attention-softmax-in-fp32",
                     "--accumulate-allreduce-grads-in-fp32", "--use-rotary-position-embeddings"]
 
-# synchronous: gpipe, 1f1b (interleaved with virtual stages), zb-h1, zbv (zero bubble, Qi et al. 2024);
-# asynchronous, weight stashing: pipedream, pipedream-2bw
-PIPELINE_SCHEDULES = ["1f1b", "gpipe", "zb-h1", "zbv", "pipedream", "pipedream-2bw"]
 CKPT_FORMATS = ["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"]
 
 
@@ -333,12 +331,6 @@ def startup_notes(argv: list[str]) -> list[str]:
 
 
 # ---- derived values and validation ----------------------------------------------------------------
-def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
-    """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x TP size."""
-    multiple = divisible_by * tensor_parallel_size
-    return int(math.ceil(vocab_size / multiple) * multiple)
-
-
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
     """4h, or with SwiGLU Megatron's 2/3 of 4h rounded down to a multiple of 64."""
     if swiglu:

@@ -41,6 +41,7 @@ import zlib
 
 import torch
 
+from megalite.config import ModelConfig, padded_vocab_size
 from megalite.errors import UserError
 
 FORMAT = "megalite-checkpoint"
@@ -467,8 +468,6 @@ def model_metadata(config) -> dict:
 def model_config_from_metadata(model: dict, make_vocab_size_divisible_by: int = 128, tensor_parallel_size: int = 1,
                                **overrides):
     """A ModelConfig for metadata["model"] (dropout off by default: inference and conversion)."""
-    from megalite.arguments import padded_vocab_size
-    from megalite.config import ModelConfig
     model = with_architecture_defaults(model)
     fields = {name: model[name] for name in ARCHITECTURE_FIELDS}
     fields.update(attention_dropout=0.0, hidden_dropout=0.0, params_dtype=model.get("params_dtype", "float32"))

@@ -31,10 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalite.config import MegaliteConfig
-
-
-ASYNC_PIPELINE_SCHEDULES = ("pipedream", "pipedream-2bw")
+from megalite.config import ASYNC_SCHEDULES, MegaliteConfig
 
 
 def compile_unsupported_reason(config: MegaliteConfig, device: torch.device) -> str | None:
@@ -46,7 +43,7 @@ def compile_unsupported_reason(config: MegaliteConfig, device: torch.device) -> 
     forward; a compiled graph may save tensors computed from the weights instead, which that swap
     does not reach. And environments where torch.compile cannot build kernels."""
     schedule = getattr(config.parallel, "pipeline_schedule", "1f1b")
-    if schedule in ASYNC_PIPELINE_SCHEDULES and config.parallel.pipeline_model_parallel_size > 1:
+    if schedule in ASYNC_SCHEDULES and config.parallel.pipeline_model_parallel_size > 1:
         return f"--pipeline-schedule {schedule} swaps weight versions under the saved activations"
     if not torch._dynamo.is_dynamo_supported():
         return "torch.compile does not support this Python version"

@@ -9,6 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+# ---- the pipeline schedules --pipeline-schedule names, in one place ------------------------------------
+SYNCHRONOUS_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zbv")    # flush every step: equal to one process
+ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zbv")                     # backward split into B and W (Qi et al. 2024)
+ASYNC_SCHEDULES = ("pipedream", "pipedream-2bw")             # no flush, weight stashing (pipedream.py)
+PIPELINE_SCHEDULES = SYNCHRONOUS_SCHEDULES + ASYNC_SCHEDULES
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
+    """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x TP size."""
+    multiple = divisible_by * tensor_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
 
 @dataclass
 class ModelConfig:

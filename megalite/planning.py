@@ -32,27 +32,24 @@ import os
 from dataclasses import dataclass
 from typing import Iterator
 
-from megalite.arguments import default_ffn_hidden_size, padded_vocab_size
-from megalite.config import MegaliteConfig, ModelConfig
+from megalite.arguments import default_ffn_hidden_size
+from megalite.config import ASYNC_SCHEDULES, MegaliteConfig, ModelConfig, ParallelConfig, padded_vocab_size
 from megalite.distributed.ddp import MAX_IN_FLIGHT, default_bucket_size
 from megalite.errors import UserError
 from megalite.logging import flops_per_iteration
 from megalite.model.transformer import check_attention_split
-from megalite.config import ParallelConfig
-from megalite.pipeline_parallel.pipedream import ASYNC_SCHEDULES, versions_behind
+from megalite.pipeline_parallel.pipedream import versions_behind
 from megalite.pipeline_parallel.stages import SplitFlags, check_pipeline_split, virtual_stage_layers
 from megalite.pipeline_parallel.zero_bubble import check_zero_bubble, schedule_split
 
 GiB = 2 ** 30
 RECOMPUTE = ("none", "selective", "full")
 SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-# pipeline schedules (arguments.PIPELINE_SCHEDULES): the bubble as a share of the slowest stage's busy time
+# pipeline schedules (config.PIPELINE_SCHEDULES): the bubble as a share of the slowest stage's busy time
 # over the m micro-batches (Qi et al. 2024 for zero bubble, with F, B and W equally long: ZB-H1 keeps a third
 # of 1F1B's (p-1)/m, ZB-V none), and the weight versions a stage keeps beyond its live weights (PipeDream:
 # one per in-flight micro-batch but the newest, p - rank - 1; PipeDream-2BW: one). The asynchronous
 # schedules never flush, so their bubble is paid once per run, not per step.
-SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zbv", "pipedream", "pipedream-2bw")
-SYNCHRONOUS = ("1f1b", "gpipe", "zb-h1", "zbv")
 HBM_GBPS = 3350.0       # H100 SXM HBM3, GB/s: the loss is memory-bound
 LOSS_BYTES_PER_LOGIT = 20   # fp32 logits: written, read twice (max, sum of exp) in forward, read + written in backward
 PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -90,7 +87,7 @@ class Layout:
     overlap_grad_reduce: bool = True     # --overlap-grad-reduce, as pretrain_flags asks (moot at dp 1)
     overlap_param_gather: bool = True    # --overlap-param-gather, as pretrain_flags asks (moot at dp 1, no_shard)
     cp: int = 1                      # context parallel: each rank holds 2 of 2cp chunks of every sequence
-    schedule: str = "1f1b"           # SCHEDULES; 1f1b with vpp > 1 is interleaved 1F1B; zbv has vpp 2 in a V
+    schedule: str = "1f1b"           # PIPELINE_SCHEDULES; 1f1b with vpp > 1 is interleaved 1F1B; zbv has vpp 2 in a V
     split: SplitFlags = SplitFlags() # uneven stages (first/last counts, account-for flags, a layout string)
 
     @property
@@ -747,7 +744,7 @@ def bubble_fraction(layout: Layout, num_microbatches: int) -> float:
     GPipe, 1F1B and interleaved 1F1B; ZB-H1 (p-1)/(3m) and ZB-V none, with F, B and W equally long
     (Qi et al. 2024); PipeDream and PipeDream-2BW never flush, their fill is paid once per run."""
     p, m = layout.pp, num_microbatches
-    if p == 1 or layout.schedule in ("zbv", "pipedream", "pipedream-2bw"):
+    if p == 1 or layout.schedule == "zbv" or layout.schedule in ASYNC_SCHEDULES:
         return 0.0
     if layout.schedule == "zb-h1":
         return (p - 1) / (3 * m)

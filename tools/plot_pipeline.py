@@ -32,12 +32,11 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megalite.pipeline_parallel.pipedream import ASYNC_SCHEDULES, AsyncPipeline  # noqa: E402
+from megalite.config import ASYNC_SCHEDULES, PIPELINE_SCHEDULES  # noqa: E402
+from megalite.pipeline_parallel.pipedream import AsyncPipeline  # noqa: E402
 from megalite.pipeline_parallel.executor import PipelineRecord  # noqa: E402
-from megalite.pipeline_parallel.schedules import SYNCHRONOUS_SCHEDULES  # noqa: E402
 from megalite.pipeline_parallel.simulate import replay_schedule  # noqa: E402
 
-SCHEDULES = SYNCHRONOUS_SCHEDULES + ASYNC_SCHEDULES
 ASYNC_STEPS = 2                 # the asynchronous schedules' run: fill the pipeline, then the recorded steps, drain
 
 
@@ -225,7 +224,7 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--vpp", type=int, default=1, help="model chunks per rank (interleaved when > 1)")
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+    parser.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
                         help="zbv always runs two chunks per rank")
     parser.add_argument("--output", default="runs/pipeline_timeline.png")
     parser.add_argument("--steps", type=int, default=1, help="steps recorded; the median one (by bubble) is drawn")

@@ -52,9 +52,9 @@ import time
 
 import torch
 
+from megalite.config import ASYNC_SCHEDULES
 from megalite.errors import UserError
 
-ASYNC_SCHEDULES = ("pipedream", "pipedream-2bw")
 SWAP_CHUNK = 1 << 22                        # elements swapped at a time (bounds the temporary)
 
 
@@ -320,54 +320,3 @@ def build_async_pipeline(config, parallel, ddp, comm, forward_fn) -> AsyncPipeli
     check_async_schedule(config, getattr(ddp, "strategy", ""))
     return AsyncPipeline(schedule, ddp.buffer.param_data, comm, parallel.pp_size, parallel.pp_rank,
                          config.num_microbatches, config.training.train_iters, forward_fn)
-
-
-# ---- checkpoints: the stashed versions, stored like the weights (any layout reads what it needs) -------
-def stashed_sources(trainer, global_name: str, start: int, end: int) -> dict[str, torch.Tensor]:
-    """For checkpointing.owned_parts: the flat range [start, end) of each stashed older version."""
-    runner = getattr(trainer, "async_pipeline", None)
-    if runner is None:
-        return {}
-    return {stashed_name(k, global_name): flat[start:end] for k, flat in runner.stashed().items()}
-
-
-@torch.no_grad()
-def load_stashed_versions(trainer, reader, load_optimizer: bool, log=print) -> None:
-    """After the weights are loaded: restart the stream at the checkpoint's iteration with the older
-    versions it needs, read from the checkpoint. Without them (--no-load-optim, or a checkpoint of a
-    synchronous schedule) they start as copies of the loaded weights; a checkpoint of the same schedule
-    that lacks some was saved at a pipeline layout that kept fewer versions: one line."""
-    runner = getattr(trainer, "async_pipeline", None)
-    if runner is None:
-        return
-    from megalite.checkpointing import box_view, boxes, held_params, param_entries, placement
-    runner.restart_at(int(reader.metadata.get("train_state", {}).get("iteration", reader.iteration)))
-    needed = runner.needed_behind()
-    if not needed:
-        return
-    versions = runner.versions
-    entries = param_entries(trainer.chunks)
-    names = [stashed_name(k, e.global_name) for k in needed for e in entries]
-    if not load_optimizer or not all(reader.has(n) for n in names):
-        saved = (reader.metadata.get("args") or {}).get("parallel", {})
-        if load_optimizer and saved.get("pipeline_schedule") == runner.schedule:
-            raise UserError(f"checkpoint {reader.directory} lacks weight versions that --pipeline-schedule "
-                            f"{runner.schedule} needs at this pipeline layout (saved at --pipeline-model-parallel-size "
-                            f"{saved.get('pipeline_model_parallel_size')}); resume at that size or add --no-load-optim")
-        for k in needed:
-            versions.stash[versions.newest - k] = versions.flat.clone()
-        log(f" > {runner.schedule}: no stashed weight versions in the checkpoint; the older versions start as "
-            "copies of the loaded weights")
-        return
-    buffer, vocab, targets = trainer.buffer, trainer.config.model.vocab_size, []
-    for k in needed:
-        flat = torch.zeros_like(versions.flat)       # vocabulary padding rows are not stored: they stay zero
-        versions.stash[versions.newest - k] = flat
-        for entry in entries:
-            slot = buffer.slots[entry.buffer_name]
-            place = placement(entry.param, entry.global_name, vocab)
-            for start, end, _ in held_params(buffer, slot.start, slot.end):
-                lo = start - slot.start
-                targets += [(stashed_name(k, entry.global_name), box, box_view(flat[start:end], offset - lo, box))
-                            for offset, box in boxes(place, lo, end - slot.start)]
-    reader.read_into(targets)

@@ -156,9 +156,6 @@ def v_shape_stage(rank: int, chunk: int, pp: int, num_chunks: int = 2) -> int:
     return rank if chunk == 0 else 2 * pp - 1 - rank
 
 
-SYNCHRONOUS_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zbv")
-
-
 def schedule_order(schedule: str, pp: int, rank: int, num_microbatches: int, num_chunks: int) -> list[Action]:
     """This rank's order for a synchronous --pipeline-schedule (1f1b is interleaved with virtual stages)."""
     if schedule == "zbv":
@@ -179,8 +176,6 @@ def stage_placement(schedule: str):
 
 def forward_only_order(order: list[Action]) -> list[Action]:
     return [a for a in order if a.kind == "F"]
-
-
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from megalite.config import ZERO_BUBBLE_SCHEDULES
 from megalite.errors import UserError
 
-ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zbv")
 
 
 @dataclass

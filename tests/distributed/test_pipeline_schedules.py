@@ -10,10 +10,10 @@ from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 from megalite.arguments import parse_args
 from megalite.errors import UserError
-from megalite.pipeline_parallel.schedules import SYNCHRONOUS_SCHEDULES, schedule_order
+from megalite.config import SYNCHRONOUS_SCHEDULES, ZERO_BUBBLE_SCHEDULES
+from megalite.pipeline_parallel.schedules import schedule_order
 from megalite.pipeline_parallel.plan import RankPlan, schedule_plans, stream_replay
 from megalite.pipeline_parallel.simulate import replay_schedule
-from megalite.pipeline_parallel.zero_bubble import ZERO_BUBBLE_SCHEDULES
 from pipeline_workloads import ARGS, one_thread, reference, run_executor  # noqa: F401 (one_thread: autouse fixture)
 
 LAYOUTS = [(schedule, pp, m, chunks) for schedule in SYNCHRONOUS_SCHEDULES for pp in (2, 4) for m in (4, 8, 16)
