@@ -9,7 +9,7 @@ import argparse
 import math
 import os
 
-from megalite.config import (PIPELINE_SCHEDULES, DataConfig, MegaliteConfig, ModelConfig, OptimizerConfig,
+from megalite.config import (PIPELINE_SCHEDULES, SHARDING_STRATEGIES, DataConfig, MegaliteConfig, ModelConfig, OptimizerConfig,
                              ParallelConfig, TrainingConfig, padded_vocab_size)
 from megalite.errors import UserError
 from megalite.launch_env import read_launch_env
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
-    g.add_argument("--data-parallel-sharding-strategy", choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+    g.add_argument("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES,
                    help="ZeRO stage: optim = 1 (= --use-distributed-optimizer), optim_grads = 2, "
                         "optim_grads_params = 3; default no_shard")
     g.add_argument("--ddp-bucket-size", type=_positive_int,

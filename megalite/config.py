@@ -14,6 +14,9 @@ SYNCHRONOUS_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zbv")    # flush every step:
 ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zbv")                     # backward split into B and W (Qi et al. 2024)
 ASYNC_SCHEDULES = ("pipedream", "pipedream-2bw")             # no flush, weight stashing (pipedream.py)
 PIPELINE_SCHEDULES = SYNCHRONOUS_SCHEDULES + ASYNC_SCHEDULES
+# --data-parallel-sharding-strategy: ZeRO stage 0 (replicated), 1 (optimizer state), 2 (and gradients),
+# 3 (and parameters)
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from megalite.arguments import default_ffn_hidden_size
-from megalite.config import ASYNC_SCHEDULES, MegaliteConfig, ModelConfig, ParallelConfig, padded_vocab_size
+from megalite.config import ASYNC_SCHEDULES, SHARDING_STRATEGIES, MegaliteConfig, ModelConfig, ParallelConfig, padded_vocab_size
 from megalite.distributed.ddp import MAX_IN_FLIGHT, default_bucket_size
 from megalite.errors import UserError
 from megalite.logging import flops_per_iteration
@@ -44,7 +44,6 @@ from megalite.pipeline_parallel.zero_bubble import check_zero_bubble, schedule_s
 
 GiB = 2 ** 30
 RECOMPUTE = ("none", "selective", "full")
-SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # pipeline schedules (config.PIPELINE_SCHEDULES): the bubble as a share of the slowest stage's busy time
 # over the m micro-batches (Qi et al. 2024 for zero bubble, with F, B and W equally long: ZB-H1 keeps a third
 # of 1F1B's (p-1)/m, ZB-V none), and the weight versions a stage keeps beyond its live weights (PipeDream:
@@ -1010,7 +1009,7 @@ def layouts_of(workload: Workload, num_gpus: int, pins: Pins = Pins()) -> Iterat
                 for vpp in vpps:
                     for mbs in micro_batch_sizes:
                         for recompute in RECOMPUTE:
-                            for sharding in SHARDING:
+                            for sharding in SHARDING_STRATEGIES:
                                 yield Layout(tp, pp, dp, vpp, mbs, recompute, sharding, cp=cp, schedule=schedule,
                                              split=split, overlap_param_gather=schedule not in ASYNC_SCHEDULES
                                              or sharding == "no_shard" or dp * cp == 1)

@@ -26,6 +26,7 @@ import pytest
 from harness import run_ranks
 from megalite_test_utils import ROOT, TINY_GPT2_ARGS, TINY_LLAMA_ARGS, with_flags
 from megalite import planning
+from megalite.config import SHARDING_STRATEGIES
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
@@ -190,7 +191,7 @@ def test_parameters_per_rank_equal_megalites_sharded_model(tp, pp, vpp, pp_rank)
 
 def test_state_bytes_per_parameter_follow_the_zero_formulas():
     d = 8
-    zero = {s: sum(planning.state_bytes_per_parameter(2, s, d, grad_bytes=2)) for s in planning.SHARDING}
+    zero = {s: sum(planning.state_bytes_per_parameter(2, s, d, grad_bytes=2)) for s in SHARDING_STRATEGIES}
     assert zero == pytest.approx({"no_shard": 16, "optim": 4 + 12 / d, "optim_grads": 2 + 14 / d,
                                   "optim_grads_params": 16 / d})
     # megalite (and Megatron's distributed optimizer) keep fp32 gradients: 18 B/param, 6 + 12/d

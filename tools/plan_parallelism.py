@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite import planning  # noqa: E402
 from megalite.arguments import OneLineArgumentParser, _positive_float, _positive_int  # noqa: E402
-from megalite.config import PIPELINE_SCHEDULES  # noqa: E402
+from megalite.config import PIPELINE_SCHEDULES, SHARDING_STRATEGIES  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int)
     g.add_argument("--micro-batch-size", type=_positive_int)
     g.add_argument("--recompute-granularity", choices=["none", "selective", "full"])
-    g.add_argument("--data-parallel-sharding-strategy", choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
+    g.add_argument("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES)
     g.add_argument("--use-distributed-optimizer", action="store_true", help="= --data-parallel-sharding-strategy optim")
     g.add_argument("--context-parallel-size", type=_positive_int, help="default 1 (context parallelism is not searched)")
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, help="default 1f1b (interleaved with virtual stages)")

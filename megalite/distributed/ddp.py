@@ -56,12 +56,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.config import ParallelConfig
+from megalite.config import SHARDING_STRATEGIES, ParallelConfig
 from megalite.distributed import collectives
 from megalite.distributed.grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.parallel_state import ParallelState
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # Asynchronous bucket collectives in flight at once. A ZeRO-2/3 reduce-scatter holds a full-size staging
 # bucket, and gloo copies every all-gather / reduce-scatter through a temporary of the bucket's size:
 # unbounded, a whole backward's gradients (or all parameters after the step) would be alive at once,
@@ -250,7 +249,7 @@ class DistributedDataParallel:
         self.strategy = config.data_parallel_sharding_strategy
         if self.strategy == "no_shard" and config.use_distributed_optimizer:
             self.strategy = "optim"
-        if self.strategy not in STRATEGIES:
+        if self.strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"unknown data-parallel sharding strategy {self.strategy!r}")
         self.overlap_grad_reduce = config.overlap_grad_reduce
         self.overlap_param_gather = config.overlap_param_gather
