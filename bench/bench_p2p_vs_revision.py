@@ -83,7 +83,7 @@ def main() -> None:
                     f"{ratio:.2f} | {100 * med['this']['bubble']:.1f}% / {100 * med['baseline']['bubble']:.1f}% |")
     command = command_line("bench_p2p_vs_revision.py", sys.argv[1:])
     headline = Headline("pipeline step time, NCCL-safe posting order vs " + args.baseline, args.baseline,
-                        f"{min(ratios):.2f}-{max(ratios):.2f}x over 5 schedules", command)
+                        f"{min(ratios):.2f}-{max(ratios):.2f}x over {len(SCHEDULES)} schedules", command)
     publish(args, "bench_p2p_vs_revision", "Pipeline posting order: step time against an earlier revision", command,
             [headline], body)
     print("\n".join(body))

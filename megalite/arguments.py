@@ -760,19 +760,7 @@ def _iters(samples: int | None, iters: int | None, global_batch_size: int) -> fl
 def world_size_from_env(env=None) -> int:
     """WORLD_SIZE as torchrun sets it (the step's number of tasks under srun), 1 for a plain ``python
     pretrain_gpt.py``, also one inside a SLURM allocation that srun did not start."""
-    env = os.environ if env is None else env
-    if "RANK" not in env and "SLURM_PROCID" in env:    # SLURM: whether srun started us decides (launch_env.py)
-        return read_launch_env(env).world_size
-    name = "WORLD_SIZE"
-    text = env.get(name, "1")
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise UserError(f"{name}={text!r} is not a number of processes >= 1; launch with torchrun (or srun), "
-                        f"or unset {name} for one process")
-    return value
+    return read_launch_env(env).world_size
 
 
 # ---- building the configs --------------------------------------------------------------------------

@@ -51,7 +51,7 @@ from megalite.pipeline_parallel.executor import PipelineRecord, run_pipeline_sch
 from megalite.pipeline_parallel.p2p import PipelineComm
 from megalite.pipeline_parallel.pipedream import AsyncPipeline, build_async_pipeline
 from megalite.pipeline_parallel.plan import rank_plan
-from megalite.pipeline_parallel.schedules import forward_backward_no_pipelining, stage_placement
+from megalite.pipeline_parallel.schedules import StageMap, forward_backward_no_pipelining, stage_placement
 from megalite.pipeline_parallel.stages import (SplitFlags, build_model_chunks, check_pipeline_split, chunk_forward,
                                                sync_shared_embedding_grads, virtual_stage_layers)
 from megalite.pipeline_parallel.zero_bubble import check_zero_bubble, schedule_split
@@ -325,9 +325,9 @@ def loss_pipeline_rank(trainer: Trainer) -> int:
     """The pipeline rank holding the last virtual stage, the chunk that computes the loss (its
     post_process; build_model_chunks places chunks with the same stage_placement): the last rank, but
     rank 0 under zbv's V placement."""
-    pp, chunks = trainer.parallel.pp_size, len(trainer.chunks)
-    place = stage_placement(trainer.config.parallel.pipeline_schedule)
-    return next(r for r in range(pp) for c in range(chunks) if place(r, c, pp, chunks) == pp * chunks - 1)
+    stages = StageMap(trainer.parallel.pp_size, trainer.parallel.pp_rank, len(trainer.chunks),
+                      stage_placement(trainer.config.parallel.pipeline_schedule))
+    return stages.where[stages.num_stages - 1][0]
 
 
 def reported_loss(trainer: Trainer, value: float) -> float:

@@ -39,7 +39,7 @@ class Message:
     sent: float
 
 
-def sends(action: Action, stages: StageMap) -> bool:
+def _sends(action: Action, stages: StageMap) -> bool:
     """A forward sends its output unless its chunk is the last stage; a backward its input gradient
     unless its chunk is the first. W sends nothing."""
     if action.kind == "F":
@@ -47,7 +47,7 @@ def sends(action: Action, stages: StageMap) -> bool:
     return action.kind == "B" and not stages.first(action.chunk)
 
 
-def _payload(rank: int, action: Action, stages: StageMap) -> tuple:
+def _payload(action: Action, stages: StageMap) -> tuple:
     """What an action sends: (kind, receiving virtual stage, micro-batch)."""
     to = stages.destination(action.kind, action.chunk)
     return action.kind, stages.stage[action.chunk] + (1 if action.kind == "F" else -1), action.microbatch, to.rank
@@ -83,8 +83,8 @@ def dataflow_replay(orders: list[list[Action]], maps: list[StageMap],
                     start = max(start, arrived[wanted][0])
                 clock[r] = start + cost(r, action)
                 busy[r] += clock[r] - start
-                if sends(action, maps[r]) and maps[r].destination(action.kind, action.chunk).rank != r:
-                    arrived[_payload(r, action, maps[r])] = (clock[r], r, position[r])
+                if _sends(action, maps[r]) and maps[r].destination(action.kind, action.chunk).rank != r:
+                    arrived[_payload(action, maps[r])] = (clock[r], r, position[r])
                 position[r] += 1
                 progress = True
     if any(position[r] < len(orders[r]) for r in range(pp)):

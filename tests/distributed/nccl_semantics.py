@@ -56,8 +56,8 @@ _local = threading.local()
 class Work:
     """What an emulated operation returns: ``wait`` blocks until its stream ran it (or times out)."""
 
-    def __init__(self, description: str, stream: "Stream"):
-        self.description, self.stream = description, stream
+    def __init__(self, description: str):
+        self.description = description
         self.done, self.error = threading.Event(), None
 
     def wait(self, timeout=None) -> bool:
@@ -89,7 +89,7 @@ class Stream:
     def submit(self, description: str, fn) -> Work:
         """Queue ``fn``; it runs under the caller's grad mode (thread-local, and in-place writes into views
         made under no_grad are refused with grad on)."""
-        work, grad = Work(description, self), torch.is_grad_enabled()
+        work, grad = Work(description), torch.is_grad_enabled()
         fn = (lambda inner=fn: _with_grad(grad, inner))
         self.waiting.append(description)
         self.queue.put((work, fn))
@@ -230,7 +230,7 @@ def _describe(value) -> object:
         return [list(value.shape), str(value.dtype)]
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
         return [_describe(v) for v in value]
-    if isinstance(value, dist.ReduceOp.RedOpType if hasattr(dist.ReduceOp, "RedOpType") else dist.ReduceOp):
+    if isinstance(value, dist.ReduceOp.RedOpType):
         return str(value)
     return None
 

@@ -14,7 +14,8 @@ from harness import logged_losses, run_pretrain
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 from test_pipedream import reference_history
 
-ARGV = with_flags(TINY_LLAMA_ARGS, num_layers=4, global_batch_size=8, train_iters=4, eval_interval=2, eval_iters=1)
+ARGV = with_flags(TINY_LLAMA_ARGS, num_layers=4, global_batch_size=8, train_iters=4, eval_interval=2, eval_iters=1,
+                  num_workers=None)      # the default data-loader workers, as a user's command line has them
 ITERATIONS, EVALUATED = [1, 2, 3, 4], [2, 4]
 VALIDATION = re.compile(r" validation loss (.+?) \| lm loss value: (\S+) \|")
 SCHEDULES = {       # name -> flags; pipeline_schedule when the name is a schedule of its own
