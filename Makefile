@@ -6,6 +6,11 @@ PY := $(VENV)/bin/python
 # PyTorch first, pinned, so the requirements' range installs nothing more (a bare `torch` would pull CUDA wheels).
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# CPU runs preload jemalloc where it is installed (Debian: libjemalloc2), as torch.backends.xeon.run_cpu
+# --enable-jemalloc does: it reuses the large blocks every training step frees and re-allocates, where
+# glibc would return them to the OS and fault them back in. Without it, glibc's malloc runs.
+JEMALLOC ?= $(shell ldconfig -p 2>/dev/null | grep -o '/[^ ]*libjemalloc\.so\.2' | head -1)
+RUN_ENV := $(if $(JEMALLOC),LD_PRELOAD=$(JEMALLOC))
 
 .PHONY: demo test test-slow test-cuda setup bench clean-demo
 
@@ -20,28 +25,28 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	PY=$(PY) bash examples/demo.sh
+	$(RUN_ENV) PY=$(PY) bash examples/demo.sh
 
 # the default suite; the long runs (marked slow) with: make test-slow.
 # Two pytest workers, whole test files each (so a module's fixtures run once): one worker leaves a core
 # idle while its launches start up or wait. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	WANDB_MODE=offline $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not cuda" tests
+	$(RUN_ENV) WANDB_MODE=offline $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not cuda" tests
 
 test-slow: $(STAMP)
-	WANDB_MODE=offline $(PY) -m pytest -q -m slow tests
+	$(RUN_ENV) WANDB_MODE=offline $(PY) -m pytest -q -m slow tests
 
 # the CUDA tier (tests/cuda): one GPU, NCCL at world size 1, --compile; with 2+ GPUs, TP/PP/DP/CP equivalence
 # over NCCL at world 2/4/8 (each world size where that many GPUs are visible); skipped where torch sees no GPU.
 # (PyPI's Linux torch wheel, which setup installs, is a CUDA build.)
 test-cuda: $(STAMP)
-	WANDB_MODE=offline $(PY) -m pytest -q -m cuda tests/cuda
+	$(RUN_ENV) WANDB_MODE=offline $(PY) -m pytest -q -m cuda tests/cuda
 
 # Every benchmark, written to bench/RESULTS.md (bench/run_all.py); BENCH_ARGS=--quick for a smoke test
 # written to bench/quick/RESULTS.md instead.
 bench: $(STAMP)
-	$(PY) bench/run_all.py $(BENCH_ARGS)
+	$(RUN_ENV) $(PY) bench/run_all.py $(BENCH_ARGS)
 
 clean-demo:
 	rm -rf data/stdlib* data/cache runs/demo

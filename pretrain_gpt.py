@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # run from a ch
 
 
 def main(argv: list[str]) -> int:
-    from megalite.arguments import parse_args, startup_notes
+    from megalite.config.arguments import parse_args, startup_notes
     from megalite.errors import UserError
     try:
         # before torch is imported (seconds): a flag mistake is reported at once, under torchrun by
@@ -25,8 +25,8 @@ def main(argv: list[str]) -> int:
     except UserError as error:
         report(error)
         return 1
-    from megalite.faults import CollectiveFailure, report_sigterm_in_one_line
-    from megalite.training import pretrain
+    from megalite.train.faults import CollectiveFailure, report_sigterm_in_one_line
+    from megalite.train.training import pretrain
     report_sigterm_in_one_line(report)
     try:
         if _is_logging_rank():
@@ -84,7 +84,7 @@ def _launch() -> tuple[int, int]:
     """(rank, world size) as the launcher set them (launch_env.py); (0, 1) where they are garbage, which
     the launch-environment check reports itself."""
     from megalite.errors import UserError
-    from megalite.launch_env import read_launch_env
+    from megalite.parallel.launch_env import read_launch_env
     try:
         env = read_launch_env()
     except UserError:

@@ -125,7 +125,7 @@ class Shape:
 
 
 def model_config(shape: Shape, num_layers: int = 2):
-    from megalite.config import ModelConfig
+    from megalite.config.schema import ModelConfig
     llama = shape.style == "llama"
     return ModelConfig(
         num_layers=num_layers, hidden_size=shape.hidden, num_attention_heads=shape.heads, ffn_hidden_size=shape.ffn,
@@ -173,9 +173,9 @@ def transformers_layer_bytes(shape: Shape, breakdown: bool = False):
 
 
 def _tp_rank_bytes(rank: int, world: int, shapes, sequence_parallel: bool = True) -> list[int]:
-    from megalite.parallel_state import ParallelState
-    from megalite.tensor_parallel.layers import TensorParallel
-    from megalite.tensor_parallel.random import build_rng_tracker
+    from megalite.parallel.mesh import ParallelState
+    from megalite.parallel.tensor.layers import TensorParallel
+    from megalite.parallel.tensor.random import build_rng_tracker
     state = ParallelState.build(world, rank, tp=world)
     tp = TensorParallel(state.group("tp"), state.tp_rank, state.tp_size, sequence_parallel=sequence_parallel,
                         rng=build_rng_tracker(1234, state.tp_rank, torch.device("cpu")))

@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 import preprocess_data  # noqa: E402
 import stdlib_corpus  # noqa: E402
 import train_tokenizer  # noqa: E402
-from megalite.config import DataConfig  # noqa: E402
+from megalite.config.schema import DataConfig  # noqa: E402
 from megalite.data.blended_dataset import build_blending_indices  # noqa: E402
 from megalite.data.gpt_dataset import (GPTDataset, build_document_index, build_sample_index,  # noqa: E402
                                        build_shuffle_index)

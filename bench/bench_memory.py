@@ -110,7 +110,7 @@ class Window:
     """Peak RSS above the starting RSS over a block of code (the kernel's restarted high-water mark)."""
 
     def __enter__(self):
-        from megalite.performance import current_rss_bytes, reset_peak_rss
+        from megalite.train.performance import current_rss_bytes, reset_peak_rss
         import gc
         gc.collect()
         reset_peak_rss()
@@ -118,7 +118,7 @@ class Window:
         return self
 
     def __exit__(self, *exc):
-        from megalite.performance import window_peak_rss_bytes
+        from megalite.train.performance import window_peak_rss_bytes
         self.peak = window_peak_rss_bytes() - self.start
         return False
 
@@ -127,7 +127,7 @@ def timed_steps(step, steps: int) -> tuple[list[float], list[float]]:
     """Seconds and loss of each of ``steps`` calls of ``step()`` (ranks start each step together), with
     the RSS high-water mark restarted first so the peak is the steps'."""
     import torch
-    from megalite.performance import reset_peak_rss
+    from megalite.train.performance import reset_peak_rss
     reset_peak_rss()
     times, losses = [], []
     for _ in range(steps):
@@ -142,9 +142,9 @@ def timed_steps(step, steps: int) -> tuple[list[float], list[float]]:
 def _megalite_run(rank, world, argv, shape, steps):
     """Start-up and training-step peaks (bytes above the pre-start-up RSS) and step times of one layout."""
     import torch
-    from megalite.arguments import parse_args
-    from megalite.performance import current_rss_bytes, window_peak_rss_bytes
-    from megalite.training import build_trainer, train_step
+    from megalite.config.arguments import parse_args
+    from megalite.train.performance import current_rss_bytes, window_peak_rss_bytes
+    from megalite.train.training import build_trainer, train_step
     with Window() as startup:
         trainer = build_trainer(parse_args(argv, world_size=world))
     base = startup.start
@@ -220,7 +220,7 @@ def fsdp2_argv(argv: list[str]) -> list[str]:
 
 def _fsdp2_run(rank, world, argv, shape, steps):
     """The same GPTModel, weights, batches, optimizer and clipping with --use-torch-fsdp2: fully_shard per
-    layer and on the root (megalite/distributed/fsdp2.py)."""
+    layer and on the root (megalite/parallel/data/fsdp2.py)."""
     return _megalite_run(rank, world, fsdp2_argv(argv), shape, steps)
 
 
@@ -266,9 +266,9 @@ def bench_fsdp2(args):
 # ---- checkpoint save and load -----------------------------------------------------------------------------
 def _checkpoint_run(rank, world, argv, shape, directory):
     import torch
-    from megalite.arguments import parse_args
-    from megalite.checkpointing import load_checkpoint, save_checkpoint
-    from megalite.training import build_trainer, train_step
+    from megalite.config.arguments import parse_args
+    from megalite.checkpoint.sharded import load_checkpoint, save_checkpoint
+    from megalite.train.training import build_trainer, train_step
     trainer = build_trainer(parse_args(argv, world_size=world))
     train_step(trainer, random_batches(shape, rank))
     trainer.ddp.close()

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Pipeline step time and bubble of this tree's executor against another revision's, side by side in one
-run on gloo: what the NCCL-safe posting order (megalite/pipeline_parallel/plan.py) costs where gloo would
+run on gloo: what the NCCL-safe posting order (megalite/parallel/pipeline/plan.py) costs where gloo would
 have forgiven any order.
 
 For every synchronous schedule at pp=2 (GPipe, 1F1B, interleaved, ZB-H1, ZB-V) it records steps of the

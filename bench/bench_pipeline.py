@@ -170,7 +170,7 @@ def main(argv: list[str]) -> None:
             "",
             "Two columns say how much of the gap to theory is the machine's. *Order replayed* is the bubble the "
             "schedule's own orders leave when every action takes its rank's median measured time for its kind "
-            "(megalite/pipeline_parallel/simulate.py): the unequal stages' share, with no transfer time and no "
+            "(megalite/parallel/pipeline/simulate.py): the unequal stages' share, with no transfer time and no "
             "spread. *Forward spread* is the coefficient of variation of the identical forwards of a rank's chunk "
             "in the same step: the machine's jitter, which a synchronous pipeline turns into waits (each "
             "exchange waits for the slower side).",

@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
+from megalite.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
 
 
 class LiveBytes(TorchDispatchMode):

@@ -127,7 +127,7 @@ def peak_tflops(device_name: str, override: float | None = None) -> float | None
     """--peak-tflops if given, else the table's dense bf16 peak for this GPU (None when unknown)."""
     if override:
         return override
-    from megalite.performance import KNOWN_GPU_PEAK_FLOPS      # the table the training log's MFU uses
+    from megalite.train.performance import KNOWN_GPU_PEAK_FLOPS      # the table the training log's MFU uses
     for text, flops in KNOWN_GPU_PEAK_FLOPS:
         if text.lower() in device_name.lower():
             return flops / 1e12
@@ -156,8 +156,8 @@ def random_tokens(run: Run, device):
 def build_megalite(run: Run):
     """(step function, N for the FLOPs formula, device) for megalite's own training step."""
     import torch
-    from megalite.arguments import parse_args
-    from megalite.training import build_trainer, train_step
+    from megalite.config.arguments import parse_args
+    from megalite.train.training import build_trainer, train_step
     trainer = build_trainer(parse_args(megalite_argv(run), world_size=1))
     b, s = run.micro_batch, run.shape.seq
 

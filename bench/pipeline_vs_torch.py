@@ -57,11 +57,11 @@ class MegaliteRunner:
     """One step of megalite's schedule executor on this rank's chunks, as training runs it."""
 
     def __init__(self, cfg, state, tp, schedule: str, chunks_per_rank: int, batches: list):
-        from megalite.distributed.grad_buffer import ParamAndGradBuffer
-        from megalite.pipeline_parallel.p2p import PipelineComm
-        from megalite.pipeline_parallel.plan import rank_plan
-        from megalite.pipeline_parallel.schedules import stage_placement
-        from megalite.pipeline_parallel.stages import build_model_chunks, chunk_forward
+        from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
+        from megalite.parallel.pipeline.p2p import PipelineComm
+        from megalite.parallel.pipeline.plan import rank_plan
+        from megalite.parallel.pipeline.schedules import stage_placement
+        from megalite.parallel.pipeline.stages import build_model_chunks, chunk_forward
         self.placement = stage_placement(schedule)
         self.chunks = build_model_chunks(cfg, 1, tp, state.pp_rank, state.pp_size, chunks_per_rank,
                                          placement=self.placement)
@@ -75,7 +75,7 @@ class MegaliteRunner:
         self.batches, self.chunks_per_rank = batches, chunks_per_rank
 
     def step(self) -> list[float]:
-        from megalite.pipeline_parallel.executor import run_pipeline_schedule
+        from megalite.parallel.pipeline.executor import run_pipeline_schedule
         self.buffer.zero_grad()
         return run_pipeline_schedule(self.plan, self.forward, self.batches, self.comm)
 
@@ -98,8 +98,8 @@ class TorchRunner:
     def __init__(self, cfg, state, tp, schedule: str, chunks_per_rank: int, torch_schedule: str, batches: list):
         import torch.nn.functional as F
         from torch.distributed import pipelining
-        from megalite.pipeline_parallel.schedules import StageMap, stage_placement
-        from megalite.pipeline_parallel.stages import build_model_chunks
+        from megalite.parallel.pipeline.schedules import StageMap, stage_placement
+        from megalite.parallel.pipeline.stages import build_model_chunks
         pp, m = state.pp_size, len(batches)
         placement = stage_placement(schedule)
         self.chunks = build_model_chunks(cfg, 1, tp, state.pp_rank, pp, chunks_per_rank, placement=placement)
@@ -166,9 +166,9 @@ def compare(rank: int, world: int, opts: dict) -> dict:
     """On every rank: for each micro-batch count, every pair's step times (megalite, torch, alternating)
     and the reference's. Returns {m: {row: {"megalite": [s], "torch": [s], "losses": (megalite, torch)}},
     "reference" row with its times and losses on rank 0}."""
-    from megalite.arguments import parse_args
-    from megalite.parallel_state import ParallelState
-    from megalite.tensor_parallel.setup import build_tensor_parallel
+    from megalite.config.arguments import parse_args
+    from megalite.parallel.mesh import ParallelState
+    from megalite.parallel.tensor.setup import build_tensor_parallel
     cfg = parse_args(model_argv(opts), world_size=1).model
     state = ParallelState.build(world, rank, pp=world)
     tp = build_tensor_parallel(state, False, 1, torch.device("cpu"), cfg.num_query_groups)

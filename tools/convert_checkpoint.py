@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.arguments import OneLineArgumentParser  # noqa: E402
+from megalite.config.arguments import OneLineArgumentParser  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
 FORMATS = ("hf", "megalite")
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> str:
         raise UserError("--model-type applies to --to hf only (the HF family to export as)")
     if os.path.abspath(args.input) == os.path.abspath(args.output):
         raise UserError(f"--output {args.output} is the --input directory; choose another directory")
-    from megalite.hf_conversion import hf_to_megalite, megalite_to_hf
+    from megalite.checkpoint.hf import hf_to_megalite, megalite_to_hf
     if args.target == "megalite":
         return hf_to_megalite(args.input, args.output, overwrite=args.overwrite)
     return megalite_to_hf(args.input, args.output, model_type=args.model_type, overwrite=args.overwrite)

@@ -21,11 +21,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megalite.arguments import OneLineArgumentParser  # noqa: E402
-from megalite.config import DataConfig  # noqa: E402
+from megalite.config.arguments import OneLineArgumentParser  # noqa: E402
+from megalite.config.schema import DataConfig  # noqa: E402
 from megalite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
-from megalite.generation import check_sampling, generate  # noqa: E402
+from megalite.model.generation import check_sampling, generate  # noqa: E402
 
 
 def get_args(argv=None) -> argparse.Namespace:
@@ -78,7 +78,7 @@ def completion_text(tokenizer, prompt: str, prompt_ids: list[int], new_ids: list
 
 
 def run(args: argparse.Namespace) -> str:
-    from megalite.checkpointing import load_model
+    from megalite.checkpoint.sharded import load_model
 
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")

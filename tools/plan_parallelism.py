@@ -18,7 +18,7 @@ pretrain_gpt.py flags to run them.
 It tries every layout megalite accepts (TP within a node with sequence parallelism, PP dividing the
 layers, interleaved virtual stages, DP the rest, every micro-batch size, recomputation none /
 selective / full, ZeRO sharding no_shard / optim / optim_grads / optim_grads_params), estimates the
-memory of the fullest device and the step time (megalite/planning.py explains both), drops what does
+memory of the fullest device and the step time (megalite/planning/planner.py explains both), drops what does
 not fit in --usable-memory-fraction of --gpu-memory-gb, and prints the fastest --top layouts.
 GB means 2^30 bytes. Defaults describe H100 SXM nodes: 8 GPUs, 989 dense bf16 TFLOP/s (67 fp32),
 NVLink 360 GB/s and InfiniBand 40 GB/s achieved per GPU. Precision defaults to --bf16 (--fp16, --fp32).
@@ -32,9 +32,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite import planning  # noqa: E402
-from megalite.arguments import OneLineArgumentParser, _positive_float, _positive_int  # noqa: E402
-from megalite.config import PIPELINE_SCHEDULES, SHARDING_STRATEGIES  # noqa: E402
+from megalite.planning.planner import planner as planning  # noqa: E402
+from megalite.config.arguments import OneLineArgumentParser, _positive_float, _positive_int  # noqa: E402
+from megalite.config.schema import PIPELINE_SCHEDULES, SHARDING_STRATEGIES  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")

@@ -32,10 +32,10 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megalite.config import ASYNC_SCHEDULES, PIPELINE_SCHEDULES  # noqa: E402
-from megalite.pipeline_parallel.pipedream import AsyncPipeline  # noqa: E402
-from megalite.pipeline_parallel.executor import PipelineRecord  # noqa: E402
-from megalite.pipeline_parallel.simulate import replay_schedule  # noqa: E402
+from megalite.config.schema import ASYNC_SCHEDULES, PIPELINE_SCHEDULES  # noqa: E402
+from megalite.parallel.pipeline.pipedream import AsyncPipeline  # noqa: E402
+from megalite.parallel.pipeline.executor import PipelineRecord  # noqa: E402
+from megalite.parallel.pipeline.simulate import replay_schedule  # noqa: E402
 
 ASYNC_STEPS = 2                 # the asynchronous schedules' run: fill the pipeline, then the recorded steps, drain
 
@@ -60,7 +60,7 @@ def measured_bubble_share(records: list) -> float:
 
 def replayed_bubble_share(records: list, schedule: str, vpp: int = 1) -> float | None:
     """The bubble of the schedule's own orders when each action takes its rank's median measured time for
-    its kind and chunk, with no transfer time and no spread (megalite/pipeline_parallel/simulate.py): what
+    its kind and chunk, with no transfer time and no spread (megalite/parallel/pipeline/simulate.py): what
     the order can do on this model's real, unequal stages. None for the asynchronous schedules (no order
     to replay: they never flush)."""
     if schedule in ASYNC_SCHEDULES:
@@ -112,15 +112,15 @@ def run_steps(rank: int, world: int, opts: dict) -> list:
     rank's PipelineRecord of each."""
     import torch
     import torch.distributed
-    from megalite.arguments import parse_args
-    from megalite.distributed.grad_buffer import ParamAndGradBuffer
-    from megalite.parallel_state import ParallelState
-    from megalite.pipeline_parallel.executor import PipelineRecord, run_pipeline_schedule
-    from megalite.pipeline_parallel.p2p import PipelineComm
-    from megalite.pipeline_parallel.plan import rank_plan
-    from megalite.pipeline_parallel.schedules import stage_placement
-    from megalite.pipeline_parallel.stages import build_model_chunks, chunk_forward
-    from megalite.tensor_parallel.setup import build_tensor_parallel
+    from megalite.config.arguments import parse_args
+    from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
+    from megalite.parallel.mesh import ParallelState
+    from megalite.parallel.pipeline.executor import PipelineRecord, run_pipeline_schedule
+    from megalite.parallel.pipeline.p2p import PipelineComm
+    from megalite.parallel.pipeline.plan import rank_plan
+    from megalite.parallel.pipeline.schedules import stage_placement
+    from megalite.parallel.pipeline.stages import build_model_chunks, chunk_forward
+    from megalite.parallel.tensor.setup import build_tensor_parallel
     pp, vpp, m = opts["pp"], opts["vpp"], opts["microbatches"]
     layers = opts["layers_per_stage"] * pp * vpp
     argv = ["--num-layers", str(layers), "--hidden-size", str(opts["hidden"]), "--num-attention-heads", "4",

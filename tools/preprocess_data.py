@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from megalite.arguments import OneLineArgumentParser  # noqa: E402
-from megalite.config import DataConfig  # noqa: E402
+from megalite.config.arguments import OneLineArgumentParser  # noqa: E402
+from megalite.config.schema import DataConfig  # noqa: E402
 from megalite.data.indexed_dataset import (DTYPE_NAMES, IndexedDatasetBuilder, best_dtype,  # noqa: E402
                                            check_vocab_fits, data_file_path, index_file_path)
 from megalite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402

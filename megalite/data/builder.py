@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from megalite.config import DataConfig
+from megalite.config.schema import DataConfig
 from megalite.data.blended_dataset import BlendedDataset, normalize_weights
 from megalite.data.gpt_dataset import SPLIT_NAMES, GPTDataset, default_cache_dir, log, parse_split, split_ranges
 from megalite.data.indexed_dataset import IndexedDataset, normalize_prefix

@@ -21,7 +21,7 @@ import os
 import sys
 from abc import ABC, abstractmethod
 
-from megalite.config import DataConfig
+from megalite.config.schema import DataConfig
 from megalite.errors import UserError
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")

@@ -13,15 +13,15 @@ from torch import nn
 from contextlib import nullcontext
 from functools import partial
 
-from megalite.config import ModelConfig
-from megalite.context_parallel.ring_attention import ContextParallel, local_positions
+from megalite.config.schema import ModelConfig
+from megalite.parallel.context.ring_attention import ContextParallel, local_positions
 from megalite.errors import UserError
 from megalite.model.init import initial_values, initialize_parameter
 from megalite.model.transformer import KVCache, RotaryEmbedding, TransformerLayer, build_norm
-from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.tensor_parallel.layers import ColumnParallelLinear, TensorParallel, VocabParallelEmbedding, parallel_logits
-from megalite.tensor_parallel.mappings import gather_from_tp_region, reduce_from_tp_region, scatter_to_sp_region
-from megalite.tensor_parallel.random import checkpoint
+from megalite.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from megalite.parallel.tensor.layers import ColumnParallelLinear, TensorParallel, VocabParallelEmbedding, parallel_logits
+from megalite.parallel.tensor.mappings import gather_from_tp_region, reduce_from_tp_region, scatter_to_sp_region
+from megalite.parallel.tensor.random import checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -15,7 +15,7 @@ import zlib
 
 import torch
 
-from megalite.tensor_parallel.layers import shard_positions
+from megalite.parallel.tensor.layers import shard_positions
 
 _MASK32 = 0xFFFFFFFF
 _HASH_MULTIPLIER = 0x45D9F3B            # < 2**27, so (x < 2**32) * it never overflows int64

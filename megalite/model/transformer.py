@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.autograd_outputs import input_grads_to_compute
-from megalite.config import ModelConfig
-from megalite.context_parallel.ring_attention import ContextParallel, ring_attention
+from megalite.parallel.pipeline.autograd_outputs import input_grads_to_compute
+from megalite.config.schema import ModelConfig
+from megalite.parallel.context.ring_attention import ContextParallel, ring_attention
 from megalite.errors import UserError
-from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, TensorParallel
-from megalite.tensor_parallel.random import checkpoint
+from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TensorParallel
+from megalite.parallel.tensor.random import checkpoint
 
 
 def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -253,7 +253,7 @@ class SelfAttention(nn.Module):
             k, v = kv_cache.update(layer_number, k, v)
         if self.selective_recompute and self.training and torch.compiler.is_compiling():
             # traced as a recomputed region of the compiled graph; no RNG stream to replay (--compile runs
-            # selective recomputation with attention dropout eager: megalite/compile.py)
+            # selective recomputation with attention dropout eager: megalite/train/compile.py)
             out = torch.utils.checkpoint.checkpoint(self.core_attention, q, k, v, use_reentrant=False)
         elif self.selective_recompute and self.training:
             out = checkpoint(self.core_attention, q, k, v, tracker=self.tp.rng)

@@ -91,8 +91,8 @@ def test_bf16_weight_gradients_accumulate_fused_into_fp32_main_grad_on_the_gpu()
     """Gradient-accumulation fusion for bf16 weights (tensor_parallel/layers.py): the matmul adds the weight
     gradient of bf16 operands straight into the fp32 main_grad; equal to the fp32 sum of bf16 gradients,
     and the whole bf16 run trains the same with fusion turned off."""
-    from megalite.distributed.grad_buffer import ParamAndGradBuffer
-    from megalite.tensor_parallel.layers import ColumnParallelLinear, TensorParallel
+    from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
+    from megalite.parallel.tensor.layers import ColumnParallelLinear, TensorParallel
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
     torch.manual_seed(0)
@@ -111,8 +111,8 @@ def test_bf16_weight_gradients_accumulate_fused_into_fp32_main_grad_on_the_gpu()
 
 
 def test_tf32_is_on_by_default_and_off_with_no_tf32():
-    from megalite.arguments import parse_args
-    from megalite.training import build_trainer
+    from megalite.config.arguments import parse_args
+    from megalite.train.training import build_trainer
     if not torch.cuda.is_available():
         pytest.skip("TF32 is a GPU setting")
     build_trainer(parse_args(ARGV, world_size=1), print_fn=lambda *_: None)
@@ -178,7 +178,7 @@ def test_compiled_layers_equal_eager_on_the_gpu():
 def test_generation_on_the_gpu(tmp_path):
     """Greedy decoding with the KV cache equals decoding without it and the CPU's; seeded sampling
     repeats; tools/generate.py runs with --device cuda."""
-    from megalite.generation import generate
+    from megalite.model.generation import generate
     from test_generate import TOOL, save_null_tokenizer_checkpoint, tiny_model
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cpu_model = tiny_model("llama", seed=6)

@@ -8,7 +8,7 @@ traceback. ``run_pretrain`` launches pretrain_gpt.py under torchrun and returns 
 
 ``nccl=True`` runs either under the NCCL-semantics tier (nccl_semantics.py): NCCL's stream and matching
 rules imposed on gloo, a check that every rank of a group issued the same collectives, and the
-collectives' NCCL branch (MEGALITE_FORCE_NCCL_COLLECTIVE_PATH=1, megalite/distributed/collectives.py).
+collectives' NCCL branch (MEGALITE_FORCE_NCCL_COLLECTIVE_PATH=1, megalite/parallel/collectives.py).
 
 Ranks are forked from a forkserver that imported torch and megalite once for the whole session:
 a spawned rank re-imports them, about 4 s of CPU each (torch, and torch._dynamo, which every
@@ -41,8 +41,8 @@ def free_port() -> int:
 
 
 # imported once in the forkserver (it starts at the first run_ranks); the ranks forked from it have them loaded
-mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "megalite.training",
-                           "megalite.distributed.fsdp2"])
+mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "megalite.train.training",
+                           "megalite.parallel.data.fsdp2"])
 
 
 def _rank_main(rank: int, world_size: int, port: int, result_dir: str, environ: dict, nccl: bool, fn, args) -> None:

@@ -4,16 +4,16 @@ import pytest
 import torch
 
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.arguments import parse_args
-from megalite.distributed.grad_buffer import ParamAndGradBuffer
+from megalite.config.arguments import parse_args
+from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
 from megalite.model.gpt import GPTModel
-from megalite.parallel_state import ParallelState
-from megalite.pipeline_parallel.executor import run_pipeline_schedule
-from megalite.pipeline_parallel.p2p import PipelineComm
-from megalite.pipeline_parallel.plan import rank_plan
-from megalite.pipeline_parallel.schedules import stage_placement
-from megalite.pipeline_parallel.stages import build_model_chunks, chunk_forward, sync_shared_embedding_grads
-from megalite.tensor_parallel.setup import build_tensor_parallel, finalize_tensor_parallel_grads
+from megalite.parallel.mesh import ParallelState
+from megalite.parallel.pipeline.executor import run_pipeline_schedule
+from megalite.parallel.pipeline.p2p import PipelineComm
+from megalite.parallel.pipeline.plan import rank_plan
+from megalite.parallel.pipeline.schedules import stage_placement
+from megalite.parallel.pipeline.stages import build_model_chunks, chunk_forward, sync_shared_embedding_grads
+from megalite.parallel.tensor.setup import build_tensor_parallel, finalize_tensor_parallel_grads
 
 ARGS = with_flags(TINY_LLAMA_ARGS, num_layers=4, make_vocab_size_divisible_by=32)
 M, MBS, SEQ = 4, 2, 32

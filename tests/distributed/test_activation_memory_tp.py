@@ -16,11 +16,11 @@ import torch.nn.functional as F
 
 from bench.activation_memory import LLAMA, count_saved, megalite_layer_bytes
 from harness import run_ranks
-from megalite.context_parallel import build_context_parallel, local_positions, ring_attention
-from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.layers import ColumnParallelLinear, TensorParallel
-from megalite.tensor_parallel.mappings import gather_from_sp_region
-from megalite.tensor_parallel.random import build_rng_tracker
+from megalite.parallel.context import build_context_parallel, local_positions, ring_attention
+from megalite.parallel.mesh import ParallelState
+from megalite.parallel.tensor.layers import ColumnParallelLinear, TensorParallel
+from megalite.parallel.tensor.mappings import gather_from_sp_region
+from megalite.parallel.tensor.random import build_rng_tracker
 
 SHAPES = (LLAMA, replace(LLAMA, heads=8, kv_heads=4, dtype="float32"))     # 2 KV heads (bf16), 4 (fp32)
 S, B, H, OUT = 16, 2, 8, 12

@@ -108,7 +108,7 @@ def test_a_3d_checkpoint_resumes_at_any_layout(saved_3d, tmp_path, nproc, layout
 
 
 def test_load_model_gives_the_same_logits_from_a_sharded_and_a_serial_checkpoint(saved_3d, tmp_path):
-    from megalite.checkpointing import load_model
+    from megalite.checkpoint.sharded import load_model
     tmp, _ = saved_3d
     run(1, PARALLEL + ["--save", str(tmp_path / "serial"), "--save-interval", "3"])   # same LR schedule
     sharded = load_model(str(tmp / "ck" / "iter_0000003"))
@@ -124,7 +124,7 @@ def test_load_model_gives_the_same_logits_from_a_sharded_and_a_serial_checkpoint
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import megalite.checkpointing as ckpt
+import megalite.checkpoint.sharded as ckpt
 saves = {{"n": 0}}
 rank = int(os.environ.get("RANK", "0"))
 def die_in(module, name, on_rank, nth):

@@ -3,8 +3,8 @@ every TP rank, replicated ones once, replicated rows 1/r, shared copies never, Z
 import torch
 
 from harness import run_ranks
-from megalite.distributed.grad_buffer import BufferSlot
-from megalite.optimizer.clip_grads import global_grad_norm, local_segments, norm_weights
+from megalite.parallel.data.grad_buffer import BufferSlot
+from megalite.optim.clip_grads import global_grad_norm, local_segments, norm_weights
 
 
 def fake(shape, sharded=None, rows=None, shared=False):
@@ -36,7 +36,7 @@ def test_norm_weights_follow_the_tensor_parallel_conventions():
 
 
 def _norms(rank, world):
-    from megalite.parallel_state import ParallelState
+    from megalite.parallel.mesh import ParallelState
     g = torch.Generator().manual_seed(0)
     sharded_full = torch.randn(2, 6, generator=g)              # a TP-sharded weight, split on rows
     replicated = torch.randn(5, generator=g)                   # identical on both TP ranks

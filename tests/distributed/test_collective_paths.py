@@ -1,4 +1,4 @@
-"""The collectives of megalite.distributed.collectives on 2 gloo ranks: right results under the torch 2.13
+"""The collectives of megalite.parallel.collectives on 2 gloo ranks: right results under the torch 2.13
 names and under the older ones, for every dtype and chunk size megalite uses; the data-parallel bucket
 collectives right on both branches (gloo's sliced list form, and with MEGALITE_FORCE_NCCL_COLLECTIVE_PATH=1
 the single-tensor form NCCL takes); training with every sharded strategy identical on the two branches.
@@ -121,7 +121,7 @@ def bucket_comm(rank: int, world: int) -> dict:
 
 
 def memory_rows(rank: int, world: int) -> list:
-    from megalite.memory_report import gather_memory
+    from megalite.train.memory_report import gather_memory
     buffer = SimpleNamespace(param_bytes=lambda: 100 + rank, grad_bytes=lambda: 200 + rank, numel_unpadded=12,
                              param_dtype=torch.float32, params=[torch.zeros(1)])
     ddp = SimpleNamespace(buffer=buffer, dp_size=world, shard_optimizer=True)

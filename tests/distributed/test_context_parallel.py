@@ -6,11 +6,11 @@ import torch.nn.functional as F
 
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.arguments import parse_args
-from megalite.context_parallel import (ContextParallel, build_context_parallel, local_positions, ring_attention,
+from megalite.config.arguments import parse_args
+from megalite.parallel.context import (ContextParallel, build_context_parallel, local_positions, ring_attention,
                                        slice_for_context_parallel)
 from megalite.errors import UserError
-from megalite.parallel_state import ParallelState
+from megalite.parallel.mesh import ParallelState
 
 S, B, NH, D = 16, 2, 4, 8
 
@@ -85,7 +85,7 @@ ARGS = with_flags(TINY_LLAMA_ARGS, num_layers=4, seq_length=64, max_position_emb
 
 
 def _train(rank, world, argv):
-    from megalite.training import pretrain
+    from megalite.train.training import pretrain
     return pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history
 
 

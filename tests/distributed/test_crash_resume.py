@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from harness import ROOT, free_port, logged_losses, run_pretrain
-from megalite.checkpoint_files import CheckpointReader
+from megalite.checkpoint.files import CheckpointReader
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 
 RUN = with_flags(TINY_LLAMA_ARGS, train_iters=300, global_batch_size=8, hidden_dropout=0.1) + \

@@ -100,7 +100,7 @@ def test_a_nan_gradient_stops_the_run_before_the_update_lands(tmp_path, precisio
     assert "error: iteration 2:" in err and "gradient norm nan" in err and "update was not applied" in err
     assert "iter_0000001" in err and "--skip-nan-iterations" in err
     assert sorted(os.listdir(save)) == ["iter_0000001", "latest_checkpointed_iteration.txt", "metrics.jsonl"]
-    from megalite.checkpointing import load_model
+    from megalite.checkpoint.sharded import load_model
     model = load_model(str(save))                     # the checkpoint before the fault loads and is finite
     assert all(p.isfinite().all() for p in model.parameters())
 
@@ -114,7 +114,7 @@ def test_skip_nan_iterations_counts_them_and_goes_on(tmp_path):
 
 def _nonfinite_ranks(rank, world):
     import torch
-    from megalite.faults import ranks_with_nonfinite_loss
+    from megalite.train.faults import ranks_with_nonfinite_loss
     return ranks_with_nonfinite_loss(float("nan") if rank == 2 else 1.0, torch.device("cpu"))
 
 
@@ -126,7 +126,7 @@ def test_every_rank_learns_which_rank_had_the_nan_loss():
 FAULTY_RANK = """
 import os, sys, time
 sys.path.insert(0, {root!r})
-import megalite.training as training
+import megalite.train.training as training
 original, calls = training.train_step, []
 def faulty(trainer, data):
     calls.append(1)

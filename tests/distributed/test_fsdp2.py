@@ -1,4 +1,4 @@
-"""PyTorch FSDP2 as the data-parallel backend (--use-torch-fsdp2, megalite/distributed/fsdp2.py).
+"""PyTorch FSDP2 as the data-parallel backend (--use-torch-fsdp2, megalite/parallel/data/fsdp2.py).
 
 Equivalence with the single-process run (10 steps, same seed and global batch) at DP=2, DP=4,
 DP=2 x TP=2 with sequence parallelism, and DP=2 x PP=2 (tied embeddings, so the embedding-group gradient
@@ -27,11 +27,11 @@ from torch.utils.data import DataLoader
 
 from dp_workloads import DP_ARGS, SyntheticTokens, train_layouts
 from harness import run_ranks
-from megalite.arguments import parse_args
-from megalite.checkpointing import load_checkpoint, load_model, save_checkpoint
+from megalite.config.arguments import parse_args
+from megalite.checkpoint.sharded import load_checkpoint, load_model, save_checkpoint
 from megalite.data.samplers import MegatronPretrainingSampler
 from megalite.errors import UserError
-from megalite.training import build_trainer, train_step
+from megalite.train.training import build_trainer, train_step
 from megalite_test_utils import with_flags
 
 STEPS = 10
@@ -156,7 +156,7 @@ def test_load_model_and_hf_export_read_an_fsdp2_checkpoint(dp2, tmp_path):
     tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(from_fsdp2(tokens), from_zero3(tokens), rtol=1e-4, atol=1e-4)
-    from megalite.hf_conversion import megalite_to_hf
+    from megalite.checkpoint.hf import megalite_to_hf
     megalite_to_hf(os.path.join(tmp, "fsdp2"), str(tmp_path / "hf"), log=lambda *_: None)
     import transformers
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))

@@ -9,7 +9,7 @@ import pytest
 
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.arguments import parse_args
+from megalite.config.arguments import parse_args
 
 ARGS = with_flags(TINY_LLAMA_ARGS, num_layers=8, train_iters=3, global_batch_size=8,
                   make_vocab_size_divisible_by=32, lr_warmup_iters=1, clip_grad=0.5, weight_decay=0.1,
@@ -47,7 +47,7 @@ def _world(argv: list[str]) -> int:
 
 
 def _histories(rank, world, argvs):
-    from megalite.training import pretrain
+    from megalite.train.training import pretrain
     return [pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history for argv in argvs]
 
 

@@ -3,8 +3,8 @@ import pytest
 
 from harness import run_ranks
 from megalite.errors import UserError
-from megalite.launch_env import first_host, read_launch_env
-from megalite.parallel_state import ParallelState, rank_grid_groups
+from megalite.parallel.launch_env import first_host, read_launch_env
+from megalite.parallel.mesh import ParallelState, rank_grid_groups
 
 
 def test_rank_grid_matches_megatron_order():

@@ -7,9 +7,9 @@ import torch
 
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.arguments import parse_args
+from megalite.config.arguments import parse_args
 from megalite.errors import UserError
-from megalite.pipeline_parallel.pipedream import AsyncPipeline, WeightVersions, check_async_schedule
+from megalite.parallel.pipeline.pipedream import AsyncPipeline, WeightVersions, check_async_schedule
 
 ITERS = 6
 ARGS = with_flags(TINY_LLAMA_ARGS, num_layers=4, train_iters=ITERS, global_batch_size=8,
@@ -39,7 +39,7 @@ def reference_history(argv: list[str], schedule: str, pp: int, dp: int = 1) -> l
     micro-batch of a step is micro-batch i // dp of a data-parallel rank (the sampler deals consecutive
     micro-batches to consecutive ranks)."""
     from megalite.data.tokenizers import build_tokenizer
-    from megalite.training import build_data_iterators, build_trainer, train_step
+    from megalite.train.training import build_data_iterators, build_trainer, train_step
     config = parse_args(with_flags(argv, pipeline_model_parallel_size=None, tensor_model_parallel_size=None,
                                    pipeline_schedule=None), world_size=1)
     trainer = build_trainer(config)
@@ -72,7 +72,7 @@ def reference_history(argv: list[str], schedule: str, pp: int, dp: int = 1) -> l
 
 
 def _histories(rank, world, runs):
-    from megalite.training import pretrain
+    from megalite.train.training import pretrain
     return [pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history for argv in runs]
 
 

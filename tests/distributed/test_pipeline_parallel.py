@@ -4,10 +4,10 @@ import torch
 
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.arguments import parse_args
+from megalite.config.arguments import parse_args
 from megalite.errors import UserError
-from megalite.pipeline_parallel.schedules import gpipe_order, interleaved_order, one_f_one_b_order
-from megalite.pipeline_parallel.stages import check_pipeline_split
+from megalite.parallel.pipeline.schedules import gpipe_order, interleaved_order, one_f_one_b_order
+from megalite.parallel.pipeline.stages import check_pipeline_split
 from pipeline_workloads import ARGS, one_thread, reference, run_executor  # noqa: F401 (one_thread: autouse fixture)
 
 # Each spawned world costs seconds (every rank imports torch), so one world per size serves every check
@@ -24,7 +24,7 @@ def _argv(sp, tied):
 
 def _run_world(rank, world):
     """This world size's executor cases, then pretrain() on its training-loop layouts."""
-    from megalite.training import pretrain
+    from megalite.train.training import pretrain
     executor = [run_executor(rank, world, _argv(sp, tied), pp, tp, schedule, chunks)
                 for pp, tp, schedule, chunks, sp, tied in EXECUTOR_CASES[world]]
     loop = [pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history
@@ -99,7 +99,7 @@ LOOP_ARGS = with_flags(TINY_LLAMA_ARGS, num_layers=4, train_iters=10, global_bat
 
 
 def _pretrain_histories(rank, world, layouts):
-    from megalite.training import pretrain
+    from megalite.train.training import pretrain
     return [pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history for argv in layouts]
 
 

@@ -8,12 +8,12 @@ import torch
 
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.arguments import parse_args
+from megalite.config.arguments import parse_args
 from megalite.errors import UserError
-from megalite.config import SYNCHRONOUS_SCHEDULES, ZERO_BUBBLE_SCHEDULES
-from megalite.pipeline_parallel.schedules import schedule_order
-from megalite.pipeline_parallel.plan import RankPlan, schedule_plans, stream_replay
-from megalite.pipeline_parallel.simulate import replay_schedule
+from megalite.config.schema import SYNCHRONOUS_SCHEDULES, ZERO_BUBBLE_SCHEDULES
+from megalite.parallel.pipeline.schedules import schedule_order
+from megalite.parallel.pipeline.plan import RankPlan, schedule_plans, stream_replay
+from megalite.parallel.pipeline.simulate import replay_schedule
 from pipeline_workloads import ARGS, one_thread, reference, run_executor  # noqa: F401 (one_thread: autouse fixture)
 
 LAYOUTS = [(schedule, pp, m, chunks) for schedule in SYNCHRONOUS_SCHEDULES for pp in (2, 4) for m in (4, 8, 16)
@@ -113,7 +113,7 @@ def _loop_argv(tied, **layout):
 
 def _run_cases(rank, world, executor_cases, loop_argvs):
     """Every executor case (argv, pp, tp, schedule), then pretrain() on every loop argv, in one world."""
-    from megalite.training import pretrain
+    from megalite.train.training import pretrain
     executor = [run_executor(rank, world, argv, pp, tp, schedule, 2 if schedule == "zbv" else 1)
                 for argv, pp, tp, schedule in executor_cases]
     loop = [pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history for argv in loop_argvs]

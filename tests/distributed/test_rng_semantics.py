@@ -9,8 +9,8 @@ import torch
 
 from harness import logged_losses, run_pretrain, run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.arguments import parse_args
-from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG, RNGTracker
+from megalite.config.arguments import parse_args
+from megalite.parallel.tensor.random import MODEL_PARALLEL_RNG, RNGTracker
 
 SEED = 1234
 # TP2 x PP2 on 4 ranks; 2 layers (one per stage), hidden dropout only (masks recorded per layer)
@@ -32,9 +32,9 @@ def _recording_dropout(masks: list):
 
 def _whole_model(argv, parallel, sequence_parallel: bool):
     """The whole model (both layers) at this rank's TP rank, seeded as its pipeline stage seeds."""
-    from megalite.initialize import set_seed
+    from megalite.parallel.initialize import set_seed
     from megalite.model.gpt import GPTModel
-    from megalite.tensor_parallel.setup import build_tensor_parallel
+    from megalite.parallel.tensor.setup import build_tensor_parallel
     cfg = parse_args(with_flags(argv, pipeline_model_parallel_size=None), world_size=2).model
     seed = set_seed(SEED, parallel.pp_rank)
     tp = build_tensor_parallel(parallel, sequence_parallel, seed, torch.device("cpu"), cfg.num_query_groups)
@@ -63,7 +63,7 @@ def _loss_and_grads(argv, parallel):
 
 
 def _rng_checks(rank, world):
-    from megalite.training import build_trainer
+    from megalite.train.training import build_trainer
     config = parse_args(with_flags(ARGV, sequence_parallel=True), world_size=world)
     trainer = build_trainer(config, print_fn=lambda *_: None)
     p = trainer.parallel
@@ -121,7 +121,7 @@ def test_a_nested_fork_of_the_same_stream_continues_it():
 
 def test_rng_states_saved_on_another_kind_of_device_are_skipped():
     from types import SimpleNamespace
-    from megalite.checkpointing import layout_of, saved_rng
+    from megalite.checkpoint.sharded import layout_of, saved_rng
     tracker = RNGTracker()
     tracker.add(MODEL_PARALLEL_RNG, 1)
     parallel = SimpleNamespace(rank=0, world_size=1, tp_size=1, pp_size=1, cp_size=1, dp_size=1)

@@ -20,12 +20,12 @@ from torch.utils.data import DataLoader
 
 from dp_workloads import DP_ARGS, SyntheticTokens, layout_flags
 from harness import run_ranks
-from megalite.arguments import parse_args
-from megalite.checkpoint_files import TORCH_DTYPES, CheckpointReader, as_2d, write_checkpoint
-from megalite.checkpointing import load_checkpoint, param_entries, save_checkpoint
+from megalite.config.arguments import parse_args
+from megalite.checkpoint.files import TORCH_DTYPES, CheckpointReader, as_2d, write_checkpoint
+from megalite.checkpoint.sharded import load_checkpoint, param_entries, save_checkpoint
 from megalite.data.samplers import MegatronPretrainingSampler
 from megalite.errors import UserError
-from megalite.training import build_trainer, train_step
+from megalite.train.training import build_trainer, train_step
 from megalite_test_utils import with_flags
 
 BEFORE, AFTER = 2, 2                       # steps before the save, and after it

@@ -6,13 +6,13 @@ import torch.nn.functional as F
 
 from harness import run_ranks
 from megalite_test_utils import TINY_GPT2_ARGS, TINY_LLAMA_ARGS, with_flags
-from megalite.arguments import parse_args
-from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, TensorParallel,
+from megalite.config.arguments import parse_args
+from megalite.parallel.mesh import ParallelState
+from megalite.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from megalite.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, TensorParallel,
                                              VocabParallelEmbedding, parallel_logits)
-from megalite.tensor_parallel.mappings import reduce_from_tp_region, scatter_to_sp_region
-from megalite.tensor_parallel.random import RNGTracker, build_rng_tracker
+from megalite.parallel.tensor.mappings import reduce_from_tp_region, scatter_to_sp_region
+from megalite.parallel.tensor.random import RNGTracker, build_rng_tracker
 
 S, B, H, OUT, V = 8, 2, 16, 24, 32
 
@@ -140,7 +140,7 @@ STYLES = {
 
 
 def _train_losses(rank, world, layouts):
-    from megalite.training import pretrain
+    from megalite.train.training import pretrain
     out = []
     for argv in layouts:
         state = pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None)
@@ -167,7 +167,7 @@ def test_training_at_tp_equals_single_process(tp):
 
 
 def _dropout_losses(rank, world, argv):
-    from megalite.training import pretrain
+    from megalite.train.training import pretrain
     return [pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history for _ in range(2)]
 
 
@@ -204,7 +204,7 @@ def test_rng_tracker_streams_differ_inside_tp_regions_and_match_outside():
 ])
 def test_recompute_gives_the_same_losses_and_gradients_with_dropout(recompute):
     from megalite.model.gpt import GPTModel
-    from megalite.tensor_parallel.random import build_rng_tracker
+    from megalite.parallel.tensor.random import build_rng_tracker
     base = with_flags(STYLES["llama"], attention_dropout=0.2, hidden_dropout=0.2, num_layers=3)
     grads = []
     for argv in (base, with_flags(base, **recompute)):

@@ -7,10 +7,10 @@ import pytest
 
 from harness import logged_losses, run_pretrain, run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.arguments import parse_args
+from megalite.config.arguments import parse_args
 from megalite.errors import UserError
-from megalite.pipeline_parallel.stages import SplitFlags, build_model_chunks, parse_layout, virtual_stage_layers
-from megalite.tensor_parallel.layers import TensorParallel
+from megalite.parallel.pipeline.stages import SplitFlags, build_model_chunks, parse_layout, virtual_stage_layers
+from megalite.parallel.tensor.layers import TensorParallel
 
 # 7 layers: no pipeline size above 1 divides it
 SEVEN = with_flags(TINY_LLAMA_ARGS, num_layers=7, train_iters=4, global_batch_size=8, make_vocab_size_divisible_by=32,
@@ -100,7 +100,7 @@ def test_bad_combinations_are_one_line_errors_naming_the_flag(flags, message):
 
 # ---- training equals one process -------------------------------------------------------------------------
 def _histories(rank, world, layouts):
-    from megalite.training import pretrain
+    from megalite.train.training import pretrain
     return [pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history for argv in layouts]
 
 

@@ -47,10 +47,10 @@ def global_batches(trainer, first_step: int, steps: int):
 
 
 def _train_save(rank, world, flags, directory, steps):
-    from megalite.arguments import parse_args
-    from megalite.checkpointing import save_checkpoint
-    from megalite.performance import current_rss_bytes, peak_rss_bytes, reset_peak_rss, window_peak_rss_bytes
-    from megalite.training import build_trainer, train_step
+    from megalite.config.arguments import parse_args
+    from megalite.checkpoint.sharded import save_checkpoint
+    from megalite.train.performance import current_rss_bytes, peak_rss_bytes, reset_peak_rss, window_peak_rss_bytes
+    from megalite.train.training import build_trainer, train_step
     before = current_rss_bytes()
     reset_peak_rss()
     trainer = build_trainer(parse_args(flags, world_size=world))
@@ -66,10 +66,10 @@ def _train_save(rank, world, flags, directory, steps):
 
 
 def _load_train(rank, world, flags, directory, steps):
-    from megalite.arguments import parse_args
-    from megalite.checkpointing import load_checkpoint
-    from megalite.performance import current_rss_bytes, peak_rss_bytes, reset_peak_rss, window_peak_rss_bytes
-    from megalite.training import build_trainer, train_step
+    from megalite.config.arguments import parse_args
+    from megalite.checkpoint.sharded import load_checkpoint
+    from megalite.train.performance import current_rss_bytes, peak_rss_bytes, reset_peak_rss, window_peak_rss_bytes
+    from megalite.train.training import build_trainer, train_step
     before = current_rss_bytes()
     reset_peak_rss()
     trainer = build_trainer(parse_args(flags, world_size=world))

@@ -1,0 +1,488 @@
+"""megalite's checkpoint directory: safetensors files plus metadata.json with an index of every tensor.
+
+    SAVE_DIR/
+      latest_checkpointed_iteration.txt      "10"  (Megatron's tracker file, replaced atomically)
+      iter_0000010/
+        metadata.json                        iteration, model config, run arguments, train state,
+                                             scheduler, loss scaler, and the tensor index
+        model-pp000[-tp001][-dp00002].safetensors       the parts of the weights one rank owns
+        optimizer-pp000[-tp001][-dp00002].safetensors   its parts of the fp32 master weights and Adam moments
+        rng-rank00000.safetensors            each rank's generator states (same-layout resume)
+
+Every tensor has a global name and its full shape (the vocabulary trimmed to the tokenizer's true
+size), so the checkpoint does not depend on the layout that wrote it. A training save is written in
+shards: each rank writes the parts it owns (checkpointing.py), and the index in metadata.json says
+where each part of each tensor is:
+
+    "tensors": {"decoder.layers.0.mlp.linear_fc1.weight": {"shape": [352, 64], "dtype": "F32",
+                 "pieces": [{"file": "model-pp000-tp000.safetensors", "key": "...weight[0:176,0:64]",
+                             "box": [[0, 176], [0, 64]], "crc32": 1234}, ...]}, ...}
+
+A piece is a rectangle ("box": rows [r0, r1) x columns [c0, c1)) of the tensor viewed 2-D as
+[shape[0], rest], stored 2-D under ``key``; a piece covering the whole tensor is stored under the
+tensor's own name and shape. Format 1 entries, still read, are one whole tensor:
+``{"file", "shape", "dtype", "crc32"}`` (tools/convert_checkpoint.py writes these).
+
+Nothing is pickled: tensors go through safetensors and everything else through JSON, so loading never
+runs code. Reading streams each piece in bounded row blocks, checks its CRC-32 and copies only the
+parts the caller asks for (``read_into``). A missing, truncated, corrupt or mismatched tensor is
+reported by name. A save is written to ``iter_N.tmp`` and published by renaming it to ``iter_N``
+once every rank has finished; the tracker file is replaced last. A crash mid-save therefore leaves
+the previous checkpoint as the latest one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import math
+import shutil
+import struct
+import zlib
+
+import torch
+
+from megalite.config.schema import ModelConfig, padded_vocab_size
+from megalite.errors import UserError
+
+FORMAT = "megalite-checkpoint"
+VERSION = 2                  # 2: tensors stored as pieces (any layout writes its shards); 1: whole tensors
+TRACKER = "latest_checkpointed_iteration.txt"
+METADATA = "metadata.json"
+DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+               torch.uint8: "U8", torch.int32: "I32"}
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+STAGING_BYTES = 64 << 20     # host memory a tensor passes through at a time, when written or read
+
+Box = tuple[int, int, int, int]   # rows [r0, r1) x columns [c0, c1) of a tensor viewed 2-D
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def temporary_dir(root: str, iteration: int) -> str:
+    return iteration_dir(root, iteration) + ".tmp"
+
+
+# ---- writing -------------------------------------------------------------------------------------
+def write_tensor_file(directory: str, filename: str, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Write ``tensors`` (contiguous, on any device) to directory/filename in the safetensors format;
+    returns their index records ``{key: {file, shape, dtype, crc32}}``.
+
+    Written by hand rather than with safetensors.torch.save_file so that a tensor passes through host
+    memory in blocks of STAGING_BYTES (save_file needs every tensor on the CPU at once), and its CRC-32
+    is computed in the same pass."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[key] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)          # the data starts 8-byte aligned, as safetensors writes it
+    records = {}
+    with open(os.path.join(directory, filename), "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for key, t in tensors.items():
+            crc = 0
+            for block in _byte_blocks(t):
+                f.write(block)
+                crc = zlib.crc32(block, crc)
+            records[key] = {"file": filename, "shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype], "crc32": crc}
+        f.flush()
+        os.fsync(f.fileno())
+    return records
+
+
+def _byte_blocks(tensor: torch.Tensor):
+    """The tensor's bytes, at most STAGING_BYTES at a time, as CPU uint8 arrays."""
+    flat = tensor.detach().contiguous().view(-1)
+    step = max(1, STAGING_BYTES // flat.element_size())
+    for start in range(0, flat.numel(), step):
+        yield flat[start:start + step].cpu().view(torch.uint8).numpy()
+
+
+def _as_bytes(tensor: torch.Tensor):
+    return tensor.contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def pieces_of(name: str, entry: dict) -> list[dict]:
+    """An index entry's pieces; a whole-tensor record (format 1, conversion tools, RNG states) is one
+    piece: the whole tensor, stored under its own name."""
+    if "pieces" in entry:
+        return entry["pieces"]
+    rows, cols = as_2d(entry["shape"])
+    return [{"file": entry["file"], "key": name, "box": [[0, rows], [0, cols]], "crc32": entry["crc32"]}]
+
+
+def as_2d(shape) -> tuple[int, int]:
+    """[rows, columns] of a tensor of ``shape`` viewed 2-D (1-D tensors are one column)."""
+    return shape[0], math.prod(shape[1:])
+
+
+def files_of(index: dict) -> set:
+    """The files an index (tensors, or one rank's RNG states) refers to."""
+    return {piece["file"] for name, entry in index.items() for piece in pieces_of(name, entry)}
+
+
+def write_metadata(directory: str, metadata: dict) -> None:
+    metadata = {"format": FORMAT, "version": VERSION, **metadata}
+    files = files_of(metadata.get("tensors", {})) | set(metadata.get("rng_files", {}))
+    metadata["files"] = {name: os.path.getsize(os.path.join(directory, name)) for name in sorted(files)}
+    path = os.path.join(directory, METADATA)
+    with open(path, "w") as f:
+        json.dump(metadata, f, indent=1, sort_keys=True)
+    _fsync(path)
+
+
+def check_writable(root: str) -> None:
+    """--save must be a directory we can write, known before any training time is spent."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        probe = os.path.join(root, f".writable-{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"--save {root}: cannot write there ({e.strerror}); choose a writable directory") from None
+
+
+def prepare_temporary_dir(root: str, iteration: int) -> str:
+    """A fresh, empty iter_N.tmp under ``root``; leftovers of saves that were killed are removed."""
+    check_writable(root)
+    try:
+        for name in os.listdir(root):
+            if name.startswith("iter_") and name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        tmp = temporary_dir(root, iteration)
+        os.makedirs(tmp)
+    except OSError as e:
+        raise UserError(f"--save {root}: cannot write there ({e.strerror}); choose a writable directory") from None
+    return tmp
+
+
+def publish(root: str, iteration: int) -> str:
+    """Rename iter_N.tmp to iter_N, then atomically point the tracker file at N."""
+    tmp, final = temporary_dir(root, iteration), iteration_dir(root, iteration)
+    if os.path.exists(final):          # saving the same iteration again (e.g. after a resume)
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(root)
+    tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+    with open(tracker_tmp, "w") as f:
+        f.write(str(iteration))
+    _fsync(tracker_tmp)
+    os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    _fsync_dir(root)
+    return final
+
+
+def write_checkpoint(root: str, iteration: int, files: dict[str, dict[str, torch.Tensor]], metadata: dict) -> str:
+    """Single-process save (conversion tools): {filename: tensors} plus metadata, published atomically."""
+    tmp = prepare_temporary_dir(root, iteration)
+    index = {}
+    for filename, tensors in files.items():
+        index.update(write_tensor_file(tmp, filename, tensors))
+    write_metadata(tmp, {**metadata, "iteration": iteration, "tensors": index})
+    return publish(root, iteration)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        _fsync(path)
+    except OSError:      # some filesystems cannot fsync a directory; the rename is still atomic
+        pass
+
+
+# ---- reading -------------------------------------------------------------------------------------
+def resolve_checkpoint_dir(path: str) -> str:
+    """``path`` is a save directory (its tracker names the iteration) or an iter_N directory itself."""
+    if os.path.isfile(os.path.join(path, METADATA)):
+        return path
+    tracker = os.path.join(path, TRACKER)
+    if not os.path.isdir(path):
+        raise UserError(f"--load {path}: no such directory; give a directory written by --save or "
+                        "tools/convert_checkpoint.py")
+    if not os.path.isfile(tracker):
+        raise UserError(f"--load {path}: no {TRACKER} and no {METADATA} there; is it a megalite checkpoint "
+                        "directory? (tools/convert_checkpoint.py converts Hugging Face models)")
+    text = open(tracker).read().strip()
+    if not text.isdigit():
+        raise UserError(f"--load {path}: {TRACKER} holds {text[:40]!r}, not an iteration number; "
+                        "write the iteration of a complete iter_N directory into it")
+    directory = iteration_dir(path, int(text))
+    if not os.path.isfile(os.path.join(directory, METADATA)):
+        raise UserError(f"--load {path}: {TRACKER} names iteration {text} but {directory} has no {METADATA}; "
+                        "the checkpoint is incomplete, point the tracker at an earlier iter_N")
+    return directory
+
+
+class CheckpointReader:
+    """Reads one iter_N directory: metadata, and tensors by global name (whole, or only the parts a
+    rank holds), each stored piece checked against the index."""
+
+    def __init__(self, path: str):
+        self.directory = resolve_checkpoint_dir(path)
+        meta_path = os.path.join(self.directory, METADATA)
+        try:
+            with open(meta_path) as f:
+                self.metadata = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"checkpoint {meta_path} is corrupt ({e}); load an earlier checkpoint") from None
+        if self.metadata.get("format") != FORMAT:
+            raise UserError(f"checkpoint {meta_path} is not a megalite checkpoint (format "
+                            f"{self.metadata.get('format')!r}); convert it with tools/convert_checkpoint.py")
+        if self.metadata.get("version", 0) > VERSION:
+            raise UserError(f"checkpoint {meta_path} has format version {self.metadata['version']}, newer than this "
+                            f"megalite ({VERSION}); upgrade megalite")
+        self.index = self._checked_index(self.metadata.get("tensors", {}), meta_path)
+        self.rng_index = {filename: self._checked_index(entries, meta_path)
+                          for filename, entries in self.metadata.get("rng_files", {}).items()}
+        self._check_file_sizes()
+        self._open: dict[str, object] = {}
+
+    @property
+    def iteration(self) -> int:
+        return int(self.metadata["iteration"])
+
+    @staticmethod
+    def _checked_index(raw: dict, meta_path: str) -> dict[str, dict]:
+        """Every entry as {shape, dtype, pieces}, its pieces inside the tensor and covering all of it."""
+        index = {}
+        for name, entry in raw.items():
+            try:
+                shape = [int(n) for n in entry["shape"]]
+                rows, cols = as_2d(shape)
+                pieces, covered = pieces_of(name, entry), 0
+                for piece in pieces:
+                    (r0, r1), (c0, c1) = piece["box"]
+                    numbers = (r0, r1, c0, c1, piece["crc32"])
+                    if not (all(type(n) is int for n in numbers) and 0 <= r0 < r1 <= rows and 0 <= c0 < c1 <= cols
+                            and isinstance(piece["key"], str) and isinstance(piece["file"], str)):
+                        raise ValueError(name)
+                    covered += (r1 - r0) * (c1 - c0)
+                if covered < rows * cols or entry["dtype"] not in TORCH_DTYPES:
+                    raise ValueError(name)
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+                raise UserError(f"checkpoint {meta_path} is corrupt (bad index entry for {name!r}); "
+                                "load an earlier checkpoint") from None
+            index[name] = {"shape": shape, "dtype": entry["dtype"], "pieces": pieces}
+        return index
+
+    def _check_file_sizes(self) -> None:
+        files = self.metadata.get("files", {})
+        named = files_of(self.index) | set(self.rng_index) | set(files)
+        for entries in self.rng_index.values():
+            named |= files_of(entries)
+        for name in named:     # a crafted metadata.json must not make us read files outside the checkpoint
+            if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+                raise UserError(f"checkpoint {self.directory}/{METADATA} names the file {name!r} outside the "
+                                "checkpoint directory; refusing to read it")
+        for name, size in files.items():
+            path = os.path.join(self.directory, name)
+            if not os.path.isfile(path):
+                raise UserError(f"checkpoint file {path} is missing; the checkpoint is incomplete, load an earlier one")
+            actual = os.path.getsize(path)
+            if actual != size:
+                raise UserError(f"checkpoint file {path} is truncated or altered ({actual} bytes, {size} written); "
+                                "load an earlier checkpoint")
+
+    def has(self, name: str) -> bool:
+        return name in self.index
+
+    def names(self, prefix: str = "") -> list[str]:
+        return [n for n in self.index if n.startswith(prefix)]
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self._entry(name)["shape"])
+
+    def _entry(self, name: str) -> dict:
+        if name not in self.index:
+            raise UserError(f"checkpoint {self.directory} has no tensor {name!r}; it was saved from a different "
+                            "model (compare its metadata.json with your model flags, or use --use-checkpoint-args)")
+        return self.index[name]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor ``name`` (CPU), assembled from its pieces (single-process consumers)."""
+        return self._whole(name, self._entry(name))
+
+    def rng_tensors(self, filename: str) -> dict[str, torch.Tensor] | None:
+        """One rank's generator states, or None when the checkpoint has none for that file."""
+        entries = self.rng_index.get(filename)
+        if entries is None:
+            return None
+        return {name: self._whole(name, entry) for name, entry in entries.items()}
+
+    def _whole(self, name: str, entry: dict) -> torch.Tensor:
+        rows, cols = as_2d(entry["shape"])
+        out = torch.empty(rows, cols, dtype=TORCH_DTYPES[entry["dtype"]])
+        self._fill(name, entry["pieces"], [((0, rows, 0, cols), out)])
+        return out.view(entry["shape"])
+
+    def read_into(self, targets: list[tuple[str, Box, torch.Tensor]]) -> None:
+        """For each target (name, box, out) copy the elements in ``box`` of the stored tensor ``name``
+        (viewed 2-D) into ``out``, a [r1 - r0, c1 - c0] tensor on any device, in any dtype. Only the
+        stored pieces that intersect some target are read, each once."""
+        wanted: dict[str, list] = {}
+        for name, box, out in targets:
+            wanted.setdefault(name, []).append((box, out))
+        for name, boxes in wanted.items():
+            self._fill(name, self._entry(name)["pieces"], boxes)
+
+    def _fill(self, name: str, pieces: list[dict], wanted: list[tuple[Box, torch.Tensor]]) -> None:
+        copied = [0] * len(wanted)
+        for piece in pieces:
+            (r0, r1), (c0, c1) = piece["box"]
+            hits = [i for i, ((a0, a1, b0, b1), _) in enumerate(wanted) if r0 < a1 and a0 < r1 and c0 < b1 and b0 < c1]
+            if hits:
+                counts = self._read_piece(name, piece, [wanted[i] for i in hits])
+                for i, n in zip(hits, counts):
+                    copied[i] += n
+        for ((r0, r1, c0, c1), _), n in zip(wanted, copied):
+            if n < (r1 - r0) * (c1 - c0):
+                raise UserError(f"checkpoint {self.directory} has no data for part of tensor {name!r} (rows {r0}-{r1}, "
+                                f"columns {c0}-{c1}); the checkpoint is incomplete, load an earlier one")
+
+    def _read_piece(self, name: str, piece: dict, wanted: list[tuple[Box, torch.Tensor]]) -> list[int]:
+        """Stream one stored piece in row blocks of at most STAGING_BYTES, copying the parts inside
+        ``wanted`` as they pass, and check its CRC-32 once all of it has been read. Returns the number
+        of elements copied into each target."""
+        (r0, r1), (c0, c1) = piece["box"]
+        rows, cols = r1 - r0, c1 - c0
+        path = os.path.join(self.directory, piece["file"])
+        try:
+            stored = self._stored(path, piece["key"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise self._unreadable(name, path, e) from None
+        shape, dtype = stored.shape, stored.dtype
+        if not shape or shape[0] != rows or math.prod(shape) != rows * cols:
+            raise self._corrupt(name, path)
+        copied, crc = [0] * len(wanted), 0
+        step = max(1, STAGING_BYTES // (cols * dtype.itemsize))
+        for a in range(r0, r1, step):
+            b = min(a + step, r1)
+            try:
+                block = stored.rows(a - r0, b - r0)
+            except (OSError, RuntimeError, ValueError) as e:
+                raise self._unreadable(name, path, e) from None
+            crc = zlib.crc32(_as_bytes(block), crc)
+            block = block.reshape(b - a, cols)
+            for i, ((t0, t1, u0, u1), out) in enumerate(wanted):
+                lo, hi, left, right = max(a, t0), min(b, t1), max(c0, u0), min(c1, u1)
+                if lo < hi and left < right:
+                    out[lo - t0:hi - t0, left - u0:right - u0].copy_(block[lo - a:hi - a, left - c0:right - c0])
+                    copied[i] += (hi - lo) * (right - left)
+        if crc != piece["crc32"]:
+            raise self._corrupt(name, path)
+        return copied
+
+    def _stored(self, path: str, key: str) -> "StoredTensor":
+        if path not in self._open:
+            self._open[path] = read_safetensors_header(path)
+        return StoredTensor(path, *self._open[path][key])
+
+    @staticmethod
+    def _unreadable(name: str, path: str, error: Exception) -> UserError:
+        return UserError(f"checkpoint tensor {name!r} in {path} cannot be read ({str(error).splitlines()[0]}); "
+                         "the file is corrupt, load an earlier checkpoint")
+
+    @staticmethod
+    def _corrupt(name: str, path: str) -> UserError:
+        return UserError(f"checkpoint tensor {name!r} in {path} is corrupt (checksum mismatch); "
+                         "load an earlier checkpoint")
+
+
+def read_safetensors_header(path: str) -> dict[str, tuple]:
+    """{key: (dtype, shape, first byte, end byte)} of a safetensors file, offsets from the file's start.
+
+    Tensors are then read with plain reads into a staging block, not through a memory map: mapped file
+    pages count in the process's RSS for as long as the file stays mapped, so reading a rank's share of a
+    checkpoint through mmap would hold that share a second time."""
+    with open(path, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        if size > 100 << 20:
+            raise ValueError(f"header of {size} bytes")
+        header = json.loads(f.read(size))
+    base, total, tensors = 8 + size, os.path.getsize(path), {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        dtype = TORCH_DTYPES[entry["dtype"]]
+        shape = [int(n) for n in entry["shape"]]
+        if not 0 <= begin <= end or base + end > total or end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"tensor {key!r} has inconsistent offsets")
+        tensors[key] = (dtype, shape, base + begin, base + end)
+    return tensors
+
+
+class StoredTensor:
+    """One tensor of a safetensors file, read a block of rows at a time."""
+
+    def __init__(self, path: str, dtype: torch.dtype, shape: list[int], begin: int, end: int):
+        self.path, self.dtype, self.shape, self.begin, self.end = path, dtype, shape, begin, end
+
+    def rows(self, a: int, b: int) -> torch.Tensor:
+        row_bytes = (self.end - self.begin) // max(self.shape[0], 1)
+        with open(self.path, "rb") as f:
+            f.seek(self.begin + a * row_bytes)
+            data = bytearray(f.read((b - a) * row_bytes))
+        if len(data) != (b - a) * row_bytes:
+            raise ValueError("file ends early")
+        return torch.frombuffer(data, dtype=self.dtype).view(b - a, *self.shape[1:])
+
+
+# ---- the model's description ---------------------------------------------------------------------
+# ModelConfig fields that define the architecture (and so the tensors); recorded in metadata["model"]
+# and taken back by --use-checkpoint-args, load_model and the Hugging Face exporter.
+ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
+                       "num_query_groups", "seq_length", "max_position_embeddings", "vocab_size",
+                       "position_embedding_type", "rotary_base", "normalization", "norm_epsilon", "swiglu",
+                       "openai_gelu", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
+                       "rotary_percent", "apply_layernorm_1p")
+# values of fields added after checkpoints were first written, for metadata that lacks them
+ARCHITECTURE_DEFAULTS = {"rotary_percent": 1.0, "apply_layernorm_1p": False}
+
+
+def with_architecture_defaults(model: dict) -> dict:
+    """metadata["model"] with the fields older checkpoints lack filled in."""
+    return {**ARCHITECTURE_DEFAULTS, **model}
+
+
+def model_metadata(config) -> dict:
+    """metadata["model"] for a ModelConfig: its architecture fields plus the weights' dtype."""
+    return {**{name: getattr(config, name) for name in ARCHITECTURE_FIELDS}, "params_dtype": config.params_dtype}
+
+
+def model_config_from_metadata(model: dict, make_vocab_size_divisible_by: int = 128, tensor_parallel_size: int = 1,
+                               **overrides):
+    """A ModelConfig for metadata["model"] (dropout off by default: inference and conversion)."""
+    model = with_architecture_defaults(model)
+    fields = {name: model[name] for name in ARCHITECTURE_FIELDS}
+    fields.update(attention_dropout=0.0, hidden_dropout=0.0, params_dtype=model.get("params_dtype", "float32"))
+    fields.update(overrides)
+    fields["padded_vocab_size"] = padded_vocab_size(fields["vocab_size"], make_vocab_size_divisible_by,
+                                                    tensor_parallel_size)
+    return ModelConfig(**fields)
+
+
+def tokenizer_metadata(data_config, base_dir: str | None = None) -> dict | None:
+    """metadata["tokenizer"]: how to rebuild the run's tokenizer (paths absolute, or relative to the
+    iteration directory when a converter copied the files into it)."""
+    if data_config.tokenizer_type is None:
+        return None
+    absolute = lambda p: os.path.abspath(p) if p else None     # noqa: E731
+    return {"tokenizer_type": data_config.tokenizer_type, "tokenizer_model": absolute(data_config.tokenizer_model),
+            "vocab_file": absolute(data_config.vocab_file), "merge_file": absolute(data_config.merge_file),
+            "vocab_size": data_config.vocab_size}

@@ -1,0 +1,558 @@
+"""Save and load training checkpoints at any TP x PP x DP x ZeRO x CP layout, and load_model for inference.
+
+A checkpoint holds every tensor at its full shape under its global name (checkpoint_files.py), so a
+checkpoint written at one layout loads at any other; yet no rank ever builds a full tensor, and no
+tensor data crosses ranks: each rank writes the parts it owns into files of its own, and reads back
+only the parts it holds. Only the index (all_gather_object) and an error flag are exchanged.
+
+What a rank owns is the range of the flat parameter buffer its optimizer updates (``optimizer.pieces``:
+the whole buffer, or under ZeRO this data-parallel rank's chunk of every bucket), for four kinds of
+tensors: the weights (in the model's dtype), and the fp32 master weights (unless the model is fp32:
+then the weights are the master) and Adam moments. Each element is written once: without ZeRO only
+data-parallel rank 0 writes (the data-parallel group spans context parallelism too, whose ranks hold
+the same state); TP-replicated parameters (norms) are written by TP rank 0; the word-embedding copy
+that a later pipeline stage holds for tied output weights is not written (it loads from the same name).
+
+Where a part goes in the full tensor: ``shard_positions`` maps a TP-local parameter's rows and columns
+to the full tensor's (viewed 2-D), without building anything full-size. A flat range of the local
+parameter is then a few rectangles ("boxes") of the full tensor: per run of local rows that are
+consecutive full rows (fused QKV / SwiGLU shards have several runs), a partial first row, a block of
+whole rows and a partial last row. Each box is one stored piece. Loading cuts every range a rank holds
+(its parameters; its optimizer ranges) into boxes the same way and copies in the intersecting pieces.
+The vocabulary is stored at the tokenizer's true size: padding rows are neither written nor read.
+
+RNG states are per rank and restored only at the same layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.checkpoint.files import (DTYPE_NAMES, Box, CheckpointReader, as_2d, model_config_from_metadata,
+                                       model_metadata, prepare_temporary_dir, publish, temporary_dir,
+                                       tokenizer_metadata, write_metadata, write_tensor_file, TRACKER, METADATA)
+from megalite.errors import UserError
+from megalite.parallel.pipeline.pipedream import stashed_name
+from megalite.parallel.tensor.layers import shard_positions
+
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class ParamEntry:
+    buffer_name: str      # the parameter's key in the flat buffer ("chunk1.decoder.layers.0..." with virtual stages)
+    global_name: str      # its name in the whole model, as stored
+    param: nn.Parameter
+    stored_here: bool     # False for the tied output-layer copy of the word embeddings (stored once)
+
+
+def param_entries(chunks: list[nn.Module]) -> list[ParamEntry]:
+    entries = []
+    for c, chunk in enumerate(chunks):
+        prefix = f"chunk{c}." if len(chunks) > 1 else ""
+        for name, param in chunk.named_parameters():
+            if param.requires_grad:
+                entries.append(ParamEntry(prefix + name, chunk.global_name(name), param,
+                                          not getattr(param, "shared", False)))
+    return entries
+
+
+def full_shape(param: nn.Parameter) -> tuple:
+    return tuple(getattr(param, "full_shape", param.shape))
+
+
+def stored_shape(global_name: str, shape: tuple, vocab_size: int) -> tuple:
+    """The vocabulary is stored at the tokenizer's true size (its padding depends on the TP size)."""
+    if global_name in VOCAB_PARAMS and vocab_size > 0:
+        return (vocab_size, *shape[1:])
+    return tuple(shape)
+
+
+def pad_vocabulary(full: torch.Tensor, global_name: str, padded_shape: tuple) -> torch.Tensor:
+    if global_name in VOCAB_PARAMS and full.shape[0] < padded_shape[0]:
+        padding = full.new_zeros(padded_shape[0] - full.shape[0], *full.shape[1:])
+        return torch.cat([full, padding])
+    return full
+
+
+# ---- a local parameter's flat ranges as boxes of the stored tensor --------------------------------
+@dataclass
+class Placement:
+    """Where a TP-local parameter (viewed 2-D) sits in its stored tensor (viewed 2-D)."""
+    runs: list[tuple[int, int, int]]   # (first local row, end local row, its first full row): consecutive rows
+    col0: int                          # local columns are full columns [col0, col0 + width)
+    width: int
+    stored_rows: int                   # full rows from here on are vocabulary padding, not stored
+
+
+def placement(param: nn.Parameter, global_name: str, vocab_size: int) -> Placement:
+    rows, cols, _ = shard_positions(param)
+    col0, width = int(cols[0]), len(cols)
+    if not torch.equal(cols, torch.arange(col0, col0 + width)):
+        raise ValueError(f"{global_name}: a TP shard must hold one block of columns")
+    breaks = (torch.nonzero(rows[1:] != rows[:-1] + 1).flatten() + 1).tolist()
+    runs = [(i0, i1, int(rows[i0])) for i0, i1 in zip([0] + breaks, breaks + [len(rows)])]
+    return Placement(runs, col0, width, stored_shape(global_name, full_shape(param), vocab_size)[0])
+
+
+def boxes(place: Placement, lo: int, hi: int) -> list[tuple[int, Box]]:
+    """The local flat range [lo, hi) as (local flat offset of the box's first element, box) pairs.
+    Within a box, local element offset + i * width + j is stored element (r0 + i, c0 + j): a box is
+    either part of one row or whole rows."""
+    out, w = [], place.width
+    for i0, i1, first_row in place.runs:
+        s, e = max(lo, i0 * w), min(hi, i1 * w)
+        while s < e:
+            i, j = divmod(s, w)
+            row = first_row + i - i0
+            if j == 0 and e - s >= w:                 # whole rows
+                n = (e - s) // w * w
+                box = (row, row + n // w, place.col0, place.col0 + w)
+            else:                                     # the part of one row in the range
+                n = min(w - j, e - s)
+                box = (row, row + 1, place.col0 + j, place.col0 + j + n)
+            r1 = min(box[1], place.stored_rows)       # drop vocabulary padding
+            if box[0] < r1:
+                out.append((s, (box[0], r1, box[2], box[3])))
+            s += n
+    return out
+
+
+def box_view(flat: torch.Tensor, start: int, box: Box) -> torch.Tensor:
+    """The box's elements, which begin at ``flat[start]``, as a 2-D view [rows, columns]."""
+    r0, r1, c0, c1 = box
+    return flat[start:start + (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
+
+
+def overlap(start: int, end: int, other_start: int, other_end: int) -> tuple[int, int]:
+    return max(start, other_start), min(end, other_end)
+
+
+def optimizer_ranges(optimizer, slot):
+    """(start, end, piece, master, Adam state, cut) for each of the optimizer's pieces overlapping the flat
+    range of ``slot``: [start, end) in the flat layout, ``cut`` the same range within the piece."""
+    for piece, master in zip(optimizer.pieces, optimizer.master_pieces):
+        start, end = overlap(slot.start, slot.end, piece.start, piece.end)
+        if start < end:
+            yield start, end, piece, master, optimizer.adam.state[master], slice(start - piece.start, end - piece.start)
+
+
+# ---- RNG -----------------------------------------------------------------------------------------
+def rng_tensors(tracker) -> dict[str, torch.Tensor]:
+    tensors = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    if tracker is not None:
+        tensors.update({f"tracker.{k}": v for k, v in tracker.states.items()})
+    return tensors
+
+
+def restore_rng(tensors: dict[str, torch.Tensor], tracker) -> None:
+    torch.set_rng_state(tensors["cpu"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["cuda"])
+    if tracker is not None:
+        for name in list(tracker.states):
+            if f"tracker.{name}" in tensors:
+                tracker.states[name] = tensors[f"tracker.{name}"].clone()
+
+
+def saved_rng(reader, trainer) -> tuple[dict[str, torch.Tensor] | None, str]:
+    """This rank's saved generator states, or None and why they do not apply to this run: a rank's
+    streams are seeded by its tensor- and pipeline-parallel rank, so they carry over only at the same
+    layout, and a CUDA generator's state does not fit a CPU one (or the reverse)."""
+    if reader.metadata.get("layout") != layout_of(trainer):
+        return None, "the layout differs"
+    tensors = reader.rng_tensors(f"rng-rank{trainer.parallel.rank:05d}.safetensors")
+    if tensors is None:
+        return None, "the checkpoint has none"
+    tracker = trainer.model.tp.rng
+    streams = tracker.states.items() if tracker is not None else ()
+    if any(tensors.get(f"tracker.{name}", state).shape != state.shape for name, state in streams):
+        return None, "it was saved on another kind of device"
+    return tensors, ""
+
+
+def layout_of(trainer) -> dict:
+    p = trainer.parallel
+    return {"world_size": p.world_size, "tensor_model_parallel_size": p.tp_size, "pipeline_model_parallel_size": p.pp_size,
+            "context_parallel_size": p.cp_size, "data_parallel_size": p.dp_size, "virtual_pipeline_chunks": len(trainer.chunks),
+            "data_parallel_sharding_strategy": trainer.config.parallel.data_parallel_sharding_strategy}
+
+
+# ---- save ----------------------------------------------------------------------------------------
+def _agree(ok: bool, message: str, device) -> None:
+    """Every rank learns whether any rank failed (so none waits in a collective for a failed one)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if not ok:
+            raise UserError(message)
+        return
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if ok else message)
+    if int(flag):
+        raise UserError(next(m for m in messages if m))
+
+
+def owned_parts(trainer) -> list[tuple[ParamEntry, int, int, dict[str, torch.Tensor]]]:
+    """What this rank writes: per parameter, the local flat range [lo, hi) it owns and, per stored
+    tensor name, a flat tensor holding that range (element 0 is local element lo)."""
+    p, buffer, optimizer = trainer.parallel, trainer.buffer, trainer.optimizer
+    if not optimizer.grads_sharded and buffer.dp_rank != 0:       # a replica of data-parallel rank 0's
+        return []
+    master_is_weights = buffer.param_dtype == torch.float32
+    parts = []
+    for entry in param_entries(trainer.chunks):
+        replicated = not getattr(entry.param, "tensor_model_parallel", False)
+        if not entry.stored_here or (replicated and p.tp_rank != 0):
+            continue
+        slot, g = buffer.slots[entry.buffer_name], entry.global_name
+        for start, end, piece, master, state, cut in optimizer_ranges(optimizer, slot):
+            sources = {g: piece.param[cut]}
+            if not master_is_weights:
+                sources[f"optimizer.master.{g}"] = master[cut]
+            sources.update({f"optimizer.{k}.{g}": state[k][cut] for k in OPTIMIZER_STATES})
+            sources.update(stashed_sources(trainer, g, start, end))     # PipeDream's older weight versions
+            parts.append((entry, start - slot.start, end - slot.start, sources))
+    return parts
+
+
+def shard_filename(trainer, kind: str) -> str:
+    """model-pp000[-tp001][-dp00002].safetensors: the coordinates of the writer, where there are several."""
+    p, buffer = trainer.parallel, trainer.buffer
+    name = f"{kind}-pp{p.pp_rank:03d}"
+    if p.tp_size > 1:
+        name += f"-tp{p.tp_rank:03d}"
+    if trainer.optimizer.grads_sharded and buffer.dp_size > 1:
+        name += f"-dp{buffer.dp_rank:05d}"
+    return name + ".safetensors"
+
+
+def write_shards(trainer, directory: str) -> dict[str, dict]:
+    """Write this rank's parts of every stored tensor, one piece per box; returns its part of the
+    tensor index. A box that is the whole tensor is stored under the tensor's own name and shape."""
+    vocab = trainer.config.model.vocab_size
+    files = {"model": {}, "optimizer": {}}
+    index: dict[str, dict] = {}
+    for entry, lo, hi, sources in owned_parts(trainer):
+        shape = stored_shape(entry.global_name, full_shape(entry.param), vocab)
+        rows, cols = as_2d(shape)
+        for offset, box in boxes(placement(entry.param, entry.global_name, vocab), lo, hi):
+            r0, r1, c0, c1 = box
+            whole = box == (0, rows, 0, cols)
+            for name, flat in sources.items():
+                kind = "optimizer" if name.startswith("optimizer.") else "model"
+                key = name if whole else f"{name}[{r0}:{r1},{c0}:{c1}]"
+                data = box_view(flat, offset - lo, box)
+                files[kind][key] = data.view(shape) if whole else data
+                stored = index.setdefault(name, {"shape": list(shape), "dtype": DTYPE_NAMES[flat.dtype],
+                                                 "pieces": []})
+                stored["pieces"].append({"file": shard_filename(trainer, kind), "key": key,
+                                         "box": [[r0, r1], [c0, c1]]})
+    records = {}            # model and optimizer keys differ ("optimizer." prefix): one dict holds both
+    for kind, tensors in files.items():
+        if tensors:
+            records.update(write_tensor_file(directory, shard_filename(trainer, kind), tensors))
+    for stored in index.values():
+        for piece in stored["pieces"]:
+            piece["crc32"] = records[piece["key"]]["crc32"]
+    return index
+
+
+def save_checkpoint(trainer, root: str) -> str:
+    """Collective: every rank calls it. Writes iter_N.tmp, then rank 0 publishes it as iter_N."""
+    p, iteration = trainer.parallel, trainer.state.iteration
+    distributed = dist.is_initialized() and p.world_size > 1
+    error = None
+    if p.rank == 0:
+        try:
+            prepare_temporary_dir(root, iteration)
+        except UserError as e:
+            error = str(e)
+    _agree(error is None, error or "", trainer.device)
+    if distributed:
+        dist.barrier()
+    tmp = temporary_dir(root, iteration)
+
+    trainer.ddp.wait_for_param_gather()          # no asynchronous gather may still write into the parameters
+    index, rng_crcs, error = {}, {}, None
+    try:                                         # every rank writes: a full disk on one must stop them all
+        index = write_shards(trainer, tmp)
+        rng_file = f"rng-rank{p.rank:05d}.safetensors"
+        rng_crcs = {rng_file: write_tensor_file(tmp, rng_file, rng_tensors(trainer.model.tp.rng))}
+    except OSError as e:
+        error = (f"--save {root}: cannot write the checkpoint ({e.strerror or e}); free some space or choose "
+                 "another directory")
+    _agree(error is None, error or "", trainer.device)
+    if distributed:
+        gathered = [None] * p.world_size
+        dist.all_gather_object(gathered, (index, rng_crcs))
+    else:
+        gathered = [(index, rng_crcs)]
+    if p.rank == 0:
+        tensors, rng = {}, {}
+        for part, rng_part in gathered:
+            for name, entry in part.items():
+                tensors.setdefault(name, {**entry, "pieces": []})["pieces"].extend(entry["pieces"])
+            rng.update(rng_part)
+        step = float(next(iter(trainer.optimizer.adam.state.values()))["step"])
+        write_metadata(tmp, training_metadata(trainer, tensors, rng, step))
+    if distributed:
+        dist.barrier()
+    final = publish(root, iteration) if p.rank == 0 else None
+    if distributed:
+        dist.barrier()
+    return final or os.path.join(root, f"iter_{iteration:07d}")
+
+
+def training_metadata(trainer, tensors: dict, rng: dict, adam_step: float) -> dict:
+    cfg, state = trainer.config, trainer.state
+    scaler = trainer.optimizer.loss_scaler
+    return {
+        "iteration": state.iteration,
+        "model": model_metadata(cfg.model),
+        "tokenizer": tokenizer_metadata(cfg.data),
+        "args": dataclasses.asdict(cfg),
+        "layout": layout_of(trainer),
+        "train_state": {"iteration": state.iteration, "consumed_train_samples": state.consumed_train_samples,
+                        "consumed_valid_samples": state.consumed_valid_samples,
+                        "skipped_iterations": state.skipped_iterations, "nan_iterations": state.nan_iterations},
+        "scheduler": trainer.scheduler.state_dict(),
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        "optimizer": {"step": adam_step, "has_master": trainer.buffer.param_dtype != torch.float32},
+        "source": trainer.checkpoint_source,      # where the weights first came from (e.g. a converted HF model)
+        "tensors": tensors,
+        "rng_files": rng,
+    }
+
+
+# ---- load ----------------------------------------------------------------------------------------
+def has_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, TRACKER)) or os.path.isfile(os.path.join(path, METADATA))
+
+
+def architecture_differences(reader: CheckpointReader, model_config) -> list[str]:
+    """Model fields where the checkpoint and this run disagree, as "--flag saved vs this run"."""
+    differences = []
+    for name, value in reader.metadata.get("model", {}).items():
+        if name in ("params_dtype", "seq_length"):
+            continue
+        mine = getattr(model_config, name, None)
+        if mine != value:
+            flag = "the tokenizer's vocabulary" if name == "vocab_size" else "--" + name.replace("_", "-")
+            differences.append(f"{flag}: {value!r} in the checkpoint, {mine!r} in this run")
+    return differences
+
+
+def _hint(differences: list[str]) -> str:
+    return f" ({'; '.join(differences[:3])})" if differences else ""
+
+
+def check_stored(reader: CheckpointReader, name: str, param: nn.Parameter, global_name: str, vocab: int,
+                 differences: list[str] = ()) -> None:
+    """The checkpoint has tensor ``name`` at the shape the parameter needs."""
+    shape = stored_shape(global_name, full_shape(param), vocab)
+    if not reader.has(name):
+        raise UserError(f"checkpoint {reader.directory} has no tensor {name!r}{_hint(differences)}; it was saved "
+                        "from a different model: match the model flags or add --use-checkpoint-args")
+    if reader.shape(name) != shape:
+        raise UserError(f"checkpoint tensor {name!r} has shape {list(reader.shape(name))} but the model expects "
+                        f"{list(shape)}{_hint(differences)}; match the model flags or add --use-checkpoint-args")
+
+
+def expected_full(reader: CheckpointReader, name: str, param: nn.Parameter, global_name: str,
+                  vocab: int) -> torch.Tensor:
+    """The whole stored tensor ``name``, shape checked, vocabulary padded (single-process use)."""
+    check_stored(reader, name, param, global_name, vocab)
+    return pad_vocabulary(reader.tensor(name).float(), global_name, full_shape(param))
+
+
+def source_names(reader: CheckpointReader, global_name: str, load_optimizer: bool) -> dict[str, str]:
+    """Stored names to load from, by kind. The master weights are the weights themselves when the
+    checkpoint has no separate master copy (an fp32 run, a converted Hugging Face model); the model's
+    parameters come from the master copy too, so a bf16 checkpoint resumed in fp32 keeps fp32 weights."""
+    master = f"optimizer.master.{global_name}"
+    names = {"master": master if reader.has(master) else global_name}
+    if load_optimizer:
+        names.update({k: f"optimizer.{k}.{global_name}" for k in OPTIMIZER_STATES})
+    return names
+
+
+def held_params(buffer, start: int, end: int) -> list[tuple[int, int, torch.Tensor]]:
+    """The parts of the flat range [start, end) whose parameter values this rank holds, as (start,
+    end, values): all of it, or under ZeRO-3 its chunks of the buckets."""
+    if buffer.param_data is not None:
+        return [(start, end, buffer.param_data[start:end])]
+    parts = []
+    for bucket in buffer.buckets:
+        chunk_start, chunk_end = buffer.local_range(bucket)
+        lo, hi = overlap(start, end, chunk_start, chunk_end)
+        if lo < hi:
+            parts.append((lo, hi, buffer.local_param_chunk(bucket)[lo - chunk_start:hi - chunk_start]))
+    return parts
+
+
+def load_targets(trainer, sources: dict[str, dict[str, str]]) -> list[tuple[str, Box, torch.Tensor]]:
+    """(stored name, box, destination view) for everything this rank holds: its parameters and its
+    optimizer ranges (master weights, and the Adam moments when ``sources`` names them)."""
+    buffer, optimizer, vocab = trainer.buffer, trainer.optimizer, trainer.config.model.vocab_size
+    targets = []
+
+    def add(name: str, place: Placement, lo: int, hi: int, flat: torch.Tensor) -> None:
+        flat.zero_()                 # vocabulary padding rows are not stored: they stay zero
+        targets.extend((name, box, box_view(flat, offset - lo, box)) for offset, box in boxes(place, lo, hi))
+
+    for entry in param_entries(trainer.chunks):
+        names, slot = sources[entry.global_name], buffer.slots[entry.buffer_name]
+        place = placement(entry.param, entry.global_name, vocab)
+        for start, end, values in held_params(buffer, slot.start, slot.end):
+            add(names["master"], place, start - slot.start, end - slot.start, values)
+        for start, end, _, master, state, cut in optimizer_ranges(optimizer, slot):
+            for kind, name in names.items():
+                values = master[cut] if kind == "master" else state[kind][cut]
+                add(name, place, start - slot.start, end - slot.start, values)
+    return targets
+
+
+@torch.no_grad()
+def load_tensors(trainer, reader: CheckpointReader, load_optimizer: bool) -> None:
+    """Fill this rank's parameters and optimizer state from ``reader``, reading only what it holds."""
+    differences = architecture_differences(reader, trainer.config.model)
+    entries = param_entries(trainer.chunks)
+    sources = {e.global_name: source_names(reader, e.global_name, load_optimizer) for e in entries}
+    for entry in entries:
+        for name in sources[entry.global_name].values():
+            check_stored(reader, name, entry.param, entry.global_name, trainer.config.model.vocab_size, differences)
+    if differences:          # every tensor fits, but the model differs (e.g. fewer layers, another rotary base)
+        raise UserError(f"checkpoint {reader.directory} is from a different model: {differences[0]}; match the model "
+                        "flags or add --use-checkpoint-args")
+    reader.read_into(load_targets(trainer, sources))
+    load_stashed_versions(trainer, reader, load_optimizer)         # PipeDream's older weight versions
+    step = reader.metadata["optimizer"]["step"] if load_optimizer else 0.0
+    for master in trainer.optimizer.master_pieces:
+        state = trainer.optimizer.adam.state[master]
+        state["step"].fill_(step)
+        if not load_optimizer:
+            for kind in OPTIMIZER_STATES:
+                state[kind].zero_()
+
+
+def load_checkpoint(trainer, path: str, load_optimizer: bool = True, load_rng: bool = True,
+                    finetune: bool = False, log=print) -> dict | None:
+    """Load weights (and optimizer, scheduler, loss scaler, train state) into ``trainer``. Returns the
+    RNG tensors to restore after the data loaders are built (None when they must not be).
+
+    Collective: ranks read different parts of the checkpoint, so a part that fails on one rank (a
+    corrupt piece) must stop them all, in one line."""
+    error, rng, rng_skipped = None, None, ""
+    try:
+        reader = CheckpointReader(path)
+        meta = reader.metadata
+        load_optimizer = load_optimizer and not finetune and meta.get("optimizer") is not None
+        load_tensors(trainer, reader, load_optimizer)
+        if load_rng and not finetune:
+            rng, rng_skipped = saved_rng(reader, trainer)
+    except UserError as e:
+        error = str(e)
+    _agree(error is None, error or "", trainer.device)
+    trainer.checkpoint_source = meta.get("source")
+    if finetune:
+        log(f" > loaded weights from {reader.directory} (iteration {reader.iteration}); --finetune: starting at "
+            "iteration 0 with a fresh optimizer")
+        return None
+    if load_optimizer:
+        trainer.scheduler.load_state_dict(meta["scheduler"])
+        if meta["scheduler"].get("decay_iters") not in (None, trainer.scheduler.decay):
+            log(f" > note: the learning rate now decays over {trainer.scheduler.decay:g} iterations "
+                f"({meta['scheduler']['decay_iters']:g} in the checkpoint's run); this run's flags apply")
+        if trainer.optimizer.loss_scaler is not None and meta.get("loss_scaler"):
+            trainer.optimizer.loss_scaler.load_state_dict(meta["loss_scaler"])
+    s = meta.get("train_state", {})
+    trainer.state.iteration = int(s.get("iteration", reader.iteration))
+    trainer.state.consumed_train_samples = int(s.get("consumed_train_samples", 0))
+    trainer.state.consumed_valid_samples = int(s.get("consumed_valid_samples", 0))
+    trainer.state.skipped_iterations = int(s.get("skipped_iterations", 0))
+    trainer.state.nan_iterations = int(s.get("nan_iterations", 0))
+    if not load_optimizer:
+        trainer.scheduler.load_state_dict({"num_steps": trainer.state.iteration})
+    what = "weights, optimizer" if load_optimizer else "weights"
+    note = "" if rng is not None or not load_rng else (f" (RNG state not restored: {rng_skipped}; dropout masks "
+                                                       "start again from --seed)")
+    log(f" > loaded checkpoint {reader.directory} at iteration {trainer.state.iteration}: {what}{note}")
+    return rng
+
+
+# ---- inference -----------------------------------------------------------------------------------
+def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """A single-process GPTModel in eval mode with the checkpoint's weights; ``model(input_ids)``
+    returns logits [batch, seq, vocab] over the tokenizer's true vocabulary."""
+    from megalite.model.gpt import DTYPES, GPTModel
+    reader = CheckpointReader(path)
+    dtype_name = {v: k for k, v in DTYPES.items()}[dtype]
+    config = model_config_from_metadata(reader.metadata["model"], params_dtype=dtype_name)
+    model = GPTModel(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            g = model.global_name(name)
+            source = f"optimizer.master.{g}" if reader.has(f"optimizer.master.{g}") else g
+            param.copy_(expected_full(reader, source, param, g, config.vocab_size))
+    model.checkpoint_metadata = reader.metadata
+    model.checkpoint_dir = reader.directory
+    return model.to(device).eval()
+
+
+# ---- PipeDream's stashed weight versions, stored like the weights (any layout reads what it needs) ------
+def stashed_sources(trainer, global_name: str, start: int, end: int) -> dict[str, torch.Tensor]:
+    """For owned_parts: the flat range [start, end) of each stashed older version (pipedream.py)."""
+    runner = getattr(trainer, "async_pipeline", None)
+    if runner is None:
+        return {}
+    return {stashed_name(k, global_name): flat[start:end] for k, flat in runner.stashed().items()}
+
+
+@torch.no_grad()
+def load_stashed_versions(trainer, reader, load_optimizer: bool, log=print) -> None:
+    """After the weights are loaded: restart the stream at the checkpoint's iteration with the older
+    versions it needs, read from the checkpoint. Without them (--no-load-optim, or a checkpoint of a
+    synchronous schedule) they start as copies of the loaded weights; a checkpoint of the same schedule
+    that lacks some was saved at a pipeline layout that kept fewer versions: one line."""
+    runner = getattr(trainer, "async_pipeline", None)
+    if runner is None:
+        return
+    runner.restart_at(int(reader.metadata.get("train_state", {}).get("iteration", reader.iteration)))
+    needed = runner.needed_behind()
+    if not needed:
+        return
+    versions = runner.versions
+    entries = param_entries(trainer.chunks)
+    names = [stashed_name(k, e.global_name) for k in needed for e in entries]
+    if not load_optimizer or not all(reader.has(n) for n in names):
+        saved = (reader.metadata.get("args") or {}).get("parallel", {})
+        if load_optimizer and saved.get("pipeline_schedule") == runner.schedule:
+            raise UserError(f"checkpoint {reader.directory} lacks weight versions that --pipeline-schedule "
+                            f"{runner.schedule} needs at this pipeline layout (saved at --pipeline-model-parallel-size "
+                            f"{saved.get('pipeline_model_parallel_size')}); resume at that size or add --no-load-optim")
+        for k in needed:
+            versions.stash[versions.newest - k] = versions.flat.clone()
+        log(f" > {runner.schedule}: no stashed weight versions in the checkpoint; the older versions start as "
+            "copies of the loaded weights")
+        return
+    buffer, vocab, targets = trainer.buffer, trainer.config.model.vocab_size, []
+    for k in needed:
+        flat = torch.zeros_like(versions.flat)       # vocabulary padding rows are not stored: they stay zero
+        versions.stash[versions.newest - k] = flat
+        for entry in entries:
+            slot = buffer.slots[entry.buffer_name]
+            place = placement(entry.param, entry.global_name, vocab)
+            for start, end, _ in held_params(buffer, slot.start, slot.end):
+                lo = start - slot.start
+                targets += [(stashed_name(k, entry.global_name), box, box_view(flat[start:end], offset - lo, box))
+                            for offset, box in boxes(place, lo, end - slot.start)]
+    reader.read_into(targets)

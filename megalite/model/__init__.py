@@ -1,0 +1,1 @@
+"""The GPT/Llama model: transformer layers, embeddings and output head, initialisation, generation."""

@@ -1,0 +1,655 @@
+"""Data parallelism over the flat bucketed buffer, and the parameter/gradient side of ZeRO.
+
+Every data-parallel rank runs the same model on its slice of the global batch; gradients are summed
+over the data-parallel group and divided by its size (SUM then divide: gloo's ReduceOp.AVG is not to
+be trusted, REFERENCE §7), so every rank ends with the gradient of the mean loss over the global batch.
+
+Strategies (Megatron's ``--data-parallel-sharding-strategy`` names):
+
+- ``no_shard``: every rank keeps everything. After the last micro-batch each bucket of the fp32
+  gradient buffer is all-reduced.
+- ``optim`` (ZeRO-1, ``--use-distributed-optimizer``): each bucket of the full gradient buffer is
+  reduce-scattered after the last micro-batch; rank r keeps the reduced r-th chunk of each bucket, steps
+  only that chunk (optimizer/distrib_optimizer.py) and the updated chunks are all-gathered.
+- ``optim_grads`` (ZeRO-2): no full gradient buffer. A bucket stages one micro-batch's gradients in a
+  full-size tensor from its first gradient on; once complete it is reduce-scattered, the reduced chunk
+  added into this rank's gradient shard, and the staging freed (``GradReduction``).
+- ``optim_grads_params`` (ZeRO-3): as ZeRO-2, and parameters are sharded too. Buckets follow module
+  units: the embedding, each transformer layer, and the head (final norm + output layer). A unit's
+  parameters are all-gathered just before its forward and freed after it, gathered again when backward
+  reaches the unit and freed when its backward is done (a hook on the unit's input gradient). The
+  embedding's backward reads only the token ids, so it is not gathered for backward. With
+  ``--overlap-param-gather`` the next unit's gather is prefetched (the previous one's in backward).
+
+Overlap. ``--overlap-grad-reduce``: a post-accumulate-grad hook counts each parameter's gradients; when
+every parameter of a bucket has received its last micro-batch's gradient the bucket's collective is
+started asynchronously, so communication runs while backward continues through earlier layers.
+Without it, the collectives run in ``finish_grad_sync`` after backward. ``--overlap-param-gather``:
+the all-gather of updated parameters (ZeRO-1/2) is started asynchronously after the optimizer step
+and each unit's forward pre-hook waits only for the buckets it needs.
+
+``--grad-reduce-in-bf16``: the collectives carry bf16 gradients (half the bytes); accumulation over
+micro-batches and the optimizer's gradients stay fp32.
+
+Why not FSDP2 (``torch.distributed.fsdp.fully_shard``) for ZeRO-3: it replaces every parameter by a
+DTensor with its own per-parameter padded storage, while here parameters are views into one flat
+buffer that the optimizer (fused AdamW over flat shards), clipping, the bucketed reductions, the
+memory report and the tensor-/pipeline-parallel gradient fix-ups (``all_reduce_param_grads``) all
+work on. Sharding that same buffer per unit keeps one code path and one numerics for all four
+strategies (ZeRO-3 equals DP=1 to fp32 rounding) and composes with TP, SP and interleaved PP as is.
+
+Pipeline parallelism: pass the rank's model chunks as a list (one buffer for all of them, parameter
+names prefixed ``chunk{i}.``); the count of backward passes per step is ``num_microbatches`` for every
+chunk, whatever the schedule's order.
+
+Bytes moved per step per rank (ring algorithms, REFERENCE §6), Ψ parameters, d data-parallel ranks:
+no_shard all-reduce 2(d-1)/d·4Ψ; optim/optim_grads reduce-scatter (d-1)/d·4Ψ (ZeRO-2: per
+micro-batch) + all-gather (d-1)/d·Ψ·bytes(param dtype); ZeRO-3 adds the parameter all-gathers of
+forward and backward instead of the one after the step.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.config.schema import SHARDING_STRATEGIES, ParallelConfig
+from megalite.distributed import collectives
+from megalite.parallel.data.grad_buffer import Bucket, ParamAndGradBuffer
+from megalite.parallel.mesh import ParallelState
+
+# Asynchronous bucket collectives in flight at once. A ZeRO-2/3 reduce-scatter holds a full-size staging
+# bucket, and gloo copies every all-gather / reduce-scatter through a temporary of the bucket's size:
+# unbounded, a whole backward's gradients (or all parameters after the step) would be alive at once,
+# the memory the sharding exists to save. Full-buffer collectives (no staging): two in flight. ZeRO-2/3
+# reductions: one, overlapping the backward that fills the next bucket's staging, and none once the
+# backward pass has ended (the next micro-batch's forward starts with no staging alive, as in FSDP2).
+MAX_IN_FLIGHT = 2
+MAX_REDUCTIONS_IN_FLIGHT = 1
+
+
+def default_bucket_size(dp_size: int, overlap_grad_reduce: bool) -> int | None:
+    """Megatron's default: max(40M, 1M x dp) elements with overlap; one bucket without (one big
+    collective is the fastest when nothing overlaps it)."""
+    return max(40_000_000, 1_000_000 * dp_size) if overlap_grad_reduce else None
+
+
+def data_parallel_group(parallel: ParallelState):
+    """(group, size, rank) of the data-parallel (x context-parallel) group; group None only when no
+    process group exists (a plain single process). A size-1 group is used like any other, so a
+    single-GPU NCCL run exercises every collective path.
+
+    Context-parallel ranks hold the same parameters and see other parts of the sequences, so like
+    Megatron the gradients are reduced over dp x cp."""
+    size = parallel.dp_size * parallel.cp_size
+    group = parallel.group("dp_cp")
+    if group is None:
+        return None, 1, 0
+    return group, size, dist.get_rank(group)
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+_DONE = _Done()
+
+
+class Comm:
+    """The data-parallel group and how its collectives are called. ``reduce_dtype``: the dtype gradients
+    travel in (None: as they are, fp32). On gloo the bucket collectives take the list forms in slices,
+    unless MEGALITE_FORCE_NCCL_COLLECTIVE_PATH=1 (collectives.bucket_list_form); otherwise the
+    single-tensor forms, as on NCCL."""
+
+    def __init__(self, group, size: int, reduce_dtype: torch.dtype | None):
+        self.group, self.size, self.reduce_dtype = group, size, reduce_dtype
+        self.list_form = collectives.bucket_list_form(group)
+
+    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, chunks: list, async_op: bool):
+        """Sum ``flat`` over the group, this rank keeping its chunk in ``out``. gloo: list input (faster
+        than its single-tensor form on CPU, same bytes on the wire), in slices (see GlooSlices)."""
+        if self.list_form:
+            return GlooSlices(out.numel(), lambda lo, hi: dist.reduce_scatter(
+                out[lo:hi], [c[lo:hi] for c in chunks], op=dist.ReduceOp.SUM, group=self.group, async_op=True),
+                async_op)
+        return collectives.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group,
+                                                 async_op=async_op)
+
+    def all_gather(self, out: torch.Tensor, local: torch.Tensor, async_op: bool):
+        if self.list_form:
+            chunks = out.chunk(self.size)
+            return GlooSlices(local.numel(), lambda lo, hi: dist.all_gather(
+                [c[lo:hi] for c in chunks], local[lo:hi], group=self.group, async_op=True), async_op)
+        return collectives.all_gather_single(out, local, group=self.group, async_op=async_op)
+
+
+GLOO_SLICE = 1 << 21          # elements per rank's chunk in one gloo collective
+
+
+class GlooSlices:
+    """A gloo collective over a large bucket, run as consecutive slices of at most GLOO_SLICE elements
+    per rank's chunk. gloo copies each collective through a temporary the size of its whole input or
+    output and frees it only with the Work object; sliced, that temporary stays bounded. The first slice
+    starts at once (asynchronously); ``wait()`` runs the rest one after another."""
+
+    def __init__(self, numel: int, start_slice, async_op: bool):
+        self._slices = [(lo, min(numel, lo + GLOO_SLICE)) for lo in range(0, max(numel, 1), GLOO_SLICE)]
+        self._start = start_slice
+        self._work = self._start(*self._slices.pop(0))
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        while self._work is not None:
+            self._work.wait()
+            self._work = self._start(*self._slices.pop(0)) if self._slices else None
+
+
+class GradReduction:
+    """ZeRO-2/3: one bucket's gradients of one micro-batch, from the first gradient to the shard.
+
+    accumulate (allocates the full-size staging) -> start (reduce-scatter, asynchronous with overlap)
+    -> finish (wait, add the reduced chunk into this rank's gradient shard, free staging and output).
+    A bucket's next micro-batch reuses the staging only after its previous reduction finished, and
+    every reduction of a backward pass is finished when that pass ends, so no staging outlives it."""
+
+    def __init__(self, bucket: Bucket, shard_chunk: torch.Tensor, comm: Comm):
+        self.bucket, self.shard_chunk, self.comm = bucket, shard_chunk, comm
+        self.arrived = 0
+        self.work = None
+
+    def accumulate(self, offset: int, grad: torch.Tensor) -> bool:
+        """Add one parameter's gradient; True when every parameter of the bucket has arrived."""
+        if self.work is not None:
+            self.finish()
+        staging = self.bucket.staging.allocate(zero=True)
+        staging[offset:offset + grad.numel()].add_(grad.reshape(-1))
+        self.arrived += 1
+        return self.arrived == len(self.bucket.params)
+
+    def start(self, async_op: bool) -> None:
+        self.arrived = 0
+        if self.comm.group is None:                 # a single process: nothing to reduce
+            self.shard_chunk.add_(self.bucket.staging.tensor)
+            self.bucket.staging.free()
+            return
+        out = self.bucket.reduced.allocate()
+        self.work = self.comm.reduce_scatter(out, self.bucket.staging.tensor, self.bucket.staging_chunks,
+                                             async_op) or _DONE
+        if not async_op:
+            self.finish()
+
+    def finish(self) -> None:
+        if self.work is None:
+            return
+        self.work.wait()
+        self.work = None
+        self.shard_chunk.add_(self.bucket.reduced.tensor)
+        self.bucket.staging.free()
+        self.bucket.reduced.free()
+
+    @property
+    def pending(self) -> bool:
+        return self.arrived > 0
+
+
+@dataclass(eq=False)
+class Unit:
+    """Modules whose parameters are gathered together (ZeRO-3) or waited for together (param gather).
+
+    ``module``'s forward pre-hook gathers; ``end_module``'s forward hook ends the forward use (the head
+    unit starts at the final norm and ends with the whole model's forward, which computes the logits)."""
+    name: str
+    module: nn.Module
+    end_module: nn.Module
+    params: list = field(default_factory=list)
+    buckets: list = field(default_factory=list)       # buckets holding any of its parameters
+    gather_in_backward: bool = True
+    next: "Unit | None" = None                        # the unit that runs after it in forward
+    prev: "Unit | None" = None
+    in_backward: bool = False
+
+
+def model_units(model: nn.Module, prefix: str = "") -> list[Unit]:
+    """A GPTModel chunk's units in forward order: embedding, each layer, head (those it has)."""
+    units = []
+    embedding = getattr(model, "embedding", None)
+    if embedding is not None:
+        units.append(Unit(prefix + "embedding", embedding, embedding, gather_in_backward=False))
+    for i, layer in enumerate(getattr(getattr(model, "decoder", None), "layers", [])):
+        units.append(Unit(f"{prefix}layer{i}", layer, layer))
+    final_norm = getattr(getattr(model, "decoder", None), "final_layernorm", None)
+    if final_norm is not None:
+        units.append(Unit(prefix + "head", final_norm, model))
+    if not units:                                      # any other module: one unit
+        units.append(Unit(prefix + "model", model, model))
+    for a, b in zip(units, units[1:]):
+        a.next, b.prev = b, a
+    return units
+
+
+class DistributedDataParallel:
+    """Owns the parameter/gradient buffer of one rank's model (or model chunks) and its reductions.
+
+    Use per step: ``zero_grad()`` -> forward/backward over the micro-batches -> ``finish_grad_sync()``
+    -> optimizer step (which calls ``start_param_sync()``). ``close()`` when done (waits for every
+    collective still in flight).
+
+    ``device``: where the buffer's storage lives; needed when the models were built on the meta device
+    (sharded start-up), whose parameters are then materialised (only this rank's part) and swapped in.
+    """
+
+    def __init__(self, model: nn.Module | list[nn.Module], config: ParallelConfig, parallel: ParallelState,
+                 num_microbatches: int = 1, device: torch.device | None = None):
+        self.models = list(model) if isinstance(model, (list, tuple)) else [model]
+        self.strategy = config.data_parallel_sharding_strategy
+        if self.strategy == "no_shard" and config.use_distributed_optimizer:
+            self.strategy = "optim"
+        if self.strategy not in SHARDING_STRATEGIES:
+            raise ValueError(f"unknown data-parallel sharding strategy {self.strategy!r}")
+        self.overlap_grad_reduce = config.overlap_grad_reduce
+        self.overlap_param_gather = config.overlap_param_gather
+        self.num_microbatches = num_microbatches
+        self.parallel = parallel
+        self.group, self.dp_size, self.dp_rank = data_parallel_group(parallel)
+        reduce_in_bf16 = getattr(config, "grad_reduce_in_bf16", False)
+        self.comm = Comm(self.group, self.dp_size, torch.bfloat16 if reduce_in_bf16 else None)
+        self.shard_optimizer = self.strategy != "no_shard"
+        self.shard_grads = self.strategy in ("optim_grads", "optim_grads_params")
+        self.shard_params = self.strategy == "optim_grads_params"
+
+        named, unit_of, self.units = self._collect_units()
+        bucket_size = config.ddp_bucket_size or default_bucket_size(self.dp_size, self.overlap_grad_reduce)
+        self.buffer = ParamAndGradBuffer(named, bucket_size, self.dp_rank, self.dp_size, self.shard_grads,
+                                         self.shard_params, units=unit_of if self.shard_grads else None,
+                                         device=device, staging_dtype=self.comm.reduce_dtype or torch.float32)
+        named = self._swap_materialised(named)
+        if getattr(config, "gradient_accumulation_fusion", True):
+            self.buffer.fuse_weight_grads()
+        self.named_params = named
+        self.buckets = self.buffer.buckets
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._name_of = {id(p): n for n, p in named}
+        for unit in self.units:
+            ids = {id(p) for p in unit.params}
+            unit.buckets = [b for b in self.buckets if any(id(p) in ids for p in b.params)]
+
+        self._reductions = {b.index: GradReduction(b, self.buffer.local_grad_chunk(b), self.comm)
+                            for b in self.buckets} if self.shard_grads else {}
+        self._in_flight: deque[GradReduction] = deque()
+        self._end_of_backward_queued = False
+        self._window: deque = deque()                    # other asynchronous bucket collectives, oldest first
+        self._grad_work: dict[int, object] = {}
+        self._comm_copies: dict[int, tuple] = {}    # bf16 copies of full-buffer buckets in flight
+        self._param_gather_work: dict[int, object] = {}
+        self._gather_work: dict[int, object] = {}
+        self._scalar = torch.zeros(1, dtype=torch.float64, device=self.buffer.device)
+        self._reset_step_state()
+        self._hooks = []
+        if self.shard_grads or (self.group is not None and self.overlap_grad_reduce):
+            self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named]
+        if self.shard_params:
+            self._register_zero3_hooks()
+        elif self.shard_optimizer and self.overlap_param_gather and self.group is not None:
+            for unit in self.units:
+                self._hooks.append(unit.module.register_forward_pre_hook(
+                    lambda module, args, unit=unit: self._wait_param_gather(unit.buckets)))
+
+    # ---- structure -------------------------------------------------------------------------------
+    def _collect_units(self):
+        """Named trainable parameters, each one's unit index (the unit that owns it: a tied output
+        weight belongs to the embedding, the head only uses it), and the units in forward order."""
+        named, unit_of, units = [], [], []
+        for c, model in enumerate(self.models):
+            prefix = f"chunk{c}." if len(self.models) > 1 else ""
+            chain = model_units(model, prefix)
+            owner = {}
+            for index, unit in enumerate(chain):
+                for param in unit.module.parameters():
+                    owner.setdefault(id(param), index)
+            head = chain[-1] if chain[-1].name.endswith("head") else None
+            for name, param in model.named_parameters():
+                if not param.requires_grad:
+                    continue
+                index = owner.get(id(param), len(chain) - 1)
+                chain[index].params.append(param)
+                named.append((prefix + name, param))
+                unit_of.append(len(units) + index)
+            if head is not None and hasattr(model, "output_weight"):
+                weight = model.output_weight()
+                if all(p is not weight for p in head.params):
+                    head.params.append(weight)              # tied: the head reads the embedding's weight
+            units += chain
+        return named, unit_of, units
+
+    def _swap_materialised(self, named):
+        """Put the buffer's materialised parameters in place of the meta ones, in the modules and in
+        every list kept here."""
+        new = self.buffer.replacements
+        if not new:
+            return named
+        for model in self.models:
+            for module in model.modules():
+                for key, param in list(module._parameters.items()):
+                    if param is not None and id(param) in new:
+                        module._parameters[key] = new[id(param)]
+        for unit in self.units:
+            unit.params = [new.get(id(p), p) for p in unit.params]
+        return [(n, new.get(id(p), p)) for n, p in named]
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named_params]
+
+    # ---- per step --------------------------------------------------------------------------------
+    def _reset_step_state(self) -> None:
+        self._arrivals: dict[int, int] = {}
+        self._remaining = {b.index: len(b.params) for b in self.buckets}
+        self._grad_work = {}
+
+    def zero_grad(self) -> None:
+        self.buffer.zero_grad()
+        self._reset_step_state()
+
+    @torch.no_grad()
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: this parameter's gradient of one backward pass is in place."""
+        bucket = self._bucket_of[id(param)]
+        if self.shard_grads:
+            slot = self.buffer.slots[self._name_of[id(param)]]
+            reduction = self._reductions[bucket.index]
+            complete = reduction.accumulate(slot.start - bucket.start, param.grad)
+            param.grad = None
+            if complete:
+                self._start_reduction(reduction)
+            self._finish_reductions_when_backward_ends()
+            return
+        n = self._arrivals[id(param)] = self._arrivals.get(id(param), 0) + 1
+        if n == self.num_microbatches:
+            self._remaining[bucket.index] -= 1
+            if self._remaining[bucket.index] == 0 and self.overlap_grad_reduce:
+                self._launch(bucket, async_op=True)
+        elif n > self.num_microbatches and bucket.index in self._grad_work:
+            raise RuntimeError(
+                f"{self._name_of[id(param)]}: gradient number {n} arrived after its bucket's reduction started "
+                f"(expected {self.num_microbatches} backward passes per step); call zero_grad() every step")
+
+    def _finish_reductions_when_backward_ends(self) -> None:
+        """ZeRO-2/3: complete the reductions still in flight once this backward pass ends (as FSDP2 does).
+        Otherwise the last bucket's staging, reduced output and gloo temporary (the embedding's: the
+        largest) would stay alive through the next micro-batch's forward."""
+        if not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._end_of_backward_queued = False
+        while self._in_flight:
+            self._in_flight.popleft().finish()
+
+    def _start_reduction(self, reduction: GradReduction) -> None:
+        """ZeRO-2/3: reduce-scatter a complete bucket, first finishing the oldest ones in flight."""
+        while len(self._in_flight) >= MAX_REDUCTIONS_IN_FLIGHT:
+            self._in_flight.popleft().finish()
+        reduction.start(async_op=self.overlap_grad_reduce)
+        if reduction.work is not None:
+            self._in_flight.append(reduction)
+
+    def _launch(self, bucket: Bucket, async_op: bool) -> None:
+        """Start the reduction of a bucket of the full gradient buffer (no_shard, optim)."""
+        flat = self.buffer.bucket_grads(bucket)
+        if self.comm.reduce_dtype is not None:          # travel in bf16; copied back in _complete
+            flat = flat.to(self.comm.reduce_dtype)
+            out = torch.empty(bucket.numel // self.dp_size, dtype=flat.dtype, device=flat.device)
+            chunks = list(flat.chunk(self.dp_size))
+            self._comm_copies[bucket.index] = (flat, out, chunks)      # alive until the collective is done
+        else:
+            out = self.buffer.local_grad_chunk(bucket)
+            chunks = self.buffer._cached("grad_chunks", bucket, lambda: list(flat.chunk(self.dp_size)))
+        if self.shard_optimizer:
+            work = self.comm.reduce_scatter(out, flat, chunks, async_op)
+        else:
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        self._grad_work[bucket.index] = work if async_op else _DONE
+        if async_op:
+            self._limit_in_flight(lambda: self._complete(bucket))
+        else:
+            self._complete(bucket)
+
+    def _limit_in_flight(self, complete) -> None:
+        """Track an asynchronous collective by the call that completes it; complete the oldest ones beyond
+        MAX_IN_FLIGHT. Completing drops the Work object too: gloo's keeps its temporaries until freed."""
+        self._window.append(complete)
+        while len(self._window) > MAX_IN_FLIGHT:
+            self._window.popleft()()
+
+    def _complete(self, bucket: Bucket) -> None:
+        """Wait for a full-buffer bucket's reduction; with bf16 reduction copy the result back."""
+        work = self._grad_work.get(bucket.index)
+        if work is None:
+            return
+        work.wait()
+        self._grad_work[bucket.index] = _DONE
+        copies = self._comm_copies.pop(bucket.index, None)
+        if copies is None:
+            return
+        flat, out, _ = copies
+        if self.shard_optimizer:
+            self.buffer.local_grad_chunk(bucket).copy_(out)
+        else:
+            self.buffer.bucket_grads(bucket).copy_(flat)
+
+    @torch.no_grad()
+    def finish_grad_sync(self) -> None:
+        """After the last backward: complete every bucket's reduction and divide by the DP size.
+
+        Afterwards the gradients the optimizer reads (the whole buffer for no_shard, this rank's
+        chunks otherwise) hold the gradient of the mean loss over the global batch."""
+        if self.shard_grads:
+            for reduction in self._reductions.values():
+                if reduction.pending:                 # gradients that never completed a bucket
+                    self._start_reduction(reduction)
+            while self._in_flight:
+                self._in_flight.popleft().finish()
+            if self.dp_size > 1:
+                self.buffer.grad_shard.mul_(1.0 / self.dp_size)
+            if self.shard_params:
+                self._release(self.buckets)           # anything a backward left gathered
+                for unit in self.units:
+                    unit.in_backward = False
+        elif self.group is not None:
+            for bucket in self.buckets:
+                if bucket.index not in self._grad_work:
+                    self._launch(bucket, async_op=True)
+            for bucket in self.buckets:
+                self._complete(bucket)
+            self._window.clear()
+            if self.dp_size > 1 and self.shard_optimizer:
+                for bucket in self.buckets:
+                    self.buffer.local_grad_chunk(bucket).mul_(1.0 / self.dp_size)
+            elif self.dp_size > 1:
+                self.buffer.grad_data.mul_(1.0 / self.dp_size)
+        self._reset_step_state()
+        self._grad_work = {b.index: _DONE for b in self.buckets}   # nothing may launch before zero_grad
+
+    def close(self) -> None:
+        """Wait for every collective still in flight and remove the hooks (end of training)."""
+        while self._in_flight:
+            self._in_flight.popleft().finish()
+        self.wait_for_param_gather()
+        if self.shard_params:
+            self._release(self.buckets)
+        for hook in self._hooks + self.buffer._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # ---- what the model-parallel fix-ups see --------------------------------------------------
+    def grad_views(self, param: nn.Parameter) -> list[tuple[torch.Tensor, int]]:
+        """After ``finish_grad_sync``: the reduced gradient of ``param`` this rank holds, as (1-D view,
+        offset of its first element in the flattened parameter). Empty when none of it is local."""
+        name = self._name_of[id(param)]
+        slot = self.buffer.slots[name]
+        if not self.shard_optimizer:
+            return [(self.buffer.grad_data[slot.start:slot.end], 0)]
+        bucket = self._bucket_of[id(param)]
+        start, end = self.buffer.local_range(bucket)
+        lo, hi = max(start, slot.start), min(end, slot.end)
+        if lo >= hi:
+            return []
+        return [(self.buffer.local_grad_chunk(bucket)[lo - start:hi - start], lo - slot.start)]
+
+    @torch.no_grad()
+    def all_reduce_param_grads(self, selection: list[tuple[nn.Parameter, tuple | None]], group) -> None:
+        """Sum over ``group`` the reduced gradients of the selected parameters, or of a row range
+        ``(first_row, end_row)`` of each (model-parallel fix-ups after ``finish_grad_sync``, e.g. the
+        sequence-parallel norm weights over TP). Works for every sharding strategy: only the part of
+        each gradient this rank holds is reduced; ranks of ``group`` share the buffer layout."""
+        all_reduce_held_grads(selection, group, self.grad_views)
+
+    def average_over_dp(self, value: float) -> float:
+        """The mean of ``value`` over the data-parallel ranks (e.g. the loss for logging)."""
+        if self.group is None:
+            return value
+        t = self._scalar
+        t.fill_(value)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return float(t) / self.dp_size
+
+    # ---- parameters after the optimizer step (ZeRO-1/2) ------------------------------------------
+    def start_param_sync(self) -> None:
+        """All-gather the updated chunks of every bucket, asynchronously with --overlap-param-gather
+        (each unit's forward pre-hook then waits for its buckets), in the order forward needs them."""
+        if not self.shard_optimizer or self.shard_params or self.group is None:
+            return
+        self.wait_for_param_gather()
+        order = []
+        for unit in self.units:
+            order += [b for b in unit.buckets if b not in order]
+        order += [b for b in self.buckets if b not in order]
+        for bucket in order:
+            work = self.comm.all_gather(self.buffer.bucket_params(bucket), self.buffer.local_param_chunk(bucket),
+                                        async_op=self.overlap_param_gather)
+            if self.overlap_param_gather:
+                self._param_gather_work[bucket.index] = work
+                self._limit_in_flight(lambda bucket=bucket: self._wait_param_gather([bucket]))
+
+    def _wait_param_gather(self, buckets) -> None:
+        for bucket in buckets:
+            work = self._param_gather_work.pop(bucket.index, None)
+            if work is not None:
+                work.wait()
+
+    def wait_for_param_gather(self) -> None:
+        """Complete every pending parameter all-gather (before reading parameters outside forward)."""
+        self._wait_param_gather(self.buckets)
+        self._window.clear()
+
+    # ---- ZeRO-3: gather parameters per unit ------------------------------------------------------
+    def _register_zero3_hooks(self) -> None:
+        for unit in self.units:
+            if not unit.buckets:
+                continue
+            self._hooks.append(unit.module.register_forward_pre_hook(
+                lambda module, args, unit=unit: self._pre_forward(unit, args)))
+            self._hooks.append(unit.end_module.register_forward_hook(
+                lambda module, args, output, unit=unit: self._post_forward(unit, output)))
+
+    @torch.no_grad()
+    def _gather(self, buckets, async_op: bool) -> None:
+        for bucket in buckets:
+            if self.buffer.is_gathered(bucket):
+                continue
+            self.buffer.allocate(bucket)
+            chunk = self.buffer.local_param_chunk(bucket)
+            if self.group is None:
+                bucket.unsharded.tensor.copy_(chunk)
+                continue
+            work = self.comm.all_gather(bucket.unsharded.tensor, chunk, async_op=async_op)
+            if async_op:
+                self._gather_work[bucket.index] = work
+
+    def _ensure_gathered(self, buckets) -> None:
+        self._gather(buckets, async_op=False)
+        for bucket in buckets:
+            work = self._gather_work.pop(bucket.index, None)
+            if work is not None:
+                work.wait()
+
+    def _release(self, buckets) -> None:
+        for bucket in buckets:
+            work = self._gather_work.pop(bucket.index, None)
+            if work is not None:
+                work.wait()
+            self.buffer.release(bucket)
+
+    def _pre_forward(self, unit: Unit, args) -> None:
+        self._ensure_gathered(unit.buckets)
+        if self.overlap_param_gather and not unit.in_backward and unit.next is not None:
+            self._gather(unit.next.buckets, async_op=True)
+        if torch.is_grad_enabled() and not unit.in_backward and unit.gather_in_backward:
+            # the gradient of the unit's input is computed last in its backward: then it is done
+            for t in _tensors(args):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, unit=unit: self._post_backward(unit))
+                    break
+
+    def _post_forward(self, unit: Unit, output) -> None:
+        if unit.in_backward:             # recomputation during backward: the gradient needs them next
+            return
+        if torch.is_grad_enabled() and unit.gather_in_backward:
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
+        self._release(unit.buckets)
+
+    def _pre_backward(self, unit: Unit) -> None:
+        unit.in_backward = True
+        self._ensure_gathered(unit.buckets)
+        if self.overlap_param_gather and unit.prev is not None and unit.prev.gather_in_backward:
+            self._gather(unit.prev.buckets, async_op=True)
+
+    def _post_backward(self, unit: Unit) -> None:
+        unit.in_backward = False
+        self._release(unit.buckets)
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _tensors(item)]
+    return []
+
+
+@torch.no_grad()
+def all_reduce_held_grads(selection: list[tuple[nn.Parameter, tuple | None]], group, grad_views) -> None:
+    """Sum over ``group``, in one all-reduce, the pieces of the selected parameters' gradients this rank
+    holds (``grad_views(param)`` -> [(view, offset in the flattened parameter)]), or of a row range
+    ``(first_row, end_row)`` of each. The ranks of ``group`` must hold the same pieces (they share a
+    buffer layout or a sharding). Used by DistributedDataParallel and the FSDP2 backend alike."""
+    if group is None:
+        return
+    views = []
+    for param, rows in selection:
+        lo, hi = 0, param.numel()
+        if rows is not None:
+            row = param.numel() // param.shape[0]
+            lo, hi = rows[0] * row, rows[1] * row
+        for view, offset in grad_views(param):
+            a, b = max(lo, offset), min(hi, offset + view.numel())
+            if a < b:
+                views.append(view[a - offset:b - offset])
+    if not views:
+        return
+    flat = torch.cat(views)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for view in views:
+        view.copy_(flat[offset:offset + view.numel()])
+        offset += view.numel()

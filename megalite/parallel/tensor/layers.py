@@ -1,0 +1,257 @@
+"""Column-, row- and vocabulary-parallel layers (Megatron's tensor parallelism).
+
+A ColumnParallelLinear keeps a block of output rows of the full weight; a RowParallelLinear a block of
+input columns. Pairing them (QKV -> attention -> output projection; fc1 -> activation -> fc2) needs
+one all-reduce in forward and one in backward per pair, or with sequence parallelism an all-gather
+before the column layer and a reduce-scatter after the row layer. Under sequence parallelism the
+column layer keeps only this rank's [s/t, b, h] input for backward and gathers it again there
+(``linear_with_sequence_gather``), as Megatron does.
+
+Every parameter records ``full_shape``, ``partition_dim`` (the dimension its shard selects along, as in
+Megatron) and ``take_shard(full) -> local``; ``shard_positions`` turns those into the full-tensor rows
+and columns of the local elements, so initialisation and checkpoints address the unsharded tensor
+without ever building it. ``tensor_model_parallel`` marks sharded parameters and
+``sequence_parallel`` replicated ones whose gradients differ per rank under sequence parallelism.
+
+Gradient-accumulation fusion (Megatron's, on by default; ``--no-gradient-accumulation-fusion``): a weight
+marked ``fuse_wgrad_into_main_grad`` (distributed/grad_buffer.py marks those it can) gets its gradient
+added straight into its fp32 ``main_grad`` by the matmul itself, ``main_grad += grad_y^T x``, instead of
+a separate [out, in] gradient that autograd then adds (fp32) or a hook adds and frees (bf16). That saves
+one weight-sized temporary and one pass over it per linear per micro-batch. The backward returns no
+weight gradient; autograd still runs the parameter's post-accumulate hooks (with ``grad`` None), so the
+data-parallel reduction sees the weight as ready exactly as before.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.parallel.pipeline.autograd_outputs import input_grads_to_compute
+from megalite.parallel.tensor.mappings import (all_gather, all_gather_sequence_async, copy_to_tp_region,
+                                               gather_from_tp_region, reduce_from_tp_region,
+                                               reduce_scatter_sequence_async, reduce_scatter_to_sp_region)
+from megalite.parallel.tensor.random import RNGTracker
+
+
+@dataclass
+class TensorParallel:
+    """This rank's place in its tensor-parallel group (size 1: plain single-device layers)."""
+    group: Optional[object] = None
+    rank: int = 0
+    size: int = 1
+    sequence_parallel: bool = False
+    rng: Optional[RNGTracker] = None
+
+    def chunk(self, full: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return full.chunk(self.size, dim=dim)[self.rank]
+
+
+def _mark(param: nn.Parameter, full_shape, take_shard: Callable, sharded: bool, partition_dim: int = 0) -> nn.Parameter:
+    param.full_shape = tuple(full_shape)
+    param.take_shard = take_shard
+    param.partition_dim = partition_dim
+    param.tensor_model_parallel = sharded
+    return param
+
+
+def shard_positions(param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(rows, cols, full_cols): local element (i, j) of ``param`` (viewed as 2-D [rows, cols]) is element
+    (rows[i], cols[j]) of the full tensor viewed as 2-D [full_rows, full_cols], i.e. flat index
+    ``rows[i] * full_cols + cols[j]``. 1-D parameters are [n, 1].
+
+    Only index vectors as long as one dimension are built (never the full tensor): a shard selects
+    whole rows (``partition_dim`` 0: column-parallel weights, fused QKV / SwiGLU, vocabulary) or a block
+    of columns (``partition_dim`` 1: row-parallel weights)."""
+    full = tuple(getattr(param, "full_shape", param.shape))
+    full_rows, full_cols = full[0], (math.prod(full[1:]) if len(full) > 1 else 1)
+    take_shard = getattr(param, "take_shard", None)
+    rows, cols = torch.arange(full_rows), torch.arange(full_cols)
+    if take_shard is not None and getattr(param, "tensor_model_parallel", False):
+        if getattr(param, "partition_dim", 0) == 0:
+            rows = take_shard(rows).reshape(-1)
+        else:
+            cols = take_shard(cols.view(1, full_cols)).reshape(-1)
+    return rows, cols, full_cols
+
+
+def _fuses_into_main_grad(weight: torch.Tensor) -> bool:
+    """Whether adding into main_grad is exactly what autograd would do with the gradient: always for a
+    low-precision weight (its hook adds .grad into main_grad), and for an fp32 weight while its .grad is
+    the main_grad view (the buffer's zero_grad sets that; code that resets .grad to None, such as a plain
+    torch optimizer's zero_grad, gets autograd's fresh .grad instead)."""
+    if not getattr(weight, "fuse_wgrad_into_main_grad", False) or torch.compiler.is_compiling():
+        return False
+    if weight.main_grad.dtype != weight.dtype:
+        return True
+    return weight.grad is not None and weight.grad.data_ptr() == weight.main_grad.data_ptr()
+
+
+def weight_grad(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor | None:
+    """grad_W = grad_2d^T input_2d, or, for a weight marked for gradient-accumulation fusion, that added into
+    its main_grad in the same matmul (then None: there is nothing left for autograd to accumulate)."""
+    if not _fuses_into_main_grad(weight):
+        return grad_2d.t().matmul(input_2d)
+    main_grad = weight.main_grad
+    if main_grad.dtype == grad_2d.dtype:
+        main_grad.addmm_(grad_2d.t(), input_2d)
+    else:       # bf16/fp16 operands, fp32 accumulator: where PyTorch has the mixed-dtype matmul (grad_buffer.py)
+        torch.addmm(main_grad, grad_2d.t(), input_2d, out_dtype=main_grad.dtype, out=main_grad)
+    return None
+
+
+class _LinearAccumulatingWeightGrad(torch.autograd.Function):
+    """y = x W^T (+ b) whose backward adds grad_W into W.main_grad (gradient-accumulation fusion); the same
+    saved tensors (x, W) as F.linear."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = input_grads_to_compute(ctx)[:3]     # zero-bubble B / W: one side each
+        grad_x = grad_y.matmul(weight) if need_x else None
+        grad_2d = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_w = weight_grad(weight, grad_2d, x.reshape(-1, x.shape[-1])) if need_w else None
+        grad_b = grad_2d.sum(dim=0) if need_b and ctx.has_bias else None
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with gradient-accumulation fusion for a weight marked for it. A compiled region keeps
+    F.linear: torch.compile builds its own backward, which cannot write into main_grad."""
+    if getattr(weight, "fuse_wgrad_into_main_grad", False) and torch.is_grad_enabled() \
+            and not torch.compiler.is_compiling():
+        return _LinearAccumulatingWeightGrad.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class _LinearWithSequenceGather(torch.autograd.Function):
+    """y = all_gather_seq(x) W^T (+ b), keeping only the local x shard [s/t, b, h] for backward.
+
+    Megatron's LinearWithGradAccumulationAndAsyncCommunication with sequence parallelism: saving the
+    gathered [s, b, h] input would cost t times the shard per column-parallel linear (QKV, fc1, the
+    output layer). Backward gathers x again while it computes grad_x = grad_y W, then reduce-scatters
+    grad_x along the sequence while it computes grad_W = grad_y^T x."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(all_gather(x, group, dim=0), weight, bias)      # the gathered input is a temporary
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = input_grads_to_compute(ctx)[:3]     # zero-bubble B / W: one side each
+        if need_w:
+            x_full, gathering = all_gather_sequence_async(x, ctx.group)      # in flight during grad_x
+        grad_x = grad_y.matmul(weight) if need_x else None
+        grad_w = grad_b = scattering = None
+        if need_w:
+            gathering.wait()
+        if need_x:
+            grad_x, scattering = reduce_scatter_sequence_async(grad_x, ctx.group)   # in flight during grad_W
+        grad_2d = grad_y.reshape(-1, grad_y.shape[-1])
+        if need_w:
+            grad_w = weight_grad(weight, grad_2d, x_full.reshape(-1, x_full.shape[-1]))
+        if need_b and ctx.has_bias:
+            grad_b = grad_2d.sum(dim=0)
+        if scattering is not None:
+            scattering.wait()
+        return grad_x, grad_w, grad_b, None
+
+
+def linear_with_sequence_gather(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                tp: TensorParallel) -> torch.Tensor:
+    """Column-parallel F.linear on a [s(/t), b, h] input: all-gathered along the sequence under sequence
+    parallelism (the shard, not the gathered input, is saved for backward), else entered with
+    copy_to_tp_region (backward all-reduces the input gradient)."""
+    if tp.sequence_parallel and tp.group is not None:
+        return _LinearWithSequenceGather.apply(x, weight, bias, tp.group)
+    return linear(copy_to_tp_region(x, tp.group), weight, bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split across TP ranks; output stays split unless gathered.
+
+    ``local_rows(full)`` picks this rank's rows of a full weight or bias (default: a contiguous chunk);
+    fused layouts (SwiGLU's [gate; up], grouped QKV) pass their own.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, tp: TensorParallel,
+                 gather_output: bool = False, local_rows: Callable | None = None, local_out: int | None = None):
+        super().__init__()
+        self.tp, self.gather_output = tp, gather_output
+        local_rows = local_rows or tp.chunk
+        local_out = local_out or out_features // tp.size
+        sharded = tp.size > 1
+        self.weight = _mark(nn.Parameter(torch.empty(local_out, in_features, dtype=dtype)),
+                            (out_features, in_features), local_rows, sharded)
+        self.bias = _mark(nn.Parameter(torch.empty(local_out, dtype=dtype)), (out_features,), local_rows,
+                          sharded) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear_with_sequence_gather(x, self.weight, self.bias, self.tp)
+        return gather_from_tp_region(y, self.tp.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split across TP ranks; input arrives already split."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.weight = _mark(nn.Parameter(torch.empty(out_features, in_features // tp.size, dtype=dtype)),
+                            (out_features, in_features), lambda full: tp.chunk(full, dim=1), tp.size > 1,
+                            partition_dim=1)
+        self.bias = None
+        if bias:   # replicated; added once, after the reduction
+            self.bias = _mark(nn.Parameter(torch.empty(out_features, dtype=dtype)), (out_features,),
+                              lambda full: full, sharded=False)
+            self.bias.sequence_parallel = tp.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear(x, self.weight)
+        if self.tp.sequence_parallel:
+            y = reduce_scatter_to_sp_region(y, self.tp.group)
+        else:
+            y = reduce_from_tp_region(y, self.tp.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across TP ranks by vocabulary range; returns per-rank *partial* sums.
+
+    Ids outside this rank's range contribute zeros; the caller sums over TP (all-reduce, or
+    reduce-scatter with sequence parallelism) to get the full embedding.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.per_rank = num_embeddings // tp.size
+        self.vocab_start = tp.rank * self.per_rank
+        self.weight = _mark(nn.Parameter(torch.empty(self.per_rank, embedding_dim, dtype=dtype)),
+                            (num_embeddings, embedding_dim), tp.chunk, tp.size > 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.per_rank)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        return F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def parallel_logits(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """[s(/tp), b, h] hidden states -> [s, b, V/tp] logits for this rank's vocabulary range."""
+    return linear_with_sequence_gather(x, weight, None, tp)
+

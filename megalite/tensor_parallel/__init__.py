@@ -1,7 +1,0 @@
-"""Tensor parallelism: autograd collectives, parallel layers, vocab-parallel loss, RNG and recompute."""
-from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, TensorParallel,
-                                             VocabParallelEmbedding, parallel_logits)
-from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorParallel", "VocabParallelEmbedding",
-           "parallel_logits", "vocab_parallel_cross_entropy"]

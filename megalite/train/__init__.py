@@ -1,0 +1,1 @@
+"""The training run: the trainer, the step, the loop, logging, profiling and fault handling."""

@@ -1,0 +1,188 @@
+"""What a run reports: Megatron's stdout line, a JSON-lines metrics file, wandb and tensorboard.
+
+The stdout line keeps Megatron's field names and formats exactly, because people grep it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from datetime import datetime
+
+from megalite.config.schema import ModelConfig, TrainingConfig
+from megalite.errors import UserError
+
+
+# ---- FLOPs -------------------------------------------------------------------------------------
+def flops_per_iteration(model: ModelConfig, batch_size: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward = 3 x forward, no recomputation).
+
+    Per token and layer, forward: QKV 2*h*(nq+2*nkv)*d, attention scores and values 4*s*nq*d (no causal
+    discount), output projection 2*nq*d*h, MLP 2*h*ffn*(3 if SwiGLU else 2); plus logits 2*h*V per token.
+    For GPT with a 4h MLP and no GQA this equals Megatron's
+    72*B*s*L*h^2 * (1 + s/(6h) + V/(12*L*h))   (REFERENCE.md §6).
+    """
+    h, s, d = model.hidden_size, model.seq_length, model.kv_channels
+    nq, nkv = model.num_attention_heads, model.num_query_groups
+    mlp_matrices = 3 if model.swiglu else 2
+    per_layer = (2 * h * (nq + 2 * nkv) * d + 4 * s * nq * d + 2 * nq * d * h
+                 + 2 * h * model.ffn_hidden_size * mlp_matrices)
+    per_token = model.num_layers * per_layer + 2 * h * model.padded_vocab_size
+    return 3.0 * per_token * batch_size * s
+
+
+# ---- the stdout line ----------------------------------------------------------------------------
+def format_training_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
+                         learning_rate: float, global_batch_size: int, losses: dict[str, float],
+                         loss_scale: float, grad_norm: float | None, skipped_iterations: int,
+                         nan_iterations: int, tflops_per_gpu: float | None = None,
+                         num_zeros: float | None = None, params_norm: float | None = None,
+                         extra: dict[str, str] | None = None) -> str:
+    """Megatron's line, field for field; megalite's own fields (``extra``: tokens/s, MFU, memory) follow it."""
+    line = f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{train_iters:8d} |"
+    line += f" consumed samples: {consumed_samples:12d} |"
+    line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+    if tflops_per_gpu is not None:
+        line += f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.1f} |"
+    line += f" learning rate: {learning_rate:.6E} |"
+    line += f" global batch size: {global_batch_size:5d} |"
+    for key, value in losses.items():
+        line += f" {key}: {value:.6E} |"
+    line += f" loss scale: {loss_scale:.1f} |"
+    if grad_norm is not None:
+        line += f" grad norm: {grad_norm:.3f} |"
+    if num_zeros is not None:                       # --log-num-zeros-in-grad
+        line += f" num zeros: {num_zeros:.1f} |"
+    if params_norm is not None:                     # --log-params-norm
+        line += f" params norm: {params_norm:.3f} |"
+    line += f" number of skipped iterations: {skipped_iterations:3d} |"
+    line += f" number of nan iterations: {nan_iterations:3d} |"
+    for key, value in (extra or {}).items():
+        line += f" {key}: {value} |"
+    return line
+
+
+def format_validation_lines(prefix: str, losses: dict[str, float]) -> str:
+    body = f" validation loss {prefix} |"
+    for key, value in losses.items():
+        body += f" {key} value: {value:.6E} | {key} PPL: {math.exp(min(20.0, value)):.6E} |"
+    rule = "-" * (len(body) + 1)
+    return f"{rule}\n{body}\n{rule}"
+
+
+# ---- timers --------------------------------------------------------------------------------------
+class Timers:
+    """Named wall-clock timers; those at or below ``--timing-log-level`` are reported.
+
+    On a GPU, kernels run asynchronously: an active timer synchronises the device when it starts and
+    stops, so it measures the work, not its launch. Timers above the level do nothing at all, so the
+    default (level 0) adds no host-device synchronisation to the step."""
+
+    def __init__(self, log_level: int, device=None):
+        self.log_level = log_level
+        self._cuda = device is not None and getattr(device, "type", device) == "cuda"
+        self._start: dict[str, float] = {}
+        self._elapsed: dict[str, float] = {}
+        self._levels: dict[str, int] = {}
+
+    def _synchronize(self) -> None:
+        if self._cuda:
+            import torch
+            torch.cuda.synchronize()
+
+    def start(self, name: str, level: int = 1) -> None:
+        if level <= self.log_level:
+            self._levels[name] = level
+            self._synchronize()
+            self._start[name] = time.perf_counter()
+
+    def add(self, name: str, seconds: float, level: int = 1) -> None:
+        """Account time measured elsewhere (e.g. pipeline receive waits)."""
+        if level <= self.log_level:
+            self._elapsed[name] = self._elapsed.get(name, 0.0) + seconds
+
+    def stop(self, name: str) -> None:
+        if name in self._start:
+            self._synchronize()
+            self._elapsed[name] = self._elapsed.get(name, 0.0) + time.perf_counter() - self._start.pop(name)
+
+    def report(self, iterations: int) -> dict[str, float]:
+        """Average ms per iteration of each timer since the last report; resets."""
+        values = {name: 1000.0 * seconds / max(1, iterations) for name, seconds in self._elapsed.items()}
+        self._elapsed.clear()
+        return values
+
+
+def format_timers(values: dict[str, float]) -> str:
+    """Megatron's block of timer lines."""
+    lines = ["times across ranks (ms):"]
+    for name, ms in values.items():
+        lines.append(f"    {name:.<60s}: {ms:.2f}")
+    return "\n".join(lines)
+
+
+# ---- metric sinks ----------------------------------------------------------------------------------
+class MetricsSinks:
+    """JSONL file, wandb and tensorboard; each enabled by its flags. Only the logging rank creates one."""
+
+    def __init__(self, config: TrainingConfig, run_config: dict):
+        self.jsonl = None
+        self.wandb_run = None
+        self.tensorboard = None
+        self.metrics_path = metrics_path(config)
+        if self.metrics_path:
+            os.makedirs(os.path.dirname(self.metrics_path) or ".", exist_ok=True)
+            self.jsonl = open(self.metrics_path, "a", encoding="utf-8")
+        if config.wandb_project:
+            self.wandb_run = _start_wandb(config, run_config)
+        if config.tensorboard_dir:
+            self.tensorboard = _start_tensorboard(config.tensorboard_dir)
+
+    def log(self, iteration: int, metrics: dict) -> None:
+        if self.jsonl:
+            self.jsonl.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+            self.jsonl.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=iteration)
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(key, value, iteration)
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def metrics_path(config: TrainingConfig) -> str | None:
+    """--metrics-file, else metrics.jsonl in the first of --save, --tensorboard-dir, --wandb-save-dir."""
+    if config.metrics_file:
+        return config.metrics_file
+    for directory in (config.save, config.tensorboard_dir, config.wandb_save_dir):
+        if directory:
+            return os.path.join(directory, "metrics.jsonl")
+    return None
+
+
+def _start_wandb(config: TrainingConfig, run_config: dict):
+    try:
+        import wandb
+    except ImportError:
+        raise UserError("--wandb-project needs the wandb package: pip install wandb") from None
+    save_dir = config.wandb_save_dir or os.path.join(config.save or ".", "wandb")
+    os.makedirs(save_dir, exist_ok=True)
+    return wandb.init(project=config.wandb_project, name=config.wandb_exp_name, dir=save_dir,
+                      config=run_config)
+
+
+def _start_tensorboard(directory: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UserError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from None
+    return SummaryWriter(log_dir=directory)

@@ -1,0 +1,140 @@
+"""How fast and how big a run is: tokens/s, model FLOP/s per device, MFU and memory.
+
+MFU follows PaLM (appendix B, REFERENCE.md §6): model FLOPs per token 6*N + 12*L*h*s, N the
+non-embedding matmul parameters plus the output layer, the attention term without a causal discount
+and no recomputation counted; MFU = tokens/s per device * FLOPs per token / the device's peak FLOP/s.
+The peak comes from --peak-flops or, on a GPU, from a table of dense bf16/fp16 tensor-core peaks
+(the figure people quote MFU against); a CPU has no table entry, so MFU needs --peak-flops there.
+"""
+from __future__ import annotations
+
+import os
+import resource
+
+import torch
+
+from megalite.config.schema import ModelConfig
+
+# Dense (no sparsity) bf16 tensor-core peaks in FLOP/s, from the vendors' datasheets. Matched as
+# substrings of torch.cuda.get_device_name(), most specific first.
+KNOWN_GPU_PEAK_FLOPS = (
+    ("H200", 989e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),          # SXM
+    ("H800", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("B100", 1750e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("A6000", 155e12),
+    ("V100", 125e12),          # fp16 (no bf16 on Volta)
+    ("MI300X", 1307e12),
+    ("MI250X", 383e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+)
+
+
+def matmul_parameters(model: ModelConfig) -> int:
+    """N of PaLM's 6N: the transformer layers' weight matrices plus the output layer (embeddings excluded)."""
+    h, d = model.hidden_size, model.kv_channels
+    nq, nkv = model.num_attention_heads, model.num_query_groups
+    attention = h * (nq + 2 * nkv) * d + nq * d * h
+    mlp = h * model.ffn_hidden_size * (3 if model.swiglu else 2)
+    return model.num_layers * (attention + mlp) + model.padded_vocab_size * h
+
+
+def model_flops_per_token(model: ModelConfig) -> float:
+    """PaLM: 6N + 12*L*h*s (forward + backward; REFERENCE.md §6)."""
+    return 6.0 * matmul_parameters(model) + 12.0 * model.num_layers * model.hidden_size * model.seq_length
+
+
+def peak_flops_per_device(flag_value: float | None, device: torch.device) -> tuple[float | None, str]:
+    """(peak FLOP/s, where it came from); (None, reason) when unknown, so MFU is left out."""
+    if flag_value:
+        return flag_value, "--peak-flops"
+    if device.type != "cuda":
+        return None, "no --peak-flops given for this CPU run"
+    name = torch.cuda.get_device_name(device)
+    for key, peak in KNOWN_GPU_PEAK_FLOPS:
+        if key in name:
+            return peak, f"{name} (dense bf16 peak {peak / 1e12:.0f} TFLOP/s)"
+    return None, f"{name} is not in megalite's table of GPU peaks: pass --peak-flops"
+
+
+def memory_usage(device: torch.device) -> dict[str, float]:
+    """This process's memory in MB: CUDA current and max allocated on a GPU; RSS and peak RSS on a CPU."""
+    if device.type == "cuda":
+        return {"allocated": torch.cuda.memory_allocated(device) / 2**20,
+                "max allocated": torch.cuda.max_memory_allocated(device) / 2**20}
+    rss = current_rss_bytes()
+    # the kernel updates its high-water mark lazily, so it can trail the current figure slightly
+    return {"rss": rss / 2**20, "max rss": max(rss, peak_rss_bytes()) / 2**20}
+
+
+def current_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):      # not Linux: the peak is the best we have
+        return peak_rss_bytes()
+
+
+def reset_peak_rss() -> bool:
+    """Restart this process's RSS high-water mark (Linux: /proc/self/clear_refs), so ``window_peak_rss_bytes``
+    measures the peak of what runs next. False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def window_peak_rss_bytes() -> int:
+    """Peak RSS since the last ``reset_peak_rss`` (VmHWM), at least the current RSS."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return max(int(line.split()[1]) * 1024, current_rss_bytes())
+    except (OSError, ValueError, IndexError):
+        pass
+    return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if os.uname().sysname == "Darwin" else peak * 1024   # bytes on macOS, KiB on Linux
+
+
+class Throughput:
+    """Per-interval rates for one run: tokens/s, model TFLOP/s per device, MFU, and Megatron's
+    "throughput per GPU (TFLOP/s/GPU)" when given Megatron's FLOPs per iteration (--log-throughput)."""
+
+    def __init__(self, model: ModelConfig, global_batch_size: int, world_size: int, peak_flops: float | None,
+                 megatron_flops_per_iteration: float | None = None):
+        self.tokens_per_iteration = global_batch_size * model.seq_length
+        self.flops_per_token = model_flops_per_token(model)
+        self.world_size = world_size
+        self.peak_flops = peak_flops
+        self.megatron_flops_per_iteration = megatron_flops_per_iteration
+
+    def rates(self, seconds_per_iteration: float) -> dict[str, float]:
+        tokens_per_second = self.tokens_per_iteration / seconds_per_iteration
+        per_device = tokens_per_second / self.world_size
+        rates = {"tokens per second": tokens_per_second, "tokens per second per device": per_device,
+                 "model TFLOP/s per device": per_device * self.flops_per_token / 1e12}
+        if self.peak_flops:
+            rates["MFU"] = per_device * self.flops_per_token / self.peak_flops
+        if self.megatron_flops_per_iteration is not None:
+            rates["throughput (TFLOP/s/GPU)"] = (self.megatron_flops_per_iteration / seconds_per_iteration
+                                                 / self.world_size / 1e12)
+        return rates

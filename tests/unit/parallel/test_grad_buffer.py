@@ -1,0 +1,59 @@
+"""The flat parameter/gradient buffer: views, fp32 accumulation, and equality with plain autograd."""
+import torch
+
+from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
+
+
+def make_params(dtype):
+    torch.manual_seed(0)
+    return [("a.weight", torch.nn.Parameter(torch.randn(4, 3, dtype=dtype))),
+            ("a.bias", torch.nn.Parameter(torch.randn(4, dtype=dtype))),
+            ("b.weight", torch.nn.Parameter(torch.randn(2, 4, dtype=dtype)))]
+
+
+def loss_of(named, x):
+    w1, b1, w2 = (p for _, p in named)
+    return (torch.nn.functional.linear(torch.nn.functional.linear(x, w1, b1), w2) ** 2).sum()
+
+
+def test_params_become_views_and_keep_their_values():
+    named = make_params(torch.float32)
+    before = [p.detach().clone() for _, p in named]
+    buf = ParamAndGradBuffer(named)
+    for (name, p), old in zip(named, before):
+        assert torch.equal(p, old)
+        assert p.data_ptr() == buf.view(buf.param_data, name).data_ptr()
+    # reverse order: the last parameter sits at offset 0
+    assert buf.slots["b.weight"].start == 0
+
+
+def test_fp32_gradients_accumulate_in_place_over_micro_batches():
+    named, reference = make_params(torch.float32), make_params(torch.float32)
+    buf = ParamAndGradBuffer(named)
+    xs = [torch.randn(5, 3) for _ in range(3)]
+    for x in xs:
+        loss_of(named, x).backward()
+        loss_of(reference, x).backward()
+    for (name, p), (_, r) in zip(named, reference):
+        torch.testing.assert_close(p.main_grad, r.grad)
+        assert p.grad.data_ptr() == p.main_grad.data_ptr()
+    buf.zero_grad()
+    assert buf.grad_data.abs().sum() == 0 and named[0][1].grad is named[0][1].main_grad
+
+
+def test_bf16_gradients_accumulate_in_fp32():
+    named = make_params(torch.bfloat16)
+    buf = ParamAndGradBuffer(named)
+    x = torch.randn(5, 3, dtype=torch.bfloat16)
+    expected = torch.zeros_like(buf.grad_data)
+    for _ in range(4):
+        loss_of(named, x).backward()
+    for name, p in named:
+        assert p.grad is None                       # freed by the hook
+        assert p.main_grad.dtype == torch.float32
+    # four identical micro-batches: fp32 sum of four bf16 gradients
+    single = make_params(torch.bfloat16)
+    loss_of(single, x).backward()
+    for (name, p), (_, s) in zip(named, single):
+        torch.testing.assert_close(p.main_grad, 4 * s.grad.float())
+    assert not torch.equal(buf.grad_data, expected)
