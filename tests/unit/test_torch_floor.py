@@ -16,7 +16,7 @@ import re
 import pytest
 import torch.distributed as dist
 
-from megalite.distributed import collectives
+from megalite.parallel import collectives
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FLOOR = "2.7"
