@@ -32,7 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.planning.planner import planner as planning  # noqa: E402
+from megalite.planning import planner as planning  # noqa: E402
 from megalite.config.arguments import OneLineArgumentParser, _positive_float, _positive_int  # noqa: E402
 from megalite.config.schema import PIPELINE_SCHEDULES, SHARDING_STRATEGIES  # noqa: E402
 from megalite.errors import UserError  # noqa: E402

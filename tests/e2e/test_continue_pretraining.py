@@ -10,7 +10,7 @@ import transformers
 
 from megalite.checkpoint.hf import hf_to_megalite, megalite_to_hf
 from megalite_test_utils import ROOT
-from test_convert_checkpoint import make_hf
+from unit.checkpoint.test_convert_checkpoint import make_hf
 
 TRAIN_FLAGS = ["--use-checkpoint-args", "--finetune", "--mock-data", "--micro-batch-size", "2",
                "--global-batch-size", "4", "--lr", "1e-3", "--seq-length", "16", "--eval-iters", "0",

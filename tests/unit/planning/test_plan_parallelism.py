@@ -25,7 +25,7 @@ import pytest
 
 from harness import run_ranks
 from megalite_test_utils import ROOT, TINY_GPT2_ARGS, TINY_LLAMA_ARGS, with_flags
-from megalite.planning.planner import planner as planning
+from megalite.planning import planner as planning
 from megalite.config.schema import SHARDING_STRATEGIES
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
