@@ -2,7 +2,7 @@
 """Plan a parallel layout: the fastest TP x PP x DP layouts that fit in device memory, with the
 pretrain_gpt.py flags to run them.
 
-    # a Hugging Face config (Llama / Mistral / Qwen2 / GPT-2 config.json, or a model directory)
+    # a Hugging Face config (Llama / Mistral / Qwen2 / Phi-3 / GPT-2 config.json, or a model directory)
     python tools/plan_parallelism.py --hf-config llama-3-8b/config.json --num-gpus 8 --gpu-memory-gb 80 \\
         --seq-length 8192 --global-batch-size 128
     # or Megatron's model flags
@@ -18,7 +18,7 @@ pretrain_gpt.py flags to run them.
 It tries every layout megalite accepts (TP within a node with sequence parallelism, PP dividing the
 layers, interleaved virtual stages, DP the rest, every micro-batch size, recomputation none /
 selective / full, ZeRO sharding no_shard / optim / optim_grads / optim_grads_params), estimates the
-memory of the fullest device and the step time (megalite/planning/planner.py explains both), drops what does
+memory of the fullest device and the step time (megalite/planning/memory.py and time.py explain them), drops what does
 not fit in --usable-memory-fraction of --gpu-memory-gb, and prints the fastest --top layouts.
 GB means 2^30 bytes. Defaults describe H100 SXM nodes: 8 GPUs, 989 dense bf16 TFLOP/s (67 fp32),
 NVLink 360 GB/s and InfiniBand 40 GB/s achieved per GPU. Precision defaults to --bf16 (--fp16, --fp32).
@@ -32,8 +32,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.planning import planner as planning  # noqa: E402
-from megalite.config.arguments import OneLineArgumentParser, _positive_float, _positive_int  # noqa: E402
+from megalite.checkpoint.hf_config import read_hf_config_file  # noqa: E402
+from megalite.parallel.pipeline.stages import SplitFlags  # noqa: E402
+from megalite.planning import flags as plan_flags  # noqa: E402
+from megalite.planning import inputs, search  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser, positive_float, positive_int  # noqa: E402
 from megalite.config.schema import PIPELINE_SCHEDULES, SHARDING_STRATEGIES  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
@@ -44,84 +47,83 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineArgumentParser(prog="tools/plan_parallelism.py", description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     g = p.add_argument_group("model: a Hugging Face config, or Megatron's model flags")
-    g.add_argument("--hf-config", help="config.json of a Llama/Mistral/Qwen2/GPT-2 model, or its directory")
-    g.add_argument("--num-layers", type=_positive_int)
-    g.add_argument("--hidden-size", type=_positive_int)
-    g.add_argument("--ffn-hidden-size", type=_positive_int, help="default 4*hidden, or Megatron's 2/3 rule with --swiglu")
-    g.add_argument("--num-attention-heads", type=_positive_int)
+    g.add_argument("--hf-config", help="config.json of a Llama/Mistral/Qwen2/Phi-3/GPT-2 model, or its directory")
+    g.add_argument("--num-layers", type=positive_int)
+    g.add_argument("--hidden-size", type=positive_int)
+    g.add_argument("--ffn-hidden-size", type=positive_int, help="default 4*hidden, or Megatron's 2/3 rule with --swiglu")
+    g.add_argument("--num-attention-heads", type=positive_int)
     g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=_positive_int)
-    g.add_argument("--kv-channels", type=_positive_int)
-    g.add_argument("--max-position-embeddings", type=_positive_int)
+    g.add_argument("--num-query-groups", type=positive_int)
+    g.add_argument("--kv-channels", type=positive_int)
+    g.add_argument("--max-position-embeddings", type=positive_int)
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--vocab-size", type=_positive_int, help="the tokenizer's vocabulary")
-    g.add_argument("--make-vocab-size-divisible-by", type=_positive_int, default=128)
+    g.add_argument("--vocab-size", type=positive_int, help="the tokenizer's vocabulary")
+    g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
     g.add_argument("--hidden-dropout", type=float, help="default 0.1 (pretrain_gpt.py), or the HF config's")
     g.add_argument("--attention-dropout", type=float, help="default 0.1 (pretrain_gpt.py), or the HF config's")
 
     g = p.add_argument_group("training")
-    g.add_argument("--seq-length", type=_positive_int, required=True)
-    g.add_argument("--global-batch-size", type=_positive_int, required=True)
+    g.add_argument("--seq-length", type=positive_int, required=True)
+    g.add_argument("--global-batch-size", type=positive_int, required=True)
     precision = g.add_mutually_exclusive_group()
     precision.add_argument("--bf16", dest="precision", action="store_const", const="bf16")
     precision.add_argument("--fp16", dest="precision", action="store_const", const="fp16")
     precision.add_argument("--fp32", dest="precision", action="store_const", const="fp32")
 
     g = p.add_argument_group("hardware (defaults: H100 SXM)")
-    g.add_argument("--num-gpus", type=_positive_int, required=True)
-    g.add_argument("--gpu-memory-gb", type=_positive_float, required=True)
-    g.add_argument("--gpus-per-node", type=_positive_int, help="default min(8, --num-gpus)")
-    g.add_argument("--peak-tflops", type=_positive_float, help="dense TFLOP/s per GPU; default 989 (bf16/fp16), 67 (fp32)")
-    g.add_argument("--compute-efficiency", type=_positive_float, default=0.55,
+    g.add_argument("--num-gpus", type=positive_int, required=True)
+    g.add_argument("--gpu-memory-gb", type=positive_float, required=True)
+    g.add_argument("--gpus-per-node", type=positive_int, help="default min(8, --num-gpus)")
+    g.add_argument("--peak-tflops", type=positive_float, help="dense TFLOP/s per GPU; default 989 (bf16/fp16), 67 (fp32)")
+    g.add_argument("--compute-efficiency", type=positive_float, default=0.55,
                    help="share of peak the compute reaches, communication and bubble aside (default 0.55)")
-    g.add_argument("--intra-node-bandwidth", type=_positive_float, default=360.0, help="GB/s per GPU, NVLink (default 360)")
-    g.add_argument("--inter-node-bandwidth", type=_positive_float, default=40.0, help="GB/s per GPU, InfiniBand (default 40)")
-    g.add_argument("--usable-memory-fraction", type=_positive_float, default=0.9,
+    g.add_argument("--intra-node-bandwidth", type=positive_float, default=360.0, help="GB/s per GPU, NVLink (default 360)")
+    g.add_argument("--inter-node-bandwidth", type=positive_float, default=40.0, help="GB/s per GPU, InfiniBand (default 40)")
+    g.add_argument("--usable-memory-fraction", type=positive_float, default=0.9,
                    help="of --gpu-memory-gb, the rest for the CUDA context, NCCL and fragmentation (default 0.9)")
 
     g = p.add_argument_group("pin part of the layout (pretrain_gpt.py names)")
-    g.add_argument("--tensor-model-parallel-size", type=_positive_int)
-    g.add_argument("--pipeline-model-parallel-size", type=_positive_int)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int)
-    g.add_argument("--micro-batch-size", type=_positive_int)
+    g.add_argument("--tensor-model-parallel-size", type=positive_int)
+    g.add_argument("--pipeline-model-parallel-size", type=positive_int)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=positive_int)
+    g.add_argument("--micro-batch-size", type=positive_int)
     g.add_argument("--recompute-granularity", choices=["none", "selective", "full"])
     g.add_argument("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES)
     g.add_argument("--use-distributed-optimizer", action="store_true", help="= --data-parallel-sharding-strategy optim")
-    g.add_argument("--context-parallel-size", type=_positive_int, help="default 1 (context parallelism is not searched)")
+    g.add_argument("--context-parallel-size", type=positive_int, help="default 1 (context parallelism is not searched)")
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, help="default 1f1b (interleaved with virtual stages)")
-    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=_positive_int)
-    g.add_argument("--decoder-first-pipeline-num-layers", type=_positive_int)
-    g.add_argument("--decoder-last-pipeline-num-layers", type=_positive_int)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=positive_int)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=positive_int)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=positive_int)
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
     g.add_argument("--pipeline-model-parallel-layout", help="Megatron's layout string (pins --pipeline-model-parallel-size "
                                                             "too: give it)")
-    g.add_argument("--top", type=_positive_int, default=5, help="how many layouts to print (default 5)")
+    g.add_argument("--top", type=positive_int, default=5, help="how many layouts to print (default 5)")
     return p
 
 
 # ---- flags -> planner inputs ------------------------------------------------------------------------
 def model_config(args):
-    given = [f"--{name.replace('_', '-')}" for name in MODEL_FLAGS if getattr(args, name) is not None]
+    given = [f"--{name.replace('_', '-')}" for name in MODEL_FLAGS if vars(args)[name] is not None]
     if args.hf_config:
         if given:
             raise UserError(f"--hf-config and {given[0]} are exclusive: the model comes from the config; remove the model flags")
-        model = planning.model_from_hf_config(planning.read_hf_config_json(args.hf_config), args.seq_length,
-                                              f"--hf-config {args.hf_config}")
+        model = plan_flags.model_from_hf_config(read_hf_config_file(args.hf_config), args.seq_length)
     else:
-        missing = [f"--{name.replace('_', '-')}" for name in MODEL_FLAGS if getattr(args, name) is None]
+        missing = [f"--{name.replace('_', '-')}" for name in MODEL_FLAGS if vars(args)[name] is None]
         if missing:
             raise UserError(f"give --hf-config PATH or the model flags; missing {', '.join(missing)}")
         if args.num_query_groups is not None and not args.group_query_attention:
             raise UserError("--num-query-groups needs --group-query-attention")
         if args.group_query_attention and args.num_query_groups is None:
             raise UserError("--group-query-attention needs --num-query-groups N")
-        model = planning.model_from_flags(
+        model = plan_flags.model_from_flags(
             args.num_layers, args.hidden_size, args.num_attention_heads, args.vocab_size, args.seq_length,
             ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
             kv_channels=args.kv_channels, swiglu=args.swiglu, max_position_embeddings=args.max_position_embeddings,
@@ -139,26 +141,26 @@ def model_config(args):
     return dataclasses.replace(model, **dropout)
 
 
-def inputs(args):
-    workload = planning.Workload(model_config(args), args.global_batch_size, args.precision or "bf16",
+def planner_inputs(args):
+    workload = inputs.Workload(model_config(args), args.global_batch_size, args.precision or "bf16",
                                  args.make_vocab_size_divisible_by)
     for flag in ("usable_memory_fraction", "compute_efficiency"):
-        if getattr(args, flag) > 1:
-            raise UserError(f"--{flag.replace('_', '-')} is a fraction in (0, 1], got {getattr(args, flag)}")
-    hardware = planning.Hardware(
+        if vars(args)[flag] > 1:
+            raise UserError(f"--{flag.replace('_', '-')} is a fraction in (0, 1], got {vars(args)[flag]}")
+    hardware = inputs.Hardware(
         args.num_gpus, args.gpu_memory_gb, args.gpus_per_node or min(8, args.num_gpus), args.peak_tflops,
         args.compute_efficiency, args.intra_node_bandwidth, args.inter_node_bandwidth, args.usable_memory_fraction)
     if args.use_distributed_optimizer and args.data_parallel_sharding_strategy not in (None, "optim"):
         raise UserError(f"--use-distributed-optimizer is --data-parallel-sharding-strategy optim, not "
                         f"{args.data_parallel_sharding_strategy}; drop one of them")
-    split = planning.SplitFlags.of(args)
+    split = SplitFlags.of(args)
     split = dataclasses.replace(split, layers_per_virtual_stage=None, virtual_stages_per_rank=None)
-    pinned_split = split != planning.SplitFlags()
+    pinned_split = split != SplitFlags()
     if pinned_split and args.pipeline_model_parallel_size is None:
         raise UserError(f"{split.given()[0]} needs --pipeline-model-parallel-size: the split is for one pipeline size")
     if pinned_split and args.num_layers_per_virtual_pipeline_stage is not None:
         raise UserError("with an uneven split give the virtual stages as --num-virtual-stages-per-pipeline-rank")
-    pins = planning.Pins(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+    pins = search.Pins(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                          args.num_layers_per_virtual_pipeline_stage, args.micro_batch_size, args.recompute_granularity,
                          "optim" if args.use_distributed_optimizer else args.data_parallel_sharding_strategy,
                          args.context_parallel_size, args.pipeline_schedule, args.num_virtual_stages_per_pipeline_rank,
@@ -172,13 +174,13 @@ def describe_model(workload) -> str:
     attention = f"{m.num_attention_heads} heads" + (f" / {m.num_query_groups} KV groups"
                                                      if m.num_query_groups != m.num_attention_heads else "")
     mlp = f"SwiGLU {m.ffn_hidden_size}" if m.swiglu else f"MLP {m.ffn_hidden_size}"
-    return (f"{planning.count_parameters(workload) / 1e9:.2f}B parameters: {m.num_layers} layers, hidden {m.hidden_size}, "
+    return (f"{inputs.count_parameters(workload) / 1e9:.2f}B parameters: {m.num_layers} layers, hidden {m.hidden_size}, "
             f"{attention}, {mlp}, vocabulary {m.vocab_size}"
             + ("" if m.untie_embeddings_and_output_weights else " (tied)"))
 
 
 def format_table(estimates, workload, hardware) -> list[str]:
-    GiB = planning.GiB
+    GiB = inputs.GiB
     header = (f"{'#':>3} {'TP':>3} {'CP':>3} {'PP':>3} {'VPP':>3} {'DP':>4} {'MBS':>3} {'m':>4}  {'schedule':13} "
               f"{'split':17} {'recompute':9}  {'sharding':18} "
               f"{'weights':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'total':>6} GB  {'step s':>7} {'MFU':>4} "
@@ -190,7 +192,7 @@ def format_table(estimates, workload, hardware) -> list[str]:
         comm = t.tensor_parallel + t.context_parallel + t.pipeline_parallel + t.data_parallel
         lines.append(
             f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.vpp if lay.vpp > 1 else '-':>3} {lay.dp:>4} "
-            f"{lay.micro_batch_size:>3} {m:>4}  {lay.schedule:13} {planning.split_name(lay.split)[:17]:17} "
+            f"{lay.micro_batch_size:>3} {m:>4}  {lay.schedule:13} {inputs.split_name(lay.split)[:17]:17} "
             f"{lay.recompute:9}  {lay.sharding:18} {mem.weights / GiB:7.1f} {mem.grads / GiB:6.1f} "
             f"{mem.optimizer / GiB:6.1f} {mem.activations / GiB:6.1f} {mem.total / GiB:6.1f}     {t.total:7.2f} "
             f"{100 * e.mfu(workload, hardware):3.0f}% {100 * t.bubble / t.total:5.1f}% "
@@ -199,17 +201,17 @@ def format_table(estimates, workload, hardware) -> list[str]:
 
 
 def run(args) -> list[str]:
-    workload, hardware, pins = inputs(args)
-    estimates = planning.plan(workload, hardware, pins, top=args.top)
+    workload, hardware, pins = planner_inputs(args)
+    estimates = search.plan(workload, hardware, pins, top=args.top)
     lines = [f"model: {describe_model(workload)}",
              f"training: seq {workload.model.seq_length}, global batch {workload.global_batch_size}, {workload.precision}; "
              f"{hardware.num_gpus} x {hardware.gpu_memory_gb:g} GB ({hardware.gpus_per_node} per node, "
-             f"{hardware.usable_bytes / planning.GiB:.1f} GB usable)",
+             f"{hardware.usable_bytes / inputs.GiB:.1f} GB usable)",
              "memory of the fullest device (GB = 2^30 bytes); step time = compute + bubble + exposed communication", ""]
     lines += format_table(estimates, workload, hardware)
     lines += ["", "pretrain_gpt.py flags:"]
     for i, e in enumerate(estimates, 1):
-        lines.append(f"  #{i}: {' '.join(planning.pretrain_flags(workload, e.layout))}")
+        lines.append(f"  #{i}: {' '.join(plan_flags.pretrain_flags(workload, e.layout))}")
     return lines
 
 

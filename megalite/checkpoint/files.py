@@ -11,7 +11,7 @@
 
 Every tensor has a global name and its full shape (the vocabulary trimmed to the tokenizer's true
 size), so the checkpoint does not depend on the layout that wrote it. A training save is written in
-shards: each rank writes the parts it owns (checkpointing.py), and the index in metadata.json says
+shards: each rank writes the parts it owns (sharded.py), and the index in metadata.json says
 where each part of each tensor is:
 
     "tensors": {"decoder.layers.0.mlp.linear_fc1.weight": {"shape": [352, 64], "dtype": "F32",
@@ -20,7 +20,7 @@ where each part of each tensor is:
 
 A piece is a rectangle ("box": rows [r0, r1) x columns [c0, c1)) of the tensor viewed 2-D as
 [shape[0], rest], stored 2-D under ``key``; a piece covering the whole tensor is stored under the
-tensor's own name and shape. Format 1 entries, still read, are one whole tensor:
+tensor's own name and shape. A format 1 entry, read too, is one whole tensor:
 ``{"file", "shape", "dtype", "crc32"}`` (tools/convert_checkpoint.py writes these).
 
 Nothing is pickled: tensors go through safetensors and everything else through JSON, so loading never
@@ -32,16 +32,17 @@ the previous checkpoint as the latest one.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 import math
+import os
 import shutil
 import struct
 import zlib
 
 import torch
 
-from megalite.config.schema import ModelConfig, padded_vocab_size
+from megalite.config.schema import DataConfig, ModelConfig, padded_vocab_size
 from megalite.errors import UserError
 
 FORMAT = "megalite-checkpoint"
@@ -451,18 +452,19 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_
                        "position_embedding_type", "rotary_base", "normalization", "norm_epsilon", "swiglu",
                        "openai_gelu", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
                        "rotary_percent", "apply_layernorm_1p")
-# values of fields added after checkpoints were first written, for metadata that lacks them
+# values for metadata that lacks these fields (the model they describe has none of the feature)
 ARCHITECTURE_DEFAULTS = {"rotary_percent": 1.0, "apply_layernorm_1p": False}
 
 
 def with_architecture_defaults(model: dict) -> dict:
-    """metadata["model"] with the fields older checkpoints lack filled in."""
+    """metadata["model"] with the fields it lacks filled in (ARCHITECTURE_DEFAULTS)."""
     return {**ARCHITECTURE_DEFAULTS, **model}
 
 
-def model_metadata(config) -> dict:
+def model_metadata(config: ModelConfig) -> dict:
     """metadata["model"] for a ModelConfig: its architecture fields plus the weights' dtype."""
-    return {**{name: getattr(config, name) for name in ARCHITECTURE_FIELDS}, "params_dtype": config.params_dtype}
+    fields = dataclasses.asdict(config)
+    return {**{name: fields[name] for name in ARCHITECTURE_FIELDS}, "params_dtype": config.params_dtype}
 
 
 def model_config_from_metadata(model: dict, make_vocab_size_divisible_by: int = 128, tensor_parallel_size: int = 1,
@@ -477,9 +479,9 @@ def model_config_from_metadata(model: dict, make_vocab_size_divisible_by: int = 
     return ModelConfig(**fields)
 
 
-def tokenizer_metadata(data_config, base_dir: str | None = None) -> dict | None:
-    """metadata["tokenizer"]: how to rebuild the run's tokenizer (paths absolute, or relative to the
-    iteration directory when a converter copied the files into it)."""
+def tokenizer_metadata(data_config: DataConfig) -> dict | None:
+    """metadata["tokenizer"]: how to rebuild the run's tokenizer, its paths absolute (a converted
+    checkpoint's are relative to the iteration directory, which holds the copied files)."""
     if data_config.tokenizer_type is None:
         return None
     absolute = lambda p: os.path.abspath(p) if p else None     # noqa: E731

@@ -1,9 +1,9 @@
 """Save and load training checkpoints at any TP x PP x DP x ZeRO x CP layout, and load_model for inference.
 
-A checkpoint holds every tensor at its full shape under its global name (checkpoint_files.py), so a
-checkpoint written at one layout loads at any other; yet no rank ever builds a full tensor, and no
-tensor data crosses ranks: each rank writes the parts it owns into files of its own, and reads back
-only the parts it holds. Only the index (all_gather_object) and an error flag are exchanged.
+A checkpoint holds every tensor at its full shape under its global name (files.py), so a checkpoint
+written at one layout loads at any other; yet no rank ever builds a full tensor, and no tensor data
+crosses ranks: each rank writes the parts it owns into files of its own, and reads back only the parts
+it holds. Only the index (all_gather_object) and an error flag are exchanged.
 
 What a rank owns is the range of the flat parameter buffer its optimizer updates (``optimizer.pieces``:
 the whole buffer, or under ZeRO this data-parallel rank's chunk of every bucket), for four kinds of
@@ -13,13 +13,10 @@ data-parallel rank 0 writes (the data-parallel group spans context parallelism t
 the same state); TP-replicated parameters (norms) are written by TP rank 0; the word-embedding copy
 that a later pipeline stage holds for tied output weights is not written (it loads from the same name).
 
-Where a part goes in the full tensor: ``shard_positions`` maps a TP-local parameter's rows and columns
-to the full tensor's (viewed 2-D), without building anything full-size. A flat range of the local
-parameter is then a few rectangles ("boxes") of the full tensor: per run of local rows that are
-consecutive full rows (fused QKV / SwiGLU shards have several runs), a partial first row, a block of
-whole rows and a partial last row. Each box is one stored piece. Loading cuts every range a rank holds
-(its parameters; its optimizer ranges) into boxes the same way and copies in the intersecting pieces.
-The vocabulary is stored at the tokenizer's true size: padding rows are neither written nor read.
+Where a part goes in the full tensor is pieces.py's: a flat range of a TP-local parameter is a few
+boxes of the stored tensor, each box one stored piece. Loading cuts every range a rank holds (its
+parameters; its optimizer ranges) into boxes the same way and copies in the intersecting pieces.
+PipeDream's stashed weight versions are stored like the weights, so any layout reads what it needs.
 
 RNG states are per rank and restored only at the same layout.
 """
@@ -27,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -36,111 +32,12 @@ from torch import nn
 from megalite.checkpoint.files import (DTYPE_NAMES, Box, CheckpointReader, as_2d, model_config_from_metadata,
                                        model_metadata, prepare_temporary_dir, publish, temporary_dir,
                                        tokenizer_metadata, write_metadata, write_tensor_file, TRACKER, METADATA)
+from megalite.config.schema import ModelConfig
+from megalite.checkpoint.pieces import (OPTIMIZER_STATES, ParamEntry, Placement, box_view, boxes, held_params,
+                                        optimizer_ranges, pad_vocabulary, param_entries, placement, stored_shape)
 from megalite.errors import UserError
 from megalite.parallel.pipeline.pipedream import stashed_name
-from megalite.parallel.tensor.layers import shard_positions
-
-VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
-OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
-
-
-@dataclass
-class ParamEntry:
-    buffer_name: str      # the parameter's key in the flat buffer ("chunk1.decoder.layers.0..." with virtual stages)
-    global_name: str      # its name in the whole model, as stored
-    param: nn.Parameter
-    stored_here: bool     # False for the tied output-layer copy of the word embeddings (stored once)
-
-
-def param_entries(chunks: list[nn.Module]) -> list[ParamEntry]:
-    entries = []
-    for c, chunk in enumerate(chunks):
-        prefix = f"chunk{c}." if len(chunks) > 1 else ""
-        for name, param in chunk.named_parameters():
-            if param.requires_grad:
-                entries.append(ParamEntry(prefix + name, chunk.global_name(name), param,
-                                          not getattr(param, "shared", False)))
-    return entries
-
-
-def full_shape(param: nn.Parameter) -> tuple:
-    return tuple(getattr(param, "full_shape", param.shape))
-
-
-def stored_shape(global_name: str, shape: tuple, vocab_size: int) -> tuple:
-    """The vocabulary is stored at the tokenizer's true size (its padding depends on the TP size)."""
-    if global_name in VOCAB_PARAMS and vocab_size > 0:
-        return (vocab_size, *shape[1:])
-    return tuple(shape)
-
-
-def pad_vocabulary(full: torch.Tensor, global_name: str, padded_shape: tuple) -> torch.Tensor:
-    if global_name in VOCAB_PARAMS and full.shape[0] < padded_shape[0]:
-        padding = full.new_zeros(padded_shape[0] - full.shape[0], *full.shape[1:])
-        return torch.cat([full, padding])
-    return full
-
-
-# ---- a local parameter's flat ranges as boxes of the stored tensor --------------------------------
-@dataclass
-class Placement:
-    """Where a TP-local parameter (viewed 2-D) sits in its stored tensor (viewed 2-D)."""
-    runs: list[tuple[int, int, int]]   # (first local row, end local row, its first full row): consecutive rows
-    col0: int                          # local columns are full columns [col0, col0 + width)
-    width: int
-    stored_rows: int                   # full rows from here on are vocabulary padding, not stored
-
-
-def placement(param: nn.Parameter, global_name: str, vocab_size: int) -> Placement:
-    rows, cols, _ = shard_positions(param)
-    col0, width = int(cols[0]), len(cols)
-    if not torch.equal(cols, torch.arange(col0, col0 + width)):
-        raise ValueError(f"{global_name}: a TP shard must hold one block of columns")
-    breaks = (torch.nonzero(rows[1:] != rows[:-1] + 1).flatten() + 1).tolist()
-    runs = [(i0, i1, int(rows[i0])) for i0, i1 in zip([0] + breaks, breaks + [len(rows)])]
-    return Placement(runs, col0, width, stored_shape(global_name, full_shape(param), vocab_size)[0])
-
-
-def boxes(place: Placement, lo: int, hi: int) -> list[tuple[int, Box]]:
-    """The local flat range [lo, hi) as (local flat offset of the box's first element, box) pairs.
-    Within a box, local element offset + i * width + j is stored element (r0 + i, c0 + j): a box is
-    either part of one row or whole rows."""
-    out, w = [], place.width
-    for i0, i1, first_row in place.runs:
-        s, e = max(lo, i0 * w), min(hi, i1 * w)
-        while s < e:
-            i, j = divmod(s, w)
-            row = first_row + i - i0
-            if j == 0 and e - s >= w:                 # whole rows
-                n = (e - s) // w * w
-                box = (row, row + n // w, place.col0, place.col0 + w)
-            else:                                     # the part of one row in the range
-                n = min(w - j, e - s)
-                box = (row, row + 1, place.col0 + j, place.col0 + j + n)
-            r1 = min(box[1], place.stored_rows)       # drop vocabulary padding
-            if box[0] < r1:
-                out.append((s, (box[0], r1, box[2], box[3])))
-            s += n
-    return out
-
-
-def box_view(flat: torch.Tensor, start: int, box: Box) -> torch.Tensor:
-    """The box's elements, which begin at ``flat[start]``, as a 2-D view [rows, columns]."""
-    r0, r1, c0, c1 = box
-    return flat[start:start + (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
-
-
-def overlap(start: int, end: int, other_start: int, other_end: int) -> tuple[int, int]:
-    return max(start, other_start), min(end, other_end)
-
-
-def optimizer_ranges(optimizer, slot):
-    """(start, end, piece, master, Adam state, cut) for each of the optimizer's pieces overlapping the flat
-    range of ``slot``: [start, end) in the flat layout, ``cut`` the same range within the piece."""
-    for piece, master in zip(optimizer.pieces, optimizer.master_pieces):
-        start, end = overlap(slot.start, slot.end, piece.start, piece.end)
-        if start < end:
-            yield start, end, piece, master, optimizer.adam.state[master], slice(start - piece.start, end - piece.start)
+from megalite.parallel.param_meta import full_shape, param_meta
 
 
 # ---- RNG -----------------------------------------------------------------------------------------
@@ -210,7 +107,7 @@ def owned_parts(trainer) -> list[tuple[ParamEntry, int, int, dict[str, torch.Ten
     master_is_weights = buffer.param_dtype == torch.float32
     parts = []
     for entry in param_entries(trainer.chunks):
-        replicated = not getattr(entry.param, "tensor_model_parallel", False)
+        replicated = not param_meta(entry.param).tensor_model_parallel
         if not entry.stored_here or (replicated and p.tp_rank != 0):
             continue
         slot, g = buffer.slots[entry.buffer_name], entry.global_name
@@ -338,13 +235,13 @@ def has_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, TRACKER)) or os.path.isfile(os.path.join(path, METADATA))
 
 
-def architecture_differences(reader: CheckpointReader, model_config) -> list[str]:
+def architecture_differences(reader: CheckpointReader, model_config: ModelConfig) -> list[str]:
     """Model fields where the checkpoint and this run disagree, as "--flag saved vs this run"."""
-    differences = []
+    differences, fields = [], dataclasses.asdict(model_config)
     for name, value in reader.metadata.get("model", {}).items():
         if name in ("params_dtype", "seq_length"):
             continue
-        mine = getattr(model_config, name, None)
+        mine = fields.get(name)
         if mine != value:
             flag = "the tokenizer's vocabulary" if name == "vocab_size" else "--" + name.replace("_", "-")
             differences.append(f"{flag}: {value!r} in the checkpoint, {mine!r} in this run")
@@ -383,20 +280,6 @@ def source_names(reader: CheckpointReader, global_name: str, load_optimizer: boo
     if load_optimizer:
         names.update({k: f"optimizer.{k}.{global_name}" for k in OPTIMIZER_STATES})
     return names
-
-
-def held_params(buffer, start: int, end: int) -> list[tuple[int, int, torch.Tensor]]:
-    """The parts of the flat range [start, end) whose parameter values this rank holds, as (start,
-    end, values): all of it, or under ZeRO-3 its chunks of the buckets."""
-    if buffer.param_data is not None:
-        return [(start, end, buffer.param_data[start:end])]
-    parts = []
-    for bucket in buffer.buckets:
-        chunk_start, chunk_end = buffer.local_range(bucket)
-        lo, hi = overlap(start, end, chunk_start, chunk_end)
-        if lo < hi:
-            parts.append((lo, hi, buffer.local_param_chunk(bucket)[lo - chunk_start:hi - chunk_start]))
-    return parts
 
 
 def load_targets(trainer, sources: dict[str, dict[str, str]]) -> list[tuple[str, Box, torch.Tensor]]:
@@ -511,7 +394,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
 # ---- PipeDream's stashed weight versions, stored like the weights (any layout reads what it needs) ------
 def stashed_sources(trainer, global_name: str, start: int, end: int) -> dict[str, torch.Tensor]:
     """For owned_parts: the flat range [start, end) of each stashed older version (pipedream.py)."""
-    runner = getattr(trainer, "async_pipeline", None)
+    runner = trainer.async_pipeline
     if runner is None:
         return {}
     return {stashed_name(k, global_name): flat[start:end] for k, flat in runner.stashed().items()}
@@ -523,7 +406,7 @@ def load_stashed_versions(trainer, reader, load_optimizer: bool, log=print) -> N
     versions it needs, read from the checkpoint. Without them (--no-load-optim, or a checkpoint of a
     synchronous schedule) they start as copies of the loaded weights; a checkpoint of the same schedule
     that lacks some was saved at a pipeline layout that kept fewer versions: one line."""
-    runner = getattr(trainer, "async_pipeline", None)
+    runner = trainer.async_pipeline
     if runner is None:
         return
     runner.restart_at(int(reader.metadata.get("train_state", {}).get("iteration", reader.iteration)))

@@ -21,7 +21,8 @@ from megalite_test_utils import ROOT
 from megalite.checkpoint.files import ARCHITECTURE_FIELDS, CheckpointReader, write_checkpoint
 from megalite.checkpoint.sharded import load_model
 from megalite.errors import UserError
-from megalite.checkpoint.hf import default_model_type, fuse_qkv, hf_to_megalite, megalite_to_hf, split_qkv
+from megalite.checkpoint.hf import fuse_qkv, hf_to_megalite, megalite_to_hf, split_qkv
+from megalite.checkpoint.hf_config import default_model_type
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""The parallelism planner (megalite/planning/planner.py, tools/plan_parallelism.py).
+"""The parallelism planner (megalite/planning, tools/plan_parallelism.py).
 
 The key check: the planner's memory estimate against the peak memory of real megalite training
 (build_trainer + train_step, gloo ranks) at seven layouts - serial fp32; serial bf16 with full
@@ -9,9 +9,9 @@ Memory is measured at the allocator, independently of the planner: torch.profile
 profile_memory=True records every allocation and free of torch's CPU allocator (address, bytes,
 time). Profiling starts before the model is built, so parameters, gradients and optimizer state
 count; the measurement is the most bytes held at once during the training steps (initialisation's
-temporaries come before). The estimate uses planning.CPU_KERNELS, the CPU build's kernels and
+temporaries come before). The estimate uses inputs.CPU_KERNELS, the CPU build's kernels and
 collectives (its embedding dropout keeps a noise tensor, gloo copies through temporaries, see
-planning.Kernels); everything else is the same formula the command line uses for GPUs.
+inputs.Kernels); everything else is the same formula the command line uses for GPUs.
 """
 import dataclasses
 import json
@@ -25,7 +25,11 @@ import pytest
 
 from harness import run_ranks
 from megalite_test_utils import ROOT, TINY_GPT2_ARGS, TINY_LLAMA_ARGS, with_flags
-from megalite.planning import planner as planning
+from megalite.checkpoint.hf_config import read_hf_config_file
+from megalite.parallel.pipeline.stages import SplitFlags
+from megalite.planning import flags as plan_flags
+from megalite.planning import inputs, memory, search
+from megalite.planning import time as timing
 from megalite.config.schema import SHARDING_STRATEGIES
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -90,9 +94,10 @@ def train_and_measure(argv: list[str], world_size: int) -> int:
     """Peak bytes held by this rank while megalite trains STEPS iterations at ``argv``'s layout."""
     import gc
     from torch.profiler import ProfilerActivity, profile, record_function
-    from megalite.config.arguments import parse_args
+    from megalite.config.megatron_cli import parse_args
     from megalite.data.tokenizers import build_tokenizer
-    from megalite.train.training import build_data_iterators, build_trainer, train_step
+    from megalite.train.trainer import build_data_iterators, build_trainer
+    from megalite.train.step import train_step
     config = parse_args(argv, world_size=world_size)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer = build_trainer(config)
@@ -137,10 +142,10 @@ def measured() -> dict:
 
 def estimated(flags: list[str], world_size: int) -> list[int]:
     """The planner's peak bytes per rank (global rank order: tp fastest, then dp, then pp)."""
-    from megalite.config.arguments import parse_args
+    from megalite.config.megatron_cli import parse_args
     config = parse_args(MEASURED_MODEL + flags, world_size=world_size)
-    workload, layout = planning.workload_and_layout(config)
-    per_stage = [planning.rank_memory(workload, layout, r, planning.CPU_KERNELS).total for r in range(layout.pp)]
+    workload, layout = plan_flags.workload_and_layout(config)
+    per_stage = [memory.rank_memory(workload, layout, r, inputs.CPU_KERNELS).total for r in range(layout.pp)]
     return [per_stage[rank // (layout.tp * layout.dp)] for rank in range(world_size)]
 
 
@@ -159,21 +164,21 @@ def test_memory_estimate_within_15_percent_of_measured(measured):
     assert len(measured) >= 4 and not failures, "\n".join(failures)
 
 
-# ---- parameters and the formulas of REFERENCE §6 -------------------------------------------------------
-def _llama_workload() -> planning.Workload:
+# ---- parameters, and the formulas of the ZeRO paper and Korthikanti et al. ----------------------------
+def _llama_workload() -> inputs.Workload:
     """Llama-3 8B's shape, seq 4096, global batch 64."""
-    model = planning.model_from_flags(32, 4096, 32, 128256, 4096, ffn_hidden_size=14336, num_query_groups=8,
+    model = plan_flags.model_from_flags(32, 4096, 32, 128256, 4096, ffn_hidden_size=14336, num_query_groups=8,
                                       swiglu=True, position_embedding_type="rope", normalization="RMSNorm",
                                       add_bias_linear=False, untie_embeddings_and_output_weights=True,
                                       hidden_dropout=0.0, attention_dropout=0.0)
-    return planning.Workload(model, global_batch_size=64)
+    return inputs.Workload(model, global_batch_size=64)
 
 
 @pytest.mark.parametrize("tp,pp,vpp,pp_rank", [(1, 1, 1, 0), (2, 2, 1, 0), (2, 2, 2, 1), (4, 1, 1, 0), (8, 2, 2, 1)])
 def test_parameters_per_rank_equal_megalites_sharded_model(tp, pp, vpp, pp_rank):
     """TP shards (KV heads replicated beyond 2 groups), pipeline stages, interleaved chunks, the tied
     output layer's copy on the last stage: the count of the chunks megalite builds for that rank."""
-    from megalite.config.arguments import parse_args
+    from megalite.config.megatron_cli import parse_args
     from megalite.parallel.pipeline.stages import build_model_chunks
     from megalite.parallel.tensor.layers import TensorParallel
     for untie in (True, None):
@@ -182,35 +187,35 @@ def test_parameters_per_rank_equal_megalites_sharded_model(tp, pp, vpp, pp_rank)
                           tensor_model_parallel_size=tp)
         model = parse_args(argv, world_size=tp).model
         chunks = build_model_chunks(model, 1, TensorParallel(rank=tp - 1, size=tp), pp_rank, pp, vpp)
-        workload = planning.Workload(dataclasses.replace(model, vocab_size=model.padded_vocab_size), 4,
+        workload = inputs.Workload(dataclasses.replace(model, vocab_size=model.padded_vocab_size), 4,
                                      make_vocab_size_divisible_by=1)
         expected = sum(p.numel() for chunk in chunks for p in chunk.parameters())
-        layout = planning.Layout(tp=tp, pp=pp, vpp=vpp)
-        assert planning.stage_parameters(workload, layout, pp_rank).total == expected
+        layout = inputs.Layout(tp=tp, pp=pp, vpp=vpp)
+        assert inputs.stage_parameters(workload, layout, pp_rank).total == expected
 
 
 def test_state_bytes_per_parameter_follow_the_zero_formulas():
     d = 8
-    zero = {s: sum(planning.state_bytes_per_parameter(2, s, d, grad_bytes=2)) for s in SHARDING_STRATEGIES}
+    zero = {s: sum(memory.state_bytes_per_parameter(2, s, d, grad_bytes=2)) for s in SHARDING_STRATEGIES}
     assert zero == pytest.approx({"no_shard": 16, "optim": 4 + 12 / d, "optim_grads": 2 + 14 / d,
                                   "optim_grads_params": 16 / d})
     # megalite (and Megatron's distributed optimizer) keep fp32 gradients: 18 B/param, 6 + 12/d
-    assert sum(planning.state_bytes_per_parameter(2, "no_shard", d)) == 18
-    assert sum(planning.state_bytes_per_parameter(2, "optim", d)) == pytest.approx(6 + 12 / d)
+    assert sum(memory.state_bytes_per_parameter(2, "no_shard", d)) == 18
+    assert sum(memory.state_bytes_per_parameter(2, "optim", d)) == pytest.approx(6 + 12 / d)
     # fp32 weights are their own master copy: 4 + 4 + 8
-    assert sum(planning.state_bytes_per_parameter(4, "no_shard", d)) == 16
+    assert sum(memory.state_bytes_per_parameter(4, "no_shard", d)) == 16
 
 
 @pytest.mark.parametrize("sharding", ["optim", "optim_grads"])
 def test_planned_buckets_are_the_gradient_buffers(sharding, monkeypatch):
     """The buckets the planner reasons about are grad_buffer.py's: whole parameters in backward order,
     closed at the bucket size, around a tied embedding and (ZeRO-2/3) at module-unit boundaries."""
-    from megalite.config.arguments import parse_args
+    from megalite.config.megatron_cli import parse_args
     from megalite.parallel.data.ddp import DistributedDataParallel
     from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
     from megalite.parallel.pipeline.stages import build_model_chunks
     from megalite.parallel.tensor.layers import TensorParallel
-    monkeypatch.setattr(planning, "default_bucket_size", lambda dp, overlap: 6000 if overlap else None)
+    monkeypatch.setattr(memory, "default_bucket_size", lambda dp, overlap: 6000 if overlap else None)
     for argv in (with_flags(TINY_LLAMA_ARGS, untie_embeddings_and_output_weights=None), TINY_LLAMA_ARGS,
                  TINY_GPT2_ARGS):            # tied, untied; biases, LayerNorm, learned positions
         for overlap in (True, False):
@@ -222,11 +227,11 @@ def test_planned_buckets_are_the_gradient_buffers(sharding, monkeypatch):
             per_unit = sharding != "optim"
             buffer = ParamAndGradBuffer(named, 6000 if overlap else None, 0, 2, shard_grads=per_unit,
                                         units=unit_of if per_unit else None)
-            workload = planning.Workload(dataclasses.replace(model, vocab_size=model.padded_vocab_size), 4,
+            workload = inputs.Workload(dataclasses.replace(model, vocab_size=model.padded_vocab_size), 4,
                                          make_vocab_size_divisible_by=1)
-            layout = planning.Layout(dp=2, sharding=sharding, overlap_grad_reduce=overlap)
-            tensors = planning.backward_tensors(workload, layout, 0)
-            ends = planning.buckets_of(tensors, layout, per_unit)
+            layout = inputs.Layout(dp=2, sharding=sharding, overlap_grad_reduce=overlap)
+            tensors = memory.backward_tensors(workload, layout, 0)
+            ends = memory.buckets_of(tensors, layout, per_unit)
             planned = [sum(t.size for t in tensors[a:b]) for a, b in zip([0] + ends, ends)]
             assert planned == [sum(p.numel() for p in bucket.params) for bucket in buffer.buckets]
 
@@ -241,36 +246,36 @@ def test_zero_temporaries_follow_the_bucket_lifetimes_of_ddp():
     prefetched next one."""
     workload, d, e = _llama_workload(), 8, 2
     h, ffn = workload.model.hidden_size, workload.model.ffn_hidden_size
-    layer = planning.layer_parameters(workload.model, 1)
+    layer = inputs.layer_parameters(workload.model, 1)
     for sharding in ("optim_grads", "optim_grads_params"):
-        plain = planning.Layout(pp=4, dp=d, sharding=sharding, overlap_grad_reduce=False, overlap_param_gather=False)
+        plain = inputs.Layout(pp=4, dp=d, sharding=sharding, overlap_grad_reduce=False, overlap_param_gather=False)
         overlapped = dataclasses.replace(plain, overlap_grad_reduce=True, overlap_param_gather=True)
-        state = planning.stage_parameters(workload, plain, 1).total
+        state = inputs.stage_parameters(workload, plain, 1).total
         more_microbatches = dataclasses.replace(workload, global_batch_size=8 * workload.global_batch_size)
         for lay in (plain, overlapped):
-            assert planning.rank_memory(workload, lay, 1) == planning.rank_memory(more_microbatches, lay, 1)
-        assert planning.rank_memory(workload, plain, 1).grads == pytest.approx(4 * state / d + 4 * layer)
-        assert planning.rank_memory(workload, overlapped, 1).grads == pytest.approx(
+            assert memory.rank_memory(workload, lay, 1) == memory.rank_memory(more_microbatches, lay, 1)
+        assert memory.rank_memory(workload, plain, 1).grads == pytest.approx(4 * state / d + 4 * layer)
+        assert memory.rank_memory(workload, overlapped, 1).grads == pytest.approx(
             4 * state / d + 4 * (h + ffn * h) * (1 + 1 / d))
         gathered = {"optim_grads": (state, state), "optim_grads_params": (state / d + layer, state / d + 2 * layer)}
-        assert [planning.rank_memory(workload, lay, 1).weights for lay in (plain, overlapped)] == pytest.approx(
+        assert [memory.rank_memory(workload, lay, 1).weights for lay in (plain, overlapped)] == pytest.approx(
             [e * n for n in gathered[sharding]])
 
 
 def test_pipeline_in_flight_micro_batches_and_bubble():
-    one_f_one_b = planning.Layout(pp=4, dp=2)
-    assert [planning.chunks_in_flight(one_f_one_b, r, 8) for r in range(4)] == [4, 3, 2, 1]
-    assert planning.chunks_in_flight(one_f_one_b, 0, 2) == 2          # fewer micro-batches than stages
-    interleaved = planning.Layout(pp=4, vpp=2, dp=2)
-    layers_in_flight = planning.chunks_in_flight(interleaved, 0, 8) * 32 // (4 * 2)
+    one_f_one_b = inputs.Layout(pp=4, dp=2)
+    assert [memory.chunks_in_flight(one_f_one_b, r, 8) for r in range(4)] == [4, 3, 2, 1]
+    assert memory.chunks_in_flight(one_f_one_b, 0, 2) == 2          # fewer micro-batches than stages
+    interleaved = inputs.Layout(pp=4, vpp=2, dp=2)
+    layers_in_flight = memory.chunks_in_flight(interleaved, 0, 8) * 32 // (4 * 2)
     assert layers_in_flight == 32 * (1 + (4 - 1) / (4 * 2))             # L(1 + (p-1)/(pv)), Megatron's estimate
-    workload, hardware = _llama_workload(), planning.Hardware(8, 80)
-    for layout in (one_f_one_b, interleaved, planning.Layout(pp=8, vpp=4)):
-        time = planning.step_time(workload, layout, hardware)
+    workload, hardware = _llama_workload(), inputs.Hardware(8, 80)
+    for layout in (one_f_one_b, interleaved, inputs.Layout(pp=8, vpp=4)):
+        time = timing.step_time(workload, layout, hardware)
         m = layout.num_microbatches(workload.global_batch_size)
         # the bubble is a share of the slowest stage's busy time, the last (output layer and loss)
         assert time.bubble / (time.compute + time.imbalance) == pytest.approx((layout.pp - 1) / (layout.vpp * m))
-    assert planning.step_time(workload, planning.Layout(tp=8), hardware).bubble == 0
+    assert timing.step_time(workload, inputs.Layout(tp=8), hardware).bubble == 0
 
 
 def test_uneven_splits_schedules_and_context_parallelism():
@@ -278,40 +283,40 @@ def test_uneven_splits_schedules_and_context_parallelism():
     stage (the last: output layer and loss) sets the step, so counting the embedding and the loss as layers
     shrinks the imbalance; ZB-H1 keeps a third of 1F1B's bubble at its memory; PipeDream stashes weight
     versions; context parallelism halves the activations per rank."""
-    model = planning.model_from_flags(126, 16384, 128, 128256, 8192, ffn_hidden_size=53248, num_query_groups=8,
+    model = plan_flags.model_from_flags(126, 16384, 128, 128256, 8192, ffn_hidden_size=53248, num_query_groups=8,
                                       swiglu=True, position_embedding_type="rope", normalization="RMSNorm",
                                       add_bias_linear=False, untie_embeddings_and_output_weights=True,
                                       hidden_dropout=0.0, attention_dropout=0.0)
-    workload, hardware = planning.Workload(model, 256), planning.Hardware(1024, 80)
-    both = planning.SplitFlags(account_for_embedding=True, account_for_loss=True)
-    first_last = planning.SplitFlags(first=6, last=6)                  # 6 + 14 x 8 + 6 (still 126)
-    balanced = planning.Layout(tp=8, pp=16, dp=8, split=both, sharding="optim")
-    heavy_last = planning.Layout(tp=8, pp=16, dp=8, split=planning.SplitFlags(first=6, last=8), sharding="optim")
-    assert planning.stage_layers(balanced, 126) == [7] + [8] * 14 + [7]
-    layer = planning.layer_parameters(model, 8)
-    assert planning.stage_parameters(workload, balanced, 0).layers == 7 * layer
-    assert planning.stage_parameters(workload, balanced, 5).layers == 8 * layer
-    assert planning.stage_layers(heavy_last, 126) == [6] + [8] * 14 + [8]
-    t_balanced, t_heavy = (planning.step_time(workload, lay, hardware) for lay in (balanced, heavy_last))
+    workload, hardware = inputs.Workload(model, 256), inputs.Hardware(1024, 80)
+    both = SplitFlags(account_for_embedding=True, account_for_loss=True)
+    first_last = SplitFlags(first=6, last=6)                  # 6 + 14 x 8 + 6 (still 126)
+    balanced = inputs.Layout(tp=8, pp=16, dp=8, split=both, sharding="optim")
+    heavy_last = inputs.Layout(tp=8, pp=16, dp=8, split=SplitFlags(first=6, last=8), sharding="optim")
+    assert inputs.stage_layers(balanced, 126) == [7] + [8] * 14 + [7]
+    layer = inputs.layer_parameters(model, 8)
+    assert inputs.stage_parameters(workload, balanced, 0).layers == 7 * layer
+    assert inputs.stage_parameters(workload, balanced, 5).layers == 8 * layer
+    assert inputs.stage_layers(heavy_last, 126) == [6] + [8] * 14 + [8]
+    t_balanced, t_heavy = (timing.step_time(workload, lay, hardware) for lay in (balanced, heavy_last))
     assert 0 < t_balanced.imbalance < t_heavy.imbalance and t_balanced.total < t_heavy.total
-    assert planning.layout_problem(workload, dataclasses.replace(balanced, split=first_last), 8) is not None  # 114/14
+    assert search.layout_problem(workload, dataclasses.replace(balanced, split=first_last), 8) is not None  # 114/14
     # zero bubble: a third of 1F1B's bubble, 1F1B's activations
     zb = dataclasses.replace(balanced, schedule="zb-h1")
-    assert planning.step_time(workload, zb, hardware).bubble == pytest.approx(t_balanced.bubble / 3)
-    assert planning.estimate_memory(workload, zb).activations == planning.estimate_memory(workload, balanced).activations
+    assert timing.step_time(workload, zb, hardware).bubble == pytest.approx(t_balanced.bubble / 3)
+    assert memory.estimate_memory(workload, zb).activations == memory.estimate_memory(workload, balanced).activations
     # PipeDream: ceil((p - 1 - rank) / m) older versions, p - 1 on the first stage at m = 1; 2BW one
-    one = planning.Workload(model, 8)
+    one = inputs.Workload(model, 8)
     for schedule, first_stage in (("pipedream", 15), ("pipedream-2bw", 1)):
         lay = dataclasses.replace(balanced, schedule=schedule)
-        assert planning.weight_versions(lay, 0, lay.num_microbatches(one.global_batch_size)) == first_stage
-        assert planning.rank_memory(one, lay, 0).weights == pytest.approx(
-            (1 + first_stage) * planning.rank_memory(one, balanced, 0).weights)
+        assert memory.weight_versions(lay, 0, lay.num_microbatches(one.global_batch_size)) == first_stage
+        assert memory.rank_memory(one, lay, 0).weights == pytest.approx(
+            (1 + first_stage) * memory.rank_memory(one, balanced, 0).weights)
     # context parallelism: half the tokens per rank, the same parameters, gradients reduced over dp x cp
-    cp2 = planning.Layout(tp=8, pp=16, dp=4, cp=2, split=both, sharding="optim")
-    assert planning.layer_activation_bytes(workload, cp2, planning.GPU_KERNELS) == pytest.approx(
-        planning.layer_activation_bytes(workload, balanced, planning.GPU_KERNELS) / 2)
+    cp2 = inputs.Layout(tp=8, pp=16, dp=4, cp=2, split=both, sharding="optim")
+    assert memory.layer_activation_bytes(workload, cp2, inputs.GPU_KERNELS) == pytest.approx(
+        memory.layer_activation_bytes(workload, balanced, inputs.GPU_KERNELS) / 2)
     assert cp2.num_gpus == 1024 and cp2.shards == 8
-    assert planning.rank_memory(workload, cp2, 5).optimizer == planning.rank_memory(workload, balanced, 5).optimizer
+    assert memory.rank_memory(workload, cp2, 5).optimizer == memory.rank_memory(workload, balanced, 5).optimizer
 
 
 def test_activations_follow_korthikanti_where_the_implementation_agrees():
@@ -320,15 +325,15 @@ def test_activations_follow_korthikanti_where_the_implementation_agrees():
     log-sum-exp per token and head); under TP t with sequence parallelism 34sbh/t (the column-parallel
     linears keep their sequence shard); full recomputation keeps 2sbh, 2sbh/t with SP."""
     s, b, h, a = 2048, 1, 1024, 16
-    gpt = planning.model_from_flags(4, h, a, 50257, s, hidden_dropout=0.1, attention_dropout=0.1)
-    workload, gpu = planning.Workload(gpt, 8), planning.GPU_KERNELS
+    gpt = plan_flags.model_from_flags(4, h, a, 50257, s, hidden_dropout=0.1, attention_dropout=0.1)
+    workload, gpu = inputs.Workload(gpt, 8), inputs.GPU_KERNELS
     sbh, lse = s * b * h, 4 * s * b * a
-    assert planning.layer_activation_bytes(workload, planning.Layout(), gpu) == 34 * sbh + lse
+    assert memory.layer_activation_bytes(workload, inputs.Layout(), gpu) == 34 * sbh + lse
     for t in (2, 4, 8):
-        tp = planning.layer_activation_bytes(workload, planning.Layout(tp=t), gpu)
+        tp = memory.layer_activation_bytes(workload, inputs.Layout(tp=t), gpu)
         assert tp == pytest.approx(34 * sbh / t + lse / t)
-        assert planning.layer_activation_bytes(workload, planning.Layout(tp=t, recompute="full"), gpu) == 2 * sbh / t
-    assert planning.layer_activation_bytes(workload, planning.Layout(recompute="full"), gpu) == 2 * sbh
+        assert memory.layer_activation_bytes(workload, inputs.Layout(tp=t, recompute="full"), gpu) == 2 * sbh / t
+    assert memory.layer_activation_bytes(workload, inputs.Layout(recompute="full"), gpu) == 2 * sbh
 
 
 # ---- the search ----------------------------------------------------------------------------------------
@@ -340,30 +345,30 @@ def test_every_candidate_layout_is_accepted_by_pretrain_gpt_and_no_other():
     """The planner's divisibility rules are megalite's: arguments.parse_args accepts the flags of every
     layout the planner keeps and refuses every other one it enumerates, except ZeRO at data-parallel
     size 1, which megalite runs but which shards nothing."""
-    from megalite.config.arguments import parse_args
+    from megalite.config.megatron_cli import parse_args
     from megalite.errors import UserError
     model = parse_args(SMALL, world_size=1).model
-    workload = planning.Workload(model, 8, "bf16")
-    hardware = planning.Hardware(num_gpus=8, gpu_memory_gb=80, gpus_per_node=8)
-    kept = set(planning.candidate_layouts(workload, hardware))
+    workload = inputs.Workload(model, 8, "bf16")
+    hardware = inputs.Hardware(num_gpus=8, gpu_memory_gb=80, gpus_per_node=8)
+    kept = set(search.candidate_layouts(workload, hardware))
     assert kept and all(layout.num_gpus == 8 for layout in kept)
     assert {layout.tp for layout in kept} == {1, 2, 4, 8}       # 8 > 2 KV groups: replicated KV heads
-    for layout in set(planning.layouts_of(workload, 8)):
-        argv = with_flags(SMALL, global_batch_size=None, micro_batch_size=None) + planning.pretrain_flags(workload, layout)
+    for layout in set(search.layouts_of(workload, 8)):
+        argv = with_flags(SMALL, global_batch_size=None, micro_batch_size=None) + plan_flags.pretrain_flags(workload, layout)
         if layout in kept:
             config = parse_args(argv, world_size=8)
-            assert planning.workload_and_layout(config)[1] == layout
+            assert plan_flags.workload_and_layout(config)[1] == layout
         elif not (layout.dp == 1 and layout.sharding != "no_shard"):
             with pytest.raises(UserError):
                 parse_args(argv, world_size=8)
 
 
 def test_plan_keeps_only_layouts_that_fit_fastest_first():
-    workload, hardware = _llama_workload(), planning.Hardware(num_gpus=16, gpu_memory_gb=40)
-    best = planning.plan(workload, hardware, top=50)
-    assert best and all(e.fits and e.memory.total <= 40 * planning.GiB * 0.9 for e in best)
+    workload, hardware = _llama_workload(), inputs.Hardware(num_gpus=16, gpu_memory_gb=40)
+    best = search.plan(workload, hardware, top=50)
+    assert best and all(e.fits and e.memory.total <= 40 * inputs.GiB * 0.9 for e in best)
     assert [e.time.total for e in best] == sorted(e.time.total for e in best)
-    everything = [planning.evaluate(workload, lay, hardware) for lay in planning.candidate_layouts(workload, hardware)]
+    everything = [search.evaluate(workload, lay, hardware) for lay in search.candidate_layouts(workload, hardware)]
     assert any(not e.fits for e in everything)              # e.g. TP=1 PP=1: 8B x 18 B alone is 150 GB
     dropped = [e for e in everything if not e.fits]
     assert not {e.layout for e in dropped} & {e.layout for e in best}
@@ -372,7 +377,7 @@ def test_plan_keeps_only_layouts_that_fit_fastest_first():
 def test_nothing_fits_is_one_line_naming_the_smallest_layout():
     from megalite.errors import UserError
     with pytest.raises(UserError) as error:
-        planning.plan(_llama_workload(), planning.Hardware(num_gpus=8, gpu_memory_gb=16))
+        search.plan(_llama_workload(), inputs.Hardware(num_gpus=8, gpu_memory_gb=16))
     message = str(error.value)
     assert "\n" not in message and message.startswith("no layout fits 8 x 16 GB: the smallest needs")
     assert "TP=8" in message or "PP=8" in message
@@ -385,24 +390,25 @@ def _hf_model(family: str):
         config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=128,
                                          bos_token_id=0, eos_token_id=0)
         return config, transformers.GPT2LMHeadModel(config)
-    cls = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[family]
+    cls = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "phi3": "Phi3"}[family]
+    token_ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None} if family == "phi3" else {}  # (Phi-3's: 32000)
     config = getattr(transformers, f"{cls}Config")(
         hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=300, max_position_embeddings=128, tie_word_embeddings=False)
+        vocab_size=300, max_position_embeddings=128, tie_word_embeddings=False, **token_ids)
     return config, getattr(transformers, f"{cls}ForCausalLM")(config)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "phi3", "gpt2"])
 def test_hf_config_gives_the_parameter_count_of_transformers_and_megalite(family, tmp_path):
     from megalite.model.gpt import GPTModel
     config, hf_model = _hf_model(family)
     config.save_pretrained(tmp_path)
-    model = planning.model_from_hf_config(planning.read_hf_config_json(str(tmp_path)), seq_length=128)
-    unpadded = planning.Workload(model, 8, make_vocab_size_divisible_by=1)
-    assert planning.count_parameters(unpadded) == sum(p.numel() for p in hf_model.parameters())
-    padded = planning.Workload(model, 8)                      # megalite pads the vocabulary to 384
+    model = plan_flags.model_from_hf_config(read_hf_config_file(str(tmp_path)), seq_length=128)
+    unpadded = inputs.Workload(model, 8, make_vocab_size_divisible_by=1)
+    assert inputs.count_parameters(unpadded) == sum(p.numel() for p in hf_model.parameters())
+    padded = inputs.Workload(model, 8)                      # megalite pads the vocabulary to 384
     megalite_model = GPTModel(dataclasses.replace(model, padded_vocab_size=padded.padded_vocab(1)))
-    assert planning.count_parameters(padded) == sum(p.numel() for p in megalite_model.parameters())
+    assert inputs.count_parameters(padded) == sum(p.numel() for p in megalite_model.parameters())
 
 
 # ---- the command line --------------------------------------------------------------------------------
@@ -426,6 +432,27 @@ def test_cli_prints_the_fastest_layouts_and_their_flags(tmp_path):
     flags = [line for line in proc.stdout.splitlines() if re.match(r"\s+#\d+: ", line)]
     assert len(rows) == 3 and len(flags) == 3
     assert all("--tensor-model-parallel-size" in f and "--bf16" in f for f in flags)
+
+
+PHI_3_MINI = {"model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064,
+              "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+              "partial_rotary_factor": 0.75, "tie_word_embeddings": False, "resid_pdrop": 0.0, "attention_dropout": 0.0,
+              "bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000}
+
+
+def test_a_phi3_config_is_planned(tmp_path, capsys):
+    """Phi-3 comes through the conversion's config mapping (fused projections, partial rotary): its
+    parameters are Phi-3-mini's 3.82B and the plan gives layouts with their flags."""
+    import plan_parallelism
+    (tmp_path / "config.json").write_text(json.dumps(PHI_3_MINI))
+    model = plan_flags.model_from_hf_config(read_hf_config_file(str(tmp_path)), seq_length=4096)
+    assert (model.swiglu, model.rotary_percent, model.num_query_groups) == (True, 0.75, 32)
+    code = plan_parallelism.main(["--hf-config", str(tmp_path), "--num-gpus", "8", "--gpu-memory-gb", "80",
+                                  "--seq-length", "4096", "--global-batch-size", "64", "--top", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "3.82B parameters" in out
+    assert len([line for line in out.splitlines() if re.match(r"\s+#\d+: ", line)]) == 2
 
 
 def test_cli_mistakes_are_one_line_errors(tmp_path, capsys):

@@ -1,0 +1,243 @@
+"""The planner's inputs and what a layout puts on each pipeline rank.
+
+A ``Workload`` (the model as a ``ModelConfig``, the global batch, the precision), a ``Layout`` (TP x CP x
+PP x DP sizes, virtual stages, micro-batch size, recomputation, ZeRO sharding, schedule, stage split), the
+``Hardware`` and the ``Kernels`` (what CUDA and CPU builds keep differently). From them: the parameters of
+one transformer layer on one TP rank and the parameters each pipeline rank holds, as megalite builds them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megalite.config.schema import ModelConfig, padded_vocab_size
+from megalite.parallel.pipeline.stages import SplitFlags, virtual_stage_layers
+
+GiB = 2 ** 30
+HBM_GBPS = 3350.0       # H100 SXM HBM3, GB/s: the loss is memory-bound
+PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: ModelConfig          # architecture; seq_length is the training sequence, vocab_size the true vocabulary
+    global_batch_size: int
+    precision: str = "bf16"     # "bf16", "fp16" or "fp32"
+    make_vocab_size_divisible_by: int = 128
+
+    @property
+    def dtype_bytes(self) -> int:
+        return PARAM_BYTES[self.precision]
+
+    def padded_vocab(self, tp: int) -> int:
+        return padded_vocab_size(self.model.vocab_size, self.make_vocab_size_divisible_by, tp)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1                     # model chunks per pipeline rank (interleaved 1F1B when > 1)
+    micro_batch_size: int = 1
+    recompute: str = "none"          # none | selective | full (uniform, one layer per checkpoint)
+    sharding: str = "no_shard"       # no_shard | optim (ZeRO-1) | optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3)
+    sequence_parallel: bool = True   # only meaningful with tp > 1
+    overlap_grad_reduce: bool = True     # --overlap-grad-reduce, as pretrain_flags asks (moot at dp 1)
+    overlap_param_gather: bool = True    # --overlap-param-gather, as pretrain_flags asks (moot at dp 1, no_shard)
+    cp: int = 1                      # context parallel: each rank holds 2 of 2cp chunks of every sequence
+    schedule: str = "1f1b"           # PIPELINE_SCHEDULES; 1f1b with vpp > 1 is interleaved 1F1B; zbv has vpp 2 in a V
+    split: SplitFlags = SplitFlags() # uneven stages (first/last counts, account-for flags, a layout string)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def shards(self) -> int:
+        """Ranks that hold the same parameters and reduce gradients together (Megatron: dp x cp)."""
+        return self.dp * self.cp
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.tp > 1
+
+    def num_microbatches(self, global_batch_size: int) -> int:
+        return global_batch_size // (self.micro_batch_size * self.dp)
+
+    def describe(self) -> str:
+        vpp = f" VPP={self.vpp}" if self.vpp > 1 else ""
+        vpp += f" CP={self.cp}" if self.cp > 1 else ""
+        vpp += f" {self.schedule}" if self.schedule != "1f1b" else ""
+        vpp += f" split={split_name(self.split)}" if self.split != SplitFlags() else ""
+        off = [name for name, on in (("grad reduce", self.overlap_grad_reduce),
+                                     ("param gather", self.overlap_param_gather)) if not on and self.dp > 1]
+        overlap = f" (no overlapped {' or '.join(off)})" if off else ""
+        return (f"TP={self.tp} PP={self.pp}{vpp} DP={self.dp} MBS={self.micro_batch_size} "
+                f"recompute={self.recompute} sharding={self.sharding}{overlap}")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Defaults: H100 SXM nodes of 8 GPUs. NVLink 4 moves 450 GB/s per direction, NCCL reaches about
+    360 GB/s of it; a 400 Gb/s NDR InfiniBand port per GPU is 50 GB/s, about 40 GB/s achieved.
+    Peak dense TFLOP/s: 989 bf16/fp16, 67 fp32 (no TF32). ``compute_efficiency`` is the share of peak
+    that the matmul-heavy compute reaches (communication and the bubble are counted separately);
+    ``usable_memory_fraction`` leaves room for the CUDA context, NCCL buffers and fragmentation."""
+    num_gpus: int
+    gpu_memory_gb: float
+    gpus_per_node: int = 8
+    peak_tflops: float | None = None        # None: by precision, as above
+    compute_efficiency: float = 0.55
+    intra_node_gbps: float = 360.0          # GB/s per GPU over NVLink
+    inter_node_gbps: float = 40.0           # GB/s per GPU over InfiniBand
+    usable_memory_fraction: float = 0.9
+    memory_gbps: float = HBM_GBPS           # GB/s of device memory (the loss is memory-bound)
+
+    def peak_flops(self, precision: str) -> float:
+        tflops = self.peak_tflops or (67.0 if precision == "fp32" else 989.0)
+        return tflops * 1e12
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.gpu_memory_gb * GiB * self.usable_memory_fraction
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What torch's kernels and collectives hold where CUDA and CPU builds differ (the formulas are for
+    CUDA with NCCL; tests measure on CPU with gloo).
+
+    - attention: scaled_dot_product_attention runs a flash kernel that keeps q, k, v, the output and
+      the log-sum-exp, never the s x s scores (CUDA with or without dropout; CPU only without
+      attention dropout, so CPU estimates require --attention-dropout 0).
+
+    - embedding dropout (F.dropout): CUDA's native_dropout keeps a 1-byte mask; CPU keeps a noise
+      tensor in the compute dtype.
+
+    The transformer layers keep the same on both: megalite's RMSNorm keeps its input and an fp32 1/rms
+    per token (its own autograd Function, as CUDA's fused kernel; torch's composite CPU rms_norm would
+    keep fp32 copies), and hidden dropout keeps a 1-byte mask (torch.native_dropout on both).
+
+    - collectives: NCCL reduces and gathers in the tensors it is given. gloo copies through temporaries
+      of torch's allocator, alive until the collective completes: a reduce-scatter of a list of chunks
+      (the data-parallel one) (d-1)/d of its input, the single-tensor one (sequence parallelism) its
+      whole input, an all-gather its whole output; an all-reduce none.
+    """
+    dropout_mask_bytes: int | None = 1      # None: the compute dtype's size
+    flash_attention_dropout: bool = True
+    collective_copies: bool = False         # gloo's temporaries above
+
+
+GPU_KERNELS = Kernels()
+CPU_KERNELS = Kernels(dropout_mask_bytes=None, flash_attention_dropout=False, collective_copies=True)
+
+
+
+def local_attention_heads(model: ModelConfig, tp: int) -> tuple[int, int]:
+    """(query heads, KV groups) on one TP rank; with more TP ranks than KV heads each rank keeps a
+    replica of its group's K and V (SelfAttention)."""
+    return model.num_attention_heads // tp, max(1, model.num_query_groups // tp)
+
+
+def layer_tensors(model: ModelConfig, tp: int) -> list[int]:
+    """Sizes of one transformer layer's parameters on one TP rank, in TransformerLayer's order: input
+    norm, linear_qkv (+ bias), linear_proj (+ bias, replicated), pre-MLP norm, linear_fc1 (+ bias),
+    linear_fc2 (+ bias, replicated)."""
+    h, d = model.hidden_size, model.kv_channels
+    heads, groups = local_attention_heads(model, tp)
+    ffn = model.ffn_hidden_size // tp
+    qkv_rows, fc1_rows = (heads + 2 * groups) * d, 2 * ffn if model.swiglu else ffn
+    norm = [h] * (norm_parameters(model) // h)
+    bias = model.add_bias_linear
+    return [*norm, qkv_rows * h, *([qkv_rows] if bias or model.add_qkv_bias else []),
+            heads * d * h, *([h] if bias else []),
+            *norm, fc1_rows * h, *([fc1_rows] if bias else []),
+            ffn * h, *([h] if bias else [])]
+
+
+def layer_parameters(model: ModelConfig, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank (TransformerLayer)."""
+    return sum(layer_tensors(model, tp))
+
+
+def norm_parameters(model: ModelConfig) -> int:
+    return model.hidden_size * (2 if model.normalization == "LayerNorm" else 1)
+
+
+def split_name(split: SplitFlags) -> str:
+    """The split flags in a few characters, for tables."""
+    if split.layout:
+        return split.layout
+    if split.first is not None or split.last is not None:
+        return f"first {split.first or '-'} last {split.last or '-'}"
+    return "+".join(name for name, on in (("E", split.account_for_embedding), ("L", split.account_for_loss)) if on) \
+        or "even"
+
+
+def stage_layers(layout: Layout, num_layers: int) -> list[int]:
+    """Transformer layers of each virtual stage (pipeline_parallel/stages.py), v = chunk * pp + rank."""
+    split = layout.split
+    if layout.vpp > 1 and not split.layout:
+        split = dataclasses.replace(split, layers_per_virtual_stage=None, virtual_stages_per_rank=layout.vpp)
+    return virtual_stage_layers(num_layers, layout.pp, split)
+
+
+def virtual_stages_of(layout: Layout, pp_rank: int) -> list[int]:
+    """The virtual stages pipeline rank ``pp_rank`` holds: chunk * pp + rank, or for zbv the V of rank r
+    and 2p - 1 - r."""
+    if layout.schedule == "zbv":
+        return [pp_rank, 2 * layout.pp - 1 - pp_rank]
+    return [chunk * layout.pp + pp_rank for chunk in range(layout.vpp)]
+
+
+def rank_layers(workload: Workload, layout: Layout, pp_rank: int) -> list[int]:
+    """Transformer layers of each model chunk of pipeline rank ``pp_rank``."""
+    layers = stage_layers(layout, workload.model.num_layers)
+    return [layers[v] for v in virtual_stages_of(layout, pp_rank)]
+
+
+def holds_embedding(layout: Layout, pp_rank: int) -> bool:
+    return 0 in virtual_stages_of(layout, pp_rank)
+
+
+def holds_head(layout: Layout, pp_rank: int) -> bool:
+    """Whether the rank holds the last virtual stage: final norm, output layer and loss."""
+    return layout.pp * layout.vpp - 1 in virtual_stages_of(layout, pp_rank)
+
+
+@dataclass(frozen=True)
+class StageParameters:
+    layers: int            # parameters in this rank's transformer layers
+    embedding: int         # word (+ position) embeddings, on the first stage
+    head: int              # final norm + output layer, on the last stage
+
+    @property
+    def total(self) -> int:
+        return self.layers + self.embedding + self.head
+
+
+def stage_parameters(workload: Workload, layout: Layout, pp_rank: int) -> StageParameters:
+    """Parameters on pipeline rank ``pp_rank`` of one TP rank (build_model_chunks / GPTModel): its
+    layers (stage_layers), the embeddings on the first stage, and on the last the final norm plus the
+    output layer, which tied embeddings still need as a copy when the first stage is another chunk."""
+    model, tp = workload.model, layout.tp
+    vocab_rows = workload.padded_vocab(tp) // tp
+    h = model.hidden_size
+    layers = sum(rank_layers(workload, layout, pp_rank)) * layer_parameters(model, tp)
+    first, last = holds_embedding(layout, pp_rank), holds_head(layout, pp_rank)
+    embedding = 0
+    if first:
+        embedding = vocab_rows * h + (0 if model.use_rope else model.max_position_embeddings * h)
+    head = 0
+    if last:
+        head = norm_parameters(model)
+        if model.untie_embeddings_and_output_weights or layout.pp > 1:     # (another chunk holds the embedding)
+            head += vocab_rows * h
+    return StageParameters(layers, embedding, head)
+
+
+def count_parameters(workload: Workload) -> int:
+    """Parameters of the whole model as one process builds it (padded vocabulary at TP=1)."""
+    return stage_parameters(workload, Layout(), 0).total
+

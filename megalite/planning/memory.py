@@ -1,0 +1,432 @@
+"""Memory per device of a layout: the largest pipeline rank's peak, in four parts.
+
+- weights, gradients, optimizer state: parameters on the rank x bytes per parameter of the sharding
+  strategy (the ZeRO paper's 16, 4 + 12/d, 2 + 14/d, 16/d bytes with 2-byte gradients). megalite keeps
+  fp32 gradients for every precision (grad_buffer.py, like Megatron's distributed optimizer), so bf16
+  costs 2 + 4 + 12 = 18 B/param, 6 + 12/d with the distributed optimizer.
+- activations: what autograd keeps for backward, per layer and micro-batch, times the micro-batches
+  a pipeline rank holds at once (1F1B: p - rank; interleaved: 2(p-1-rank) + (v-1)p + 1 model chunks),
+  plus the temporaries of backward's fullest moment: through a layer's MLP (``layer_backward_bytes``)
+  or, on the last stage, the loss and the output layer (``output_layer_bytes``). The per-layer sum
+  follows Korthikanti et al. 2022 (34sbh + 5as^2b bytes per layer at 16 bits) term by term, adapted to
+  what megalite's layers really keep (see ``layer_activation_bytes``).
+- data-parallel temporaries at that same moment, counted with the weights and gradients: ZeRO-2/3's
+  per-bucket gradient staging, ZeRO-3's just-in-time gathered units, gloo's collective copies
+  (``data_parallel_transients``). The peak is the fullest of a step's moments (``rank_memory``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from megalite.config.schema import ASYNC_SCHEDULES, ModelConfig
+from megalite.parallel.data.ddp import MAX_IN_FLIGHT, default_bucket_size
+from megalite.parallel.pipeline.pipedream import versions_behind
+from megalite.parallel.pipeline.stages import SplitFlags
+from megalite.planning.inputs import (GPU_KERNELS, Kernels, Layout, Workload, holds_embedding, holds_head,
+                                      layer_parameters, layer_tensors, local_attention_heads, norm_parameters,
+                                      rank_layers, stage_parameters)
+
+GRAD_BYTES = 4          # megalite accumulates and reduces gradients in fp32 at every precision (grad_buffer.py)
+
+
+def state_bytes_per_parameter(param_bytes: int, sharding: str, dp: int,
+                              grad_bytes: int = GRAD_BYTES) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes per parameter (the ZeRO paper's accounting).
+
+    Adam keeps m and v in fp32 (8 B) plus an fp32 master copy unless the weights are fp32 (4 B). With
+    2-byte gradients this is the ZeRO paper's 16, 4 + 12/d, 2 + 14/d, 16/d; with megalite's fp32
+    gradients and bf16 weights it is Megatron's 18 and 6 + 12/d (distributed optimizer)."""
+    optimizer = 8 + (0 if param_bytes == 4 else 4)
+    weights_shards, grads_shards, optimizer_shards = {
+        "no_shard": (1, 1, 1), "optim": (1, 1, dp), "optim_grads": (1, dp, dp),
+        "optim_grads_params": (dp, dp, dp)}[sharding]
+    return param_bytes / weights_shards, grad_bytes / grads_shards, optimizer / optimizer_shards
+
+
+
+# ---- activations ----------------------------------------------------------------------------------
+def norm_saved_bytes(model: ModelConfig, elements: float, dtype_bytes: int) -> float:
+    """Bytes a norm keeps for backward over ``elements`` input elements: its input (plus per-token
+    statistics, not counted)."""
+    return dtype_bytes * elements
+
+
+def attention_saved_elements(model: ModelConfig, tp: int, tokens: int) -> float:
+    """Elements SelfAttention keeps for backward for ``tokens`` tokens on one TP rank (compute dtype):
+    q, the unexpanded k and v (GQA runs on grouped K/V; views of the fused QKV output only when all
+    three are, else copies, so the QKV output is never kept whole beside them) and the output, which
+    the output projection's input is a view of. Selective recomputation keeps the same tensors, as
+    the checkpoint's inputs; it drops only the log-sum-exp."""
+    heads, groups = local_attention_heads(model, tp)
+    d = model.kv_channels
+    return tokens * (2 * heads + 2 * groups) * d
+
+
+def layer_activation_bytes(workload: Workload, layout: Layout, kernels: Kernels) -> float:
+    """Bytes one transformer layer keeps for backward for one micro-batch on one TP rank.
+
+    Korthikanti et al. count, per layer at 16 bits, sbh(34 + 5as/h) bytes: layernorm inputs 4sbh;
+    attention 11sbh + 5as^2b (QKV input 2, Q and K 4, V 2, projection input 2, dropout mask 1, and
+    the scores: softmax 2as^2b, its dropout mask as^2b and output 2as^2b); a 4h MLP 19sbh (fc1
+    input 2, GeLU input 8, fc2 input 8, dropout mask 1). What megalite's TransformerLayer keeps:
+
+    - norms: each keeps its input [s/t, b, h] (sequence-parallel shard);
+    - QKV and fc1 inputs: the [s/t, b, h] shard too (the column-parallel linear gathers the sequence
+      again in backward, as Megatron);
+    - attention: ``attention_saved_elements`` (no s^2 term: flash kernels) + an fp32 log-sum-exp
+      per token and head;
+    - MLP: SwiGLU keeps fc1's output (2f/t) and the fc2 input (f/t), silu being recomputed in
+      backward; GELU keeps fc1's output and the activation, 2f/t;
+    - hidden dropout (p > 0): two 1-byte masks over [s/t, b, h].
+    Full recomputation keeps only the layer's input [s/t, b, h] (Korthikanti: 2sbh, /t with SP).
+    For a GPT layer (MHA, learned positions, 4h GELU MLP) on CUDA this is Korthikanti's 34sbh/t
+    without the score terms.
+    """
+    model, e = workload.model, workload.dtype_bytes
+    if model.attention_dropout > 0 and not kernels.flash_attention_dropout and layout.recompute != "full":
+        raise ValueError("attention dropout on this device runs the math attention (s x s scores), which "
+                         "this estimate does not model; use attention_dropout 0")
+    tokens, sp_tokens = token_counts(workload, layout)
+    h = model.hidden_size
+    if layout.recompute == "full":
+        return sp_tokens * h * e
+    heads, _ = local_attention_heads(model, layout.tp)
+    ffn = model.ffn_hidden_size // layout.tp
+    norms = 2 * norm_saved_bytes(model, sp_tokens * h, e)
+    linear_inputs = 2 * sp_tokens * h * e
+    attention = attention_saved_elements(model, layout.tp, tokens) * e
+    if layout.recompute != "selective":
+        attention += tokens * heads * 4                                   # log-sum-exp, fp32
+    mlp = (3 if model.swiglu else 2) * tokens * ffn * e
+    dropout = 2 * sp_tokens * h if model.hidden_dropout > 0 else 0
+    return norms + linear_inputs + attention + mlp + dropout
+
+
+def token_counts(workload: Workload, layout: Layout) -> tuple[int, int]:
+    """(tokens of one micro-batch on one context-parallel rank, the sequence-parallel share of them on one
+    TP rank). Ring attention keeps what flash attention keeps, for the rank's 2 of 2cp chunks."""
+    tokens = workload.model.seq_length * layout.micro_batch_size // layout.cp
+    return tokens, tokens // layout.tp if layout.sp else tokens
+
+
+def output_layer_bytes(workload: Workload, layout: Layout, kernels: Kernels) -> tuple[float, float]:
+    """(kept for backward, extra at the peak) of the last stage's head for one micro-batch.
+
+    Kept: the final norm's input, the output layer's [s/t, b, h] input (its sequence shard) and the fp32
+    (log-)softmax over this rank's vocabulary shard [s, b, V/t]. Extra, the larger of two moments:
+
+    - the loss: with one TP rank F.cross_entropy's backward holds two more fp32 [s, b, V] tensors (the
+      loss gradient and log_softmax's input gradient); the vocabulary-parallel loss works in place
+      but, during forward, holds the logits (compute dtype) and their fp32 copy next to the softmax;
+    - the output layer's backward: the softmax has become the logits' gradient (cast to the compute
+      dtype); next to it the gradient of the layer's input [s, b, h] and of its weight [V/t, h], and
+      with sequence parallelism the input all-gathered again and the reduce-scattered input gradient
+      (plus, on gloo, the reduce-scatter's copy of its input)."""
+    model, e = workload.model, workload.dtype_bytes
+    tokens, sp_tokens = token_counts(workload, layout)
+    h, vocab_rows = model.hidden_size, workload.padded_vocab(layout.tp) // layout.tp
+    logits = tokens * vocab_rows
+    kept = norm_saved_bytes(model, sp_tokens * h, e) + sp_tokens * h * e + 4 * logits
+    if layout.tp == 1:
+        loss = 2 * 4 * logits
+    else:
+        loss = logits * (e + (4 if e != 4 else 0))
+    linear = logits * (e - 4) + tokens * h * e + vocab_rows * h * e
+    if layout.sp:
+        linear += tokens * h * e + sp_tokens * h * e + (tokens * h * e if kernels.collective_copies else 0)
+    return kept, max(loss, linear)
+
+
+def layer_backward_bytes(workload: Workload, layout: Layout, kernels: Kernels) -> float:
+    """The most bytes that backward through one layer holds beyond the activations the layers keep:
+    the gradient arriving at the layer's output [s/t, b, h] and the largest of three moments of its MLP.
+
+    - the activation's backward: _SwiGLUFunction.backward works in fp32; next to the gradient of fc2's
+      input (f/t, compute dtype) it holds fp32 copies of fc1's output (2f/t) and of that gradient
+      (f/t) at 16 bits, sigmoid(gate), the gate and up gradients (f/t each), their concatenation
+      (2f/t) and at 16 bits its cast back (2f/t): 24f/t bytes per token in fp32, 38f/t in bf16. GELU's
+      backward holds two f/t gradients. fc2's input (f/t), kept for fc2, is freed by then.
+    - fc2's backward: the gradient of its input next to that of its weight [h, f/t] (and with
+      sequence parallelism the all-gathered output gradient [s, b, h]; gloo gathers through a copy).
+    - fc1's backward: the gradient of its output, of its input ([s, b, h]) and of its weight, with fc2's
+      input and fc1's output freed; with sequence parallelism also the input all-gathered again, the
+      reduce-scattered input gradient and gloo's copy of the reduce-scatter's input.
+    This is the largest moment of a layer's backward: attention's is smaller (no s x s scores)."""
+    model, e = workload.model, workload.dtype_bytes
+    tokens, sp_tokens = token_counts(workload, layout)
+    h, f = model.hidden_size, model.ffn_hidden_size // layout.tp
+    fc1_out = 2 * f if model.swiglu else f
+    copies = kernels.collective_copies
+    if model.swiglu:
+        upcast = 0 if e == 4 else 4 * (2 * f + f) + 2 * f * e
+        activation = tokens * (upcast + 4 * (3 * f + 2 * f))
+    else:
+        activation = tokens * f * e
+    fc2 = tokens * f * e + f * h * e + (tokens * h * e * (2 if copies else 1) if layout.sp else 0)
+    fc1 = tokens * h * e + fc1_out * h * e - tokens * f * e
+    if layout.sp:
+        fc1 += tokens * h * e + sp_tokens * h * e + (tokens * h * e if copies else 0)
+    return sp_tokens * h * e + max(activation, fc2, fc1)
+
+
+def chunks_in_flight(layout: Layout, pp_rank: int, num_microbatches: int) -> int:
+    """Forward passes of (model chunk, micro-batch) whose backward has not run yet, at most, on a
+    pipeline rank (schedules.py): 1F1B runs p - rank - 1 warm-up forwards and one more before its
+    first backward; interleaved 1F1B 2(p - rank - 1) + (v - 1)p warm-up forwards. Stage 0 thus holds
+    p micro-batches of L/p layers (1F1B), L(1 + (p-1)/(pv)) layers' worth when interleaved.
+    GPipe holds all m; ZB-H1, PipeDream and PipeDream-2BW hold 1F1B's; ZB-V holds 2p chunks of L/2p
+    layers on every rank, 1F1B's first stage (Qi et al. 2024)."""
+    if layout.pp == 1:
+        return 1
+    if layout.schedule == "gpipe":
+        return num_microbatches * layout.vpp
+    if layout.schedule == "zbv":
+        return min(2 * layout.pp, 2 * num_microbatches)
+    if layout.vpp == 1:
+        return min(layout.pp - pp_rank, num_microbatches)
+    warmup = 2 * (layout.pp - pp_rank - 1) + (layout.vpp - 1) * layout.pp
+    return min(warmup + 1, num_microbatches * layout.vpp)
+
+
+def kept_activations(workload: Workload, layout: Layout, pp_rank: int, kernels: Kernels) -> float:
+    """Bytes pipeline rank ``pp_rank`` keeps for backward at its fullest: the layers of every
+    in-flight (chunk, micro-batch), the chunk outputs the pipeline executor keeps to backpropagate
+    from, and the embedding dropout's noise."""
+    model, e = workload.model, workload.dtype_bytes
+    in_flight = chunks_in_flight(layout, pp_rank, layout.num_microbatches(workload.global_batch_size))
+    layers_per_chunk = sum(rank_layers(workload, layout, pp_rank)) / layout.vpp     # (chunks alternate)
+    _, sp_tokens = token_counts(workload, layout)
+    kept = in_flight * layers_per_chunk * layer_activation_bytes(workload, layout, kernels)
+    stashed_outputs = in_flight - 1 if holds_head(layout, pp_rank) else in_flight
+    kept += stashed_outputs * sp_tokens * model.hidden_size * e if layout.pp > 1 else 0
+    if holds_embedding(layout, pp_rank) and model.hidden_dropout > 0:
+        kept += math.ceil(in_flight / layout.vpp) * sp_tokens * model.hidden_size * dropout_mask_bytes(kernels, e)
+    return kept
+
+
+def dropout_mask_bytes(kernels: Kernels, dtype_bytes: int) -> int:
+    return kernels.dropout_mask_bytes or dtype_bytes
+
+
+# ---- data-parallel temporaries (ddp.py, grad_buffer.py) ------------------------------------------
+def bucket_size(layout: Layout) -> float:
+    """Elements of a data-parallel bucket (ddp.default_bucket_size: 40M with overlapped reduction,
+    else one bucket for everything, or for each unit with ZeRO-2/3, whose buckets never span two)."""
+    return default_bucket_size(layout.shards, layout.overlap_grad_reduce) or math.inf
+
+
+@dataclass(frozen=True)
+class Param:
+    unit: int           # 0: the head, 1..: the layers top-down, then the embedding
+    size: int
+    alone: bool = False     # a tied word embedding: a bucket of its own (grad_buffer.py, shared_embedding)
+
+
+def backward_tensors(workload: Workload, layout: Layout, pp_rank: int) -> list[Param]:
+    """Parameters of pipeline rank ``pp_rank`` (one TP rank) in the order their gradients arrive, which
+    is the reverse parameter order the gradient buffer lays out: the head (output layer, final norm;
+    last stage), each layer top-down from linear_fc2 to the input norm, the embedding (first stage)."""
+    model, params = workload.model, stage_parameters(workload, layout, pp_rank)
+    h, tied = model.hidden_size, not model.untie_embeddings_and_output_weights
+    vocab_rows = workload.padded_vocab(layout.tp) // layout.tp
+    tensors = []
+    if params.head:
+        if params.head > norm_parameters(model):
+            tensors.append(Param(0, vocab_rows * h, alone=tied))
+        tensors += [Param(0, n) for n in [h] * (norm_parameters(model) // h)]
+    layers = sum(rank_layers(workload, layout, pp_rank))
+    for i in range(layers):
+        tensors += [Param(1 + i, n) for n in reversed(layer_tensors(model, layout.tp))]
+    if params.embedding:
+        if not model.use_rope:
+            tensors.append(Param(1 + layers, model.max_position_embeddings * h))
+        tensors.append(Param(1 + layers, vocab_rows * h, alone=tied))
+    return tensors
+
+
+def buckets_of(tensors: list[Param], layout: Layout, per_unit: bool) -> list[int]:
+    """The index one past each bucket's last tensor (grad_buffer.ParamAndGradBuffer._layout): a bucket
+    closes once it holds ``bucket_size`` elements, before a tied embedding and after it, and, for
+    ZeRO-2/3 (``per_unit``), where the unit changes."""
+    limit, ends, size = bucket_size(layout), [], 0
+    for i, tensor in enumerate(tensors):
+        if i and (size >= limit or tensor.alone or tensors[i - 1].alone
+                  or (per_unit and tensor.unit != tensors[i - 1].unit)):
+            ends.append(i)
+            size = 0
+        size += tensor.size
+    return ends + [len(tensors)]
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The data-parallel buckets alive at one moment of backward (elements each)."""
+    reducing: list          # complete, their reduce-scatter in flight (not yet finished)
+    filling: list           # receiving gradients (at most one)
+
+
+def buckets_at(workload: Workload, layout: Layout, pp_rank: int, arrived: int, per_unit: bool,
+               previous_microbatch: bool) -> Buckets:
+    """Buckets alive once the first ``arrived`` gradients of this micro-batch's backward are in.
+    With --overlap-grad-reduce a complete bucket's reduction runs until ddp.MAX_IN_FLIGHT newer ones
+    have started (counting the previous micro-batch's last ones, still in flight at the top of the
+    stage, when ``previous_microbatch``); without, it runs as soon as the bucket is complete."""
+    tensors = backward_tensors(workload, layout, pp_rank)
+    ends = buckets_of(tensors, layout, per_unit)
+    sizes = [sum(t.size for t in tensors[start:end]) for start, end in zip([0] + ends, ends)]
+    complete = sum(1 for end in ends if end <= arrived)
+    started = arrived > (ends[complete - 1] if complete else 0)
+    filling = [sizes[complete]] if complete < len(sizes) and started else []
+    if not layout.overlap_grad_reduce:
+        return Buckets([], filling)
+    done = (sizes if previous_microbatch else []) + sizes[:complete]
+    return Buckets(done[-MAX_IN_FLIGHT:], filling)
+
+
+@dataclass(frozen=True)
+class Transients:
+    """Data-parallel bytes alive at one moment on top of the (sharded) state."""
+    weights: float = 0.0        # gathered parameters, gloo's all-gather copies
+    grads: float = 0.0          # gradient staging, reduce-scatter outputs, gloo's reduce-scatter copies
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads
+
+
+def data_parallel_transients(workload: Workload, layout: Layout, pp_rank: int, kernels: Kernels,
+                             moment: str, depth: int = 0) -> Transients:
+    """What data parallelism holds at ``moment``: "layer" (backward through the MLP of the stage's
+    ``depth``-th layer from the top: linear_fc2's gradients are in), "head" (the loss and the output
+    layer's backward, last stage) or "step" (after the last backward, when the full gradient buffer is
+    reduced, and after the optimizer step, when parameters are gathered). d data-parallel ranks, e
+    bytes per parameter:
+
+    - ZeRO-2/3 reduce every micro-batch's gradients per bucket (``buckets_at``): a full-size fp32
+      staging tensor lives from the bucket's first gradient to the end of its reduce-scatter, whose
+      output chunk (1/d) lives while it runs (gloo: with copies of (d-1)/d of the input).
+    - ZeRO-3 gathers each unit just in time: a layer's parameters while backward runs through it, the
+      head's (with tied embeddings on the same stage, the embedding's too) during the loss; with
+      --overlap-param-gather the next unit of backward is prefetched, an all-gather in flight (gloo:
+      through a copy of its output). The embedding is not gathered for backward.
+    - no_shard / ZeRO-1 reduce the full gradient buffer in place; gloo's ZeRO-1 reduce-scatters copy
+      (d-1)/d of each bucket in flight (during the last micro-batch's backward with
+      --overlap-grad-reduce, else after it, MAX_IN_FLIGHT at a time). ZeRO-1/2 all-gather the updated
+      parameters in place after the step (gloo: through copies of up to MAX_IN_FLIGHT buckets with
+      --overlap-param-gather, one at a time without).
+    """
+    d, e = layout.shards, workload.dtype_bytes
+    if d == 1 or (moment == "step" and layout.sharding == "optim_grads_params"):
+        return Transients()
+    copies = kernels.collective_copies
+    params = stage_parameters(workload, layout, pp_rank)
+    layer = layer_parameters(workload.model, layout.tp)
+    tensors = backward_tensors(workload, layout, pp_rank)
+    arrived = 0                               # gradients of this micro-batch's backward in by the moment
+    if moment == "layer":
+        head_tensors = sum(1 for t in tensors if t.unit == 0) if params.head else 0
+        fc2_tensors = 2 if workload.model.add_bias_linear else 1
+        arrived = head_tensors + depth * len(layer_tensors(workload.model, layout.tp)) + fc2_tensors
+    per_unit = layout.sharding in ("optim_grads", "optim_grads_params")
+
+    def reduce_scatter_copies(buckets) -> float:
+        return sum(GRAD_BYTES * n * (d - 1) / d for n in buckets) if copies else 0.0
+
+    if moment == "step":
+        if not copies or layout.sharding == "no_shard":
+            return Transients()
+        ends = buckets_of(tensors, layout, per_unit)
+        sizes = sorted((sum(t.size for t in tensors[a:b]) for a, b in zip([0] + ends, ends)), reverse=True)
+        gathers = e * sum(sizes[:MAX_IN_FLIGHT if layout.overlap_param_gather else 1])
+        reductions = reduce_scatter_copies(sizes[:MAX_IN_FLIGHT]) if layout.sharding == "optim" else 0.0
+        return Transients(gathers, 0.0) if gathers >= reductions else Transients(0.0, reductions)
+
+    if not per_unit:                # the full buffer: reductions start during the last micro-batch only
+        if layout.sharding == "no_shard" or moment != "layer":
+            return Transients()
+        reducing = buckets_at(workload, layout, pp_rank, arrived, False, False).reducing
+        return Transients(0.0, reduce_scatter_copies(reducing))
+
+    many = layout.num_microbatches(workload.global_batch_size) > 1
+    alive = buckets_at(workload, layout, pp_rank, arrived, True, many)
+    grads = GRAD_BYTES * (sum(alive.filling) + sum(n * (1 + 1 / d) for n in alive.reducing))
+    grads += reduce_scatter_copies(alive.reducing)
+    weights = 0.0
+    if layout.sharding == "optim_grads_params":
+        tied_here = params.embedding and params.head and not workload.model.untie_embeddings_and_output_weights
+        head = params.head + (params.embedding if tied_here else 0)
+        weights = e * (layer if moment == "layer" else head)
+        layers_below = sum(rank_layers(workload, layout, pp_rank)) - (depth + 1 if moment == "layer" else 0)
+        if layout.overlap_param_gather and layers_below > 0:
+            weights += e * layer * (2 if copies else 1)                         # the prefetched layer
+    return Transients(weights, grads)
+
+
+# ---- memory per device ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Memory:
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+def rank_memory(workload: Workload, layout: Layout, pp_rank: int, kernels: Kernels = GPU_KERNELS) -> Memory:
+    """Peak bytes on one device of pipeline rank ``pp_rank`` (every TP and DP rank of a stage alike):
+    the (sharded) state, plus the fullest moment of a step. Backward through a layer (recomputed
+    first under full recomputation) and, on the last stage, the loss and the output layer's
+    backward come with every in-flight micro-batch's kept activations; after the last backward only
+    the state is left, with the data-parallel reductions and gathers (``data_parallel_transients``)."""
+    params = stage_parameters(workload, layout, pp_rank)
+    per_weight, per_grad, per_optimizer = state_bytes_per_parameter(workload.dtype_bytes, layout.sharding,
+                                                                    layout.shards)
+    per_weight *= 1 + weight_versions(layout, pp_rank, layout.num_microbatches(workload.global_batch_size))
+    kept = kept_activations(workload, layout, pp_rank, kernels)
+    through_layer = layer_backward_bytes(workload, layout, kernels)
+    if layout.recompute == "full":
+        through_layer += layer_activation_bytes(workload, dataclasses.replace(layout, recompute="none"), kernels)
+    # backward through the chunk's top layers: each one deeper has freed a layer's activations, but may
+    # have more data-parallel reductions in flight (beyond MAX_IN_FLIGHT layers nothing changes)
+    layers_per_chunk = max(rank_layers(workload, layout, pp_rank))
+    freed = layer_activation_bytes(workload, layout, kernels)
+    moments = [(kept - depth * freed + through_layer,
+                data_parallel_transients(workload, layout, pp_rank, kernels, "layer", depth))
+               for depth in range(min(layers_per_chunk, MAX_IN_FLIGHT + 1))]
+    moments.append((0.0, data_parallel_transients(workload, layout, pp_rank, kernels, "step")))
+    if holds_head(layout, pp_rank):
+        moments.append((kept + sum(output_layer_bytes(workload, layout, kernels)),
+                        data_parallel_transients(workload, layout, pp_rank, kernels, "head")))
+    activations, transients = max(moments, key=lambda moment: moment[0] + moment[1].total)
+    return Memory(params.total * per_weight + transients.weights, params.total * per_grad + transients.grads,
+                  params.total * per_optimizer, activations)
+
+
+def weight_versions(layout: Layout, pp_rank: int, num_microbatches: int) -> int:
+    """Weight versions a rank keeps beyond its live weights (pipedream.py's weight stashing): PipeDream
+    one per update its oldest in-flight micro-batch is behind, ceil((p - 1 - rank) / m) (p - 1 on the first
+    stage at m = 1, PipeDream's original); PipeDream-2BW one. Counted in the compute dtype."""
+    if layout.pp == 1 or layout.schedule not in ASYNC_SCHEDULES:
+        return 0
+    return versions_behind(layout.schedule, layout.pp, pp_rank, num_microbatches)
+
+
+def estimate_memory(workload: Workload, layout: Layout, kernels: Kernels = GPU_KERNELS) -> Memory:
+    """The device that needs the most: the largest of the pipeline ranks."""
+    return max((rank_memory(workload, layout, r, kernels) for r in outer_ranks(layout)), key=lambda m: m.total)
+
+
+def outer_ranks(layout: Layout) -> set[int]:
+    """The pipeline ranks that can need the most: with even stages the first (most micro-batches in
+    flight, the embeddings) and the last (the output layer and the logits), the ranks between hold
+    less; with uneven stages or a V placement, any of them."""
+    if layout.split != SplitFlags() or layout.schedule == "zbv":
+        return set(range(layout.pp))
+    return {0, layout.pp - 1}
+
+
