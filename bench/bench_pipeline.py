@@ -3,7 +3,7 @@
 1F1B, ZB-H1, ZB-V; PipeDream and PipeDream-2BW in their steady state).
 
 Each row runs one step of a small model through megalite's real schedule executor on 2 gloo ranks
-(one per core here) and measures 1 - busy/wall per rank (tools/plot_pipeline.py). Theory (REFERENCE §6):
+(one per core here) and measures 1 - busy/wall per rank (tools/plot_pipeline.py). Theory (Narayanan et al. 2021):
 (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1 (Qi et al. 2024,
 equal F/B/W times; ZB-V about 0), 0 for the asynchronous schedules (no flush). Writes a section of the
 results file and a timeline PNG per schedule next to it (bench/ for the full run).
@@ -161,7 +161,7 @@ def main(argv: list[str]) -> None:
     body = [f"pp={PP} gloo ranks, {model['layers']} layers split evenly over the model chunks, hidden {model['hidden']}, "
             "4 heads, vocabulary 1000, seq 128, micro-batch 2, fp32. Bubble share = "
             "1 - busy/wall of one step, averaged over ranks; each row records "
-            f"{steps} steps after one warm-up step and reports (and draws) the median. Theory (REFERENCE §6): "
+            f"{steps} steps after one warm-up step and reports (and draws) the median. Theory (Narayanan et al. 2021): "
             "(p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1, about 0 for ZB-V "
             "(equal F/B/W times), 0 for PipeDream and PipeDream-2BW (no flush; their steps are recorded in the "
             "steady state, after one step has filled the pipeline). The last stage also runs the output layer and the loss, so stages are not "

@@ -4,11 +4,11 @@
 Runs one training step of a small Llama-style model through megalite's real schedule executor on
 --pp gloo ranks (each holding its stages), records every forward/backward with start and end times,
 and writes a PNG. It also prints the measured bubble share (idle time / wall time of the step,
-averaged over ranks) next to theory (REFERENCE §6): (p-1)/(m+p-1) for GPipe and 1F1B,
+averaged over ranks) next to theory (Narayanan et al. 2021): (p-1)/(m+p-1) for GPipe and 1F1B,
 (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) for ZB-H1 (Qi et al. 2024, equal F/B/W times); ZB-V's is
 about zero under the same assumption (its warm-up only). The asynchronous schedules (pipedream,
 pipedream-2bw) never flush: their step is drawn in the steady state (after a first step has filled the
-pipeline, before a last one drains it), where theory has no bubble; each micro-batch is numbered over the run.
+pipeline, before a last one drains it), where theory has no bubble; micro-batches are numbered from the step's first.
 With --steps N it records N steps and draws the one whose bubble is the median.
 
     python tools/plot_pipeline.py --pp 2 --microbatches 8 --output runs/pipeline_1f1b.png
@@ -112,7 +112,7 @@ def run_steps(rank: int, world: int, opts: dict) -> list:
     rank's PipelineRecord of each."""
     import torch
     import torch.distributed
-    from megalite.config.arguments import parse_args
+    from megalite.config.megatron_cli import parse_args
     from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
     from megalite.parallel.mesh import ParallelState
     from megalite.parallel.pipeline.executor import PipelineRecord, run_pipeline_schedule
@@ -170,12 +170,16 @@ def run_async_steps(schedule: str, buffer, comm, state, m: int, batches: list, f
         torch.distributed.barrier()
         runner.record = records[step - 1] if 1 <= step <= steps else None
         runner.forward_backward(step, lambda: (batches, None))
-        runner.before_update()
-        with torch.no_grad():
-            buffer.param_data.add_(buffer.grad_data, alpha=-1e-4)
-        runner.after_update(step)
+        runner.optimizer_step(step, lambda: sgd(buffer))
         buffer.zero_grad()
     return records
+
+
+def sgd(buffer) -> None:
+    """Plain SGD on the flat buffer: the update between the asynchronous schedules' steps."""
+    import torch
+    with torch.no_grad():
+        buffer.param_data.add_(buffer.grad_data, alpha=-1e-4)
 
 
 def record_schedule(pp: int, microbatches: int, vpp: int = 1, schedule: str = "1f1b", layers_per_stage: int = 2,

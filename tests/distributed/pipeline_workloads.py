@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.arguments import parse_args
+from megalite.config.megatron_cli import parse_args
 from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
 from megalite.model.gpt import GPTModel
 from megalite.parallel.mesh import ParallelState
@@ -12,8 +12,9 @@ from megalite.parallel.pipeline.executor import run_pipeline_schedule
 from megalite.parallel.pipeline.p2p import PipelineComm
 from megalite.parallel.pipeline.plan import rank_plan
 from megalite.parallel.pipeline.schedules import stage_placement
-from megalite.parallel.pipeline.stages import build_model_chunks, chunk_forward, sync_shared_embedding_grads
-from megalite.parallel.tensor.setup import build_tensor_parallel, finalize_tensor_parallel_grads
+from megalite.parallel.finalize_grads import finalize_tensor_parallel_grads, sync_shared_embedding_grads
+from megalite.parallel.pipeline.stages import build_model_chunks, chunk_forward
+from megalite.parallel.tensor.setup import build_tensor_parallel
 
 ARGS = with_flags(TINY_LLAMA_ARGS, num_layers=4, make_vocab_size_divisible_by=32)
 M, MBS, SEQ = 4, 2, 32
@@ -22,7 +23,7 @@ M, MBS, SEQ = 4, 2, 32
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """The single-process references run in the test process with one thread, as each spawned rank does:
-    the model is tiny, and on a busy 2-core machine two OpenMP threads made a reference ~100x slower."""
+    the model is tiny, and OpenMP threads competing for a busy machine's cores slow it down."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -7,9 +7,10 @@ import torch
 
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.arguments import parse_args
+from megalite.config.megatron_cli import parse_args
 from megalite.errors import UserError
-from megalite.parallel.pipeline.pipedream import AsyncPipeline, WeightVersions, check_async_schedule
+from megalite.config.validate import check_async_schedule
+from megalite.parallel.pipeline.pipedream import AsyncPipeline, WeightVersions
 
 ITERS = 6
 ARGS = with_flags(TINY_LLAMA_ARGS, num_layers=4, train_iters=ITERS, global_batch_size=8,
@@ -39,7 +40,8 @@ def reference_history(argv: list[str], schedule: str, pp: int, dp: int = 1) -> l
     micro-batch of a step is micro-batch i // dp of a data-parallel rank (the sampler deals consecutive
     micro-batches to consecutive ranks)."""
     from megalite.data.tokenizers import build_tokenizer
-    from megalite.train.training import build_data_iterators, build_trainer, train_step
+    from megalite.train.trainer import build_data_iterators, build_trainer
+    from megalite.train.step import train_step
     config = parse_args(with_flags(argv, pipeline_model_parallel_size=None, tensor_model_parallel_size=None,
                                    pipeline_schedule=None), world_size=1)
     trainer = build_trainer(config)
@@ -72,7 +74,7 @@ def reference_history(argv: list[str], schedule: str, pp: int, dp: int = 1) -> l
 
 
 def _histories(rank, world, runs):
-    from megalite.train.training import pretrain
+    from megalite.train.trainer import pretrain
     return [pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history for argv in runs]
 
 
@@ -138,7 +140,9 @@ def test_async_schedules_pp4_and_with_tp_dp(tmp_path):
 
 class _LoopbackComm:
     """Stands in for the neighbours: every receive returns a fresh one-element tensor, sends vanish."""
-    prev_rank = next_rank = 0
+
+    def global_rank(self, pipeline_rank):
+        return pipeline_rank
 
     def send(self, tensor, dst):
         pass
@@ -162,19 +166,21 @@ def test_versions_kept_per_stage():
             weight = torch.ones(1, requires_grad=True)
             forward = lambda chunk, x, batch, last: (x if x is not None else weight) * 2.0     # noqa: E731
             runner = AsyncPipeline(schedule, torch.zeros(3), _LoopbackComm(), pp, stage, m, 10, forward)
-            peak, backward = [0], runner._backward
+            peak, before = [0], runner.before
 
-            def counted(j, backward=backward, runner=runner):
-                peak[0] = max(peak[0], runner.versions.count())
-                backward(j)
+            def counted(action, before=before, runner=runner):
+                if action.kind == "B":
+                    peak[0] = max(peak[0], runner.versions.count())
+                before(action)
 
-            runner._backward = counted
-            for t in range(10):
-                runner.forward_backward(t, lambda: ([{}] * m, None))
-                runner.before_update()
+            def update(runner=runner):
                 runner.versions.flat.add_(1.0)             # the "update"
                 peak[0] = max(peak[0], runner.versions.count())
-                runner.after_update(t)
+
+            runner.before = counted
+            for t in range(10):
+                runner.forward_backward(t, lambda: ([{}] * m, None))
+                runner.optimizer_step(t, update)
             w = pp - 1 - stage
             expected = 1 + -(-w // m) if schedule == "pipedream" else 2
             assert peak[0] == expected, (schedule, pp, m, stage)
@@ -208,7 +214,7 @@ def test_unsupported_combinations_are_refused_in_one_line(flags, message):
     argv += ["--rampup-batch-size", *rampup] if rampup else []
     config = parse_args(argv, world_size=2 * flags.get("context_parallel_size", 1))
     with pytest.raises(UserError) as err:
-        check_async_schedule(config, config.parallel.data_parallel_sharding_strategy)
+        check_async_schedule(config)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
@@ -216,4 +222,4 @@ def test_2bw_needs_enough_microbatches():
     config = parse_args(with_flags(ARGS, pipeline_schedule="pipedream-2bw", pipeline_model_parallel_size=4,
                                    global_batch_size=4), world_size=4)      # m = 2 < pp - 1 = 3
     with pytest.raises(UserError, match="at least pipeline size - 1 = 3 micro-batches"):
-        check_async_schedule(config, "no_shard")
+        check_async_schedule(config)

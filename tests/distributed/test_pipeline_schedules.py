@@ -8,11 +8,11 @@ import torch
 
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.arguments import parse_args
+from megalite.config.megatron_cli import parse_args
 from megalite.errors import UserError
 from megalite.config.schema import SYNCHRONOUS_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from megalite.parallel.pipeline.schedules import schedule_order
-from megalite.parallel.pipeline.plan import RankPlan, schedule_plans, stream_replay
+from megalite.parallel.pipeline.plan import RankPlan, async_step_plan, schedule_plans, stream_replay
 from megalite.parallel.pipeline.simulate import replay_schedule
 from pipeline_workloads import ARGS, one_thread, reference, run_executor  # noqa: F401 (one_thread: autouse fixture)
 
@@ -65,8 +65,43 @@ def test_plans_run_under_nccl_stream_rules(schedule):
                             stream_replay(plans, ahead, per)
 
 
+def _async_run(pp: int, m: int, steps: int, restart: int | None = None) -> list[list[tuple]]:
+    """Each rank's actions over a run of the asynchronous schedules' step plans, micro-batches numbered
+    over the run (H as the forward input it holds); every step's plans run under NCCL's stream rules.
+    ``restart``: the step at which the stream starts afresh (as after loading a checkpoint)."""
+    total, run = steps * m, [[] for _ in range(pp)]
+    for t in range(restart or 0, steps):
+        plans = [async_step_plan(pp, r, m, t == (restart or 0), total - t * m) for r in range(pp)]
+        for per in ("pair", "rank"):
+            for ahead in (0, 1, 4):
+                stream_replay(plans, ahead, per)
+        for r, plan in enumerate(plans):
+            run[r] += [(a.kind, t * m + a.microbatch) for a in plan.order]
+    return run
+
+
+@pytest.mark.parametrize("pp, m", [(2, 1), (2, 4), (4, 1), (4, 2), (4, 3), (4, 8), (8, 4)])
+def test_async_steps_are_the_pipedream_stream_and_run_under_nccl_stream_rules(pp, m):
+    """The step plans of pipedream / pipedream-2bw, one after another, are each stage's stream: w = pp - 1 - s
+    warm-up forwards, then pairs (F(j + w), B(j)), the forwards stopping at the run's end; each stage but
+    the first holds the next step's first forward input, received at the end of the step before."""
+    steps = 5
+    for restart in (None, 2):
+        run = _async_run(pp, m, steps, restart)
+        first = (restart or 0) * m
+        for stage, actions in enumerate(run):
+            w, total = pp - 1 - stage, steps * m
+            stream = [("F", j) for j in range(first, min(first + w, total))]
+            for j in range(first, total):
+                stream += [("F", j + w)] if j + w < total else []
+                stream += [("B", j)]
+                if stage > 0 and (j + 1) % m == 0 and j + 1 + w < total:
+                    stream += [("H", j + 1 + w)]
+            assert actions == stream, (stage, restart)
+
+
 def _in_action_order(plan: RankPlan) -> RankPlan:
-    """The plan with each rank posting in its own action order (what the executor did before plan.py)."""
+    """The plan with each rank posting in its own action order instead of plan.py's global one."""
     posts = sorted(plan.posts, key=lambda post: (post.action, post.send))
     at = {post: i for i, post in enumerate(posts)}
     return RankPlan(plan.order, plan.stages, posts, {a: at[plan.posts[i]] for a, i in plan.receive_of.items()},
@@ -84,7 +119,7 @@ def test_posting_in_action_order_deadlocks_under_the_stream_rules(schedule, chun
 @pytest.mark.parametrize("pp, m", [(2, 8), (4, 8), (4, 16)])
 def test_unit_cost_bubbles_meet_theory(pp, m):
     """With F = 1, B = 2 (1F1B) or B = W = 1 (zero bubble): the orders themselves reach the theory of
-    REFERENCE §6 and Qi et al. 2024; what bench/bench_pipeline.py measures beyond is the executor's."""
+    the bubble formulas (Narayanan et al. 2021) and Qi et al. 2024; what bench/bench_pipeline.py measures beyond is the executor's."""
     def bubble(schedule, chunks=1):
         return unit_cost_bubble(schedule, pp, m, chunks)
     assert bubble("1f1b") == pytest.approx((pp - 1) / (m + pp - 1))
@@ -113,7 +148,7 @@ def _loop_argv(tied, **layout):
 
 def _run_cases(rank, world, executor_cases, loop_argvs):
     """Every executor case (argv, pp, tp, schedule), then pretrain() on every loop argv, in one world."""
-    from megalite.train.training import pretrain
+    from megalite.train.trainer import pretrain
     executor = [run_executor(rank, world, argv, pp, tp, schedule, 2 if schedule == "zbv" else 1)
                 for argv, pp, tp, schedule in executor_cases]
     loop = [pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history for argv in loop_argvs]

@@ -1,5 +1,5 @@
-"""The one executor of the synchronous pipeline schedules: it runs a rank's plan (plan.py) over its
-model chunks.
+"""The one executor of the pipeline schedules, synchronous and asynchronous: it runs a rank's plan
+(plan.py) over its model chunks.
 
 Per action it receives what the action needs from the previous (forward) or next (backward) virtual
 stage, computes, and sends the result on. Sends go out as soon as their tensor exists; receives are
@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 
 from megalite.parallel.pipeline.plan import PostingCursor, RankPlan
-from megalite.parallel.pipeline.zero_bubble import backward_input, backward_weight
+from megalite.parallel.pipeline.schedules import Action
+from megalite.parallel.pipeline.split_backward import backward_input, backward_weight
 
 
 @dataclass
@@ -77,53 +78,104 @@ class _Transfers:
         self._issue(self.cursor.produce(index))
 
 
+class StepHooks:
+    """What the executor calls around a step's actions. The synchronous schedules need none of it (this
+    base does nothing); the asynchronous ones (pipedream.AsyncPipeline) switch weight versions around each
+    forward and backward, and carry work from one step into the next: forwards whose backward comes in
+    the next step, and the input an H action received for the next step's first forward."""
+
+    def before(self, action: Action) -> None:
+        """Right before ``action`` takes its input and runs."""
+
+    def after(self, action: Action) -> None:
+        """Right after ``action`` ran and sent its output."""
+
+    def start(self, stash: dict, inputs: dict) -> None:
+        """Put what the step before left into the step's ``stash`` ((chunk, micro-batch) -> a forward's
+        (input, output), awaiting its backward) and ``inputs`` ((kind, chunk, micro-batch) -> an input
+        received earlier), numbered as this step's actions are."""
+
+    def end(self, stash: dict, inputs: dict) -> None:
+        """Take what the step leaves: its forwards not backpropagated yet, its H actions' inputs
+        (under ("H", chunk, micro-batch))."""
+
+
 def run_pipeline_schedule(plan: RankPlan, forward_fn: Callable, batches: list, comm, loss_scale: float = 1.0,
-                          forward_only: bool = False, record: PipelineRecord | None = None) -> list[float]:
+                          forward_only: bool = False, record: PipelineRecord | None = None,
+                          hooks: StepHooks = StepHooks()) -> list[float]:
     """Execute ``plan`` on this pipeline rank; returns the micro-batch losses of the last virtual stage if
     this rank holds it, else [].
 
     ``forward_fn(chunk, input_tensor, batch, is_last_stage)`` returns the chunk's output activation, or on
-    the last virtual stage the micro-batch's mean loss. Losses are backpropagated scaled by ``loss_scale /
-    num_microbatches``. A B action whose W also appears in the order computes only the input gradient; its
-    W computes the weight gradients (zero_bubble.py). ``forward_only``: the plan holds forwards only
-    (plan.rank_plan(..., forward_only=True)) and runs without autograd.
+    the last virtual stage the micro-batch's mean loss; F(chunk, i) runs it on ``batches[i]``. Losses are
+    backpropagated scaled by ``loss_scale`` / the step's micro-batches (those it backpropagates). A B
+    action whose W also appears in the order computes only the input gradient; its W computes the weight
+    gradients (split_backward.py). ``forward_only``: the plan holds forwards only
+    (plan.rank_plan(..., forward_only=True)) and runs without autograd. ``hooks``: what the schedule does
+    around the actions (StepHooks).
     """
-    stages, num_microbatches = plan.stages, len(batches)
-    split = {(a.chunk, a.microbatch) for a in plan.order if a.kind == "W"}
+    step = _Step(plan, forward_fn, batches, loss_scale, forward_only)
     transfers = _Transfers(plan, comm, record)
-    stash: dict = {}                 # (chunk, mb) -> (input tensor, output tensor)
-    weight_grads: dict = {}          # (chunk, mb) -> zero_bubble.WeightGradients
-    losses: list = []
+    hooks.start(step.stash, transfers.local)
     for k, action in enumerate(plan.order):
-        chunk, mb = action.chunk, action.microbatch
         transfers.post_ahead()
+        hooks.before(action)
         received = transfers.take(k, action)
         start = time.perf_counter()
+        if action.kind == "H":                  # held for the next step's first forward
+            transfers.local[("H", action.chunk, action.microbatch)] = received
+            continue
+        output = step.run(action, received)
+        if output is not None:
+            transfers.give(k, action.kind, action.chunk, action.microbatch, output)
+        hooks.after(action)
+        if record is not None:
+            record.add(action.kind, action.chunk, action.microbatch, start, time.perf_counter())
+    hooks.end(step.stash, transfers.local)
+    if plan.posts:
+        comm.flush()
+    return [float(x) for x in torch.stack(step.losses)] if step.losses else []
+
+
+class _Step:
+    """The computation of one step's actions on this rank's chunks, and what lives between them."""
+
+    def __init__(self, plan: RankPlan, forward_fn: Callable, batches: list, loss_scale: float, forward_only: bool):
+        self.stages, self.forward_fn, self.batches = plan.stages, forward_fn, batches
+        self.forward_only, self.loss_scale = forward_only, loss_scale
+        self.num_microbatches = sum(1 for a in plan.order if a.kind == "B" and a.chunk == 0)
+        self.split = {(a.chunk, a.microbatch) for a in plan.order if a.kind == "W"}
+        self.stash: dict = {}            # (chunk, mb) -> (input tensor, output tensor)
+        self.weight_grads: dict = {}     # (chunk, mb) -> split_backward.WeightGradients
+        self.losses: list = []
+
+    def run(self, action: Action, received: torch.Tensor | None) -> torch.Tensor | None:
+        """Run ``action``; returns what it sends on (an activation or an input gradient), or None."""
+        chunk, mb = action.chunk, action.microbatch
         if action.kind == "F":
-            x = received
-            if x is not None and not forward_only:
-                x.requires_grad_()
-            with torch.no_grad() if forward_only else nullcontext():
-                out = forward_fn(chunk, x, batches[mb], stages.last(chunk))
-            if stages.last(chunk):
-                losses.append(out.detach())
-                out = out * (loss_scale / num_microbatches)
-            else:
-                transfers.give(k, "F", chunk, mb, out.detach())
-            if not forward_only:
-                stash[(chunk, mb)] = (x, out)
-        elif action.kind == "B":
-            x, out = stash.pop((chunk, mb))
-            if (chunk, mb) in split:
-                grad_input, weight_grads[(chunk, mb)] = backward_input(out, received, x)
+            return self.forward(chunk, mb, received)
+        if action.kind == "B":
+            x, out = self.stash.pop((chunk, mb))
+            if (chunk, mb) in self.split:
+                grad_input, self.weight_grads[(chunk, mb)] = backward_input(out, received, x)
             else:
                 torch.autograd.backward(out, grad_tensors=received)
                 grad_input = None if x is None else x.grad
-            if not stages.first(chunk):
-                transfers.give(k, "B", chunk, mb, grad_input)
-        else:
-            backward_weight(weight_grads.pop((chunk, mb)))
-        if record is not None:
-            record.add(action.kind, chunk, mb, start, time.perf_counter())
-    comm.flush()
-    return [float(x) for x in torch.stack(losses)] if losses else []
+            return None if self.stages.first(chunk) else grad_input
+        backward_weight(self.weight_grads.pop((chunk, mb)))
+        return None
+
+    def forward(self, chunk: int, mb: int, x: torch.Tensor | None) -> torch.Tensor | None:
+        last = self.stages.last(chunk)
+        if x is not None and not self.forward_only:
+            x.requires_grad_()
+        with torch.no_grad() if self.forward_only else nullcontext():
+            out = self.forward_fn(chunk, x, self.batches[mb], last)
+        if last:
+            self.losses.append(out.detach())
+        if self.forward_only:
+            return None if last else out.detach()
+        if last:
+            out = out * (self.loss_scale / self.num_microbatches)
+        self.stash[(chunk, mb)] = (x, out)
+        return None if last else out.detach()

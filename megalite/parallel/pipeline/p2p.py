@@ -3,8 +3,8 @@
 Shapes are known from the config ([seq (/tp with sequence parallelism), micro-batch, hidden] in the
 model's dtype), so no shape is ever sent. Every transfer is a single ``isend`` / ``irecv`` with tag 0:
 NCCL ignores tags and matches the n-th send from a to b with the n-th receive on b from a, and gloo,
-given one tag, matches the same way, so both backends pair messages by posting order alone. The callers
-(executor.py with plan.py's order, and pipedream.py) post in an order both ends agree on.
+given one tag, matches the same way, so both backends pair messages by posting order alone. The one
+caller, executor.py, posts in plan.py's global order, which both ends agree on.
 
 - ``send`` posts a send and never waits for it; the tensor is kept alive until the transfer completes
   (``flush`` waits for the rest at the end of a schedule). A completed send is dropped without a wait.
@@ -13,7 +13,7 @@ given one tag, matches the same way, so both backends pair messages by posting o
 Works: one per operation, each waited at most once (a gloo work must never be waited twice).
 
 With virtual stages the stages form a ring: the last rank's chunk c feeds the first rank's chunk c + 1,
-so "next" and "previous" wrap around.
+so pipeline ranks wrap around (``global_rank``).
 """
 from __future__ import annotations
 
@@ -41,14 +41,6 @@ class PipelineComm:
 
     def global_rank(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.group, pipeline_rank % self.size)
-
-    @property
-    def next_rank(self) -> int:
-        return self.global_rank(self.rank + 1)
-
-    @property
-    def prev_rank(self) -> int:
-        return self.global_rank(self.rank - 1)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Post a send of ``tensor`` to global rank ``dst``; returns at once."""

@@ -12,6 +12,11 @@ after B(t*m + m - 1) (the update's collectives, clipping's global norm and the t
 run there), so a step's update is the accumulated gradient of one global batch, as in synchronous
 training, only computed on older weights.
 
+Each step runs on the one executor with the other schedules' p2p and posting order: its actions are
+schedules.async_step_order's, numbered from the step's first micro-batch; the one message that would
+cross the step boundary (the next step's first forward input, which the previous stage sends in this
+step) is received at the step's end and held over the update.
+
 Versions. W(k) is a stage's weights after k updates (W(0) the initial ones). A micro-batch's backward
 always uses the version its own forward used (weight stashing), so its gradient is exact for the
 weights it saw. The update is W(t+1) = W(t) - eta * (AdamW direction of) G(t), G(t) the gradient of
@@ -40,20 +45,23 @@ checkpoints see); the stashed older versions are saved with the optimizer state 
 pipedream_behind{k}.NAME": NAME's value k updates ago) so resuming is exact: the in-flight forwards
 are re-run on the restored versions.
 
-Not supported (one-line errors in ``check_async_schedule``): virtual stages, context parallelism,
-ZeRO-3 and --overlap-param-gather (parameters not all present in the buffer after a step), batch-size
+Not supported (one-line errors in config/validate.py: ``check_async_schedule``): virtual stages,
+context parallelism, ZeRO-3 and --overlap-param-gather (parameters not all present in the buffer after a step), batch-size
 ramp-up (the version rule assumes a fixed m). With dropout, a resumed run re-draws the in-flight
 micro-batches' dropout masks, so it is exact only without dropout.
 """
 from __future__ import annotations
 
 import math
-import time
+from typing import Callable
 
 import torch
 
+from megalite.config import validate as rules
 from megalite.config.schema import ASYNC_SCHEDULES
-from megalite.errors import UserError
+from megalite.parallel.pipeline.executor import StepHooks, run_pipeline_schedule
+from megalite.parallel.pipeline.plan import async_step_plan
+from megalite.parallel.pipeline.schedules import Action
 
 SWAP_CHUNK = 1 << 22                        # elements swapped at a time (bounds the temporary)
 
@@ -74,33 +82,6 @@ def versions_behind(schedule: str, pp: int, stage: int, m: int) -> int:
     if schedule == "pipedream":
         return math.ceil(warmup_forwards(pp, stage) / m)
     return 1
-
-
-def check_async_schedule(config, dp_strategy: str) -> None:
-    """One-line UserError for what the asynchronous schedules do not combine with."""
-    schedule, par, t = config.parallel.pipeline_schedule, config.parallel, config.training
-    flag = f"--pipeline-schedule {schedule}"
-    if par.context_parallel_size > 1:
-        raise UserError(f"{flag} does not support --context-parallel-size > 1 (not built: the ring attention's "
-                        "per-step exchanges are not versioned); use --pipeline-schedule 1f1b")
-    if par.num_layers_per_virtual_pipeline_stage or getattr(par, "num_virtual_stages_per_pipeline_rank", None):
-        raise UserError(f"{flag} runs one model chunk per rank: drop --num-layers-per-virtual-pipeline-stage / "
-                        "--num-virtual-stages-per-pipeline-rank")
-    if dp_strategy == "optim_grads_params":
-        raise UserError(f"{flag} keeps whole weight versions per stage, which ZeRO-3 "
-                        "(--data-parallel-sharding-strategy optim_grads_params) never gathers; use optim or optim_grads")
-    if par.overlap_param_gather:
-        raise UserError(f"{flag} needs the updated weights in place right after the step to stash them: drop "
-                        "--overlap-param-gather")
-    if getattr(par, "use_torch_fsdp2", False):
-        raise UserError(f"{flag} does not support --use-torch-fsdp2 (one copy of the weights); drop it")
-    if t.batch_size_schedule:
-        raise UserError(f"{flag} needs a fixed number of micro-batches per step: drop --rampup-batch-size / "
-                        "--step-batch-size-schedule")
-    pp, m = par.pipeline_model_parallel_size, config.num_microbatches
-    if schedule == "pipedream-2bw" and m < pp - 1:
-        raise UserError(f"--pipeline-schedule pipedream-2bw needs at least pipeline size - 1 = {pp - 1} micro-batches "
-                        f"per step (it has {m}): raise --global-batch-size")
 
 
 def _swap_(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -156,9 +137,12 @@ class WeightVersions:
         return 1 + len(self.stash)
 
 
-class AsyncPipeline:
-    """One rank's stage under an asynchronous schedule: its version bookkeeping and its action stream,
-    which continues from one training step to the next (see the module docstring)."""
+class AsyncPipeline(StepHooks):
+    """One rank's stage under an asynchronous schedule: its weight versions and its action stream, which
+    continues from one training step to the next (see the module docstring). Each step runs on the one
+    executor (executor.run_pipeline_schedule) with a plan of plan.async_step_plan; as its StepHooks this
+    object switches the weight version around each forward and backward and holds the next step's first
+    input over the update."""
 
     def __init__(self, schedule: str, flat: torch.Tensor, comm, pp: int, stage: int, num_microbatches: int,
                  train_iters: int, forward_fn):
@@ -167,23 +151,14 @@ class AsyncPipeline:
         self.w = warmup_forwards(pp, stage)
         self.forward_fn = forward_fn
         self.versions = WeightVersions(flat)
-        self.in_flight: dict = {}        # micro-batch -> (input, output) kept for its backward
         self.batches: dict = {}          # micro-batch -> batch, for the micro-batches read and not yet done
         self.weights: dict = {}          # per-token loss weights by id(batch)
-        self.next_input = None           # the next forward's input, received at the end of the last step
+        self.in_flight: dict = {}        # (chunk, mb) -> (input, output) of the next step's first backwards
+        self.held_input: dict = {}       # the next step's first forward input, received by this step's H
         self.started = False
-        self.posted: dict = {}           # ("F" or "B", micro-batch) -> its receive, posted ahead of need
-        self.record = None               # a schedules.PipelineRecord to fill (timelines), or None
-        self.losses: list = []
+        self.first_microbatch = 0        # of the running step, over the run
+        self.record = None               # an executor.PipelineRecord to fill (timelines), or None
         self.next_unread = 0             # the first micro-batch not read from the data iterator yet
-
-    @property
-    def first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def last(self) -> bool:
-        return self.stage == self.pp - 1
 
     def version(self, j: int) -> int:
         return version_of(self.schedule, self.pp, self.stage, self.m, j)
@@ -192,86 +167,28 @@ class AsyncPipeline:
         """A fresh stream from ``iteration`` (at start-up, or after loading a checkpoint)."""
         self.versions = WeightVersions(self.versions.flat, newest=iteration)
         self.versions.oldest_needed = self.version(iteration * self.m)     # the next backward's version
-        self.in_flight, self.batches, self.weights, self.next_input, self.started = {}, {}, {}, None, False
+        self.in_flight, self.held_input, self.started = {}, {}, False
+        self.batches, self.weights = {}, {}
         self.next_unread = iteration * self.m
-
-    # ---- point to point (p2p.py: matched by posting order, as NCCL matches) ---------------------------
-    # Between stage s and s + 1 both ends post, in iteration j of s: the activation of F(j + w_s), then
-    # the gradient of B(j). Stage s posts that receive after its forward's send; stage s + 1 posts the
-    # activation's receive before its backward's send. So each pair's stream holds the same messages in
-    # the same order on both ends, and no receive waits behind a send its peer needs first (NCCL's rule:
-    # a rank pair's operations run in posting order on one stream).
-    def _post(self, kind: str, j: int) -> None:
-        """Post the receive F(j) or B(j) needs, so it arrives while this stage computes something else."""
-        if (kind, j) not in self.posted:
-            self.posted[(kind, j)] = self.comm.post_recv(self.comm.prev_rank if kind == "F" else self.comm.next_rank)
-
-    def _receive(self, kind: str, j: int):
-        self._post(kind, j)
-        start = time.perf_counter()
-        received = self.comm.wait(self.posted.pop((kind, j)))
-        if self.record is not None:
-            self.record.wait_seconds += time.perf_counter() - start
-        return received
-
-    # ---- actions ---------------------------------------------------------------------------------
-    def _forward(self, j: int, loss_scale: float) -> None:
-        self.versions.use(self.version(j))
-        x = None
-        if not self.first:
-            x, self.next_input = self.next_input, None
-            if x is None:
-                x = self._receive("F", j)
-            x.requires_grad_()
-        start = time.perf_counter()
-        batch = self.batches[j]
-        out = self.forward_fn(0, x, batch, self.last)
-        if self.last:
-            if self.weights:
-                out = out * self.weights[id(batch)]
-            self.losses.append(out.detach())
-            out = out * (loss_scale / self.m)
-        else:
-            self.comm.send(out.detach(), self.comm.next_rank)     # at once: never deferred
-        self.in_flight[j] = (x, out)
-        if self.record is not None:
-            self.record.add("F", 0, j, start, time.perf_counter())
-
-    def _backward(self, j: int) -> None:
-        self.versions.use(self.version(j))
-        grad = None if self.last else self._receive("B", j)
-        start = time.perf_counter()
-        x, out = self.in_flight.pop(j)
-        torch.autograd.backward(out, grad_tensors=grad)
-        if not self.first:
-            self.comm.send(x.grad, self.comm.prev_rank)
-        self.batches.pop(j, None)
-        self.versions.drop_older_than(self.version(j + 1))
-        if self.record is not None:
-            self.record.add("B", 0, j, start, time.perf_counter())
 
     # ---- one training step -----------------------------------------------------------------------
     def forward_backward(self, iteration: int, read_batch, loss_scale: float = 1.0) -> list[float]:
         """Step ``iteration``'s actions: the backwards of its m micro-batches and the forwards paired
         with them. ``read_batch()`` returns the next global batch's (micro-batches, loss weights)."""
-        m, start = self.m, iteration * self.m
-        self._read_up_to(start + m + self.w, read_batch)
-        self.losses = []
         if not self.started and self.versions.newest != iteration:     # --finetune: iteration 0 again
             self.restart_at(iteration)
-        if not self.started:
-            for j in range(start, min(start + self.w, self.total)):
-                self._forward(j, loss_scale)
-            self.started = True
-        for j in range(start, start + m):
-            if j + self.w < self.total:
-                self._forward(j + self.w, loss_scale)
-            if not self.last:
-                self._post("B", j)                        # after F(j + w)'s send: the pair's order
-            if not self.first and j + self.w + 1 < self.total:
-                self._post("F", j + self.w + 1)           # before B(j)'s send; arrives while B(j) computes
-            self._backward(j)
-        return [float(x) for x in torch.stack(self.losses)] if self.losses else []
+        start, fresh = iteration * self.m, not self.started
+        self._read_up_to(start + self.m + self.w, read_batch)
+        self.started, self.first_microbatch = True, start
+        remaining = self.total - start
+        plan = async_step_plan(self.pp, self.stage, self.m, fresh, remaining)
+        batches = [self.batches[start + i] for i in range(min(self.m + self.w, remaining))]
+        return run_pipeline_schedule(plan, self._forward, batches, self.comm, loss_scale, record=self.record,
+                                     hooks=self)
+
+    def _forward(self, chunk: int, x, batch: dict, is_last_stage: bool):
+        out = self.forward_fn(chunk, x, batch, is_last_stage)
+        return out * self.weights[id(batch)] if is_last_stage and self.weights else out
 
     def _read_up_to(self, end: int, read_batch) -> None:
         """Read global batches until micro-batch ``end - 1`` (or the run's last) is in hand."""
@@ -282,20 +199,36 @@ class AsyncPipeline:
             self.weights.update(weights or {})
             self.next_unread += len(batches)
 
-    def before_update(self) -> None:
-        """Right before the optimizer step: the newest version in the buffer (copied if still needed)."""
+    # ---- StepHooks: what the executor calls around the actions ------------------------------------
+    def before(self, action: Action) -> None:
+        if action.kind in ("F", "B"):
+            self.versions.use(self.version(self.first_microbatch + action.microbatch))
+
+    def after(self, action: Action) -> None:
+        if action.kind == "B":
+            j = self.first_microbatch + action.microbatch
+            self.batches.pop(j, None)
+            self.versions.drop_older_than(self.version(j + 1))
+
+    def start(self, stash: dict, inputs: dict) -> None:
+        stash.update(self.in_flight)
+        inputs.update(self.held_input)
+        self.in_flight, self.held_input = {}, {}
+
+    def end(self, stash: dict, inputs: dict) -> None:
+        """Renumber what the step leaves from the next step's first micro-batch, m further on."""
+        self.in_flight = {(chunk, mb - self.m): kept for (chunk, mb), kept in stash.items()}
+        self.held_input = {("F", chunk, mb - self.m): x for (kind, chunk, mb), x in inputs.items() if kind == "H"}
+
+    # ---- the update ------------------------------------------------------------------------------
+    def optimizer_step(self, iteration: int, step: Callable):
+        """``step()`` (step ``iteration``'s optimizer update) on the newest weight version, kept as a copy
+        while micro-batches in flight (or the next batch, under 2BW) still use it; returns its result."""
         t = self.versions.newest
         self.versions.before_update(keep_newest=self.version((t + 1) * self.m) <= t)
-
-    def after_update(self, iteration: int) -> None:
-        """Right after step ``iteration``'s update: record the new version, receive the next forward's
-        input (so no message crosses the step boundary) and let this step's sends complete."""
+        result = step()
         self.versions.after_update(self.version((iteration + 1) * self.m))
-        next_forward = (iteration + 1) * self.m + self.w
-        if not self.first and next_forward < self.total:
-            self.next_input = self._receive("F", next_forward)
-        if self.comm is not None:
-            self.comm.flush()
+        return result
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def stashed(self) -> dict[int, torch.Tensor]:
@@ -317,6 +250,6 @@ def build_async_pipeline(config, parallel, ddp, comm, forward_fn) -> AsyncPipeli
     schedule = config.parallel.pipeline_schedule
     if schedule not in ASYNC_SCHEDULES:
         return None
-    check_async_schedule(config, getattr(ddp, "strategy", ""))
+    rules.check_async_schedule(config)
     return AsyncPipeline(schedule, ddp.buffer.param_data, comm, parallel.pp_size, parallel.pp_rank,
                          config.num_microbatches, config.training.train_iters, forward_fn)

@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from megalite.parallel.pipeline.schedules import Action, StageMap, forward_only_order, schedule_order, stage_placement
+from megalite.parallel.pipeline.schedules import (Action, StageMap, async_step_order, forward_only_order,
+                                                  interleaved_stage, schedule_order, stage_placement)
 from megalite.parallel.pipeline.simulate import dataflow_replay
 
 RECEIVE_AHEAD = 1          # receives in flight beyond the one the next receiving action waits on
@@ -77,6 +78,19 @@ def schedule_plans(schedule: str, pp: int, num_microbatches: int, num_chunks: in
 def rank_plan(schedule: str, pp: int, rank: int, num_microbatches: int, num_chunks: int,
               forward_only: bool = False) -> RankPlan:
     return schedule_plans(schedule, pp, num_microbatches, num_chunks, forward_only)[rank]
+
+
+def async_step_plan(pp: int, rank: int, num_microbatches: int, fresh: bool, remaining: int) -> RankPlan:
+    """This rank's plan for one step of an asynchronous schedule (schedules.async_step_order): ``fresh``
+    for a stream's first step, ``remaining`` micro-batches left in the run from the step's first."""
+    return _async_step_plans(pp, num_microbatches, fresh, min(remaining, num_microbatches + pp))[rank]
+
+
+@lru_cache(maxsize=64)
+def _async_step_plans(pp: int, num_microbatches: int, fresh: bool, remaining: int) -> tuple[RankPlan, ...]:
+    orders = [async_step_order(pp, r, num_microbatches, fresh, remaining) for r in range(pp)]
+    maps = [StageMap(pp, r, 1, interleaved_stage, held=None if fresh or r == 0 else pp - 1 - r) for r in range(pp)]
+    return tuple(build_plans(orders, maps))
 
 
 class PostingCursor:

@@ -30,8 +30,9 @@ def forward_backward_no_pipelining(loss_fn: Callable, data_iterator: Iterator, n
 
 # ---- pipeline schedules ------------------------------------------------------------------------
 # A schedule is, per pipeline rank, an ordered list of actions: F(chunk, micro-batch), B(chunk,
-# micro-batch) and, for the zero-bubble schedules, W(chunk, micro-batch) (then B is the input gradient
-# only). One executor runs any of them: it receives what an action needs from the previous (forward)
+# micro-batch), for the zero-bubble schedules W(chunk, micro-batch) (then B is the input gradient only),
+# and for the asynchronous schedules H(micro-batch): receive a forward's input and hold it over the weight
+# update into the next step. One executor runs any of them: it receives what an action needs from the previous (forward)
 # or next (backward) virtual stage, computes, and sends the result on (executor.py, posting in the order
 # of plan.py). Virtual stage v = chunk * pp + rank (interleaved placement) or the V placement of zbv; the
 # first virtual stage embeds, the last computes the loss.
@@ -145,12 +146,12 @@ def zbv_order(pp: int, rank: int, num_microbatches: int) -> list[Action]:
     return [a for a in order if a.microbatch < num_microbatches]
 
 
-def interleaved_stage(rank: int, chunk: int, pp: int, num_chunks: int = 2) -> int:
+def interleaved_stage(rank: int, chunk: int, pp: int) -> int:
     """Virtual stage of a rank's chunk, interleaved placement (Megatron): chunk * pp + rank."""
     return chunk * pp + rank
 
 
-def v_shape_stage(rank: int, chunk: int, pp: int, num_chunks: int = 2) -> int:
+def v_shape_stage(rank: int, chunk: int, pp: int) -> int:
     """Virtual stage of a rank's chunk, V placement (zbv): rank, then 2 * pp - 1 - rank, so rank 0 holds
     the first and the last stage and the middle of the model turns around on the last rank."""
     return rank if chunk == 0 else 2 * pp - 1 - rank
@@ -174,6 +175,25 @@ def stage_placement(schedule: str):
     return v_shape_stage if schedule == "zbv" else interleaved_stage
 
 
+def async_step_order(pp: int, rank: int, num_microbatches: int, fresh: bool, remaining: int) -> list[Action]:
+    """One training step of PipeDream / PipeDream-2BW (pipedream.py) on pipeline stage ``rank``, micro-batches
+    numbered from the step's first: w = pp - 1 - rank warm-up forwards lead the backwards, so the step is
+    the pairs (F(i + w), B(i)) for its m micro-batches, preceded on a ``fresh`` stream (the first step,
+    or the first after a restart) by the warm-up F(0..w-1). Forwards stop at the run's end, ``remaining``
+    micro-batches from the step's first. F(m + w)'s input, sent by the previous stage in this step, is
+    received by H(m + w) at the end and held over the update: the next step's first forward F(w) takes it
+    (its StageMap's ``held``), so no message crosses the step boundary, where the update's collectives run."""
+    m, w = num_microbatches, pp - 1 - rank
+    order = [Action("F", 0, i) for i in range(min(w, remaining))] if fresh else []
+    for i in range(m):
+        if i + w < remaining:
+            order.append(Action("F", 0, i + w))
+        order.append(Action("B", 0, i))
+    if rank > 0 and m + w < remaining:
+        order.append(Action("H", 0, m + w))
+    return order
+
+
 def forward_only_order(order: list[Action]) -> list[Action]:
     return [a for a in order if a.kind == "F"]
 
@@ -187,13 +207,14 @@ class Transfer:
 
 
 class StageMap:
-    """The virtual-stage neighbours of this rank's chunks under a placement."""
+    """The virtual-stage neighbours of this rank's chunks under a placement. ``held``: the micro-batch
+    whose forward takes the input an H action of the step before received (asynchronous schedules)."""
 
-    def __init__(self, pp: int, rank: int, num_chunks: int, placement: Callable):
-        self.rank, self.pp = rank, pp
-        self.stage = [placement(rank, c, pp, num_chunks) for c in range(num_chunks)]
+    def __init__(self, pp: int, rank: int, num_chunks: int, placement: Callable, held: int | None = None):
+        self.rank, self.pp, self.held = rank, pp, held
+        self.stage = [placement(rank, c, pp) for c in range(num_chunks)]
         self.num_stages = pp * num_chunks
-        self.where = {placement(r, c, pp, num_chunks): (r, c) for r in range(pp) for c in range(num_chunks)}
+        self.where = {placement(r, c, pp): (r, c) for r in range(pp) for c in range(num_chunks)}
 
     def first(self, chunk: int) -> bool:
         return self.stage[chunk] == 0
@@ -202,8 +223,11 @@ class StageMap:
         return self.stage[chunk] == self.num_stages - 1
 
     def source(self, action: Action) -> Transfer | None:
-        """Where a forward's activation or a backward's gradient comes from; None when it needs nothing."""
-        if action.kind == "F" and not self.first(action.chunk):
+        """Where a forward's activation (F, or H for the next step's) or a backward's gradient comes from;
+        this rank for an input handed over locally or held from the step before; None when it needs nothing."""
+        if action.kind == "F" and action.microbatch == self.held:
+            return Transfer(self.rank, action.chunk)
+        if action.kind in ("F", "H") and not self.first(action.chunk):
             return Transfer(*self.where[self.stage[action.chunk] - 1])
         if action.kind == "B" and not self.last(action.chunk):
             return Transfer(*self.where[self.stage[action.chunk] + 1])

@@ -41,7 +41,7 @@ class Message:
 
 def _sends(action: Action, stages: StageMap) -> bool:
     """A forward sends its output unless its chunk is the last stage; a backward its input gradient
-    unless its chunk is the first. W sends nothing."""
+    unless its chunk is the first. W and H send nothing."""
     if action.kind == "F":
         return not stages.last(action.chunk)
     return action.kind == "B" and not stages.first(action.chunk)
@@ -54,11 +54,12 @@ def _payload(action: Action, stages: StageMap) -> tuple:
 
 
 def _wanted(rank: int, action: Action, stages: StageMap) -> tuple | None:
-    """What a remote input an action needs: (kind, its own virtual stage, micro-batch, this rank)."""
+    """What a remote input an action needs: (kind, its own virtual stage, micro-batch, this rank); an H
+    action receives a forward's input."""
     source = stages.source(action)
     if source is None or source.rank == rank:
         return None
-    return action.kind, stages.stage[action.chunk], action.microbatch, rank
+    return "F" if action.kind == "H" else action.kind, stages.stage[action.chunk], action.microbatch, rank
 
 
 def dataflow_replay(orders: list[list[Action]], maps: list[StageMap],

@@ -212,14 +212,14 @@ def build_model_chunks(config: ModelConfig, seed: int, tp: TensorParallel, pp_ra
                        num_chunks: int, cp: ContextParallel | None = None, meta: bool = False,
                        stage_layers: list[int] | None = None, placement=None) -> list[GPTModel]:
     """This rank's model chunks. ``stage_layers``: layers per virtual stage (virtual_stage_layers);
-    None splits evenly. ``placement(rank, chunk, pp, num_chunks)``: the chunk's virtual stage
+    None splits evenly. ``placement(rank, chunk, pp)``: the chunk's virtual stage
     (schedules.py: interleaved_stage, the default, or v_shape_stage for zbv)."""
     if stage_layers is None:
         stage_layers = [config.num_layers // (pp_size * num_chunks)] * (pp_size * num_chunks)
     assert len(stage_layers) == pp_size * num_chunks and sum(stage_layers) == config.num_layers, stage_layers
     chunks = []
     for chunk in range(num_chunks):
-        virtual_stage = placement(pp_rank, chunk, pp_size, num_chunks) if placement else chunk * pp_size + pp_rank
+        virtual_stage = placement(pp_rank, chunk, pp_size) if placement else chunk * pp_size + pp_rank
         chunks.append(GPTModel(config, seed=seed, pre_process=virtual_stage == 0,
                                post_process=virtual_stage == pp_size * num_chunks - 1,
                                layer_offset=sum(stage_layers[:virtual_stage]),

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megalite.parallel.pipeline.autograd_outputs import input_grads_to_compute
+from megalite.parallel.pipeline.split_backward import input_grads_to_compute
 from megalite.model.transformer import _RMSNormFunction
 
 
