@@ -18,6 +18,8 @@ from megalite.parallel.context.ring_attention import ContextParallel, local_posi
 from megalite.errors import UserError
 from megalite.model.init import initial_values, initialize_parameter
 from megalite.model.transformer import KVCache, RotaryEmbedding, TransformerLayer, build_norm
+from megalite.parallel.data.protocol import ModuleUnit
+from megalite.parallel.param_meta import mark
 from megalite.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.tensor.layers import ColumnParallelLinear, TensorParallel, VocabParallelEmbedding, parallel_logits
 from megalite.parallel.tensor.mappings import gather_from_tp_region, reduce_from_tp_region, scatter_to_sp_region
@@ -107,10 +109,9 @@ class GPTModel(nn.Module):
         if not self.share_embeddings_and_output_weights:
             return
         if self.pre_process:
-            self.embedding.word_embeddings.weight.shared_embedding = True
+            mark(self.embedding.word_embeddings.weight, shared_embedding=True)
         if self.post_process and not self.pre_process:
-            self.output_layer.weight.shared_embedding = True
-            self.output_layer.weight.shared = True
+            mark(self.output_layer.weight, shared_embedding=True, shared=True)
 
     # ---- parameters -------------------------------------------------------------------------
     def global_name(self, local_name: str) -> str:
@@ -130,13 +131,25 @@ class GPTModel(nn.Module):
     def attach_initial_values(self, seed: int) -> None:
         """Give each (storage-less) parameter ``init_values(start, end)``: its initial elements [start, end)."""
         for name, param in self.named_parameters():
-            param.init_values = partial(initial_values, param, self.global_name(name), self.config.init_method_std,
-                                        self.config.num_layers, seed)
+            mark(param, init_values=partial(initial_values, param, self.global_name(name),
+                                            self.config.init_method_std, self.config.num_layers, seed))
 
     def output_weight(self) -> torch.Tensor:
         if self.share_embeddings_and_output_weights and self.pre_process:
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
+
+    def data_parallel_units(self) -> list[ModuleUnit]:
+        """This chunk's module units in forward order, for the data-parallel backends: the embedding (its
+        backward reads only the token ids), each transformer layer, and the head (final norm through the
+        whole forward, which computes the logits with the output weight)."""
+        units = []
+        if self.pre_process:
+            units.append(ModuleUnit("embedding", self.embedding, self.embedding, gather_in_backward=False))
+        units += [ModuleUnit(f"layer{i}", layer, layer, layer=True) for i, layer in enumerate(self.decoder.layers)]
+        if self.post_process:
+            units.append(ModuleUnit("head", self.decoder.final_layernorm, self, reads=(self.output_weight(),)))
+        return units
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,

@@ -15,6 +15,7 @@ import zlib
 
 import torch
 
+from megalite.parallel.param_meta import param_meta
 from megalite.parallel.tensor.layers import shard_positions
 
 _MASK32 = 0xFFFFFFFF
@@ -66,10 +67,11 @@ def initial_values(param: torch.nn.Parameter, global_name: str, base_std: float,
     """fp32 initial values of this rank's elements [start, end) of ``param`` (flat, local to its TP shard):
     norms -> 1, biases -> 0, weights -> N(0, std) at their positions in the full tensor.
 
-    A sharded parameter carries ``full_shape``, ``partition_dim`` and ``take_shard`` (set by the
+    A sharded parameter's record carries ``full_shape``, ``partition_dim`` and ``take_shard`` (set by the
     tensor-parallel layers; see ``shard_positions``); an unsharded one is its own full tensor."""
-    if getattr(param, "is_norm_weight", False):      # 1, or 0 for --apply-layernorm-1p's zero-centred weights
-        return torch.full((end - start,), float(getattr(param, "norm_init_value", 1.0)))
+    meta = param_meta(param)
+    if meta.is_norm_weight:      # 1, or 0 for --apply-layernorm-1p's zero-centred weights
+        return torch.full((end - start,), float(meta.norm_init_value))
     if global_name.endswith(".bias"):
         return torch.zeros(end - start)
     rows, cols, full_cols = shard_positions(param)

@@ -17,6 +17,7 @@ from megalite.parallel.pipeline.autograd_outputs import input_grads_to_compute
 from megalite.config.schema import ModelConfig
 from megalite.parallel.context.ring_attention import ContextParallel, ring_attention
 from megalite.errors import UserError
+from megalite.parallel.param_meta import mark
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TensorParallel
 from megalite.parallel.tensor.random import checkpoint
 
@@ -68,8 +69,8 @@ class _ZeroCenteredWeight:
     def _init_weight(self, hidden_size: int, dtype: torch.dtype, zero_centered: bool) -> None:
         self.zero_centered = zero_centered
         self.weight = nn.Parameter(torch.full((hidden_size,), 0.0 if zero_centered else 1.0, dtype=dtype))
-        self.weight.is_norm_weight = True
-        self.weight.norm_init_value = 0.0 if zero_centered else 1.0     # what initialisation fills it with
+        mark(self.weight, is_norm_weight=True,
+             norm_init_value=0.0 if zero_centered else 1.0)     # what initialisation fills it with
 
     def scale(self) -> torch.Tensor:
         return self.weight + 1 if self.zero_centered else self.weight
@@ -107,7 +108,7 @@ def build_norm(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel) -> n
     norm = (RMSNorm if config.normalization == "RMSNorm" else LayerNorm)(config.hidden_size, config.norm_epsilon, dtype,
                                                                         config.apply_layernorm_1p)
     for param in norm.parameters():
-        param.sequence_parallel = tp.sequence_parallel
+        mark(param, sequence_parallel=tp.sequence_parallel)
     return norm
 
 
@@ -199,7 +200,7 @@ class SelfAttention(nn.Module):
         if tp.size > nkv:
             kv_rows = (self.num_heads * d, (self.num_heads + 2) * d, tp.size // nkv)
             for param in self.linear_qkv.parameters():
-                param.replicated_rows = kv_rows
+                mark(param, replicated_rows=kv_rows)
         self.linear_proj = RowParallelLinear(nq * d, h, config.add_bias_linear, dtype, tp)
 
     def split_qkv(self, qkv: torch.Tensor):

@@ -1,11 +1,11 @@
 """Gradient clipping over the global L2 norm (Megatron: coefficient max_norm / (norm + 1e-6)).
 
 "Global" means the norm of the whole model's gradient, whatever the layout:
-- tensor parallelism: a TP-sharded parameter (``param.tensor_model_parallel``) counts on every TP rank;
-  a replicated one only on TP rank 0; rows that a TP-sharded parameter replicates over r ranks
-  (``param.replicated_rows = (first_row, end_row, r)``) count 1/r on each;
+- tensor parallelism: a TP-sharded parameter (``tensor_model_parallel`` in its ``param_meta``) counts on
+  every TP rank; a replicated one only on TP rank 0; rows that a TP-sharded parameter replicates over r
+  ranks (``replicated_rows = (first_row, end_row, r)``) count 1/r on each;
 - pipeline parallelism: every stage counts its own parameters; a second copy of a shared parameter
-  (``param.shared``, e.g. the tied word embedding on the last stage) is not counted;
+  (``shared``, e.g. the tied word embedding on the last stage) is not counted;
 - ZeRO (sharded gradients): every data-parallel rank counts its own shard.
 Each rank sums the squares of what it counts; the sums are all-reduced over the model-parallel group
 (tp x pp) and, for sharded gradients, over the data-parallel group.
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from megalite.parallel.param_meta import param_meta
 
 
 @torch.no_grad()
@@ -44,13 +46,14 @@ def norm_weights(named_params, slots, tp_rank: int) -> list[tuple[int, int, floa
     segments = []
     for name, param in named_params:
         slot = slots[name]
-        if getattr(param, "shared", False):
+        meta = param_meta(param)
+        if meta.shared:
             continue
-        if not getattr(param, "tensor_model_parallel", False):
+        if not meta.tensor_model_parallel:
             if tp_rank == 0:
                 segments.append((slot.start, slot.end, 1.0))
             continue
-        rows = getattr(param, "replicated_rows", None)
+        rows = meta.replicated_rows
         if not rows:
             segments.append((slot.start, slot.end, 1.0))
             continue

@@ -3,7 +3,7 @@
 Data-parallel rank r of d owns the r-th of d equal contiguous chunks of every bucket of the flat
 buffer (one bucket: simply the r-th contiguous 1/d of the buffer). It keeps the fp32 master weights
 and both Adam moments only for those chunks: 12 bytes per owned parameter (8 for fp32 models, whose
-own weights are the master copy), i.e. 12Ψ/d per rank instead of 12Ψ (ZeRO paper; REFERENCE §6).
+own weights are the master copy), i.e. 12Ψ/d per rank instead of 12Ψ (ZeRO paper).
 
 One step: the data-parallel wrapper has reduce-scattered the gradients (each rank holds the summed
 gradient of its chunks, divided by d); the global norm sums every rank's share over the data-parallel
@@ -15,14 +15,14 @@ parameters stay sharded, so the update lands directly in this rank's parameter s
 from __future__ import annotations
 
 from megalite.config.schema import OptimizerConfig
-from megalite.parallel.data.ddp import DistributedDataParallel
+from megalite.parallel.data.protocol import DataParallel
 from megalite.optim.mixed_precision import MixedPrecisionAdamW, Piece
 
 
 class DistributedOptimizer(MixedPrecisionAdamW):
     grads_sharded = True
 
-    def __init__(self, ddp: DistributedDataParallel, config: OptimizerConfig, parallel=None, grad_norm_fn=None):
+    def __init__(self, ddp: DataParallel, config: OptimizerConfig, parallel=None, grad_norm_fn=None):
         if not ddp.shard_optimizer:
             raise ValueError("the distributed optimizer needs a sharding strategy other than no_shard")
         super().__init__(ddp.buffer, ddp.named_params, config, grad_norm_fn=grad_norm_fn, parallel=parallel, ddp=ddp)
@@ -36,7 +36,7 @@ class DistributedOptimizer(MixedPrecisionAdamW):
         self.ddp.start_param_sync()
 
 
-def build_optimizer(ddp: DistributedDataParallel, config: OptimizerConfig, parallel=None) -> MixedPrecisionAdamW:
+def build_optimizer(ddp: DataParallel, config: OptimizerConfig, parallel=None) -> MixedPrecisionAdamW:
     """The optimizer for ``ddp``'s sharding strategy: replicated (no_shard) or distributed (ZeRO)."""
     if ddp.shard_optimizer:
         return DistributedOptimizer(ddp, config, parallel)

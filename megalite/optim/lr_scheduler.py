@@ -17,9 +17,8 @@ class LRScheduler:
         self.min_lr = config.min_lr
         # --decoupled-lr: the input embedding and output layer follow the same schedule between their own
         # maximum and minimum (Megatron's decoupled_lr / decoupled_min_lr; the minimum defaults to --min-lr)
-        self.decoupled_max_lr = getattr(config, "decoupled_lr", None)
-        decoupled_min = getattr(config, "decoupled_min_lr", None)
-        self.decoupled_min_lr = config.min_lr if decoupled_min is None else decoupled_min
+        self.decoupled_max_lr = config.decoupled_lr
+        self.decoupled_min_lr = config.min_lr if config.decoupled_min_lr is None else config.decoupled_min_lr
         self.init_lr = config.lr_warmup_init
         self.style = config.lr_decay_style
         self.warmup = float(config.lr_warmup_iters)

@@ -1,6 +1,7 @@
 """AdamW over fp32 master weights, for fp32, bf16 and fp16 (loss-scaled) models.
 
-The model's parameters live in one ParamAndGradBuffer. The optimizer keeps an fp32 master copy of the
+The model's parameters live in one flat layout (parallel/data/protocol.py's FlatLayout: the
+ParamAndGradBuffer, or FSDP2's shards). The optimizer keeps an fp32 master copy of the
 part of the flat buffer it updates (the buffer itself for fp32 models), steps it with PyTorch's fused
 AdamW, and copies the result back into the model's dtype. Weight decay is decoupled (AdamW) and
 skipped for biases and norm weights, as in Megatron.
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from megalite.config.schema import OptimizerConfig
-from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
+from megalite.parallel.data.protocol import DataParallel, FlatLayout
 from megalite.optim.clip_grads import any_not_finite, clip_pieces, global_grad_norm, local_segments, norm_weights
 from megalite.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler
 
@@ -47,10 +48,10 @@ class Piece:
 class MixedPrecisionAdamW:
     grads_sharded = False        # True when each data-parallel rank holds a different part of the gradients
 
-    def __init__(self, buffer: ParamAndGradBuffer, named_params: list[tuple[str, nn.Parameter]],
-                 config: OptimizerConfig, grad_norm_fn=None, parallel=None, ddp=None):
+    def __init__(self, buffer: FlatLayout, named_params: list[tuple[str, nn.Parameter]],
+                 config: OptimizerConfig, grad_norm_fn=None, parallel=None, ddp: DataParallel | None = None):
         """``parallel`` (ParallelState): reduce the norm / overflow flag over the model-parallel group.
-        ``ddp``: the DistributedDataParallel owning ``buffer`` (zero_grad resets its step state).
+        ``ddp``: the data-parallel backend owning ``buffer`` (zero_grad resets its step state).
         ``grad_norm_fn``: overrides the global-norm computation (returns the norm as a float)."""
         self.buffer = buffer
         self.config = config
@@ -59,7 +60,7 @@ class MixedPrecisionAdamW:
         self.grad_norm_fn = grad_norm_fn
         self.pieces = self._pieces()
         self.decoupled = [False] * len(self.pieces)
-        if getattr(config, "decoupled_lr", None) is not None:
+        if config.decoupled_lr is not None:
             self.pieces, self.decoupled = _split_pieces(self.pieces, _merge_ranges(sorted(
                 (buffer.slots[n].start, buffer.slots[n].end) for n, _ in named_params if is_embedding_or_output(n))))
         fp32 = buffer.param_dtype == torch.float32
@@ -89,9 +90,8 @@ class MixedPrecisionAdamW:
                                       betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                                       weight_decay=0.0, **_fastest_adam_impl(self.master_pieces[0]))
         _init_adam_state(self.adam)
-        # fp16 compute needs loss scaling; FSDP2's shards are fp32 while forward/backward run in fp16
-        compute_dtype = getattr(buffer, "compute_dtype", buffer.param_dtype)
-        self.loss_scaler = _build_loss_scaler(config) if compute_dtype == torch.float16 else None
+        # fp16 compute needs loss scaling (FSDP2's shards are fp32 while forward/backward run in fp16)
+        self.loss_scaler = _build_loss_scaler(config) if buffer.compute_dtype == torch.float16 else None
 
     # ---- what this optimizer updates -------------------------------------------------------------
     def _pieces(self) -> list[Piece]:

@@ -18,6 +18,7 @@ from bench.activation_memory import LLAMA, count_saved, megalite_layer_bytes
 from harness import run_ranks
 from megalite.parallel.context import build_context_parallel, local_positions, ring_attention
 from megalite.parallel.mesh import ParallelState
+from megalite.parallel.param_meta import param_meta
 from megalite.parallel.tensor.layers import ColumnParallelLinear, TensorParallel
 from megalite.parallel.tensor.mappings import gather_from_sp_region
 from megalite.parallel.tensor.random import build_rng_tracker
@@ -33,7 +34,7 @@ def _sp_linear(tp: TensorParallel, dtype: torch.dtype, frozen_weight: bool) -> N
     x_full, w, b, grad = (t.to(dtype) for t in (x_full, w, b, grad))
     layer = ColumnParallelLinear(H, OUT, True, dtype, tp)
     with torch.no_grad():
-        layer.weight.copy_(layer.weight.take_shard(w)); layer.bias.copy_(layer.bias.take_shard(b))
+        layer.weight.copy_(param_meta(layer.weight).take_shard(w)); layer.bias.copy_(param_meta(layer.bias).take_shard(b))
     layer.weight.requires_grad_(not frozen_weight)
     x_local = tp.chunk(x_full, dim=0)
     xa, xb = x_local.clone().requires_grad_(), x_local.clone().requires_grad_()

@@ -5,16 +5,17 @@ import torch
 from harness import run_ranks
 from megalite.parallel.data.grad_buffer import BufferSlot
 from megalite.optim.clip_grads import global_grad_norm, local_segments, norm_weights
+from megalite.parallel.param_meta import mark
 
 
 def fake(shape, sharded=None, rows=None, shared=False):
     p = torch.nn.Parameter(torch.zeros(shape))
     if sharded is not None:
-        p.tensor_model_parallel = sharded
+        mark(p, tensor_model_parallel=sharded)
     if rows is not None:
-        p.replicated_rows = rows
+        mark(p, replicated_rows=rows)
     if shared:
-        p.shared = True
+        mark(p, shared=True)
     return p
 
 

@@ -52,13 +52,13 @@ def switch(forced: bool):
 
 @contextlib.contextmanager
 def slices_of(n: int):
-    """ddp's gloo slices of ``n`` elements inside the block, so a small chunk spans several."""
-    from megalite.distributed import ddp
-    before, ddp.GLOO_SLICE = ddp.GLOO_SLICE, n
+    """bucket_comm's gloo slices of ``n`` elements inside the block, so a small chunk spans several."""
+    from megalite.parallel.data import bucket_comm
+    before, bucket_comm.GLOO_SLICE = bucket_comm.GLOO_SLICE, n
     try:
         yield
     finally:
-        ddp.GLOO_SLICE = before
+        bucket_comm.GLOO_SLICE = before
 
 
 def values(world_n: int, rank: int, dtype) -> torch.Tensor:
@@ -81,7 +81,7 @@ def both_right(rank: int, world: int, dtype, n: int, async_op: bool, reduce_scat
 
 def single_tensor_forms(rank: int, world: int) -> dict:
     """(names, dtype, chunk, async) -> (reduce-scatter right, all-gather right), and the function picked."""
-    from megalite.distributed import collectives
+    from megalite.parallel import collectives
 
     def reduce_scatter(out, flat, async_op):
         return collectives.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, async_op=async_op)
@@ -99,20 +99,20 @@ def single_tensor_forms(rank: int, world: int) -> dict:
 
 
 def comm_operations(comm, world: int) -> tuple:
-    """ddp.Comm's reduce-scatter and all-gather as both_right calls them."""
+    """bucket_comm.Comm's reduce-scatter and all-gather as both_right calls them."""
     def reduce_scatter(result, flat, async_op):
         return comm.reduce_scatter(result, flat, flat.chunk(world), async_op)
     return reduce_scatter, comm.all_gather
 
 
 def bucket_comm(rank: int, world: int) -> dict:
-    """ddp.Comm on both branches, in gloo slices of 5 elements so a chunk spans several: (forced, dtype,
+    """bucket_comm.Comm on both branches, in gloo slices of 5 elements so a chunk spans several: (forced, dtype,
     chunk, async) -> (reduce-scatter right, all-gather right), and which branch each took."""
-    from megalite.distributed import ddp
+    from megalite.parallel.data import bucket_comm
     out = {}
     for forced in (False, True):
         with switch(forced), slices_of(5):
-            comm = ddp.Comm(dist.group.WORLD, world, None)
+            comm = bucket_comm.Comm(dist.group.WORLD, world, None)
             out[(forced, "list_form")] = comm.list_form
             for dtype, n, async_op in itertools.product((torch.float32, torch.bfloat16), (1, 7, 12), (False, True)):
                 out[(forced, str(dtype), n, async_op)] = both_right(rank, world, dtype, n, async_op,
@@ -121,7 +121,7 @@ def bucket_comm(rank: int, world: int) -> dict:
 
 
 def memory_rows(rank: int, world: int) -> list:
-    from megalite.train.memory_report import gather_memory
+    from megalite.train.performance import gather_memory
     buffer = SimpleNamespace(param_bytes=lambda: 100 + rank, grad_bytes=lambda: 200 + rank, numel_unpadded=12,
                              param_dtype=torch.float32, params=[torch.zeros(1)])
     ddp = SimpleNamespace(buffer=buffer, dp_size=world, shard_optimizer=True)

@@ -1,8 +1,8 @@
 """Data parallelism over the flat bucketed buffer, and the parameter/gradient side of ZeRO.
 
 Every data-parallel rank runs the same model on its slice of the global batch; gradients are summed
-over the data-parallel group and divided by its size (SUM then divide: gloo's ReduceOp.AVG is not to
-be trusted, REFERENCE §7), so every rank ends with the gradient of the mean loss over the global batch.
+over the data-parallel group and divided by its size (SUM then divide: gloo's ReduceOp.AVG does not
+give the same result on every backend), so every rank ends with the gradient of the mean loss over the global batch.
 
 Strategies (Megatron's ``--data-parallel-sharding-strategy`` names):
 
@@ -10,12 +10,13 @@ Strategies (Megatron's ``--data-parallel-sharding-strategy`` names):
   gradient buffer is all-reduced.
 - ``optim`` (ZeRO-1, ``--use-distributed-optimizer``): each bucket of the full gradient buffer is
   reduce-scattered after the last micro-batch; rank r keeps the reduced r-th chunk of each bucket, steps
-  only that chunk (optimizer/distrib_optimizer.py) and the updated chunks are all-gathered.
+  only that chunk (optim/distrib_optimizer.py) and the updated chunks are all-gathered.
 - ``optim_grads`` (ZeRO-2): no full gradient buffer. A bucket stages one micro-batch's gradients in a
   full-size tensor from its first gradient on; once complete it is reduce-scattered, the reduced chunk
-  added into this rank's gradient shard, and the staging freed (``GradReduction``).
-- ``optim_grads_params`` (ZeRO-3): as ZeRO-2, and parameters are sharded too. Buckets follow module
-  units: the embedding, each transformer layer, and the head (final norm + output layer). A unit's
+  added into this rank's gradient shard, and the staging freed (``bucket_comm.GradReduction``).
+- ``optim_grads_params`` (ZeRO-3): as ZeRO-2, and parameters are sharded too. Buckets follow the
+  model's module units (``data_parallel_units``): the embedding, each transformer layer, and the head
+  (final norm + output layer). A unit's
   parameters are all-gathered just before its forward and freed after it, gathered again when backward
   reaches the unit and freed when its backward is done (a hook on the unit's input gradient). The
   embedding's backward reads only the token ids, so it is not gathered for backward. With
@@ -34,7 +35,7 @@ micro-batches and the optimizer's gradients stay fp32.
 Why not FSDP2 (``torch.distributed.fsdp.fully_shard``) for ZeRO-3: it replaces every parameter by a
 DTensor with its own per-parameter padded storage, while here parameters are views into one flat
 buffer that the optimizer (fused AdamW over flat shards), clipping, the bucketed reductions, the
-memory report and the tensor-/pipeline-parallel gradient fix-ups (``all_reduce_param_grads``) all
+memory report and the tensor-/pipeline-parallel gradient fix-ups (parallel/finalize_grads.py) all
 work on. Sharding that same buffer per unit keeps one code path and one numerics for all four
 strategies (ZeRO-3 equals DP=1 to fp32 rounding) and composes with TP, SP and interleaved PP as is.
 
@@ -42,7 +43,8 @@ Pipeline parallelism: pass the rank's model chunks as a list (one buffer for all
 names prefixed ``chunk{i}.``); the count of backward passes per step is ``num_microbatches`` for every
 chunk, whatever the schedule's order.
 
-Bytes moved per step per rank (ring algorithms, REFERENCE §6), Ψ parameters, d data-parallel ranks:
+Bytes moved per step per rank (ring algorithms: an all-reduce moves 2(d-1)/d of the data, a
+reduce-scatter or all-gather (d-1)/d), Ψ parameters, d data-parallel ranks:
 no_shard all-reduce 2(d-1)/d·4Ψ; optim/optim_grads reduce-scatter (d-1)/d·4Ψ (ZeRO-2: per
 micro-batch) + all-gather (d-1)/d·Ψ·bytes(param dtype); ZeRO-3 adds the parameter all-gathers of
 forward and backward instead of the one after the step.
@@ -57,8 +59,9 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config.schema import SHARDING_STRATEGIES, ParallelConfig
-from megalite.distributed import collectives
+from megalite.parallel.data.bucket_comm import DONE, Comm, GradReduction
 from megalite.parallel.data.grad_buffer import Bucket, ParamAndGradBuffer
+from megalite.parallel.data.protocol import DataParallel, ModuleUnit, UnitSource
 from megalite.parallel.mesh import ParallelState
 
 # Asynchronous bucket collectives in flight at once. A ZeRO-2/3 reduce-scatter holds a full-size staging
@@ -91,148 +94,33 @@ def data_parallel_group(parallel: ParallelState):
     return group, size, dist.get_rank(group)
 
 
-class _Done:
-    def wait(self) -> None:
-        pass
-
-
-_DONE = _Done()
-
-
-class Comm:
-    """The data-parallel group and how its collectives are called. ``reduce_dtype``: the dtype gradients
-    travel in (None: as they are, fp32). On gloo the bucket collectives take the list forms in slices,
-    unless MEGALITE_FORCE_NCCL_COLLECTIVE_PATH=1 (collectives.bucket_list_form); otherwise the
-    single-tensor forms, as on NCCL."""
-
-    def __init__(self, group, size: int, reduce_dtype: torch.dtype | None):
-        self.group, self.size, self.reduce_dtype = group, size, reduce_dtype
-        self.list_form = collectives.bucket_list_form(group)
-
-    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, chunks: list, async_op: bool):
-        """Sum ``flat`` over the group, this rank keeping its chunk in ``out``. gloo: list input (faster
-        than its single-tensor form on CPU, same bytes on the wire), in slices (see GlooSlices)."""
-        if self.list_form:
-            return GlooSlices(out.numel(), lambda lo, hi: dist.reduce_scatter(
-                out[lo:hi], [c[lo:hi] for c in chunks], op=dist.ReduceOp.SUM, group=self.group, async_op=True),
-                async_op)
-        return collectives.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group,
-                                                 async_op=async_op)
-
-    def all_gather(self, out: torch.Tensor, local: torch.Tensor, async_op: bool):
-        if self.list_form:
-            chunks = out.chunk(self.size)
-            return GlooSlices(local.numel(), lambda lo, hi: dist.all_gather(
-                [c[lo:hi] for c in chunks], local[lo:hi], group=self.group, async_op=True), async_op)
-        return collectives.all_gather_single(out, local, group=self.group, async_op=async_op)
-
-
-GLOO_SLICE = 1 << 21          # elements per rank's chunk in one gloo collective
-
-
-class GlooSlices:
-    """A gloo collective over a large bucket, run as consecutive slices of at most GLOO_SLICE elements
-    per rank's chunk. gloo copies each collective through a temporary the size of its whole input or
-    output and frees it only with the Work object; sliced, that temporary stays bounded. The first slice
-    starts at once (asynchronously); ``wait()`` runs the rest one after another."""
-
-    def __init__(self, numel: int, start_slice, async_op: bool):
-        self._slices = [(lo, min(numel, lo + GLOO_SLICE)) for lo in range(0, max(numel, 1), GLOO_SLICE)]
-        self._start = start_slice
-        self._work = self._start(*self._slices.pop(0))
-        if not async_op:
-            self.wait()
-
-    def wait(self) -> None:
-        while self._work is not None:
-            self._work.wait()
-            self._work = self._start(*self._slices.pop(0)) if self._slices else None
-
-
-class GradReduction:
-    """ZeRO-2/3: one bucket's gradients of one micro-batch, from the first gradient to the shard.
-
-    accumulate (allocates the full-size staging) -> start (reduce-scatter, asynchronous with overlap)
-    -> finish (wait, add the reduced chunk into this rank's gradient shard, free staging and output).
-    A bucket's next micro-batch reuses the staging only after its previous reduction finished, and
-    every reduction of a backward pass is finished when that pass ends, so no staging outlives it."""
-
-    def __init__(self, bucket: Bucket, shard_chunk: torch.Tensor, comm: Comm):
-        self.bucket, self.shard_chunk, self.comm = bucket, shard_chunk, comm
-        self.arrived = 0
-        self.work = None
-
-    def accumulate(self, offset: int, grad: torch.Tensor) -> bool:
-        """Add one parameter's gradient; True when every parameter of the bucket has arrived."""
-        if self.work is not None:
-            self.finish()
-        staging = self.bucket.staging.allocate(zero=True)
-        staging[offset:offset + grad.numel()].add_(grad.reshape(-1))
-        self.arrived += 1
-        return self.arrived == len(self.bucket.params)
-
-    def start(self, async_op: bool) -> None:
-        self.arrived = 0
-        if self.comm.group is None:                 # a single process: nothing to reduce
-            self.shard_chunk.add_(self.bucket.staging.tensor)
-            self.bucket.staging.free()
-            return
-        out = self.bucket.reduced.allocate()
-        self.work = self.comm.reduce_scatter(out, self.bucket.staging.tensor, self.bucket.staging_chunks,
-                                             async_op) or _DONE
-        if not async_op:
-            self.finish()
-
-    def finish(self) -> None:
-        if self.work is None:
-            return
-        self.work.wait()
-        self.work = None
-        self.shard_chunk.add_(self.bucket.reduced.tensor)
-        self.bucket.staging.free()
-        self.bucket.reduced.free()
-
-    @property
-    def pending(self) -> bool:
-        return self.arrived > 0
-
-
 @dataclass(eq=False)
 class Unit:
-    """Modules whose parameters are gathered together (ZeRO-3) or waited for together (param gather).
-
-    ``module``'s forward pre-hook gathers; ``end_module``'s forward hook ends the forward use (the head
-    unit starts at the final norm and ends with the whole model's forward, which computes the logits)."""
+    """A model's ModuleUnit with what ddp tracks for it: its parameters, the buckets holding any of them,
+    its neighbours in forward order, and whether backward is inside it."""
     name: str
     module: nn.Module
     end_module: nn.Module
     params: list = field(default_factory=list)
-    buckets: list = field(default_factory=list)       # buckets holding any of its parameters
+    buckets: list = field(default_factory=list)
     gather_in_backward: bool = True
-    next: "Unit | None" = None                        # the unit that runs after it in forward
+    reads: tuple = ()
+    next: "Unit | None" = None
     prev: "Unit | None" = None
     in_backward: bool = False
 
 
 def model_units(model: nn.Module, prefix: str = "") -> list[Unit]:
-    """A GPTModel chunk's units in forward order: embedding, each layer, head (those it has)."""
-    units = []
-    embedding = getattr(model, "embedding", None)
-    if embedding is not None:
-        units.append(Unit(prefix + "embedding", embedding, embedding, gather_in_backward=False))
-    for i, layer in enumerate(getattr(getattr(model, "decoder", None), "layers", [])):
-        units.append(Unit(f"{prefix}layer{i}", layer, layer))
-    final_norm = getattr(getattr(model, "decoder", None), "final_layernorm", None)
-    if final_norm is not None:
-        units.append(Unit(prefix + "head", final_norm, model))
-    if not units:                                      # any other module: one unit
-        units.append(Unit(prefix + "model", model, model))
+    """The model's units in forward order (``data_parallel_units``); any other module is one unit."""
+    listed = model.data_parallel_units() if isinstance(model, UnitSource) else []
+    units = [Unit(prefix + u.name, u.module, u.end_module, gather_in_backward=u.gather_in_backward, reads=u.reads)
+             for u in listed] or [Unit(prefix + "model", model, model)]
     for a, b in zip(units, units[1:]):
         a.next, b.prev = b, a
     return units
 
 
-class DistributedDataParallel:
+class DistributedDataParallel(DataParallel):
     """Owns the parameter/gradient buffer of one rank's model (or model chunks) and its reductions.
 
     Use per step: ``zero_grad()`` -> forward/backward over the micro-batches -> ``finish_grad_sync()``
@@ -240,7 +128,8 @@ class DistributedDataParallel:
     collective still in flight).
 
     ``device``: where the buffer's storage lives; needed when the models were built on the meta device
-    (sharded start-up), whose parameters are then materialised (only this rank's part) and swapped in.
+    (sharded start-up), whose parameters are then materialised (only this rank's part) and swapped in;
+    the modules' other buffers are moved there too.
     """
 
     def __init__(self, model: nn.Module | list[nn.Module], config: ParallelConfig, parallel: ParallelState,
@@ -256,8 +145,7 @@ class DistributedDataParallel:
         self.num_microbatches = num_microbatches
         self.parallel = parallel
         self.group, self.dp_size, self.dp_rank = data_parallel_group(parallel)
-        reduce_in_bf16 = getattr(config, "grad_reduce_in_bf16", False)
-        self.comm = Comm(self.group, self.dp_size, torch.bfloat16 if reduce_in_bf16 else None)
+        self.comm = Comm(self.group, self.dp_size, torch.bfloat16 if config.grad_reduce_in_bf16 else None)
         self.shard_optimizer = self.strategy != "no_shard"
         self.shard_grads = self.strategy in ("optim_grads", "optim_grads_params")
         self.shard_params = self.strategy == "optim_grads_params"
@@ -268,7 +156,9 @@ class DistributedDataParallel:
                                          self.shard_params, units=unit_of if self.shard_grads else None,
                                          device=device, staging_dtype=self.comm.reduce_dtype or torch.float32)
         named = self._swap_materialised(named)
-        if getattr(config, "gradient_accumulation_fusion", True):
+        for module in self.models if device is not None else []:
+            module.to(device)                 # the remaining buffers (rotary tables); parameters are there
+        if config.gradient_accumulation_fusion:
             self.buffer.fuse_weight_grads()
         self.named_params = named
         self.buckets = self.buffer.buckets
@@ -311,7 +201,6 @@ class DistributedDataParallel:
             for index, unit in enumerate(chain):
                 for param in unit.module.parameters():
                     owner.setdefault(id(param), index)
-            head = chain[-1] if chain[-1].name.endswith("head") else None
             for name, param in model.named_parameters():
                 if not param.requires_grad:
                     continue
@@ -319,10 +208,8 @@ class DistributedDataParallel:
                 chain[index].params.append(param)
                 named.append((prefix + name, param))
                 unit_of.append(len(units) + index)
-            if head is not None and hasattr(model, "output_weight"):
-                weight = model.output_weight()
-                if all(p is not weight for p in head.params):
-                    head.params.append(weight)              # tied: the head reads the embedding's weight
+            for unit in chain:                               # tied: the head reads the embedding's weight
+                unit.params += [p for p in unit.reads if all(p is not q for q in unit.params)]
             units += chain
         return named, unit_of, units
 
@@ -340,10 +227,6 @@ class DistributedDataParallel:
         for unit in self.units:
             unit.params = [new.get(id(p), p) for p in unit.params]
         return [(n, new.get(id(p), p)) for n, p in named]
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return [p for _, p in self.named_params]
 
     # ---- per step --------------------------------------------------------------------------------
     def _reset_step_state(self) -> None:
@@ -414,7 +297,7 @@ class DistributedDataParallel:
             work = self.comm.reduce_scatter(out, flat, chunks, async_op)
         else:
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
-        self._grad_work[bucket.index] = work if async_op else _DONE
+        self._grad_work[bucket.index] = work if async_op else DONE
         if async_op:
             self._limit_in_flight(lambda: self._complete(bucket))
         else:
@@ -433,7 +316,7 @@ class DistributedDataParallel:
         if work is None:
             return
         work.wait()
-        self._grad_work[bucket.index] = _DONE
+        self._grad_work[bucket.index] = DONE
         copies = self._comm_copies.pop(bucket.index, None)
         if copies is None:
             return
@@ -474,7 +357,7 @@ class DistributedDataParallel:
             elif self.dp_size > 1:
                 self.buffer.grad_data.mul_(1.0 / self.dp_size)
         self._reset_step_state()
-        self._grad_work = {b.index: _DONE for b in self.buckets}   # nothing may launch before zero_grad
+        self._grad_work = {b.index: DONE for b in self.buckets}   # nothing may launch before zero_grad
 
     def close(self) -> None:
         """Wait for every collective still in flight and remove the hooks (end of training)."""
@@ -501,23 +384,6 @@ class DistributedDataParallel:
         if lo >= hi:
             return []
         return [(self.buffer.local_grad_chunk(bucket)[lo - start:hi - start], lo - slot.start)]
-
-    @torch.no_grad()
-    def all_reduce_param_grads(self, selection: list[tuple[nn.Parameter, tuple | None]], group) -> None:
-        """Sum over ``group`` the reduced gradients of the selected parameters, or of a row range
-        ``(first_row, end_row)`` of each (model-parallel fix-ups after ``finish_grad_sync``, e.g. the
-        sequence-parallel norm weights over TP). Works for every sharding strategy: only the part of
-        each gradient this rank holds is reduced; ranks of ``group`` share the buffer layout."""
-        all_reduce_held_grads(selection, group, self.grad_views)
-
-    def average_over_dp(self, value: float) -> float:
-        """The mean of ``value`` over the data-parallel ranks (e.g. the loss for logging)."""
-        if self.group is None:
-            return value
-        t = self._scalar
-        t.fill_(value)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-        return float(t) / self.dp_size
 
     # ---- parameters after the optimizer step (ZeRO-1/2) ------------------------------------------
     def start_param_sync(self) -> None:
@@ -625,31 +491,3 @@ def _tensors(output) -> list[torch.Tensor]:
     if isinstance(output, dict):
         return [t for item in output.values() for t in _tensors(item)]
     return []
-
-
-@torch.no_grad()
-def all_reduce_held_grads(selection: list[tuple[nn.Parameter, tuple | None]], group, grad_views) -> None:
-    """Sum over ``group``, in one all-reduce, the pieces of the selected parameters' gradients this rank
-    holds (``grad_views(param)`` -> [(view, offset in the flattened parameter)]), or of a row range
-    ``(first_row, end_row)`` of each. The ranks of ``group`` must hold the same pieces (they share a
-    buffer layout or a sharding). Used by DistributedDataParallel and the FSDP2 backend alike."""
-    if group is None:
-        return
-    views = []
-    for param, rows in selection:
-        lo, hi = 0, param.numel()
-        if rows is not None:
-            row = param.numel() // param.shape[0]
-            lo, hi = rows[0] * row, rows[1] * row
-        for view, offset in grad_views(param):
-            a, b = max(lo, offset), min(hi, offset + view.numel())
-            if a < b:
-                views.append(view[a - offset:b - offset])
-    if not views:
-        return
-    flat = torch.cat(views)
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    offset = 0
-    for view in views:
-        view.copy_(flat[offset:offset + view.numel()])
-        offset += view.numel()

@@ -40,8 +40,8 @@ checkpoints write and read them as boxes by global name and offsets: a run saved
 under megalite's ZeRO-3 or any other layout, and the reverse.
 
 Numerics: every micro-batch's gradients are reduce-scattered and summed into the fp32 shard (like
-ddp.py's ZeRO-2/3), divided by the group size after a SUM (gloo's ReduceOp.AVG is not trusted,
-REFERENCE §7). With fp32 this equals the single-process run to fp32 rounding.
+ddp.py's ZeRO-2/3), divided by the group size after a SUM (never ReduceOp.AVG, whose result differs between
+backends). With fp32 this equals the single-process run to fp32 rounding.
 """
 from __future__ import annotations
 
@@ -50,21 +50,21 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from megalite.config.schema import ParallelConfig
-from megalite.parallel.data.ddp import all_reduce_held_grads, data_parallel_group
 from megalite.errors import UserError
+from megalite.parallel.data.ddp import data_parallel_group
+from megalite.parallel.data.protocol import DataParallel, FlatLayout, UnitSource
+from megalite.parallel.param_meta import mark, param_meta
 from megalite.parallel.mesh import ParallelState
 
 # the chunk's forward returns the per-token losses transposed (a view); nothing writes into them in place
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGPTModel\) returned a view tensor")
 _INIT_CHUNK = 1 << 22          # elements of initial values generated at a time (bounds the temporaries)
-_DROPPED_ATTRIBUTE = "init_values"   # the one attribute not carried over to the sharded parameter
 
 
 @dataclass
@@ -94,8 +94,8 @@ def dim0_shard(rows: int, rank: int, size: int) -> tuple[int, int]:
     return min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
 
 
-class ShardLayout:
-    """The flat-layout view of a rank's FSDP2 shards (ParamAndGradBuffer's interface for sharded state)."""
+class ShardLayout(FlatLayout):
+    """The FlatLayout of a rank's FSDP2 shards: one bucket per parameter shard this rank holds."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], dp_rank: int, dp_size: int,
                  compute_dtype: torch.dtype):
@@ -149,21 +149,19 @@ def mixed_precision_policy(params_dtype: torch.dtype, grad_reduce_in_bf16: bool)
                                 reduce_dtype=torch.bfloat16 if grad_reduce_in_bf16 else torch.float32)
 
 
-class FullyShardedDataParallel:
-    """FSDP2 over a rank's model chunks, with the part of DistributedDataParallel's interface that
-    training, the optimizer, the model-parallel fix-ups and checkpoints use.
+class FullyShardedDataParallel(DataParallel):
+    """FSDP2 over a rank's model chunks, as a DataParallel backend.
 
     ``models``: the rank's chunks, built on the meta device with ``init_values`` (GPTModel(meta=True)).
     Per step: ``zero_grad()`` -> forward/backward (FSDP2 gathers and reduce-scatters per layer) ->
     ``finish_grad_sync()`` -> optimizer step on the local shards."""
-
-    shard_optimizer = shard_grads = True
 
     def __init__(self, models: list[nn.Module], config: ParallelConfig, parallel: ParallelState,
                  num_microbatches: int = 1, device: torch.device | None = None):
         self.models = list(models) if isinstance(models, (list, tuple)) else [models]
         self.parallel, self.num_microbatches = parallel, num_microbatches
         self.strategy = config.data_parallel_sharding_strategy
+        self.shard_optimizer = self.shard_grads = True
         self.shard_params = self.strategy == "optim_grads_params"
         self.group, self.dp_size, self.dp_rank = data_parallel_group(parallel)
         if self.group is None:
@@ -171,7 +169,7 @@ class FullyShardedDataParallel:
         device = device or torch.device("cpu")
         self.mesh = DeviceMesh.from_group(self.group, device.type)
         compute_dtype = next(self.models[0].parameters()).dtype
-        policy = mixed_precision_policy(compute_dtype, getattr(config, "grad_reduce_in_bf16", False))
+        policy = mixed_precision_policy(compute_dtype, config.grad_reduce_in_bf16)
         saved = [self._shard(model, policy, config.overlap_param_gather) for model in self.models]
         for model, attributes in zip(self.models, saved):
             self._materialise(model, attributes, device)
@@ -184,12 +182,13 @@ class FullyShardedDataParallel:
     # ---- start-up ----------------------------------------------------------------------------------
     def _shard(self, model: nn.Module, policy: MixedPrecisionPolicy, prefetch: bool) -> dict[str, dict]:
         """fully_shard every transformer layer and the chunk, still on the meta device. Returns each
-        parameter's megalite attributes (TP layout, init_values, markers), which the new DTensor
-        parameters do not carry."""
+        parameter's attributes (its ``param_meta`` record: TP layout, init_values, markers), which the new
+        DTensor parameters do not carry."""
         attributes = {name: dict(p.__dict__) for name, p in model.named_parameters()}
         for p in model.parameters():                     # sharded parameters are the fp32 master weights
             p.data = p.data.float()
-        layers = list(getattr(getattr(model, "decoder", None), "layers", []))
+        units = model.data_parallel_units() if isinstance(model, UnitSource) else []
+        layers = [unit.module for unit in units if unit.layer]
         for layer in layers:
             fully_shard(layer, mesh=self.mesh, reshard_after_forward=self.shard_params, mp_policy=policy)
         fully_shard(model, mesh=self.mesh, reshard_after_forward=self.shard_params, mp_policy=policy)
@@ -211,8 +210,9 @@ class FullyShardedDataParallel:
             owner, _, key = name.rpartition(".")
             model.get_submodule(owner)._buffers[key] = b.to(device)
         for name, param in model.named_parameters():
-            original = attributes[name]
-            param.__dict__.update({k: v for k, v in original.items() if k != _DROPPED_ATTRIBUTE})
+            param.__dict__.update(attributes[name])
+            init_values = param_meta(param).init_values
+            mark(param, init_values=None)          # not kept: the shard is filled once, here
             local = param.to_local()
             if local.numel():
                 row = param.numel() // param.shape[0]
@@ -221,22 +221,18 @@ class FullyShardedDataParallel:
                 start = r0 * row
                 for lo in range(0, flat.numel(), _INIT_CHUNK):
                     hi = min(flat.numel(), lo + _INIT_CHUNK)
-                    flat[lo:hi].copy_(original["init_values"](start + lo, start + hi))
+                    flat[lo:hi].copy_(init_values(start + lo, start + hi))
             # the fp32 gradient shard lives for the whole run: FSDP2 accumulates every micro-batch into it
             param.grad = DTensor.from_local(torch.zeros_like(local), self.mesh, [Shard(0)], run_check=False,
                                             shape=param.shape, stride=param.stride())
 
     def _named_params(self) -> list[tuple[str, nn.Parameter]]:
-        """(name, parameter) over the chunks, names prefixed ``chunk{i}.`` with several (checkpointing.py)."""
+        """(name, parameter) over the chunks, names prefixed ``chunk{i}.`` with several (as ddp.py names them)."""
         named = []
         for c, model in enumerate(self.models):
             prefix = f"chunk{c}." if len(self.models) > 1 else ""
             named += [(prefix + n, p) for n, p in model.named_parameters() if p.requires_grad]
         return named
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return [p for _, p in self.named_params]
 
     # ---- per step --------------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -255,12 +251,6 @@ class FullyShardedDataParallel:
     def close(self) -> None:
         """FSDP2 leaves nothing in flight after backward and the step."""
 
-    def average_over_dp(self, value: float) -> float:
-        """The mean of ``value`` over the data-parallel (x context-parallel) ranks, e.g. the loss."""
-        self._scalar.fill_(value)
-        dist.all_reduce(self._scalar, op=dist.ReduceOp.SUM, group=self.group)
-        return float(self._scalar) / self.dp_size
-
     # ---- what the model-parallel fix-ups see --------------------------------------------------
     def grad_views(self, param: nn.Parameter) -> list[tuple[torch.Tensor, int]]:
         """The reduced gradient of ``param`` this rank holds, as (1-D view, offset of its first element
@@ -269,10 +259,3 @@ class FullyShardedDataParallel:
         if shard is None:
             return []
         return [(shard.grad, shard.start - self._slot_of[id(param)].start)]
-
-    @torch.no_grad()
-    def all_reduce_param_grads(self, selection: list[tuple[nn.Parameter, tuple | None]], group) -> None:
-        """Sum over ``group`` the held gradients of the selected parameters, or of a row range of each
-        (sequence-parallel norms over TP, the tied embedding over the embedding group). The ranks of
-        ``group`` shard each of these parameters alike, so their local shards line up."""
-        all_reduce_held_grads(selection, group, self.grad_views)

@@ -9,7 +9,7 @@ fp32 models: ``param.grad`` *is* the main_grad view, so autograd accumulates int
 bf16/fp16 models: a post-accumulate hook adds the low-precision grad into the fp32 main_grad and frees
 it, so micro-batch accumulation happens in fp32 (Megatron's behaviour).
 ``fuse_weight_grads()`` marks the linear weights whose gradient the matmul itself can add into main_grad
-(gradient-accumulation fusion, tensor_parallel/layers.py): fp32 weights anywhere, bf16/fp16 where PyTorch
+(gradient-accumulation fusion, parallel/tensor/layers.py): fp32 weights anywhere, bf16/fp16 where PyTorch
 has a mixed-dtype addmm on the device (CUDA). Not with ``shard_grads``: there main_grad is not kept.
 
 Buckets (data parallelism). The flat layout is split into buckets, each a run of whole parameters
@@ -32,7 +32,7 @@ Freeing the bytes never drops the object a collective was given, so the release 
 left to a communication thread.
 
 Sharded start-up: parameters built on the meta device (``GPTModel(meta=True)``) carry
-``init_values(start, end)``; the buffer allocates only what this rank holds on ``device``, fills it from
+``init_values(start, end)`` in their record (``param_meta``); the buffer allocates only what this rank holds on ``device``, fills it from
 there and hands back real parameters (``replacements``, swapped into the modules by the data-parallel
 wrapper), so no rank ever materialises a tensor it does not keep.
 """
@@ -43,6 +43,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from megalite.parallel.data.protocol import FlatLayout
+from megalite.parallel.param_meta import mark, param_meta
 
 _INIT_CHUNK = 1 << 24          # elements initialised at a time (bounds start-up temporaries)
 
@@ -109,7 +112,9 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-class ParamAndGradBuffer:
+class ParamAndGradBuffer(FlatLayout):
+    """The flat parameter and fp32 gradient storage of DistributedDataParallel (module docstring)."""
+
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], bucket_size: int | None = None,
                  dp_rank: int = 0, dp_size: int = 1, shard_grads: bool = False, shard_params: bool = False,
                  units: list[int] | None = None, device: torch.device | None = None,
@@ -125,6 +130,7 @@ class ParamAndGradBuffer:
         if len(dtypes) != 1:
             raise ValueError(f"parameters of one buffer must share a dtype, got {dtypes}")
         self.param_dtype = dtypes.pop()
+        self.compute_dtype = self.param_dtype          # forward and backward run in the parameters' dtype
         self.params = [p for _, p in named_params]
         self.device = device or self.params[0].device
         if self.device.type == "meta":
@@ -195,7 +201,7 @@ class ParamAndGradBuffer:
         limit = bucket_size if bucket_size else float("inf")
         offset, current = 0, None
         for (name, param), unit in reversed(list(zip(named_params, units))):
-            alone = self.dp_size > 1 and getattr(param, "shared_embedding", False)
+            alone = self.dp_size > 1 and param_meta(param).shared_embedding
             if current is not None and (offset - current.start >= limit or unit != current.unit or alone
                                         or current.alone):
                 offset = self._close(current, offset)
@@ -224,7 +230,8 @@ class ParamAndGradBuffer:
 
     def _set_storage(self, param: nn.Parameter, view: torch.Tensor) -> None:
         """Make ``param`` a view into the buffer. A meta parameter cannot take real data, so it is replaced
-        by a new Parameter carrying its attributes (the caller swaps it into the module)."""
+        by a new Parameter carrying its attributes and record, less ``init_values`` (the caller swaps it
+        into the module)."""
         if param.device.type != "meta":
             param.data = view
             return
@@ -232,7 +239,8 @@ class ParamAndGradBuffer:
         # re-gathers into the bucket between forward and backward do not look like in-place edits
         new = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device), requires_grad=param.requires_grad)
         new.data = view
-        new.__dict__.update({k: v for k, v in param.__dict__.items() if k != "init_values"})
+        new.__dict__.update(param.__dict__)
+        mark(new, init_values=None)
         self.replacements[id(param)] = new
 
     @torch.no_grad()
@@ -314,14 +322,14 @@ class ParamAndGradBuffer:
 
     def fuse_weight_grads(self) -> int:
         """Mark every 2-D parameter whose gradient the matmul can add straight into its main_grad
-        (``fuse_wgrad_into_main_grad``); returns how many. Only the linears of tensor_parallel/layers.py
+        (``fuse_wgrad_into_main_grad``); returns how many. Only the linears of parallel/tensor/layers.py
         act on the mark; an embedding's gradient still arrives through autograd."""
         if self.shard_grads:
             return 0
         fused = 0
         for p in self.params:
             if p.dim() == 2 and (p.dtype == torch.float32 or _mixed_dtype_addmm_works(p.device, p.dtype)):
-                p.fuse_wgrad_into_main_grad = True
+                mark(p, fuse_wgrad_into_main_grad=True)
                 fused += 1
         return fused
 
@@ -345,7 +353,7 @@ def _fill(target: torch.Tensor, param: nn.Parameter, start: int, end: int) -> No
     if param.device.type != "meta":
         target.copy_(param.detach().reshape(-1)[start:end])
         return
-    init_values = getattr(param, "init_values", None)
+    init_values = param_meta(param).init_values
     if init_values is None:
         raise ValueError("a parameter on the meta device needs init_values(start, end) to be materialised")
     for lo in range(start, end, _INIT_CHUNK):

@@ -25,9 +25,7 @@ from megalite.config.schema import ModelConfig
 from megalite.parallel.context.ring_attention import ContextParallel, context_parallel_loss, slice_for_context_parallel
 from megalite.errors import UserError
 from megalite.model.gpt import GPTModel
-from megalite.parallel.mesh import ParallelState
 from megalite.parallel.tensor.layers import TensorParallel
-from megalite.parallel.tensor.setup import all_reduce_main_grads
 
 LAYOUT_FLAG = "--pipeline-model-parallel-layout"
 
@@ -225,34 +223,6 @@ def build_model_chunks(config: ModelConfig, seed: int, tp: TensorParallel, pp_ra
                                layer_offset=sum(stage_layers[:virtual_stage]),
                                num_local_layers=stage_layers[virtual_stage], tp=tp, cp=cp, meta=meta))
     return chunks
-
-
-def shared_embedding_params(chunks: list[GPTModel]) -> list[torch.nn.Parameter]:
-    """The word embedding (first stage) and its output-layer copy (last stage) when tied."""
-    params = []
-    for chunk in chunks:
-        if not chunk.share_embeddings_and_output_weights:
-            continue
-        if chunk.pre_process:
-            params.append(chunk.embedding.word_embeddings.weight)
-        if chunk.post_process and not chunk.pre_process:
-            params.append(chunk.output_layer.weight)
-    return params
-
-
-def sync_shared_embedding_grads(chunks: list[GPTModel], state: ParallelState, ddp=None) -> None:
-    """Sum the gradients of the tied embedding's two copies so both receive the same update
-    (through ``ddp.all_reduce_param_grads`` when gradients may be ZeRO-sharded)."""
-    if state.pp_size == 1:
-        return
-    params = shared_embedding_params(chunks)
-    if len(params) == 2:          # zbv: the first and the last virtual stage are both on this rank
-        embedding, output = (p.main_grad if ddp is None else ddp.grad_views(p)[0][0] for p in params)
-        embedding.add_(output)    # full views: zero_bubble.check_zero_bubble refuses sharded gradients here
-        output.copy_(embedding)
-        return
-    all_reduce = ddp.all_reduce_param_grads if ddp is not None else all_reduce_main_grads
-    all_reduce([(p, None) for p in shared_embedding_params(chunks)], state.group("embedding"))
 
 
 def chunk_forward(chunks: list[GPTModel], device: torch.device):

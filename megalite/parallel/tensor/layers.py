@@ -7,14 +7,14 @@ before the column layer and a reduce-scatter after the row layer. Under sequence
 column layer keeps only this rank's [s/t, b, h] input for backward and gathers it again there
 (``linear_with_sequence_gather``), as Megatron does.
 
-Every parameter records ``full_shape``, ``partition_dim`` (the dimension its shard selects along, as in
-Megatron) and ``take_shard(full) -> local``; ``shard_positions`` turns those into the full-tensor rows
-and columns of the local elements, so initialisation and checkpoints address the unsharded tensor
-without ever building it. ``tensor_model_parallel`` marks sharded parameters and
+Every parameter's record (``param_meta``) holds ``full_shape``, ``partition_dim`` (the dimension its
+shard selects along, as in Megatron) and ``take_shard(full) -> local``; ``shard_positions`` turns those
+into the full-tensor rows and columns of the local elements, so initialisation and checkpoints address
+the unsharded tensor without ever building it. ``tensor_model_parallel`` marks sharded parameters and
 ``sequence_parallel`` replicated ones whose gradients differ per rank under sequence parallelism.
 
 Gradient-accumulation fusion (Megatron's, on by default; ``--no-gradient-accumulation-fusion``): a weight
-marked ``fuse_wgrad_into_main_grad`` (distributed/grad_buffer.py marks those it can) gets its gradient
+marked ``fuse_wgrad_into_main_grad`` (parallel/data/grad_buffer.py marks those it can) gets its gradient
 added straight into its fp32 ``main_grad`` by the matmul itself, ``main_grad += grad_y^T x``, instead of
 a separate [out, in] gradient that autograd then adds (fp32) or a hook adds and frees (bf16). That saves
 one weight-sized temporary and one pass over it per linear per micro-batch. The backward returns no
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.parallel.pipeline.autograd_outputs import input_grads_to_compute
+from megalite.parallel.param_meta import full_shape, mark, param_meta
 from megalite.parallel.tensor.mappings import (all_gather, all_gather_sequence_async, copy_to_tp_region,
                                                gather_from_tp_region, reduce_from_tp_region,
                                                reduce_scatter_sequence_async, reduce_scatter_to_sp_region)
@@ -52,11 +53,8 @@ class TensorParallel:
 
 
 def _mark(param: nn.Parameter, full_shape, take_shard: Callable, sharded: bool, partition_dim: int = 0) -> nn.Parameter:
-    param.full_shape = tuple(full_shape)
-    param.take_shard = take_shard
-    param.partition_dim = partition_dim
-    param.tensor_model_parallel = sharded
-    return param
+    return mark(param, full_shape=tuple(full_shape), take_shard=take_shard, partition_dim=partition_dim,
+                tensor_model_parallel=sharded)
 
 
 def shard_positions(param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -67,15 +65,15 @@ def shard_positions(param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor, in
     Only index vectors as long as one dimension are built (never the full tensor): a shard selects
     whole rows (``partition_dim`` 0: column-parallel weights, fused QKV / SwiGLU, vocabulary) or a block
     of columns (``partition_dim`` 1: row-parallel weights)."""
-    full = tuple(getattr(param, "full_shape", param.shape))
+    meta = param_meta(param)
+    full = full_shape(param)
     full_rows, full_cols = full[0], (math.prod(full[1:]) if len(full) > 1 else 1)
-    take_shard = getattr(param, "take_shard", None)
     rows, cols = torch.arange(full_rows), torch.arange(full_cols)
-    if take_shard is not None and getattr(param, "tensor_model_parallel", False):
-        if getattr(param, "partition_dim", 0) == 0:
-            rows = take_shard(rows).reshape(-1)
+    if meta.take_shard is not None and meta.tensor_model_parallel:
+        if meta.partition_dim == 0:
+            rows = meta.take_shard(rows).reshape(-1)
         else:
-            cols = take_shard(cols.view(1, full_cols)).reshape(-1)
+            cols = meta.take_shard(cols.view(1, full_cols)).reshape(-1)
     return rows, cols, full_cols
 
 
@@ -84,7 +82,7 @@ def _fuses_into_main_grad(weight: torch.Tensor) -> bool:
     low-precision weight (its hook adds .grad into main_grad), and for an fp32 weight while its .grad is
     the main_grad view (the buffer's zero_grad sets that; code that resets .grad to None, such as a plain
     torch optimizer's zero_grad, gets autograd's fresh .grad instead)."""
-    if not getattr(weight, "fuse_wgrad_into_main_grad", False) or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not param_meta(weight).fuse_wgrad_into_main_grad:
         return False
     if weight.main_grad.dtype != weight.dtype:
         return True
@@ -128,8 +126,8 @@ class _LinearAccumulatingWeightGrad(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with gradient-accumulation fusion for a weight marked for it. A compiled region keeps
     F.linear: torch.compile builds its own backward, which cannot write into main_grad."""
-    if getattr(weight, "fuse_wgrad_into_main_grad", False) and torch.is_grad_enabled() \
-            and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and torch.is_grad_enabled() \
+            and param_meta(weight).fuse_wgrad_into_main_grad:
         return _LinearAccumulatingWeightGrad.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -217,7 +215,7 @@ class RowParallelLinear(nn.Module):
         if bias:   # replicated; added once, after the reduction
             self.bias = _mark(nn.Parameter(torch.empty(out_features, dtype=dtype)), (out_features,),
                               lambda full: full, sharded=False)
-            self.bias.sequence_parallel = tp.sequence_parallel
+            mark(self.bias, sequence_parallel=tp.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight)

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.arguments import parse_args
+from megalite.config.megatron_cli import parse_args
 from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
+from megalite.parallel.param_meta import mark
 from megalite.model.gpt import GPTModel
 from megalite.parallel.pipeline.zero_bubble import backward_input, backward_weight
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TensorParallel
@@ -26,7 +27,7 @@ def fused_pair(seed: int = 0):
     for w in (fc1.weight, fc2.weight):
         w.main_grad = torch.zeros_like(w)
         w.grad = w.main_grad
-        w.fuse_wgrad_into_main_grad = True
+        mark(w, fuse_wgrad_into_main_grad=True)
     return fc1, fc2
 
 

@@ -2,6 +2,7 @@
 import torch
 
 from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
+from megalite.parallel.param_meta import mark
 
 
 def make_params(sizes, dtype=torch.float32):
@@ -63,7 +64,7 @@ def test_sharded_parameters_reassemble_from_every_ranks_shard():
 
 def test_a_shared_embedding_gets_its_own_bucket_when_sharded():
     named = make_params([4, 6, 4])
-    named[1][1].shared_embedding = True
+    mark(named[1][1], shared_embedding=True)
     buf = ParamAndGradBuffer(named, dp_size=2)
     assert [b.names for b in buf.buckets] == [["p2.weight"], ["p1.weight"], ["p0.weight"]]
     assert len(ParamAndGradBuffer(make_params([4, 6, 4])).buckets) == 1

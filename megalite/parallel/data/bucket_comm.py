@@ -1,0 +1,119 @@
+"""The data-parallel bucket collectives: how a bucket is reduced and gathered over the data-parallel group.
+
+``Comm`` calls the collectives (gloo: list forms in bounded slices, ``GlooSlices``; NCCL: single-tensor
+forms); ``GradReduction`` carries one ZeRO-2/3 bucket's gradients of one micro-batch from the first
+gradient to this rank's gradient shard.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megalite.parallel import collectives
+from megalite.parallel.data.grad_buffer import Bucket
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+DONE = _Done()         # a finished collective's stand-in
+
+
+class Comm:
+    """The data-parallel group and how its collectives are called. ``reduce_dtype``: the dtype gradients
+    travel in (None: as they are, fp32). On gloo the bucket collectives take the list forms in slices,
+    unless MEGALITE_FORCE_NCCL_COLLECTIVE_PATH=1 (collectives.bucket_list_form); otherwise the
+    single-tensor forms, as on NCCL."""
+
+    def __init__(self, group, size: int, reduce_dtype: torch.dtype | None):
+        self.group, self.size, self.reduce_dtype = group, size, reduce_dtype
+        self.list_form = collectives.bucket_list_form(group)
+
+    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, chunks: list, async_op: bool):
+        """Sum ``flat`` over the group, this rank keeping its chunk in ``out``. gloo: list input (faster
+        than its single-tensor form on CPU, same bytes on the wire), in slices (see GlooSlices)."""
+        if self.list_form:
+            return GlooSlices(out.numel(), lambda lo, hi: dist.reduce_scatter(
+                out[lo:hi], [c[lo:hi] for c in chunks], op=dist.ReduceOp.SUM, group=self.group, async_op=True),
+                async_op)
+        return collectives.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group,
+                                                 async_op=async_op)
+
+    def all_gather(self, out: torch.Tensor, local: torch.Tensor, async_op: bool):
+        if self.list_form:
+            chunks = out.chunk(self.size)
+            return GlooSlices(local.numel(), lambda lo, hi: dist.all_gather(
+                [c[lo:hi] for c in chunks], local[lo:hi], group=self.group, async_op=True), async_op)
+        return collectives.all_gather_single(out, local, group=self.group, async_op=async_op)
+
+
+GLOO_SLICE = 1 << 21          # elements per rank's chunk in one gloo collective
+
+
+class GlooSlices:
+    """A gloo collective over a large bucket, run as consecutive slices of at most GLOO_SLICE elements
+    per rank's chunk. gloo copies each collective through a temporary the size of its whole input or
+    output and frees it only with the Work object; sliced, that temporary stays bounded. The first slice
+    starts at once (asynchronously); ``wait()`` runs the rest one after another."""
+
+    def __init__(self, numel: int, start_slice, async_op: bool):
+        self._slices = [(lo, min(numel, lo + GLOO_SLICE)) for lo in range(0, max(numel, 1), GLOO_SLICE)]
+        self._start = start_slice
+        self._work = self._start(*self._slices.pop(0))
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        while self._work is not None:
+            self._work.wait()
+            self._work = self._start(*self._slices.pop(0)) if self._slices else None
+
+
+class GradReduction:
+    """ZeRO-2/3: one bucket's gradients of one micro-batch, from the first gradient to the shard.
+
+    accumulate (allocates the full-size staging) -> start (reduce-scatter, asynchronous with overlap)
+    -> finish (wait, add the reduced chunk into this rank's gradient shard, free staging and output).
+    A bucket's next micro-batch reuses the staging only after its previous reduction finished, and
+    every reduction of a backward pass is finished when that pass ends, so no staging outlives it."""
+
+    def __init__(self, bucket: Bucket, shard_chunk: torch.Tensor, comm: Comm):
+        self.bucket, self.shard_chunk, self.comm = bucket, shard_chunk, comm
+        self.arrived = 0
+        self.work = None
+
+    def accumulate(self, offset: int, grad: torch.Tensor) -> bool:
+        """Add one parameter's gradient; True when every parameter of the bucket has arrived."""
+        if self.work is not None:
+            self.finish()
+        staging = self.bucket.staging.allocate(zero=True)
+        staging[offset:offset + grad.numel()].add_(grad.reshape(-1))
+        self.arrived += 1
+        return self.arrived == len(self.bucket.params)
+
+    def start(self, async_op: bool) -> None:
+        self.arrived = 0
+        if self.comm.group is None:                 # a single process: nothing to reduce
+            self.shard_chunk.add_(self.bucket.staging.tensor)
+            self.bucket.staging.free()
+            return
+        out = self.bucket.reduced.allocate()
+        self.work = self.comm.reduce_scatter(out, self.bucket.staging.tensor, self.bucket.staging_chunks,
+                                             async_op) or DONE
+        if not async_op:
+            self.finish()
+
+    def finish(self) -> None:
+        if self.work is None:
+            return
+        self.work.wait()
+        self.work = None
+        self.shard_chunk.add_(self.bucket.reduced.tensor)
+        self.bucket.staging.free()
+        self.bucket.reduced.free()
+
+    @property
+    def pending(self) -> bool:
+        return self.arrived > 0

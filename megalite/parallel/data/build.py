@@ -1,0 +1,21 @@
+"""The one place that picks the data-parallel backend: megalite's own DDP/ZeRO, or PyTorch FSDP2."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megalite.config.schema import ParallelConfig
+from megalite.parallel.data.ddp import DistributedDataParallel
+from megalite.parallel.data.protocol import DataParallel
+from megalite.parallel.mesh import ParallelState
+
+
+def build_data_parallel(chunks: list[nn.Module], config: ParallelConfig, parallel: ParallelState,
+                        num_microbatches: int, device: torch.device) -> DataParallel:
+    """The backend for ``config`` over this rank's model chunks (built on the meta device); it places
+    the chunks' parameters and buffers on ``device``."""
+    if config.use_torch_fsdp2:
+        # imported only here: torch.distributed.fsdp and DTensor lengthen every other run's start-up
+        from megalite.parallel.data.fsdp2 import FullyShardedDataParallel
+        return FullyShardedDataParallel(chunks, config, parallel, num_microbatches, device=device)
+    return DistributedDataParallel(chunks, config, parallel, num_microbatches, device=device)

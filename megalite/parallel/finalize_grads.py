@@ -1,0 +1,100 @@
+"""Finishing the gradients after the last backward of a step, before the optimizer reads them.
+
+``finalize_model_grads`` runs, in this order (Megatron-Core's ``finalize_model_grads``):
+
+1. the data-parallel reduction (``DataParallel.finish_grad_sync``): sum over the data-parallel (x
+   context-parallel) ranks, divided by their count;
+2. the tensor-parallel fix-ups, gradients that are partial per TP rank and summed over TP ranks:
+   - with sequence parallelism, replicated parameters (norm weights, row-parallel biases) saw only this
+     rank's sequence shard (``sequence_parallel`` in their ``param_meta``);
+   - with more TP ranks than KV heads, the K/V rows of the fused QKV weight are replicated across the
+     ranks sharing a KV head, each of which saw only its own query heads (``replicated_rows``);
+3. the tied word embedding under pipeline parallelism: its copies on the first and the last stage sum
+   their gradients over the embedding group, so both receive the same update.
+
+Steps 2 and 3 reduce whatever part of each gradient this rank holds after step 1 (the full gradient,
+or a ZeRO / FSDP2 shard: ``DataParallel.all_reduce_param_grads``); without a data-parallel wrapper they
+reduce ``param.main_grad``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.model.gpt import GPTModel
+from megalite.parallel.data.protocol import DataParallel
+from megalite.parallel.mesh import ParallelState
+from megalite.parallel.param_meta import param_meta
+from megalite.parallel.tensor.layers import TensorParallel
+
+
+def finalize_model_grads(chunks: list[GPTModel], parallel: ParallelState, ddp: DataParallel | None = None,
+                         timers=None) -> None:
+    """Steps 1-3 of the module docstring for this rank's model chunks. ``timers`` (train/logging.py's
+    Timers) times step 1 as ``all-grads-sync``."""
+    if ddp is not None:
+        if timers is not None:
+            timers.start("all-grads-sync", level=1)
+        ddp.finish_grad_sync()
+        if timers is not None:
+            timers.stop("all-grads-sync")
+        params = ddp.params
+    else:
+        params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+    finalize_tensor_parallel_grads(params, chunks[0].tp, ddp)
+    sync_shared_embedding_grads(chunks, parallel, ddp)
+
+
+def finalize_tensor_parallel_grads(params: list[nn.Parameter], tp: TensorParallel,
+                                   ddp: DataParallel | None = None) -> None:
+    """Step 2: sum the gradients that are partial per TP rank over the TP ranks that share them."""
+    if tp.size == 1:
+        return
+    all_reduce = ddp.all_reduce_param_grads if ddp is not None else all_reduce_main_grads
+    if tp.sequence_parallel:
+        all_reduce([(p, None) for p in params if param_meta(p).sequence_parallel], tp.group)
+    replicated = [(p, param_meta(p).replicated_rows[:2]) for p in params if param_meta(p).replicated_rows]
+    if replicated:
+        all_reduce(replicated, tp.kv_replica_group)
+
+
+def shared_embedding_params(chunks: list[GPTModel]) -> list[nn.Parameter]:
+    """The word embedding (first stage) and its output-layer copy (last stage) when tied."""
+    params = []
+    for chunk in chunks:
+        if not chunk.share_embeddings_and_output_weights:
+            continue
+        if chunk.pre_process:
+            params.append(chunk.embedding.word_embeddings.weight)
+        if chunk.post_process and not chunk.pre_process:
+            params.append(chunk.output_layer.weight)
+    return params
+
+
+def sync_shared_embedding_grads(chunks: list[GPTModel], state: ParallelState,
+                                ddp: DataParallel | None = None) -> None:
+    """Step 3: sum the gradients of the tied embedding's two copies so both receive the same update."""
+    if state.pp_size == 1:
+        return
+    params = shared_embedding_params(chunks)
+    if len(params) == 2:          # zbv: the first and the last virtual stage are both on this rank
+        embedding, output = (p.main_grad if ddp is None else ddp.grad_views(p)[0][0] for p in params)
+        embedding.add_(output)    # full views: zero_bubble.check_zero_bubble refuses sharded gradients here
+        output.copy_(embedding)
+        return
+    all_reduce = ddp.all_reduce_param_grads if ddp is not None else all_reduce_main_grads
+    all_reduce([(p, None) for p in params], state.group("embedding"))
+
+
+def all_reduce_main_grads(selection: list[tuple[nn.Parameter, tuple | None]], group) -> None:
+    """Sum ``param.main_grad`` (or rows ``(first, end)`` of it) over ``group``, coalesced in one call."""
+    tensors = [p.main_grad if rows is None else p.main_grad[rows[0]:rows[1]] for p, rows in selection]
+    if not tensors or group is None:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
