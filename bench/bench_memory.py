@@ -144,7 +144,8 @@ def _megalite_run(rank, world, argv, shape, steps):
     import torch
     from megalite.config.arguments import parse_args
     from megalite.train.performance import current_rss_bytes, window_peak_rss_bytes
-    from megalite.train.training import build_trainer, train_step
+    from megalite.train.trainer import build_trainer
+    from megalite.train.step import train_step
     with Window() as startup:
         trainer = build_trainer(parse_args(argv, world_size=world))
     base = startup.start
@@ -268,7 +269,8 @@ def _checkpoint_run(rank, world, argv, shape, directory):
     import torch
     from megalite.config.arguments import parse_args
     from megalite.checkpoint.sharded import load_checkpoint, save_checkpoint
-    from megalite.train.training import build_trainer, train_step
+    from megalite.train.trainer import build_trainer
+    from megalite.train.step import train_step
     trainer = build_trainer(parse_args(argv, world_size=world))
     train_step(trainer, random_batches(shape, rank))
     trainer.ddp.close()

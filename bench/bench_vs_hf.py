@@ -6,7 +6,7 @@ at 1.0 on random tokens; transformers runs bf16 the usual way (fp32 weights unde
 with its --bf16 (bf16 weights, fp32 master weights and gradient accumulation).
 
 megalite is timed by its own training loop: the worker builds what pretrain_gpt.py builds (trainer, mock
-data loader with its workers) and runs megalite.train.training.train with --log-interval 1, and the figure is
+data loader with its workers) and runs megalite.train.loop.train with --log-interval 1, and the figure is
 the "elapsed time per iteration (ms)" of its log lines, i.e. what pretrain_gpt.py prints. Only the
 checkpoint and evaluation steps are left out, which the command line disables anyway. transformers'
 step (batch, forward, backward, clip, AdamW step, zero_grad) is timed around the call.
@@ -87,13 +87,13 @@ def random_batches(shape: Shape):
 
 
 class MegaliteLoop:
-    """pretrain_gpt.py's loop: megalite.train.training.train on the trainer and mock-data loader that pretrain
+    """pretrain_gpt.py's loop: megalite.train.loop.train on the trainer and mock-data loader that pretrain
     builds, run ``n`` iterations at a time; the times are those its log lines report."""
 
     def __init__(self, shape: Shape, dtype: str, compiled: bool):
         from megalite.config.arguments import parse_args
         from megalite.data.tokenizers import build_tokenizer
-        from megalite.train.training import build_data_iterators, build_trainer
+        from megalite.train.trainer import build_data_iterators, build_trainer
         argv = megalite_args(shape) + (["--bf16"] if dtype == "bf16" else []) + (["--compile"] if compiled else [])
         config = parse_args(argv, world_size=1)
         self.trainer = build_trainer(config, print_fn=lambda *_: None)
@@ -105,7 +105,7 @@ class MegaliteLoop:
             self.times.append(float(line.split(TIME_FIELD)[1].split("|")[0]) / 1000)
 
     def run(self, n: int) -> list[float]:
-        from megalite.train.training import train
+        from megalite.train.loop import train
         self.times = []
         t = self.trainer.config.training
         t.train_iters = self.trainer.state.iteration + n
@@ -171,7 +171,7 @@ def matmul_peak_flops(dtype: str) -> float:
 
 def model_flops_per_step(shape: Shape) -> float:
     from megalite.config.arguments import parse_args
-    from megalite.train.logging import flops_per_iteration
+    from megalite.train.performance import flops_per_iteration
     config = parse_args(megalite_args(shape), world_size=1)
     return flops_per_iteration(config.model, shape.mbs)
 
@@ -282,7 +282,7 @@ def main(argv: list[str]) -> None:
                           f"{100 * r['util'][kind]:.0f}% of the measured {r['dtype']} matmul peak", command)
                  for r in results for kind in r["ratio"]]
     body = [f"{shape.describe()}; AdamW + clip 1.0. megalite timed by its own training loop "
-            "(megalite.train.training.train, the figure its log lines print, data loader included); transformers "
+            "(megalite.train.loop.train, the figure its log lines print, data loader included); transformers "
             "around its step. Ratio = HF ms / megalite ms, medians of all steps per side after "
             f"{warmup} warm-up steps, {steps} steps per side per round, rounds repeated until no ratio moved "
             f"more than {100 * args.tolerance:g}% in a round (at least {min_rounds}, at most {max_rounds}).",

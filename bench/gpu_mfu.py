@@ -157,7 +157,8 @@ def build_megalite(run: Run):
     """(step function, N for the FLOPs formula, device) for megalite's own training step."""
     import torch
     from megalite.config.arguments import parse_args
-    from megalite.train.training import build_trainer, train_step
+    from megalite.train.trainer import build_trainer
+    from megalite.train.step import train_step
     trainer = build_trainer(parse_args(megalite_argv(run), world_size=1))
     b, s = run.micro_batch, run.shape.seq
 

@@ -52,10 +52,10 @@ class Activity:
 def report_sigterm_in_one_line(report: Callable[[Exception], None]) -> None:
     """Python's default for SIGTERM ends the process without a word. When torchrun sees one rank exit it
     SIGTERMs the others 0.1 s later; a rank still computing (not yet in the collective that would tell it
-    a peer died) used to leave no line at all. Now it reports one (``report``: pretrain_gpt's, stderr and
-    torchrun's error file) and exits at once with 128+15: no teardown, since the process group may be
-    broken. --exit-signal-handler replaces this for the length of training (save, then exit 0)."""
-    def on_sigterm(signum, frame) -> None:
+    a peer died) would leave no line at all. This handler reports one (``report``: the entry point's,
+    stderr and torchrun's error file) and exits at once with 128+15: no teardown, since the process group
+    may be broken. --exit-signal-handler replaces this for the length of training (save, then exit 0)."""
+    def on_sigterm(signum, _frame) -> None:
         stopped = TrainingFault(f"stopped by SIGTERM during {Activity.describe()} (torchrun sends it when "
                                 "another rank has exited, a scheduler when the job ends; that rank's line, or "
                                 "torchrun's Root Cause, says why)")
@@ -78,7 +78,7 @@ class ExitConditions:
             for signum in SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._on_signal)
 
-    def _on_signal(self, signum, frame) -> None:
+    def _on_signal(self, signum, _frame) -> None:
         self.received = signum        # acted on at the end of the current iteration
 
     def close(self) -> None:

@@ -1,10 +1,20 @@
-"""How fast and how big a run is: tokens/s, model FLOP/s per device, MFU and memory.
+"""How fast and how big a run is: FLOPs, tokens/s, model FLOP/s per device, MFU, and memory.
 
-MFU follows PaLM (appendix B, REFERENCE.md §6): model FLOPs per token 6*N + 12*L*h*s, N the
+MFU follows PaLM (appendix B): model FLOPs per token 6*N + 12*L*h*s, N the
 non-embedding matmul parameters plus the output layer, the attention term without a causal discount
 and no recomputation counted; MFU = tokens/s per device * FLOPs per token / the device's peak FLOP/s.
 The peak comes from --peak-flops or, on a GPU, from a table of dense bf16/fp16 tensor-core peaks
 (the figure people quote MFU against); a CPU has no table entry, so MFU needs --peak-flops there.
+Megatron's own "throughput per GPU" (--log-throughput) counts FLOPs its way (flops_per_iteration).
+
+The start-up memory report (report_memory) measures the bytes of parameters, gradients and optimizer
+state each rank holds from the tensors that exist (storage sizes, so padding and ZeRO-3's gathered
+buckets count), next to the theoretical optimizer-state bytes of the ZeRO paper: Adam with fp32
+master weights keeps 12 bytes per parameter (master, m, v), sharded over the d data-parallel ranks by
+the distributed optimizer: 12Ψ/d, Ψ = parameters on this model-parallel rank. An fp32 model's own
+weights are its master copy, so there it is 8Ψ/d (m, v). Rank 0 prints one line per rank:
+
+    memory rank R: parameters P bytes | gradients G bytes | optimizer state O bytes | theoretical O' bytes
 """
 from __future__ import annotations
 
@@ -12,8 +22,10 @@ import os
 import resource
 
 import torch
+import torch.distributed as dist
 
 from megalite.config.schema import ModelConfig
+from megalite.parallel import collectives
 
 # Dense (no sparsity) bf16 tensor-core peaks in FLOP/s, from the vendors' datasheets. Matched as
 # substrings of torch.cuda.get_device_name(), most specific first.
@@ -52,8 +64,25 @@ def matmul_parameters(model: ModelConfig) -> int:
 
 
 def model_flops_per_token(model: ModelConfig) -> float:
-    """PaLM: 6N + 12*L*h*s (forward + backward; REFERENCE.md §6)."""
+    """PaLM: 6N + 12*L*h*s (forward + backward)."""
     return 6.0 * matmul_parameters(model) + 12.0 * model.num_layers * model.hidden_size * model.seq_length
+
+
+def flops_per_iteration(model: ModelConfig, batch_size: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward = 3 x forward, no recomputation).
+
+    Per token and layer, forward: QKV 2*h*(nq+2*nkv)*d, attention scores and values 4*s*nq*d (no causal
+    discount), output projection 2*nq*d*h, MLP 2*h*ffn*(3 if SwiGLU else 2); plus logits 2*h*V per token.
+    For GPT with a 4h MLP and no GQA this equals Megatron's
+    72*B*s*L*h^2 * (1 + s/(6h) + V/(12*L*h)).
+    """
+    h, s, d = model.hidden_size, model.seq_length, model.kv_channels
+    nq, nkv = model.num_attention_heads, model.num_query_groups
+    mlp_matrices = 3 if model.swiglu else 2
+    per_layer = (2 * h * (nq + 2 * nkv) * d + 4 * s * nq * d + 2 * nq * d * h
+                 + 2 * h * model.ffn_hidden_size * mlp_matrices)
+    per_token = model.num_layers * per_layer + 2 * h * model.padded_vocab_size
+    return 3.0 * per_token * batch_size * s
 
 
 def peak_flops_per_device(flag_value: float | None, device: torch.device) -> tuple[float | None, str]:
@@ -138,3 +167,44 @@ class Throughput:
             rates["throughput (TFLOP/s/GPU)"] = (self.megatron_flops_per_iteration / seconds_per_iteration
                                                  / self.world_size / 1e12)
         return rates
+
+
+# ---- the start-up memory report -----------------------------------------------------------------
+def theoretical_optimizer_bytes(num_params: int, param_dtype: torch.dtype, shards: int) -> int:
+    per_param = 8 if param_dtype == torch.float32 else 12
+    return round(per_param * num_params / shards)
+
+
+def measure(ddp, optimizer) -> dict[str, int]:
+    buf = ddp.buffer
+    shards = ddp.dp_size if ddp.shard_optimizer else 1
+    return {"parameters": buf.param_bytes(), "gradients": buf.grad_bytes(), "optimizer": optimizer.state_bytes(),
+            "theoretical": theoretical_optimizer_bytes(buf.numel_unpadded, buf.param_dtype, shards)}
+
+
+def format_memory_line(rank: int, m: dict[str, int]) -> str:
+    return (f"memory rank {rank}: parameters {m['parameters']} bytes | gradients {m['gradients']} bytes | "
+            f"optimizer state {m['optimizer']} bytes | theoretical {m['theoretical']} bytes")
+
+
+def gather_memory(ddp, optimizer) -> list[dict[str, int]]:
+    """Every rank's measurement (collective: all ranks call it)."""
+    keys = ("parameters", "gradients", "optimizer", "theoretical")
+    mine = measure(ddp, optimizer)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine]
+    device = ddp.buffer.params[0].device
+    local = torch.tensor([mine[k] for k in keys], dtype=torch.int64, device=device)
+    everyone = torch.empty(dist.get_world_size() * len(keys), dtype=torch.int64, device=device)
+    collectives.all_gather_single(everyone, local)
+    rows = everyone.view(-1, len(keys)).tolist()
+    return [dict(zip(keys, row)) for row in rows]
+
+
+def report_memory(ddp, optimizer, rank: int, print_fn=print) -> list[dict[str, int]]:
+    """Rank 0 prints the line of every rank; every rank returns all measurements."""
+    per_rank = gather_memory(ddp, optimizer)
+    if rank == 0:
+        for r, m in enumerate(per_rank):
+            print_fn(format_memory_line(r, m))
+    return per_rank

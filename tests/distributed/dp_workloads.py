@@ -7,7 +7,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from megalite.config.arguments import parse_args
 from megalite.data.samplers import MegatronPretrainingSampler
-from megalite.train.training import build_trainer, train_step
+from megalite.train.trainer import build_trainer
+from megalite.train.step import train_step
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 
 DP_ARGS = with_flags(TINY_LLAMA_ARGS, global_batch_size=16, micro_batch_size=2, weight_decay=0.1, clip_grad=1.0,
@@ -67,7 +68,7 @@ def equivalence_and_eval(rank: int, world: int, layouts: list[list[str]], steps:
     """Per layout: losses, grad norms, which steps updated, and the loss of the final model on a
     held-out batch (evaluated through the model's forward, so ZeRO-3 gathers and pending overlapped
     parameter all-gathers are exercised)."""
-    from megalite.train.training import evaluate
+    from megalite.train.loop import evaluate
     out = []
     for argv in layouts:
         trainer = build_trainer(parse_args(argv, world_size=world))
@@ -87,7 +88,7 @@ def equivalence_and_eval(rank: int, world: int, layouts: list[list[str]], steps:
 
 def memory_by_strategy(rank: int, world: int, precisions: list[str]) -> dict:
     """Measured bytes per strategy and precision at start-up (no step taken)."""
-    from megalite.train.memory_report import measure
+    from megalite.train.performance import measure
     out = {}
     for precision in precisions:
         for strategy in STRATEGIES:

@@ -41,7 +41,7 @@ def free_port() -> int:
 
 
 # imported once in the forkserver (it starts at the first run_ranks); the ranks forked from it have them loaded
-mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "megalite.train.training",
+mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "megalite.train.trainer",
                            "megalite.parallel.data.fsdp2"])
 
 

@@ -85,7 +85,7 @@ ARGS = with_flags(TINY_LLAMA_ARGS, num_layers=4, seq_length=64, max_position_emb
 
 
 def _train(rank, world, argv):
-    from megalite.train.training import pretrain
+    from megalite.train.trainer import pretrain
     return pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history
 
 

@@ -126,8 +126,8 @@ def test_every_rank_learns_which_rank_had_the_nan_loss():
 FAULTY_RANK = """
 import os, sys, time
 sys.path.insert(0, {root!r})
-import megalite.train.training as training
-original, calls = training.train_step, []
+import megalite.train.loop as loop
+original, calls = loop.train_step, []
 def faulty(trainer, data):
     calls.append(1)
     if os.environ["FAULT"] == "die-while-peer-computes" and len(calls) == 3:
@@ -143,7 +143,7 @@ def faulty(trainer, data):
             os._exit(7)
         time.sleep(300)                  # stuck: alive but never reaching the next collective
     return original(trainer, data)
-training.train_step = faulty
+loop.train_step = faulty
 import pretrain_gpt
 sys.exit(pretrain_gpt.main(sys.argv[1:]))
 """

@@ -31,7 +31,8 @@ from megalite.config.arguments import parse_args
 from megalite.checkpoint.sharded import load_checkpoint, load_model, save_checkpoint
 from megalite.data.samplers import MegatronPretrainingSampler
 from megalite.errors import UserError
-from megalite.train.training import build_trainer, train_step
+from megalite.train.trainer import build_trainer
+from megalite.train.step import train_step
 from megalite_test_utils import with_flags
 
 STEPS = 10

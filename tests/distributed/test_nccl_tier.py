@@ -47,7 +47,7 @@ def _world(argv: list[str]) -> int:
 
 
 def _histories(rank, world, argvs):
-    from megalite.train.training import pretrain
+    from megalite.train.trainer import pretrain
     return [pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history for argv in argvs]
 
 

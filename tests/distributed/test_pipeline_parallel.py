@@ -24,7 +24,7 @@ def _argv(sp, tied):
 
 def _run_world(rank, world):
     """This world size's executor cases, then pretrain() on its training-loop layouts."""
-    from megalite.train.training import pretrain
+    from megalite.train.trainer import pretrain
     executor = [run_executor(rank, world, _argv(sp, tied), pp, tp, schedule, chunks)
                 for pp, tp, schedule, chunks, sp, tied in EXECUTOR_CASES[world]]
     loop = [pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history
@@ -99,7 +99,7 @@ LOOP_ARGS = with_flags(TINY_LLAMA_ARGS, num_layers=4, train_iters=10, global_bat
 
 
 def _pretrain_histories(rank, world, layouts):
-    from megalite.train.training import pretrain
+    from megalite.train.trainer import pretrain
     return [pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history for argv in layouts]
 
 

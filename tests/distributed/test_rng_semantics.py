@@ -63,7 +63,7 @@ def _loss_and_grads(argv, parallel):
 
 
 def _rng_checks(rank, world):
-    from megalite.train.training import build_trainer
+    from megalite.train.trainer import build_trainer
     config = parse_args(with_flags(ARGV, sequence_parallel=True), world_size=world)
     trainer = build_trainer(config, print_fn=lambda *_: None)
     p = trainer.parallel

@@ -25,7 +25,8 @@ from megalite.checkpoint.files import TORCH_DTYPES, CheckpointReader, as_2d, wri
 from megalite.checkpoint.sharded import load_checkpoint, param_entries, save_checkpoint
 from megalite.data.samplers import MegatronPretrainingSampler
 from megalite.errors import UserError
-from megalite.train.training import build_trainer, train_step
+from megalite.train.trainer import build_trainer
+from megalite.train.step import train_step
 from megalite_test_utils import with_flags
 
 BEFORE, AFTER = 2, 2                       # steps before the save, and after it

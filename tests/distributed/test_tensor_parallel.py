@@ -140,7 +140,7 @@ STYLES = {
 
 
 def _train_losses(rank, world, layouts):
-    from megalite.train.training import pretrain
+    from megalite.train.trainer import pretrain
     out = []
     for argv in layouts:
         state = pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None)
@@ -167,7 +167,7 @@ def test_training_at_tp_equals_single_process(tp):
 
 
 def _dropout_losses(rank, world, argv):
-    from megalite.train.training import pretrain
+    from megalite.train.trainer import pretrain
     return [pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history for _ in range(2)]
 
 

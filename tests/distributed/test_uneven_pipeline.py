@@ -100,7 +100,7 @@ def test_bad_combinations_are_one_line_errors_naming_the_flag(flags, message):
 
 # ---- training equals one process -------------------------------------------------------------------------
 def _histories(rank, world, layouts):
-    from megalite.train.training import pretrain
+    from megalite.train.trainer import pretrain
     return [pretrain(parse_args(argv, world_size=world), print_fn=lambda *_: None).history for argv in layouts]
 
 

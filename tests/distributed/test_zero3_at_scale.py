@@ -50,7 +50,8 @@ def _train_save(rank, world, flags, directory, steps):
     from megalite.config.arguments import parse_args
     from megalite.checkpoint.sharded import save_checkpoint
     from megalite.train.performance import current_rss_bytes, peak_rss_bytes, reset_peak_rss, window_peak_rss_bytes
-    from megalite.train.training import build_trainer, train_step
+    from megalite.train.trainer import build_trainer
+    from megalite.train.step import train_step
     before = current_rss_bytes()
     reset_peak_rss()
     trainer = build_trainer(parse_args(flags, world_size=world))
@@ -69,7 +70,8 @@ def _load_train(rank, world, flags, directory, steps):
     from megalite.config.arguments import parse_args
     from megalite.checkpoint.sharded import load_checkpoint
     from megalite.train.performance import current_rss_bytes, peak_rss_bytes, reset_peak_rss, window_peak_rss_bytes
-    from megalite.train.training import build_trainer, train_step
+    from megalite.train.trainer import build_trainer
+    from megalite.train.step import train_step
     before = current_rss_bytes()
     reset_peak_rss()
     trainer = build_trainer(parse_args(flags, world_size=world))

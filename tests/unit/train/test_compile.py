@@ -12,7 +12,7 @@ from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 from megalite.config.arguments import parse_args
 from megalite.train.compile import compile_layers, compile_unsupported_reason
-from megalite.train.training import build_trainer, pretrain
+from megalite.train.trainer import build_trainer, pretrain
 
 ARGV = with_flags(TINY_LLAMA_ARGS, train_iters=4, global_batch_size=4, lr_decay_style="constant", weight_decay=0.1,
                   clip_grad=1.0)
@@ -54,7 +54,7 @@ def test_compiled_layers_keep_the_zero3_hooks():
 
 def test_every_layer_shares_one_compiled_graph():
     """Layers differ only in their parameters (graph inputs): 4 layers, one graph, no recompiles."""
-    from megalite.train.training import train_step
+    from megalite.train.step import train_step
     from torch._dynamo.utils import counters
     argv = with_flags(ARGV, num_layers=4)
     trainer = build_trainer(parse_args(argv + ["--compile"], world_size=1), print_fn=lambda *_: None)

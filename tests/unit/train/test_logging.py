@@ -8,8 +8,9 @@ import pytest
 
 from megalite_test_utils import TINY_LLAMA_ARGS, wandb_offline_history, with_flags
 from megalite.config.arguments import parse_args
-from megalite.train.logging import flops_per_iteration, format_training_line
-from megalite.train.training import pretrain
+from megalite.train.performance import flops_per_iteration
+from megalite.train.metrics import format_training_line
+from megalite.train.trainer import pretrain
 
 MEGATRON_LINE = re.compile(
     r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +(\d+) \|"

@@ -9,7 +9,8 @@ import torch
 
 from megalite_test_utils import ROOT, TINY_LLAMA_ARGS, with_flags
 from megalite.config.arguments import parse_args
-from megalite.train.training import build_trainer, pretrain, train_step
+from megalite.train.trainer import build_trainer, pretrain
+from megalite.train.step import train_step
 
 
 def trainer_for(argv):
@@ -61,7 +62,7 @@ def test_overfits_a_fixed_batch():
 def test_gradient_accumulation_equals_one_big_micro_batch():
     """4 micro-batches of 1 == 1 micro-batch of 4 (same global batch): loss, gradients, then weights."""
     from megalite.parallel.pipeline.schedules import forward_backward_no_pipelining
-    from megalite.train.training import make_loss_fn
+    from megalite.train.step import make_loss_fn
     big = trainer_for(with_flags(TINY_LLAMA_ARGS, micro_batch_size=4, global_batch_size=4))
     small = trainer_for(with_flags(TINY_LLAMA_ARGS, micro_batch_size=1, global_batch_size=4))
     g = torch.Generator().manual_seed(1)
@@ -128,7 +129,7 @@ sys.path.insert(0, {tests!r})
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 from megalite.config.arguments import parse_args
 from megalite.data.tokenizers import build_tokenizer
-from megalite.train.training import build_data_iterators, build_trainer
+from megalite.train.trainer import build_data_iterators, build_trainer
 config = parse_args(with_flags(TINY_LLAMA_ARGS, num_workers=2), world_size=1)
 trainer = build_trainer(config, print_fn=lambda *_: None)
 iterators = build_data_iterators(trainer, build_tokenizer(config.data))

@@ -1,4 +1,4 @@
-"""What a run reports: Megatron's stdout line, a JSON-lines metrics file, wandb and tensorboard.
+"""What a run reports: Megatron's stdout line, its timers, a JSON-lines metrics file, wandb and tensorboard.
 
 The stdout line keeps Megatron's field names and formats exactly, because people grep it.
 """
@@ -10,26 +10,10 @@ import os
 import time
 from datetime import datetime
 
-from megalite.config.schema import ModelConfig, TrainingConfig
+import torch
+
+from megalite.config.schema import TrainingConfig
 from megalite.errors import UserError
-
-
-# ---- FLOPs -------------------------------------------------------------------------------------
-def flops_per_iteration(model: ModelConfig, batch_size: int) -> float:
-    """Model FLOPs of one training iteration (forward + backward = 3 x forward, no recomputation).
-
-    Per token and layer, forward: QKV 2*h*(nq+2*nkv)*d, attention scores and values 4*s*nq*d (no causal
-    discount), output projection 2*nq*d*h, MLP 2*h*ffn*(3 if SwiGLU else 2); plus logits 2*h*V per token.
-    For GPT with a 4h MLP and no GQA this equals Megatron's
-    72*B*s*L*h^2 * (1 + s/(6h) + V/(12*L*h))   (REFERENCE.md §6).
-    """
-    h, s, d = model.hidden_size, model.seq_length, model.kv_channels
-    nq, nkv = model.num_attention_heads, model.num_query_groups
-    mlp_matrices = 3 if model.swiglu else 2
-    per_layer = (2 * h * (nq + 2 * nkv) * d + 4 * s * nq * d + 2 * nq * d * h
-                 + 2 * h * model.ffn_hidden_size * mlp_matrices)
-    per_token = model.num_layers * per_layer + 2 * h * model.padded_vocab_size
-    return 3.0 * per_token * batch_size * s
 
 
 # ---- the stdout line ----------------------------------------------------------------------------
@@ -79,16 +63,15 @@ class Timers:
     stops, so it measures the work, not its launch. Timers above the level do nothing at all, so the
     default (level 0) adds no host-device synchronisation to the step."""
 
-    def __init__(self, log_level: int, device=None):
+    def __init__(self, log_level: int, device: torch.device | None = None):
         self.log_level = log_level
-        self._cuda = device is not None and getattr(device, "type", device) == "cuda"
+        self._cuda = device is not None and device.type == "cuda"
         self._start: dict[str, float] = {}
         self._elapsed: dict[str, float] = {}
         self._levels: dict[str, int] = {}
 
     def _synchronize(self) -> None:
         if self._cuda:
-            import torch
             torch.cuda.synchronize()
 
     def start(self, name: str, level: int = 1) -> None:

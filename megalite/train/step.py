@@ -1,0 +1,207 @@
+"""One training step: forward/backward over a global batch's micro-batches, gradient sync, optimizer step.
+
+The forward/backward dispatch picks the schedule: no pipeline, a synchronous pipeline schedule
+(1F1B, interleaved 1F1B, GPipe, ZB-H1, ZB-V), or the asynchronous PipeDream schedules, which read
+ahead into the next batch. Evaluation runs the same dispatch forward only (forward_only_losses).
+
+Every function here takes the Trainer (trainer.py) and reads what it built: ``.model``, ``.chunks``,
+``.ddp``, ``.optimizer``, ``.scheduler``, ``.pipeline``, ``.async_pipeline``, ``.timers``, ``.state``.
+"""
+from __future__ import annotations
+
+import torch
+
+from megalite.parallel.context.ring_attention import context_parallel_loss, slice_for_context_parallel
+from megalite.parallel.pipeline.executor import PipelineRecord, run_pipeline_schedule
+from megalite.parallel.pipeline.plan import rank_plan
+from megalite.parallel.pipeline.schedules import StageMap, forward_backward_no_pipelining, stage_placement
+from megalite.parallel.finalize_grads import finalize_model_grads
+from megalite.parallel.pipeline.stages import chunk_forward
+from megalite.train.faults import collective_phase
+
+
+def make_loss_fn(model: torch.nn.Module, device: torch.device, weights: dict | None = None):
+    """Per micro-batch: mean of the per-token losses where loss_mask is 1 (over whole sequences: with
+    context parallelism each rank computes its chunks and the sums are combined over the CP group),
+    times the micro-batch's weight in ``weights`` (by id of the batch; see per_token_loss_weights)."""
+    cp = model.cp
+
+    def loss_fn(batch: dict):
+        weight = weights[id(batch)] if weights is not None else None
+        if cp.size > 1:
+            batch = slice_for_context_parallel(batch, cp.rank, cp.size)
+        tokens = batch["tokens"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True)
+        loss_mask = batch["loss_mask"].to(device, non_blocking=True).float()
+        per_token = model(tokens, batch["position_ids"].to(device, non_blocking=True), labels=labels)
+        loss, num_tokens = context_parallel_loss(per_token, loss_mask, cp)
+        return (loss if weight is None else loss * weight), num_tokens
+    return loss_fn
+
+
+def next_batches(trainer, data_iterator, num_microbatches: int) -> tuple[list, dict | None]:
+    """One step's micro-batches, and with --calculate-per-token-loss their loss weights."""
+    batches = [next(data_iterator) for _ in range(num_microbatches)]   # pipeline stages stay in step
+    return batches, per_token_loss_weights(trainer, batches)
+
+
+def per_token_loss_weights(trainer, batches: list) -> dict | None:
+    """--calculate-per-token-loss (Megatron): the step's loss is the sum of every token's loss over all
+    micro-batches and data-parallel ranks divided by their total count N, not a mean of micro-batch means.
+
+    Everything downstream averages micro-batch means: the schedules backpropagate loss / m over m
+    micro-batches, the data-parallel reduction divides by dp, the logged loss is averaged the same way.
+    Weighting micro-batch i (n_i tokens, mean loss l_i) by w_i = n_i * m * dp / N turns that average into
+    sum_i n_i * l_i / N exactly, for the gradient and the logged loss alike, with any schedule. N needs
+    one all-reduce of a number over the data-parallel group (context-parallel ranks of a group see the
+    same micro-batches, counted whole). Returns {id(batch): w_i}, or None without the flag."""
+    if not trainer.config.training.calculate_per_token_loss:
+        return None
+    counts = torch.tensor([float(b["loss_mask"].sum()) for b in batches], dtype=torch.float64)
+    total = counts.sum().reshape(1)
+    dp = trainer.parallel.dp_size
+    if dp > 1:
+        total = total.to(trainer.device)
+        torch.distributed.all_reduce(total, group=trainer.parallel.group("dp"))
+    scale = len(batches) * dp / max(float(total), 1.0)
+    return {id(b): float(n) * scale for b, n in zip(batches, counts)}
+
+
+def train_step(trainer, data_iterator) -> tuple[float, object]:
+    """One global batch: forward/backward over its micro-batches, gradient sync, optimizer step.
+
+    Host-device synchronisations of a step on a GPU (the rest is queued asynchronously): the loss read
+    back after the last backward (the schedules return floats; with a process group, again after its
+    data-parallel average), and the global gradient norm, which the host needs to decide clipping and
+    to refuse a NaN/Inf update on every rank alike (as Megatron does); fp16 adds the overflow flag. The
+    NaN/Inf checks use those values and read nothing more. Timers synchronise
+    only at --timing-log-level >= their level; --calculate-per-token-loss and --exit-signal-handler /
+    --exit-duration-in-mins each read back one all-reduced value per step."""
+    t = trainer.config.training
+    # the global batch of this step (it grows under --rampup-batch-size / --step-batch-size-schedule);
+    # the data-parallel wrapper counts that many backward passes before a bucket's gradients are final
+    batch_size = trainer.config.global_batch_size_at(trainer.state.consumed_train_samples)
+    losses = forward_backward(trainer, data_iterator)
+    if t.empty_unused_memory_level >= 1:
+        release_cached_memory(trainer.device)
+    timeout = t.distributed_timeout_minutes
+    with collective_phase("the gradient finishing (data-parallel reduction, tensor/pipeline-parallel fix-ups)",
+                          timeout):
+        finalize_model_grads(trainer.chunks, trainer.parallel, trainer.ddp, trainer.timers)
+    with collective_phase("the optimizer step (norm all-reduce, parameter all-gather)", timeout):
+        trainer.timers.start("optimizer", level=1)
+        def update():
+            return trainer.optimizer.step(trainer.scheduler.lr, trainer.scheduler.decoupled_lr)
+        result = update() if trainer.async_pipeline is None else \
+            trainer.async_pipeline.optimizer_step(trainer.state.iteration, update)   # on the newest weight version
+        trainer.timers.stop("optimizer")
+        if result.update_successful:
+            advance_lr_schedule(trainer, batch_size)
+        if t.empty_unused_memory_level >= 2:
+            release_cached_memory(trainer.device)
+        trainer.state.last_local_loss = mean_loss(losses)
+        return trainer.ddp.average_over_dp(trainer.state.last_local_loss), result
+
+
+def forward_backward(trainer, data_iterator) -> list[float]:
+    """Zero the gradients, then forward and backward over this step's micro-batches with the run's
+    schedule; returns the micro-batch losses (none on pipeline stages without the loss)."""
+    model, optimizer = trainer.model, trainer.optimizer
+    model.train()
+    num_microbatches = trainer.config.num_microbatches_at(trainer.state.consumed_train_samples)
+    trainer.ddp.num_microbatches = num_microbatches
+    optimizer.zero_grad()
+    for chunk in trainer.chunks:
+        chunk.train()
+    timeout = trainer.config.training.distributed_timeout_minutes
+    trainer.timers.start("forward-backward", level=1)
+    with collective_phase("forward-backward (tensor/context-parallel collectives, pipeline send/receive)", timeout):
+        if trainer.async_pipeline is not None:     # reads ahead: its forwards run into the next batch
+            losses = trainer.async_pipeline.forward_backward(
+                trainer.state.iteration, lambda: next_batches(trainer, data_iterator, num_microbatches),
+                optimizer.loss_scale)
+        elif trainer.pipeline is None:
+            batches, weights = next_batches(trainer, data_iterator, num_microbatches)
+            losses = forward_backward_no_pipelining(make_loss_fn(model, trainer.device, weights), iter(batches),
+                                                    num_microbatches, optimizer.loss_scale)
+        else:
+            batches, weights = next_batches(trainer, data_iterator, num_microbatches)
+            losses = forward_backward_pipelined(trainer, batches, optimizer.loss_scale, weights=weights)
+    trainer.timers.stop("forward-backward")
+    return losses
+
+
+def forward_only_losses(trainer, data_iterator) -> list[float]:
+    """The micro-batch losses of one global batch, forward only (evaluation)."""
+    m = trainer.config.num_microbatches
+    batches, weights = next_batches(trainer, data_iterator, m)
+    if trainer.pipeline is None:
+        return forward_backward_no_pipelining(make_loss_fn(trainer.model, trainer.device, weights),
+                                              iter(batches), m, forward_only=True)
+    return forward_backward_pipelined(trainer, batches, 1.0, forward_only=True, weights=weights)
+
+
+def forward_backward_pipelined(trainer, batches: list, loss_scale: float, forward_only: bool = False,
+                               record: PipelineRecord | None = None, weights: dict | None = None) -> list[float]:
+    """One global batch (``batches``, its micro-batches) through this rank's stages with a synchronous
+    schedule (1F1B, interleaved 1F1B, GPipe, ZB-H1, ZB-V); ``weights`` scale each micro-batch's loss (see
+    per_token_loss_weights)."""
+    cfg, comm = trainer.config, trainer.pipeline
+    chunks = len(trainer.chunks)
+    plan = rank_plan(cfg.parallel.pipeline_schedule, comm.size, comm.rank, len(batches), chunks, forward_only)
+    record = record or PipelineRecord(comm.rank)
+    forward = chunk_forward(trainer.chunks, trainer.device)
+    if weights is not None:
+        unweighted = forward
+
+        def forward(chunk, x, batch, is_last_stage):
+            out = unweighted(chunk, x, batch, is_last_stage)
+            return out * weights[id(batch)] if is_last_stage else out
+    losses = run_pipeline_schedule(plan, forward, batches, comm, loss_scale, forward_only, record)
+    trainer.timers.add("pipeline-receive-wait", record.wait_seconds, level=2)
+    return losses
+
+
+def advance_lr_schedule(trainer, batch_size: int) -> None:
+    """Megatron steps its schedule by the samples of each update (its lengths are iterations x the global
+    batch size): a ramp-up step of a smaller batch advances megalite's schedule, counted in full-batch
+    iterations, by batch_size / global batch size."""
+    full = trainer.config.training.global_batch_size
+    if batch_size == full:
+        trainer.scheduler.step()
+    else:
+        trainer.scheduler.num_steps += batch_size / full
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """--empty-unused-memory-level: hand CUDA's caching allocator's unused blocks back. On CPUs the
+    process's malloc decides when freed pages go back to the OS, so there is nothing to release."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def mean_loss(losses: list[float]) -> float:
+    """Mean micro-batch loss; 0.0 on pipeline stages that hold no loss (only the last stage does)."""
+    return sum(losses) / len(losses) if losses else 0.0
+
+
+def loss_pipeline_rank(trainer) -> int:
+    """The pipeline rank holding the last virtual stage, the chunk that computes the loss (its
+    post_process; build_model_chunks places chunks with the same stage_placement): the last rank, but
+    rank 0 under zbv's V placement."""
+    stages = StageMap(trainer.parallel.pp_size, trainer.parallel.pp_rank, len(trainer.chunks),
+                      stage_placement(trainer.config.parallel.pipeline_schedule))
+    return stages.where[stages.num_stages - 1][0]
+
+
+def reported_loss(trainer, value: float) -> float:
+    """``value`` (a loss, or a sum of losses) as the pipeline rank that computes the loss has it, on every
+    rank, so that the logging rank reports it whichever rank that is. A broadcast over the pipeline group:
+    every rank calls it at the same points (log iterations, evaluations, a NaN step), not every step."""
+    comm = trainer.pipeline
+    if comm is None:
+        return value
+    loss = torch.tensor([value], dtype=torch.float64, device=trainer.device)
+    with collective_phase("logging (loss broadcast)", trainer.config.training.distributed_timeout_minutes):
+        torch.distributed.broadcast(loss, src=comm.global_rank(loss_pipeline_rank(trainer)), group=comm.group)
+    return float(loss)

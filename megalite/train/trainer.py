@@ -1,0 +1,313 @@
+"""The Trainer: one training run built from a MegaliteConfig, owning its lifecycle.
+
+    Trainer(config)            start the processes (ParallelState, device, seed), build the model chunks,
+                               the data-parallel wrapper, optimizer, LR schedule and pipeline exchange
+    .train()                   --load, the data loaders, the loop (loop.py: steps from step.py, logging,
+                               evaluation, periodic checkpoints), the final checkpoint and evaluations
+    .evaluate() .save() .load() .close()
+
+build_trainer(config, print_fn) and pretrain(config, print_fn) are the two entry points tests and
+tools use: the built Trainer, and a whole run returning its TrainState.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import math
+import os
+import signal
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.data import DataLoader
+
+from megalite.checkpoint.files import CheckpointReader, check_writable
+from megalite.checkpoint.sharded import (full_shape, has_checkpoint, load_checkpoint, param_entries, restore_rng,
+                                         save_checkpoint)
+from megalite.config import validate as rules
+from megalite.config.schema import MegaliteConfig
+from megalite.data.builder import build_train_valid_test_datasets
+from megalite.data.samplers import MegatronPretrainingSampler
+from megalite.data.tokenizers import build_tokenizer
+from megalite.model.gpt import DTYPES
+from megalite.optim.distrib_optimizer import build_optimizer
+from megalite.optim.lr_scheduler import LRScheduler
+from megalite.parallel.context.ring_attention import build_context_parallel
+from megalite.parallel.data.build import build_data_parallel
+from megalite.parallel.initialize import initialize_distributed, set_matmul_precision, set_seed
+from megalite.parallel.pipeline.p2p import PipelineComm
+from megalite.parallel.pipeline.pipedream import build_async_pipeline
+from megalite.parallel.pipeline.schedules import stage_placement
+from megalite.parallel.pipeline.stages import SplitFlags, build_model_chunks, chunk_forward, virtual_stage_layers
+from megalite.parallel.pipeline.zero_bubble import schedule_split
+from megalite.parallel.tensor.setup import build_tensor_parallel
+from megalite.train import loop
+from megalite.train.compile import compile_layers
+from megalite.train.faults import collective_phase
+from megalite.train.metrics import MetricsSinks, Timers, format_validation_lines
+from megalite.train.performance import report_memory
+
+
+def print_line(text: str) -> None:
+    """One write per line, flushed: ranks share torchrun's stdout, and print()'s separate write of the
+    newline lets another rank's line land in the middle."""
+    sys.stdout.write(f"{text}\n")
+    sys.stdout.flush()
+
+
+def quiet(*_) -> None:
+    """The log of ranks other than the logging rank."""
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    exit_reason: str | None = None                   # why training stopped before --train-iters, if it did
+    last_local_loss: float = 0.0                     # this rank's own loss of the last step (NaN diagnosis)
+    history: list = field(default_factory=list)      # per-iteration lm loss as this rank has it (0.0 on
+                                                     # pipeline ranks without the loss), for callers and tests
+
+
+class Trainer:
+    """Everything built for one run. Checkpointing (checkpoint/sharded.py), the step and the loop read its
+    attributes: ``config``, ``parallel`` (ParallelState), ``device``, ``model`` (the first chunk),
+    ``chunks`` (this rank's pipeline stages), ``ddp`` (data-parallel gradient sync / ZeRO sharding),
+    ``buffer``, ``optimizer``, ``scheduler``, ``timers``, ``state``, ``pipeline`` (stage-to-stage exchange
+    when pp > 1), ``async_pipeline`` (--pipeline-schedule pipedream / pipedream-2bw),
+    ``last_saved_iteration`` (of the checkpoint last saved or loaded) and ``checkpoint_source``
+    (metadata["source"] of the loaded checkpoint, kept on save).
+
+    ``print_fn`` prints a line; ``log`` is print_fn on the logging rank and silent elsewhere."""
+
+    def __init__(self, config: MegaliteConfig, print_fn=print_line):
+        if config.training.save:
+            check_writable(config.training.save)       # before any start-up time is spent
+        self.config = config
+        self.print_fn = print_fn
+        self.parallel, self.device = initialize_distributed(config.parallel,
+                                                            config.training.distributed_timeout_minutes)
+        self.log = print_fn if self.parallel.is_logging_rank else quiet
+        set_matmul_precision(config.training.tf32, self.device)
+        self.state = TrainState()
+        self.last_saved_iteration: int | None = None
+        self.checkpoint_source: dict | None = None
+        self._build_model()
+        self.optimizer = build_optimizer(self.ddp, config.optimizer, self.parallel)   # global norm over TP/PP (and DP shards)
+        self.scheduler = LRScheduler(config.optimizer, config.training.train_iters)
+        self.pipeline = self._build_pipeline_comm()
+        self.async_pipeline = build_async_pipeline(config, self.parallel, self.ddp, self.pipeline,
+                                                   chunk_forward(self.chunks, self.device))
+        self.timers = Timers(config.training.timing_log_level, self.device)
+
+    def _build_model(self) -> None:
+        """This rank's model chunks inside the data-parallel wrapper (``chunks``, ``model``, ``ddp``,
+        ``buffer``), compiled with --compile."""
+        config, parallel, device = self.config, self.parallel, self.device
+        seed = set_seed(config.training.seed, parallel.pp_rank)     # dropout's: each pipeline stage its own
+        tp = build_tensor_parallel(parallel, config.parallel.sequence_parallel, seed, device,
+                                   config.model.num_query_groups)
+        cp = build_context_parallel(parallel)
+        num_chunks = rules.check_layout(config)
+        split = schedule_split(SplitFlags.of(config.parallel), config.parallel.pipeline_schedule)   # zbv: two chunks
+        # sharded start-up: the chunks are built without storage; the data-parallel buffer materialises only
+        # this rank's elements (its TP shard, or its ZeRO-3 chunk of it) directly on the device
+        chunks = build_model_chunks(config.model, config.training.seed, tp, parallel.pp_rank, parallel.pp_size,
+                                    num_chunks, cp, meta=True,
+                                    stage_layers=virtual_stage_layers(config.model.num_layers, parallel.pp_size,
+                                                                      split),
+                                    placement=stage_placement(config.parallel.pipeline_schedule))
+        model = chunks[0]
+        ddp = build_data_parallel(chunks, config.parallel, parallel, config.num_microbatches, device)
+        # after the data-parallel wrapper: its hooks stay on the modules, only each layer's forward is compiled
+        compile_layers(chunks, config, device, self.print_fn if parallel.is_logging_rank else quiet)
+        self.chunks, self.model, self.ddp, self.buffer = chunks, model, ddp, ddp.buffer
+
+    def _build_pipeline_comm(self) -> PipelineComm | None:
+        """The stage-to-stage exchange of activations when pp > 1 (None otherwise)."""
+        config, parallel = self.config, self.parallel
+        if parallel.pp_size == 1:
+            return None
+        tp, cp = self.model.tp, self.model.cp
+        seq = config.model.seq_length // cp.size // (tp.size if tp.sequence_parallel else 1)
+        return PipelineComm(parallel.group("pp"), parallel.pp_rank, parallel.pp_size,
+                            (seq, config.training.micro_batch_size, config.model.hidden_size),
+                            DTYPES[config.model.params_dtype], self.device)
+
+    # ---- the run ---------------------------------------------------------------------------------
+    def train(self) -> TrainState:
+        """The whole run: --load, the data loaders, the loop, then the final checkpoint and evaluations."""
+        config = self.config
+        tokenizer = build_tokenizer(config.data)
+        rng = self.load()
+        train_iter, valid_iter, test_iter = build_data_iterators(self, tokenizer)
+        if rng is not None:      # after the data loaders, which draw from the generator when created
+            restore_rng(rng, self.model.tp.rng)
+        sinks = MetricsSinks(config.training, dataclasses.asdict(config)) if self.parallel.is_logging_rank else None
+        report_parameters(self)
+        report_memory(self.ddp, self.optimizer, self.parallel.rank, self.print_fn)
+        try:
+            loop.train(self, train_iter, valid_iter, self.log, sinks)
+            self.ddp.wait_for_param_gather()
+            if not self.state.exit_reason:       # on an early exit: saved already, no final evaluation
+                self._finish(valid_iter, test_iter)
+        finally:
+            if sinks is not None:
+                sinks.close()
+                if sinks.metrics_path:
+                    self.log(f"metrics written to {sinks.metrics_path}")
+        return self.state
+
+    def _finish(self, valid_iter, test_iter) -> None:
+        """After --train-iters: the last checkpoint, the end-of-training evaluations, then close."""
+        t = self.config.training
+        if t.save and self.state.iteration > 0 and self.state.iteration != self.last_saved_iteration:
+            self.save()
+        if valid_iter is not None and t.eval_iters > 0:
+            loss = self.evaluate(valid_iter, t.eval_iters)
+            self.log(format_validation_lines("at the end of training for val data", {"lm loss": loss}))
+        if test_iter is not None and t.eval_iters > 0:
+            loss = self.evaluate(test_iter, t.eval_iters)
+            self.log(format_validation_lines("at the end of training for test data", {"lm loss": loss}))
+        self.close()
+
+    def evaluate(self, data_iterator, num_batches: int) -> float:
+        """The mean loss over ``num_batches`` global batches, on every rank (loop.evaluate)."""
+        return loop.evaluate(self, data_iterator, num_batches)
+
+    def close(self) -> None:
+        """No collective left in flight when the process groups go."""
+        self.ddp.close()
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def save(self) -> None:
+        """Save to --save (every rank: a collective)."""
+        start = time.perf_counter()
+        with collective_phase("saving a checkpoint", self.config.training.distributed_timeout_minutes):
+            path = save_checkpoint(self, self.config.training.save)
+        self.last_saved_iteration = self.state.iteration
+        self.log(f" > saved checkpoint at iteration {self.state.iteration} to {path} "
+                 f"({time.perf_counter() - start:.2f} s)")
+
+    def load(self):
+        """--load: weights, optimizer and position of a previous run; returns the RNG states, restored
+        later. A --load directory without a checkpoint yet is a fresh start when it is also the --save
+        directory (the usual "--save X --load X" job script re-run after a crash); anywhere else it is a
+        mistake."""
+        t = self.config.training
+        if not t.load:
+            return None
+        if not has_checkpoint(t.load) and t.save and os.path.abspath(t.load) == os.path.abspath(t.save):
+            self.log(f" > no checkpoint in {t.load} yet: starting from scratch")
+            return None
+        with collective_phase("loading a checkpoint", t.distributed_timeout_minutes):
+            rng = load_checkpoint(self, t.load, load_optimizer=not t.no_load_optim, load_rng=not t.no_load_rng,
+                                  finetune=t.finetune, log=self.log)
+        self.last_saved_iteration = self.state.iteration
+        if t.batch_size_schedule and not t.finetune:
+            self._restore_lr_position()
+        return rng
+
+    def _restore_lr_position(self) -> None:
+        """Under a batch-size schedule the LR position is fractional (step.advance_lr_schedule); the
+        scheduler's own loader keeps whole steps, so take the exact value from the checkpoint, or without
+        its optimizer state (--no-load-optim) from the samples consumed."""
+        t = self.config.training
+        if t.no_load_optim:
+            self.scheduler.num_steps = self.state.consumed_train_samples / t.global_batch_size
+            return
+        saved = CheckpointReader(t.load).metadata.get("scheduler") or {}
+        if "num_steps" in saved:
+            self.scheduler.num_steps = float(saved["num_steps"])
+
+
+def build_trainer(config: MegaliteConfig, print_fn=None) -> Trainer:
+    """The built Trainer, not yet trained (tests and tools drive train_step themselves)."""
+    return Trainer(config, print_fn or print_line)
+
+
+def pretrain(config: MegaliteConfig, print_fn=print_line) -> TrainState:
+    """A whole run: Trainer(config).train()."""
+    return Trainer(config, print_fn).train()
+
+
+def report_parameters(trainer: Trainer) -> None:
+    n = count_model_parameters(trainer)
+    trainer.log(f" > number of parameters: {n} ({n / 1e6:.2f}M); global batch "
+                f"{trainer.config.training.global_batch_size} = {trainer.config.num_microbatches} micro-batches "
+                f"of {trainer.config.training.micro_batch_size} x data-parallel {trainer.parallel.dp_size}")
+
+
+def count_model_parameters(trainer: Trainer) -> int:
+    """The whole model's parameters (full, unsharded shapes; vocabulary padded), whatever the layout:
+    each pipeline stage counts its own chunks once (one TP/CP/DP replica), the tied output copy not
+    again, and the stages' counts are summed. Collective: every rank calls it."""
+    p = trainer.parallel
+    counts_here = p.tp_rank == 0 and p.cp_rank == 0 and p.dp_rank == 0
+    local = (sum(math.prod(full_shape(e.param)) for e in param_entries(trainer.chunks) if e.stored_here)
+             if counts_here else 0)
+    if p.world_size == 1:
+        return local
+    total = torch.tensor([local], dtype=torch.int64, device=trainer.device)
+    torch.distributed.all_reduce(total)
+    return int(total.item())
+
+
+# ---- data ----------------------------------------------------------------------------------------
+def build_data_iterators(trainer: Trainer, tokenizer):
+    """(train, valid, test) iterators over this data-parallel rank's micro-batches, from the samples
+    already consumed; None where the split is empty."""
+    cfg, t = trainer.config, trainer.config.training
+    evaluations = t.train_iters // t.eval_interval + 1 if t.eval_iters > 0 else 0
+    num_samples = (t.train_iters * t.global_batch_size,
+                   evaluations * t.eval_iters * t.global_batch_size,
+                   t.eval_iters * t.global_batch_size)
+    train, valid, test = build_train_valid_test_datasets(cfg.data, tokenizer, num_samples, t.seed)
+    workers = cfg.data.num_workers
+
+    def iterator(dataset, consumed: int):
+        if dataset is None:
+            return None
+        sampler = MegatronPretrainingSampler(len(dataset), consumed, t.micro_batch_size,
+                                             trainer.parallel.dp_rank, trainer.parallel.dp_size)
+        loader = DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+                            pin_memory=trainer.device.type == "cuda",
+                            persistent_workers=workers > 0, worker_init_fn=ignore_stop_signals)
+        return shut_down_workers_at_exit(iter(loader)) if workers > 0 else iter(loader)
+
+    return (iterator(train, trainer.state.consumed_train_samples),
+            iterator(valid, trainer.state.consumed_valid_samples), iterator(test, 0))
+
+
+def ignore_stop_signals(_worker_id: int) -> None:
+    """Data-loader workers ignore SIGTERM/SIGINT. torchrun and SLURM signal every process of a rank,
+    and a worker dying first would kill the rank before --exit-signal-handler could save; the rank
+    shuts its workers down itself."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def shut_down_workers_at_exit(iterator):
+    """Stop the workers of a multi-process loader's iterator when the interpreter exits with it still
+    alive (an uncaught exception's traceback holds it, or a script keeps it in a global).
+
+    Without this the exit hangs for good: multiprocessing's own exit hook SIGTERMs the workers, which
+    ignore SIGTERM (ignore_stop_signals), and then joins them. torch registers such a hook itself only
+    for pinned-memory loaders. atexit runs hooks last-registered first, so this one runs before
+    multiprocessing's and before torch marks the interpreter as exiting (after which the shut-down is a
+    no-op). The weak reference lets an iterator that goes away earlier shut down as usual."""
+    ref = weakref.ref(iterator)
+
+    def shut_down():
+        alive = ref()
+        if alive is not None:
+            alive._shutdown_workers()      # what the iterator's __del__ calls; there is no public name
+
+    atexit.register(shut_down)
+    return iterator
