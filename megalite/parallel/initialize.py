@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from megalite.config.schema import ParallelConfig
-from megalite.errors import UserError
 from megalite.parallel.launch_env import LaunchEnv, rank_error, read_launch_env, single_process_note
 from megalite.parallel.mesh import ParallelState
 from megalite.parallel.tensor.random import stage_seed
+
 
 def device_for(local_rank: int) -> torch.device:
     """The one place that decides between CUDA and CPU, and which GPU a rank uses:
@@ -98,7 +98,7 @@ def rendezvous_error(error: Exception, rank: int, world_size: int, timeout_minut
 
 def set_matmul_precision(tf32: bool, device: torch.device) -> None:
     """GPUs: fp32 matmuls in TF32 (10-bit mantissa inputs, fp32 accumulation) on Ampere and newer, the
-    tensor cores' fp32 path (8x the fp32 FLOP/s on an A100), unless --no-tf32. Older GPUs ignore it.
+    tensor cores' fp32 path, unless --no-tf32. Older GPUs ignore it.
     torch.set_float32_matmul_precision sets the legacy and the new TF32 switches consistently (mixing
     the two APIs is an error in torch 2.9+). CPUs keep full fp32: on CPU the same setting would let
     oneDNN lower fp32 matmuls too."""
