@@ -27,7 +27,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from megalite.parallel.context import build_context_parallel, context_parallel_loss, slice_for_context_parallel  # noqa: E402,E501
 from megalite.model.gpt import GPTModel  # noqa: E402
-from megalite.config.arguments import parse_args  # noqa: E402
+from megalite.config.megatron_cli import parse_args  # noqa: E402
 from megalite.parallel.mesh import ParallelState  # noqa: E402
 
 SEQ_LENGTHS, QUICK_SEQ_LENGTHS = (256, 512, 1024, 2048), (256, 512)

@@ -1,4 +1,5 @@
-"""Shared test constants: tiny model command lines and a flag editor."""
+"""Shared test constants and helpers: tiny model command lines, a flag editor, masked micro-batches, an
+in-process pretraining run and its log fields."""
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,3 +52,42 @@ def wandb_offline_history(run_dir: str) -> bytes:
     assert len(history) == 1, history
     with open(history[0], "rb") as f:
         return f.read()
+
+
+# a ramp-up run: batches 2, 2, 4, 6, 8, ... over 12 samples; warm-up 2 and decay 6 iterations of 8 samples
+RAMPUP_ARGS = with_flags(TINY_LLAMA_ARGS, micro_batch_size=1, global_batch_size=8, train_iters=8, lr_warmup_iters=2,
+                         lr_decay_iters=6, lr_decay_style="linear", lr="1e-3", min_lr="1e-4") + \
+    ["--rampup-batch-size", "2", "2", "12"]
+
+TOKEN_COUNTS = [64, 9, 40, 3]          # of 2 x 32 tokens in each of masked_micro_batches' 4 micro-batches
+
+
+def masked_micro_batches(seq: int = 32, vocab: int = 200) -> list[dict]:
+    """4 micro-batches of 2 sequences (TINY_LLAMA_ARGS' shapes) whose loss masks keep TOKEN_COUNTS tokens."""
+    import torch
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for count in TOKEN_COUNTS:
+        mask = torch.zeros(2 * seq)
+        mask[torch.randperm(2 * seq, generator=g)[:count]] = 1.0
+        out.append({"tokens": torch.randint(0, vocab, (2, seq), generator=g),
+                    "labels": torch.randint(0, vocab, (2, seq), generator=g),
+                    "loss_mask": mask.view(2, seq), "position_ids": torch.arange(seq).expand(2, seq)})
+    return out
+
+
+def run_pretrain(argv: list[str], world_size: int = 1) -> tuple[object, str]:
+    """pretrain in this process; (its final state, its log)."""
+    from megalite.config.megatron_cli import parse_args
+    from megalite.train.trainer import pretrain
+    lines = []
+    state = pretrain(parse_args(argv, world_size=world_size), print_fn=lines.append)
+    return state, "\n".join(lines)
+
+
+def log_field(log: str, iteration: int, name: str) -> float:
+    """The value of ``name`` in the log line of ``iteration``."""
+    for line in log.splitlines():
+        if f" iteration {iteration:8d}/" in line:
+            return float(line.split(f" {name}: ")[1].split(" |")[0])
+    raise AssertionError(f"no line for iteration {iteration}")

@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.config.arguments import OneLineArgumentParser  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
 FORMATS = ("hf", "megalite")

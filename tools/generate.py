@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megalite.config.arguments import OneLineArgumentParser  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser  # noqa: E402
 from megalite.config.schema import DataConfig  # noqa: E402
 from megalite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 from megalite.errors import UserError  # noqa: E402

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, data_file_path,  # noqa: E402
                                            index_file_path, normalize_prefix)
-from megalite.config.arguments import OneLineArgumentParser  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
 

@@ -18,7 +18,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megalite.config.arguments import OneLineArgumentParser  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
 # panel file name -> (title, y label, [(metric key, curve label)], log scale)

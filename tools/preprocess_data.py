@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from megalite.config.arguments import OneLineArgumentParser  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser  # noqa: E402
 from megalite.config.schema import DataConfig  # noqa: E402
 from megalite.data.indexed_dataset import (DTYPE_NAMES, IndexedDatasetBuilder, best_dtype,  # noqa: E402
                                            check_vocab_fits, data_file_path, index_file_path)

@@ -1,13 +1,18 @@
-"""Typed configuration: what `arguments.py` builds from Megatron's command line.
+"""Typed configuration: what one run needs, grouped by concern, and the sizes derived from it.
 
-Every module receives the dataclass it needs explicitly; nothing reads global argument state.
-Field names follow Megatron's flag names (``--num-query-groups`` -> ``num_query_groups``) so a
-reader of Megatron's docs finds them here.
+Every module receives the dataclass it needs explicitly; nothing reads global argument state. Field
+names follow Megatron's flag names (``--num-query-groups`` -> ``num_query_groups``) so a reader of
+Megatron's docs finds them here. A field set by a command-line flag carries that flag in its metadata
+(``flag(...)``: name, type, choices, help; megatron_cli.py builds the parser from it); a field computed
+from other inputs says how (``derived(...)``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import MISSING, dataclass, field
+from typing import Callable, Optional
+
+from megalite.config.cli import integer, non_negative_int, number, positive_float, positive_int
+from megalite.errors import UserError
 
 # ---- the pipeline schedules --pipeline-schedule names, in one place ------------------------------------
 SYNCHRONOUS_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zbv")    # flush every step: equal to one process
@@ -18,44 +23,102 @@ PIPELINE_SCHEDULES = SYNCHRONOUS_SCHEDULES + ASYNC_SCHEDULES
 # 3 (and parameters)
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
+FLAG, DERIVED = "megatron_flag", "derived"
+FIELD_DEFAULT = object()       # Flag.cli_default: the parser's default is the field's own
 
+
+@dataclass(frozen=True)
+class Flag:
+    """How one field appears on Megatron's command line. A bool field is a switch: ``--x`` sets a
+    False default, ``--no-x`` / ``--disable-x`` clears a True one."""
+    name: str
+    type: Optional[Callable] = None
+    help: Optional[str] = None
+    choices: Optional[tuple] = None
+    nargs: Optional[str] = None
+    cli_default: object = FIELD_DEFAULT      # None: absent means "not given" (a default is derived)
+
+
+def flag(name: str, type: Optional[Callable] = None, *, default=MISSING, factory=MISSING, help: str | None = None,
+         choices: tuple | None = None, nargs: str | None = None, cli_default=FIELD_DEFAULT):
+    meta = {FLAG: Flag(name, type, help, choices, nargs, cli_default)}
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def derived(reason: str, default=MISSING, factory=MISSING):
+    """A field no flag sets directly: ``reason`` says what it is computed from."""
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata={DERIVED: reason})
+    return field(default=default, metadata={DERIVED: reason})
+
+
+# ---- derived sizes, in one place ------------------------------------------------------------------------
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
     """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x TP size."""
     multiple = divisible_by * tensor_parallel_size
     return -(-vocab_size // multiple) * multiple
 
 
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """4h, or with SwiGLU Megatron's 2/3 of 4h rounded down to a multiple of 64."""
+    if swiglu:
+        return int((4 * hidden_size * 2 / 3) / 64) * 64
+    return 4 * hidden_size
+
+
+def default_kv_channels(hidden_size: int, num_attention_heads: int) -> int:
+    """The head dimension when --kv-channels is not given: hidden / heads, which must divide."""
+    if hidden_size % num_attention_heads:
+        raise UserError(f"--hidden-size {hidden_size} must be divisible by --num-attention-heads "
+                        f"{num_attention_heads} (or give --kv-channels)")
+    return hidden_size // num_attention_heads
+
+
+def rotary_dim(head_dim: int, rotary_percent: float) -> int:
+    """Dimensions of each head that RoPE rotates (Megatron: int(kv_channels * rotary_percent))."""
+    return int(head_dim * rotary_percent)
+
+
 @dataclass
 class ModelConfig:
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    ffn_hidden_size: int
-    kv_channels: int                    # head dimension
-    num_query_groups: int               # = num_attention_heads unless --group-query-attention
-    seq_length: int
-    max_position_embeddings: int
-    padded_vocab_size: int              # true vocab padded to make_vocab_size_divisible_by * tp
-    vocab_size: int = 0                 # the tokenizer's true vocabulary (logits trimmed to it on export)
-    position_embedding_type: str = "learned_absolute"   # or "rope"
-    rotary_base: float = 10000.0
-    rotary_percent: float = 1.0         # --rotary-percent: RoPE on the first rotary_percent of each head's dims
-    normalization: str = "LayerNorm"    # or "RMSNorm"
-    norm_epsilon: float = 1e-5
-    apply_layernorm_1p: bool = False    # --apply-layernorm-1p: zero-centred norm weights (the norm scales by w + 1)
-    swiglu: bool = False
-    openai_gelu: bool = False           # tanh-approximated GELU (GPT-2); exact GELU otherwise
-    add_bias_linear: bool = True
-    add_qkv_bias: bool = False          # Qwen2-style q/k/v biases without other biases
-    untie_embeddings_and_output_weights: bool = False
-    init_method_std: float = 0.02
-    attention_dropout: float = 0.1
-    hidden_dropout: float = 0.1
-    params_dtype: str = "float32"       # "float32", "bfloat16" or "float16": the dtype compute runs in
-    recompute_granularity: Optional[str] = None
-    recompute_method: Optional[str] = None
-    recompute_num_layers: Optional[int] = None
-    cross_entropy_loss_fusion: bool = False   # chunked loss: never the fp32 logits of all tokens at once
+    num_layers: int = flag("--num-layers", positive_int)
+    hidden_size: int = flag("--hidden-size", positive_int)
+    num_attention_heads: int = flag("--num-attention-heads", positive_int)
+    ffn_hidden_size: int = flag("--ffn-hidden-size", positive_int,
+                                help="default 4*hidden, or Megatron's 2/3 rule with --swiglu")
+    kv_channels: int = flag("--kv-channels", positive_int, help="head dimension; default hidden/heads")
+    num_query_groups: int = flag("--num-query-groups", positive_int,
+                                 help="KV heads, with --group-query-attention (default: one per attention head)")
+    seq_length: int = flag("--seq-length", positive_int)
+    max_position_embeddings: int = flag("--max-position-embeddings", positive_int, help="default --seq-length")
+    padded_vocab_size: int = derived("the tokenizer's vocabulary padded to --make-vocab-size-divisible-by x TP size")
+    vocab_size: int = derived("the tokenizer's true vocabulary (logits are trimmed to it on export)", 0)
+    position_embedding_type: str = flag("--position-embedding-type", default="learned_absolute",
+                                        choices=("learned_absolute", "rope"))
+    rotary_base: float = flag("--rotary-base", number, default=10000.0)
+    rotary_percent: float = flag("--rotary-percent", number, default=1.0, help=(
+        "RoPE on this fraction of each head's dimensions, the rest pass through (partial rotary)"))
+    normalization: str = flag("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
+    norm_epsilon: float = flag("--norm-epsilon", number, default=1e-5)
+    apply_layernorm_1p: bool = flag("--apply-layernorm-1p", default=False, help=(
+        "zero-centred norm weights: the norm scales by (weight + 1), weights start at 0"))
+    swiglu: bool = flag("--swiglu", default=False)
+    openai_gelu: bool = flag("--openai-gelu", default=False, help="tanh-approximated GELU (GPT-2); exact GELU otherwise")
+    add_bias_linear: bool = flag("--disable-bias-linear", default=True)
+    add_qkv_bias: bool = flag("--add-qkv-bias", default=False,
+                              help="q/k/v biases even with --disable-bias-linear (Qwen2)")
+    untie_embeddings_and_output_weights: bool = flag("--untie-embeddings-and-output-weights", default=False)
+    init_method_std: float = flag("--init-method-std", number, default=0.02)
+    attention_dropout: float = flag("--attention-dropout", number, default=0.1)
+    hidden_dropout: float = flag("--hidden-dropout", number, default=0.1)
+    params_dtype: str = derived("--bf16 / --fp16 / neither: the dtype compute runs in", "float32")
+    recompute_granularity: Optional[str] = flag("--recompute-granularity", default=None, choices=("full", "selective"))
+    recompute_method: Optional[str] = flag("--recompute-method", default=None, choices=("uniform", "block"))
+    recompute_num_layers: Optional[int] = flag("--recompute-num-layers", positive_int, default=None)
+    cross_entropy_loss_fusion: bool = flag("--cross-entropy-loss-fusion", default=False, help=(
+        "chunked vocabulary-parallel cross-entropy: fp32 logits of a chunk of tokens at a time"))
 
     @property
     def use_rope(self) -> bool:
@@ -72,133 +135,198 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    world_size: int = 1
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    num_layers_per_virtual_pipeline_stage: Optional[int] = None
-    # uneven pipeline splits, Megatron's flags (pipeline_parallel/stages.py: virtual_stage_layers)
-    num_virtual_stages_per_pipeline_rank: Optional[int] = None
-    decoder_first_pipeline_num_layers: Optional[int] = None
-    decoder_last_pipeline_num_layers: Optional[int] = None
-    account_for_embedding_in_pipeline_split: bool = False
-    account_for_loss_in_pipeline_split: bool = False
-    pipeline_model_parallel_layout: Optional[str] = None
-    sequence_parallel: bool = False
-    pipeline_schedule: str = "1f1b"          # or "gpipe"; interleaved 1F1B whenever there are virtual stages
-    use_distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    # no_shard | optim (ZeRO-1, = use_distributed_optimizer) | optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3)
-    data_parallel_sharding_strategy: str = "no_shard"
-    ddp_bucket_size: Optional[int] = None       # elements per gradient bucket; None: Megatron's default
-    grad_reduce_in_bf16: bool = False           # data-parallel gradient reductions in bf16 (accumulation stays fp32)
-    gradient_accumulation_fusion: bool = True   # linears add their weight gradient straight into main_grad
-    use_torch_fsdp2: bool = False               # PyTorch FSDP2 instead of megalite's own DP/ZeRO (distributed/fsdp2.py)
+    world_size: int = derived("the launcher's WORLD_SIZE (parallel/launch_env.py)", 1)
+    tensor_model_parallel_size: int = flag("--tensor-model-parallel-size", positive_int, default=1)
+    pipeline_model_parallel_size: int = flag("--pipeline-model-parallel-size", positive_int, default=1)
+    context_parallel_size: int = flag("--context-parallel-size", positive_int, default=1)
+    num_layers_per_virtual_pipeline_stage: Optional[int] = flag("--num-layers-per-virtual-pipeline-stage",
+                                                                positive_int, default=None)
+    # uneven pipeline splits (parallel/pipeline/stages.py: virtual_stage_layers)
+    num_virtual_stages_per_pipeline_rank: Optional[int] = flag(
+        "--num-virtual-stages-per-pipeline-rank", positive_int, default=None,
+        help="model chunks per pipeline rank (the way to interleave with uneven first/last stages)")
+    decoder_first_pipeline_num_layers: Optional[int] = flag(
+        "--decoder-first-pipeline-num-layers", int, default=None,
+        help="transformer layers on the first pipeline stage; the middle stages split the rest evenly")
+    decoder_last_pipeline_num_layers: Optional[int] = flag(
+        "--decoder-last-pipeline-num-layers", int, default=None,
+        help="transformer layers on the last pipeline stage; the middle stages split the rest evenly")
+    account_for_embedding_in_pipeline_split: bool = flag(
+        "--account-for-embedding-in-pipeline-split", default=False,
+        help="count the embedding as one layer when splitting layers over pipeline stages")
+    account_for_loss_in_pipeline_split: bool = flag(
+        "--account-for-loss-in-pipeline-split", default=False,
+        help="count the output layer and loss as one layer when splitting layers over pipeline stages")
+    pipeline_model_parallel_layout: Optional[str] = flag("--pipeline-model-parallel-layout", default=None, help=(
+        'Megatron\'s layout string, e.g. "Et*3|(tt|)*2,t|L": stages split by |, E embedding, t transformer layer, '
+        "L loss; pp x vpp stages"))
+    sequence_parallel: bool = flag("--sequence-parallel", default=False)
+    pipeline_schedule: str = flag("--pipeline-schedule", default="1f1b", choices=PIPELINE_SCHEDULES,
+                                  help="pipeline schedule (1f1b becomes interleaved 1F1B whenever virtual stages are used)")
+    use_distributed_optimizer: bool = flag("--use-distributed-optimizer", default=False,
+                                           help="= --data-parallel-sharding-strategy optim (ZeRO-1)")
+    overlap_grad_reduce: bool = flag("--overlap-grad-reduce", default=False)
+    overlap_param_gather: bool = flag("--overlap-param-gather", default=False)
+    data_parallel_sharding_strategy: str = flag(
+        "--data-parallel-sharding-strategy", default="no_shard", choices=SHARDING_STRATEGIES, cli_default=None,
+        help="ZeRO stage: optim = 1 (= --use-distributed-optimizer), optim_grads = 2, optim_grads_params = 3; "
+             "default no_shard")
+    ddp_bucket_size: Optional[int] = flag("--ddp-bucket-size", positive_int, default=None, help=(
+        "elements per data-parallel gradient bucket (default max(40M, 1M x data-parallel size) with "
+        "--overlap-grad-reduce, else one bucket)"))
+    grad_reduce_in_bf16: bool = flag("--grad-reduce-in-bf16", default=False,
+                                     help="data-parallel gradient reductions in bf16 (gradient accumulation stays fp32)")
+    gradient_accumulation_fusion: bool = flag("--no-gradient-accumulation-fusion", default=True, help=(
+        "compute each linear's weight gradient on its own and add it into the fp32 main_grad after; by default the "
+        "matmul adds it in place (fp32 weights; bf16/fp16 on CUDA)"))
+    use_torch_fsdp2: bool = flag("--use-torch-fsdp2", default=False, help=(
+        "PyTorch FSDP2 (fully_shard per layer) instead of megalite's own data parallelism; ZeRO-3 by default, "
+        "--data-parallel-sharding-strategy optim_grads keeps parameters gathered from forward to backward"))
+
+    def __post_init__(self):
+        # the one place --use-distributed-optimizer and the strategy agree: ZeRO-1 is "optim"
+        if self.use_distributed_optimizer and self.data_parallel_sharding_strategy == "no_shard":
+            self.data_parallel_sharding_strategy = "optim"
+        self.use_distributed_optimizer = self.data_parallel_sharding_strategy != "no_shard"
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
 
     @property
     def data_parallel_size(self) -> int:
-        model_parallel = (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-                          * self.context_parallel_size)
-        return self.world_size // model_parallel
+        return self.world_size // self.model_parallel_size
 
 
 @dataclass
 class OptimizerConfig:
-    lr: float
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    bf16: bool = False
-    fp16: bool = False
-    loss_scale: Optional[float] = None          # static loss scale for fp16; dynamic when None
-    initial_loss_scale: float = 2.0 ** 32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    # learning-rate schedule, in iterations (converted from samples/fractions by arguments.py)
-    lr_decay_style: str = "linear"
-    lr_decay_iters: Optional[int] = None
-    lr_warmup_iters: int = 0
-    lr_warmup_init: float = 0.0
-    lr_wsd_decay_style: str = "exponential"
-    lr_wsd_decay_iters: Optional[int] = None
-    # --decoupled-lr / --decoupled-min-lr: the input embedding and output layer follow the same schedule
-    # between these instead of lr / min_lr (None: they use lr / min_lr like every other parameter)
-    decoupled_lr: Optional[float] = None
-    decoupled_min_lr: Optional[float] = None
+    lr: float = flag("--lr", number)
+    min_lr: float = flag("--min-lr", number, default=0.0)
+    weight_decay: float = flag("--weight-decay", number, default=0.01)
+    adam_beta1: float = flag("--adam-beta1", number, default=0.9)
+    adam_beta2: float = flag("--adam-beta2", number, default=0.999)
+    adam_eps: float = flag("--adam-eps", number, default=1e-8)
+    clip_grad: float = flag("--clip-grad", number, default=1.0)
+    bf16: bool = flag("--bf16", default=False)
+    fp16: bool = flag("--fp16", default=False)
+    loss_scale: Optional[float] = flag("--loss-scale", number, default=None,
+                                       help="static fp16 loss scale; dynamic when absent")
+    initial_loss_scale: float = flag("--initial-loss-scale", number, default=2.0 ** 32)
+    min_loss_scale: float = flag("--min-loss-scale", number, default=1.0)
+    loss_scale_window: int = flag("--loss-scale-window", positive_int, default=1000)
+    hysteresis: int = flag("--hysteresis", positive_int, default=2)
+    # the learning-rate schedule, in iterations (megatron_cli.py converts the --*-samples and fraction forms)
+    lr_decay_style: str = flag("--lr-decay-style", default="linear",
+                               choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+    lr_decay_iters: Optional[int] = flag("--lr-decay-iters", positive_int, default=None,
+                                         help="default --train-iters")
+    lr_warmup_iters: int = flag("--lr-warmup-iters", non_negative_int, default=0)
+    lr_warmup_init: float = flag("--lr-warmup-init", number, default=0.0)
+    lr_wsd_decay_style: str = flag("--lr-wsd-decay-style", default="exponential",
+                                   choices=("exponential", "linear", "cosine", "minus_sqrt"))
+    lr_wsd_decay_iters: Optional[int] = flag("--lr-wsd-decay-iters", positive_int, default=None)
+    # the input embedding and output layer follow the same schedule between these instead of lr / min_lr
+    decoupled_lr: Optional[float] = flag("--decoupled-lr", positive_float, default=None,
+                                         help="learning rate of the input embedding and output layer (the rest use --lr)")
+    decoupled_min_lr: Optional[float] = flag("--decoupled-min-lr", number, default=None, help=(
+        "minimum learning rate of the input embedding and output layer (with --decoupled-lr; default --min-lr)"))
 
 
 @dataclass
 class DataConfig:
-    data_path: list[str] = field(default_factory=list)   # "prefix" or "w1 p1 w2 p2" tokens
-    train_data_path: list[str] = field(default_factory=list)
-    valid_data_path: list[str] = field(default_factory=list)
-    test_data_path: list[str] = field(default_factory=list)
-    split: str = "969, 30, 1"
-    data_cache_path: Optional[str] = None
-    mock_data: bool = False
-    tokenizer_type: Optional[str] = None
-    tokenizer_model: Optional[str] = None
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    vocab_size: Optional[int] = None            # for NullTokenizer
-    num_workers: int = 2
-    eod_mask_loss: bool = False
-    seq_length: int = 1024
-    mmap_bin_files: bool = True                 # --no-mmap-bin-files: read each .bin into memory instead
+    data_path: list[str] = flag("--data-path", factory=list, nargs="*",
+                                help='PREFIX, or "W1 PREFIX1 W2 PREFIX2 ..."')
+    train_data_path: list[str] = flag("--train-data-path", factory=list, nargs="*")
+    valid_data_path: list[str] = flag("--valid-data-path", factory=list, nargs="*")
+    test_data_path: list[str] = flag("--test-data-path", factory=list, nargs="*")
+    split: str = flag("--split", default="969, 30, 1", cli_default=None,
+                      help='train,valid,test weights, default "969, 30, 1"')
+    data_cache_path: Optional[str] = flag("--data-cache-path", default=None)
+    mock_data: bool = flag("--mock-data", default=False)
+    tokenizer_type: Optional[str] = flag("--tokenizer-type", default=None, choices=(
+        "GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"))
+    tokenizer_model: Optional[str] = flag("--tokenizer-model", default=None)
+    vocab_file: Optional[str] = flag("--vocab-file", default=None)
+    merge_file: Optional[str] = flag("--merge-file", default=None)
+    vocab_size: Optional[int] = flag("--vocab-size", positive_int, default=None,
+                                     help="vocabulary of NullTokenizer (eod is one past it)")
+    num_workers: int = flag("--num-workers", non_negative_int, default=2)
+    eod_mask_loss: bool = flag("--eod-mask-loss", default=False)
+    seq_length: int = derived("ModelConfig.seq_length (--seq-length): the samples' length", 1024)
+    mmap_bin_files: bool = flag("--no-mmap-bin-files", default=True,
+                                help="read each .bin file into memory instead of memory-mapping it")
 
 
 @dataclass
 class TrainingConfig:
-    micro_batch_size: int
-    global_batch_size: int
-    train_iters: int
-    seed: int = 1234
-    log_interval: int = 100
-    eval_interval: int = 1000
-    eval_iters: int = 100
-    log_throughput: bool = False
-    timing_log_level: int = 0
-    tensorboard_dir: Optional[str] = None
-    wandb_project: Optional[str] = None
-    wandb_exp_name: Optional[str] = None
-    wandb_save_dir: Optional[str] = None
-    metrics_file: Optional[str] = None
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False
-    use_checkpoint_args: bool = False
-    exit_signal_handler: bool = False
-    exit_duration_in_mins: Optional[float] = None
-    exit_interval: Optional[int] = None
-    peak_flops: Optional[float] = None         # one device's peak FLOP/s for MFU (default: known-GPU table)
-    skip_nan_iterations: bool = False          # NaN/Inf loss or grad norm: skip the update (default: stop the run)
-    distributed_timeout_minutes: float = 10
-    # batch-size schedule: [(consumed samples from which it applies, global batch size), ...] ascending,
-    # from --rampup-batch-size or --step-batch-size-schedule; empty: global_batch_size throughout
-    batch_size_schedule: list = field(default_factory=list)
-    calculate_per_token_loss: bool = False     # loss = sum over all tokens of the step / their count
-    log_params_norm: bool = False
-    log_num_zeros_in_grad: bool = False
-    log_timers_to_tensorboard: bool = False
-    manual_gc: bool = False                    # Python's garbage collector runs only where we call it
-    manual_gc_interval: int = 0                # with manual_gc: collect every N iterations (0: never in training)
-    manual_gc_eval: bool = True                # with manual_gc: collect before and after each evaluation
-    empty_unused_memory_level: int = 0         # 1: free the CUDA cache after forward-backward, 2: also after the step
-    profile: bool = False                      # torch.profiler trace of iterations [profile_step_start, profile_step_end)
-    profile_step_start: int = 10
-    profile_step_end: int = 12
-    use_pytorch_profiler: bool = False         # on GPUs: torch.profiler instead of an nsys capture range
-    profile_ranks: list = field(default_factory=lambda: [0])
-    compile: bool = False                      # torch.compile each transformer layer (megalite/train/compile.py)
-    tf32: bool = True                          # TF32 for fp32 matmuls on Ampere+ GPUs (--no-tf32: off)
+    micro_batch_size: int = flag("--micro-batch-size", positive_int)
+    global_batch_size: int = flag("--global-batch-size", positive_int,
+                                  help="default micro-batch-size x data-parallel size")
+    train_iters: int = flag("--train-iters", positive_int)
+    seed: int = flag("--seed", integer, default=1234)
+    log_interval: int = flag("--log-interval", positive_int, default=100)
+    eval_interval: int = flag("--eval-interval", positive_int, default=1000)
+    eval_iters: int = flag("--eval-iters", non_negative_int, default=100)
+    log_throughput: bool = flag("--log-throughput", default=False)
+    timing_log_level: int = flag("--timing-log-level", integer, default=0, choices=(0, 1, 2))
+    tensorboard_dir: Optional[str] = flag("--tensorboard-dir", default=None)
+    wandb_project: Optional[str] = flag("--wandb-project", default=None)
+    wandb_exp_name: Optional[str] = flag("--wandb-exp-name", default=None)
+    wandb_save_dir: Optional[str] = flag("--wandb-save-dir", default=None)
+    metrics_file: Optional[str] = flag("--metrics-file", default=None, help=(
+        "JSON-lines metrics; default metrics.jsonl in --save/--tensorboard-dir/--wandb-save-dir"))
+    save: Optional[str] = flag("--save", default=None)
+    load: Optional[str] = flag("--load", default=None)
+    save_interval: Optional[int] = flag("--save-interval", positive_int, default=None)
+    no_load_optim: bool = flag("--no-load-optim", default=False)
+    no_load_rng: bool = flag("--no-load-rng", default=False)
+    finetune: bool = flag("--finetune", default=False)
+    use_checkpoint_args: bool = flag("--use-checkpoint-args", default=False)
+    exit_signal_handler: bool = flag("--exit-signal-handler", default=False, help=(
+        "on SIGTERM/SIGINT finish the iteration, save a checkpoint (with --save) and exit 0"))
+    exit_duration_in_mins: Optional[float] = flag("--exit-duration-in-mins", positive_float, default=None, help=(
+        "stop (saving a checkpoint with --save) once training has run this long"))
+    exit_interval: Optional[int] = flag("--exit-interval", positive_int, default=None, help=(
+        "stop (saving a checkpoint with --save) at the first iteration that is a multiple of this"))
+    peak_flops: Optional[float] = flag("--peak-flops", positive_float, default=None, help=(
+        "one device's peak FLOP/s (e.g. 989e12 for an H100 in bf16), for the MFU in the log; default: a table of "
+        "known GPUs; MFU is left out on CPUs without it"))
+    skip_nan_iterations: bool = flag("--skip-nan-iterations", default=False, help=(
+        "a NaN/Inf loss or gradient norm skips that update and training goes on (default: stop)"))
+    distributed_timeout_minutes: float = flag("--distributed-timeout-minutes", positive_float, default=10, help=(
+        "a collective waiting longer than this (a rank died or hung) ends the run with an error"))
+    # [(consumed samples from which it applies, global batch size), ...] ascending; empty: global_batch_size
+    batch_size_schedule: list = derived("--rampup-batch-size or --step-batch-size-schedule",
+                                         factory=list)
+    calculate_per_token_loss: bool = flag("--calculate-per-token-loss", default=False, help=(
+        "loss = sum over every token of the global batch / their count (not a mean of micro-batch means)"))
+    log_params_norm: bool = flag("--log-params-norm", default=False, help="log the L2 norm of all parameters")
+    log_num_zeros_in_grad: bool = flag("--log-num-zeros-in-grad", default=False,
+                                       help="log the number of zero gradient elements")
+    log_timers_to_tensorboard: bool = flag("--log-timers-to-tensorboard", default=False, help=(
+        "timers and Megatron's iteration-time also to tensorboard and wandb (they are always in the JSONL)"))
+    manual_gc: bool = flag("--manual-gc", default=False, help=(
+        "Python's garbage collector runs only at --manual-gc-interval iterations and around evaluation"))
+    manual_gc_interval: int = flag("--manual-gc-interval", non_negative_int, default=0,
+                                   help="with --manual-gc: collect every N iterations (0: not between training steps)")
+    manual_gc_eval: bool = flag("--no-manual-gc-eval", default=True,
+                                help="with --manual-gc: no collection before and after evaluation")
+    empty_unused_memory_level: int = flag("--empty-unused-memory-level", integer, default=0, choices=(0, 1, 2), help=(
+        "free the CUDA caching allocator's unused memory: 1 after forward-backward, 2 also after the optimizer step "
+        "(no effect on CPUs)"))
+    profile: bool = flag("--profile", default=False,
+                         help="profile iterations [--profile-step-start, --profile-step-end) on --profile-ranks")
+    profile_step_start: int = flag("--profile-step-start", non_negative_int, default=10)
+    profile_step_end: int = flag("--profile-step-end", non_negative_int, default=12)
+    use_pytorch_profiler: bool = flag("--use-pytorch-profiler", default=False, help=(
+        "with --profile on GPUs: torch.profiler traces (default: an nsys capture range); CPUs always use "
+        "torch.profiler"))
+    profile_ranks: list = flag("--profile-ranks", non_negative_int, factory=lambda: [0], nargs="+")
+    compile: bool = flag("--compile", default=False, help=(
+        "torch.compile each transformer layer (regional; eager numerics); layouts it cannot handle say so at "
+        "start-up and run eager"))
+    tf32: bool = flag("--no-tf32", default=True, help=(
+        "fp32 matmuls and convolutions in full fp32 (default: TF32 on Ampere and newer GPUs)"))
 
 
 @dataclass
@@ -227,3 +355,6 @@ class MegaliteConfig:
     def num_microbatches_at(self, consumed_samples: int) -> int:
         t = self.training
         return self.global_batch_size_at(consumed_samples) // (t.micro_batch_size * self.parallel.data_parallel_size)
+
+
+CONFIG_SECTIONS = (ModelConfig, ParallelConfig, OptimizerConfig, DataConfig, TrainingConfig)

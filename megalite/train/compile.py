@@ -42,7 +42,7 @@ def compile_unsupported_reason(config: MegaliteConfig, device: torch.device) -> 
     asynchronous pipeline schedules, which swap weight versions in place under what autograd saved in
     forward; a compiled graph may save tensors computed from the weights instead, which that swap
     does not reach. And environments where torch.compile cannot build kernels."""
-    schedule = getattr(config.parallel, "pipeline_schedule", "1f1b")
+    schedule = config.parallel.pipeline_schedule
     if schedule in ASYNC_SCHEDULES and config.parallel.pipeline_model_parallel_size > 1:
         return f"--pipeline-schedule {schedule} swaps weight versions under the saved activations"
     if not torch._dynamo.is_dynamo_supported():

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from dp_workloads import DP_ARGS, SyntheticTokens, train_layouts
 from harness import run_ranks
-from megalite.config.arguments import parse_args
+from megalite.config.megatron_cli import parse_args
 from megalite.checkpoint.sharded import load_checkpoint, load_model, save_checkpoint
 from megalite.data.samplers import MegatronPretrainingSampler
 from megalite.errors import UserError

@@ -4,10 +4,11 @@ import torch
 
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.arguments import parse_args
+from megalite.config.megatron_cli import parse_args
+from megalite.config.schema import ParallelConfig
+from megalite.config.validate import check_pipeline_split
 from megalite.errors import UserError
 from megalite.parallel.pipeline.schedules import gpipe_order, interleaved_order, one_f_one_b_order
-from megalite.parallel.pipeline.stages import check_pipeline_split
 from pipeline_workloads import ARGS, one_thread, reference, run_executor  # noqa: F401 (one_thread: autouse fixture)
 
 # Each spawned world costs seconds (every rank imports torch), so one world per size serves every check
@@ -88,7 +89,8 @@ def test_schedule_orders():
 ])
 def test_bad_pipeline_configurations(layers, pp, per_virtual, micro, message):
     with pytest.raises(UserError) as err:
-        check_pipeline_split(layers, pp, per_virtual, micro)
+        check_pipeline_split(layers, ParallelConfig(pipeline_model_parallel_size=pp,
+                                                    num_layers_per_virtual_pipeline_stage=per_virtual), micro)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from dp_workloads import DP_ARGS, SyntheticTokens, layout_flags
 from harness import run_ranks
-from megalite.config.arguments import parse_args
+from megalite.config.megatron_cli import parse_args
 from megalite.checkpoint.files import TORCH_DTYPES, CheckpointReader, as_2d, write_checkpoint
 from megalite.checkpoint.sharded import load_checkpoint, param_entries, save_checkpoint
 from megalite.data.samplers import MegatronPretrainingSampler

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from harness import run_ranks
 from megalite_test_utils import TINY_GPT2_ARGS, TINY_LLAMA_ARGS, with_flags
-from megalite.config.arguments import parse_args
+from megalite.config.megatron_cli import parse_args
 from megalite.parallel.mesh import ParallelState
 from megalite.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, TensorParallel,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.config.schema import ModelConfig
+from megalite.config.schema import ModelConfig, ParallelConfig
 from megalite.parallel.context.ring_attention import ContextParallel, context_parallel_loss, slice_for_context_parallel
 from megalite.errors import UserError
 from megalite.model.gpt import GPTModel
@@ -42,15 +42,12 @@ class SplitFlags:
     layout: str | None = None                       # --pipeline-model-parallel-layout
 
     @classmethod
-    def of(cls, flags) -> "SplitFlags":
-        """From parsed arguments or a ParallelConfig, which both use Megatron's names."""
-        return cls(getattr(flags, "num_layers_per_virtual_pipeline_stage", None),
-                   getattr(flags, "num_virtual_stages_per_pipeline_rank", None),
-                   getattr(flags, "decoder_first_pipeline_num_layers", None),
-                   getattr(flags, "decoder_last_pipeline_num_layers", None),
-                   bool(getattr(flags, "account_for_embedding_in_pipeline_split", False)),
-                   bool(getattr(flags, "account_for_loss_in_pipeline_split", False)),
-                   getattr(flags, "pipeline_model_parallel_layout", None))
+    def of(cls, parallel: ParallelConfig) -> "SplitFlags":
+        """The split flags of a ParallelConfig (the planner's command line uses the same names)."""
+        return cls(parallel.num_layers_per_virtual_pipeline_stage, parallel.num_virtual_stages_per_pipeline_rank,
+                   parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers,
+                   bool(parallel.account_for_embedding_in_pipeline_split),
+                   bool(parallel.account_for_loss_in_pipeline_split), parallel.pipeline_model_parallel_layout)
 
     def given(self) -> list[str]:
         """The flags set, by name."""
@@ -192,18 +189,6 @@ def _layout_layers(num_layers: int, pp: int, split: SplitFlags) -> list[int]:
     if empty:
         raise UserError(f"{flag}: stage {empty[0]} is empty; give every stage at least one of E, t, L")
     return [stage.count("t") for stage in stages]
-
-
-def check_pipeline_split(num_layers: int, pp: int, layers_per_virtual_stage: int | None,
-                         num_microbatches: int, split: SplitFlags | None = None) -> int:
-    """Number of model chunks per rank (virtual pipeline size), or a one-line UserError.
-    ``split``: the split flags (its layers_per_virtual_stage is taken from the argument)."""
-    split = SplitFlags(layers_per_virtual_stage) if split is None else split
-    chunks = len(virtual_stage_layers(num_layers, pp, split)) // pp
-    if chunks > 1 and num_microbatches % pp:
-        raise UserError(f"interleaved pipelining needs the number of micro-batches ({num_microbatches}) to be a "
-                        f"multiple of --pipeline-model-parallel-size {pp}; change --global-batch-size")
-    return chunks
 
 
 def build_model_chunks(config: ModelConfig, seed: int, tp: TensorParallel, pp_rank: int, pp_size: int,

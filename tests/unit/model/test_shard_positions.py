@@ -3,7 +3,7 @@ parameter kind (column/row parallel, fused grouped QKV incl. replicated KV heads
 import pytest
 import torch
 
-from megalite.config.arguments import parse_args
+from megalite.config.megatron_cli import parse_args
 from megalite.model.gpt import GPTModel
 from megalite.parallel.tensor.layers import TensorParallel, shard_positions
 from megalite_test_utils import TINY_GPT2_ARGS, TINY_LLAMA_ARGS, with_flags

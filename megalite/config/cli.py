@@ -1,0 +1,56 @@
+"""What every megalite command line shares: a parser whose mistakes are one-line UserErrors, and the
+number types its flags use (finite, range-checked when parsed)."""
+from __future__ import annotations
+
+import argparse
+import math
+
+from megalite.errors import UserError
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag raises UserError (one line) instead of printing usage and exiting 2.
+    pretrain_gpt.py and the tools/ command lines all use it, so every entry point reports mistakes the
+    same way."""
+
+    def error(self, message: str):
+        raise UserError(f"{' '.join(message.split())} (see python {self.prog} --help)")
+
+
+def integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def number(text: str) -> float:
+    """A finite number: nan and inf would slip through every later range check (nan > 0 is False)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = integer(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = number(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value

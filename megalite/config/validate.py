@@ -1,0 +1,371 @@
+"""Every rule between configuration fields, on the typed configs; each failure is one line naming the flags
+and the fix.
+
+Entry points:
+- ``validate(config, world_size)``: all of them, for pretrain_gpt.py's command line (megatron_cli.py);
+- ``check_layout(config)``: the rules of one parallel layout (sizes that must divide, schedules and what
+  they compose with, the pipeline split); the trainer runs it at start-up and the planner on each
+  candidate layout. It returns the number of model chunks per pipeline rank;
+- ``check_async_schedule(config)``: what the asynchronous pipeline schedules support, checked when one is
+  built (parallel/pipeline/pipedream.py);
+- ``check_paths(training)``: the rules that look at the file system (output folders, --load).
+"""
+from __future__ import annotations
+
+import os
+
+from megalite.config.schema import (ASYNC_SCHEDULES, ZERO_BUBBLE_SCHEDULES, DataConfig, MegaliteConfig, ModelConfig,
+                                    OptimizerConfig, ParallelConfig, TrainingConfig, rotary_dim)
+from megalite.errors import UserError
+from megalite.parallel.pipeline.stages import SplitFlags, virtual_stage_layers
+from megalite.parallel.pipeline.zero_bubble import schedule_split
+
+MAX_SEED = 2 ** 32 - 1           # numpy's seeding range
+
+
+def validate(config: MegaliteConfig, world_size: int) -> None:
+    """Every cross-field rule of a run started on ``world_size`` processes."""
+    if config.optimizer.bf16 and config.optimizer.fp16:
+        raise UserError("--bf16 and --fp16 are exclusive; pick one")
+    check_model(config.model)
+    _check_ranges(config)
+    check_world_size(world_size, config.parallel)
+    check_layout(config)
+    _check_data_parallel(config.parallel)
+    _check_learning_rate(config.optimizer)
+    _check_data(config.data)
+    _check_checkpointing(config.training)
+    _check_logging(config.training)
+
+
+# ---- the model ---------------------------------------------------------------------------------------
+def check_model(m: ModelConfig) -> None:
+    if m.num_attention_heads % m.num_query_groups:
+        raise UserError(f"--num-attention-heads {m.num_attention_heads} must be divisible by "
+                        f"--num-query-groups {m.num_query_groups}")
+    if m.use_rope and m.kv_channels % 2:
+        raise UserError(f"rope needs an even head dimension, got {m.kv_channels} (--kv-channels or "
+                        "--hidden-size/--num-attention-heads)")
+    _check_rotary_percent(m)
+    if m.max_position_embeddings < m.seq_length:
+        raise UserError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
+                        f"{m.max_position_embeddings}; raise --max-position-embeddings")
+    for flag, value in (("--attention-dropout", m.attention_dropout), ("--hidden-dropout", m.hidden_dropout)):
+        if not 0.0 <= value < 1.0:
+            raise UserError(f"{flag} must be in [0, 1), got {value}")
+    if m.init_method_std <= 0:
+        raise UserError(f"--init-method-std must be > 0, got {m.init_method_std}")
+    if m.recompute_granularity == "full" and m.recompute_method is None:
+        raise UserError("--recompute-granularity full needs --recompute-method uniform or block")
+    if m.recompute_granularity != "full" and (m.recompute_method or m.recompute_num_layers):
+        raise UserError("--recompute-method and --recompute-num-layers apply only to --recompute-granularity full")
+
+
+def _check_rotary_percent(m: ModelConfig) -> None:
+    if not 0.0 < m.rotary_percent <= 1.0:
+        raise UserError(f"--rotary-percent must be in (0, 1], got {m.rotary_percent:g}")
+    if m.rotary_percent == 1.0:
+        return
+    if not m.use_rope:
+        raise UserError(f"--rotary-percent {m.rotary_percent:g} needs --position-embedding-type rope")
+    dim = rotary_dim(m.kv_channels, m.rotary_percent)
+    if dim < 2 or dim % 2:
+        raise UserError(f"--rotary-percent {m.rotary_percent:g} rotates {dim} of the head's {m.kv_channels} "
+                        "dimensions; RoPE needs an even number >= 2: choose a percent giving an even count")
+
+
+def _check_ranges(config: MegaliteConfig) -> None:
+    """Numbers that would otherwise fail deep inside torch/numpy, or silently train nonsense:
+    (flag, value, smallest allowed value, is the bound itself allowed?)."""
+    m, o, t = config.model, config.optimizer, config.training
+    for flag, value, low, inclusive in (
+            ("--norm-epsilon", m.norm_epsilon, 0.0, False), ("--rotary-base", m.rotary_base, 0.0, False),
+            ("--weight-decay", o.weight_decay, 0.0, True), ("--adam-eps", o.adam_eps, 0.0, False),
+            ("--clip-grad", o.clip_grad, 0.0, True), ("--lr-warmup-init", o.lr_warmup_init, 0.0, True),
+            ("--initial-loss-scale", o.initial_loss_scale, 0.0, False),
+            ("--min-loss-scale", o.min_loss_scale, 0.0, False), ("--seed", t.seed, 0, True)):
+        if value < low or (value == low and not inclusive):
+            raise UserError(f"{flag} must be {'>=' if inclusive else '>'} {low:g}, got {value:g}")
+    if t.seed > MAX_SEED:
+        raise UserError(f"--seed must be in [0, {MAX_SEED}], got {t.seed}")
+
+
+# ---- the parallel layout -----------------------------------------------------------------------------
+def check_world_size(world_size: int, p: ParallelConfig) -> None:
+    if world_size % p.model_parallel_size:
+        raise UserError(f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+                        f"{p.tensor_model_parallel_size} x --pipeline-model-parallel-size "
+                        f"{p.pipeline_model_parallel_size} x --context-parallel-size {p.context_parallel_size}; "
+                        f"launch a multiple of {p.model_parallel_size} processes")
+
+
+def check_layout(config: MegaliteConfig) -> int:
+    """The rules of one parallel layout; returns the model chunks per pipeline rank."""
+    check_tensor_parallel(config.model, config.parallel)
+    check_world_size(config.parallel.world_size, config.parallel)
+    t, dp = config.training, config.parallel.data_parallel_size
+    check_batch(t.micro_batch_size, t.global_batch_size, dp)
+    check_zero_bubble(config.parallel, config.model)
+    if config.parallel.use_torch_fsdp2:
+        _check_torch_fsdp2(config.parallel)
+    chunks = 1
+    for batch in sorted({t.global_batch_size, *(b for _, b in t.batch_size_schedule)}):
+        chunks = check_pipeline_split(config.model.num_layers, config.parallel, batch // (t.micro_batch_size * dp))
+    return chunks
+
+
+def check_tensor_parallel(m: ModelConfig, p: ParallelConfig) -> None:
+    """Heads, KV groups and the FFN split over TP ranks; the sequence over TP (sequence parallel) and over
+    2 x CP chunks (ring attention)."""
+    tp, groups = p.tensor_model_parallel_size, m.num_query_groups
+    if m.num_attention_heads % tp:
+        raise UserError(f"--num-attention-heads {m.num_attention_heads} must be divisible by "
+                        f"--tensor-model-parallel-size {tp}")
+    if tp <= groups and groups % tp:
+        raise UserError(f"--num-query-groups {groups} must be divisible by --tensor-model-parallel-size {tp}")
+    if tp > groups and tp % groups:
+        raise UserError(f"--tensor-model-parallel-size {tp} must be a multiple of --num-query-groups {groups} "
+                        "(KV heads are then replicated)")
+    if m.ffn_hidden_size % tp:
+        raise UserError(f"--ffn-hidden-size {m.ffn_hidden_size} must be divisible by --tensor-model-parallel-size {tp}")
+    if p.sequence_parallel and tp > 1 and m.seq_length % tp:
+        raise UserError(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by "
+                        f"--tensor-model-parallel-size {tp}")
+    check_context_parallel(m, p)
+
+
+def check_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
+    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
+    if cp == 1:
+        return
+    split = 2 * cp * (tp if p.sequence_parallel and tp > 1 else 1)
+    if m.seq_length % split:
+        raise UserError(f"--context-parallel-size {cp} needs --seq-length {m.seq_length} divisible by {split} "
+                        f"(2 x cp chunks{' x --tensor-model-parallel-size with --sequence-parallel' if split > 2 * cp else ''})")
+    if m.attention_dropout > 0:
+        raise UserError(f"--context-parallel-size {cp} needs --attention-dropout 0 (ring attention has no "
+                        f"attention dropout; got {m.attention_dropout})")
+
+
+def check_batch(micro_batch_size: int, global_batch_size: int, dp: int) -> None:
+    """The global batch splits into whole micro-batches over the data-parallel ranks."""
+    if global_batch_size < micro_batch_size * dp:
+        raise UserError(f"--micro-batch-size {micro_batch_size} x data-parallel size {dp} exceeds "
+                        f"--global-batch-size {global_batch_size}; lower --micro-batch-size or raise "
+                        "--global-batch-size")
+    if global_batch_size % (micro_batch_size * dp):
+        raise UserError(f"--global-batch-size {global_batch_size} must be divisible by --micro-batch-size "
+                        f"{micro_batch_size} x data-parallel size {dp}")
+
+
+def check_pipeline_split(num_layers: int, p: ParallelConfig, num_microbatches: int) -> int:
+    """Number of model chunks per rank (virtual pipeline size) of the split the flags ask for."""
+    pp = p.pipeline_model_parallel_size
+    chunks = len(virtual_stage_layers(num_layers, pp, schedule_split(SplitFlags.of(p), p.pipeline_schedule))) // pp
+    if chunks > 1 and num_microbatches % pp:
+        raise UserError(f"interleaved pipelining needs the number of micro-batches ({num_microbatches}) to be a "
+                        f"multiple of --pipeline-model-parallel-size {pp}; change --global-batch-size")
+    return chunks
+
+
+def check_zero_bubble(p: ParallelConfig, m: ModelConfig) -> None:
+    """What the zero-bubble schedules (zb-h1, zbv) do not compose with."""
+    schedule = p.pipeline_schedule
+    if schedule not in ZERO_BUBBLE_SCHEDULES:
+        return
+    flag = f"--pipeline-schedule {schedule}"
+    if p.pipeline_model_parallel_size < 2:
+        raise UserError(f"{flag} needs --pipeline-model-parallel-size > 1")
+    if p.use_torch_fsdp2:
+        raise UserError(f"{flag} does not compose with --use-torch-fsdp2: FSDP2 reduces a layer's gradients when its "
+                        "input gradient is done, before the deferred weight-gradient pass")
+    if p.data_parallel_sharding_strategy == "optim_grads_params":
+        raise UserError(f"{flag} does not compose with ZeRO-3 (--data-parallel-sharding-strategy optim_grads_params): "
+                        "its weight-gradient pass runs after ZeRO-3 has freed the layer's gathered parameters; "
+                        "use optim_grads")
+    if m.recompute_granularity == "full":
+        raise UserError(f"{flag} does not compose with --recompute-granularity full: the deferred weight-gradient "
+                        "pass would recompute each layer's forward a second time; use selective or none")
+    given = [name for name, value in (
+        ("--num-layers-per-virtual-pipeline-stage", p.num_layers_per_virtual_pipeline_stage),
+        ("--num-virtual-stages-per-pipeline-rank", p.num_virtual_stages_per_pipeline_rank)) if value is not None]
+    if schedule == "zb-h1" and given:
+        raise UserError(f"{flag} runs one model chunk per rank; drop {given[0]} (or use --pipeline-schedule zbv, "
+                        "two chunks per rank)")
+    if schedule == "zbv":
+        _check_zbv(p, m, flag)
+
+
+def _check_zbv(p: ParallelConfig, m: ModelConfig, flag: str) -> None:
+    if p.num_layers_per_virtual_pipeline_stage is not None:
+        raise UserError(f"{flag} places two chunks per rank itself; drop --num-layers-per-virtual-pipeline-stage")
+    vpp = p.num_virtual_stages_per_pipeline_rank
+    if vpp not in (None, 2):
+        raise UserError(f"{flag} needs two chunks per rank, not --num-virtual-stages-per-pipeline-rank {vpp}")
+    sharded = p.data_parallel_size > 1 and p.data_parallel_sharding_strategy != "no_shard"
+    if sharded and not m.untie_embeddings_and_output_weights:
+        raise UserError(f"{flag} keeps both copies of the tied embedding on rank 0 and sums their gradients there, "
+                        "which gradients sharded over data-parallel ranks (--use-distributed-optimizer / ZeRO) do not "
+                        "allow; add --untie-embeddings-and-output-weights")
+    for name, value in (("--decoder-first-pipeline-num-layers", p.decoder_first_pipeline_num_layers),
+                        ("--decoder-last-pipeline-num-layers", p.decoder_last_pipeline_num_layers)):
+        if value is not None:
+            raise UserError(f"{flag} puts the first and last virtual stages on rank 0; give per-stage layer "
+                            f"counts with --pipeline-model-parallel-layout instead of {name}")
+
+
+def check_async_schedule(config: MegaliteConfig) -> None:
+    """What the asynchronous schedules (pipedream, pipedream-2bw) do not combine with."""
+    par, t = config.parallel, config.training
+    schedule = par.pipeline_schedule
+    if schedule not in ASYNC_SCHEDULES:
+        return
+    flag = f"--pipeline-schedule {schedule}"
+    if par.context_parallel_size > 1:
+        raise UserError(f"{flag} does not support --context-parallel-size > 1 (not built: the ring attention's "
+                        "per-step exchanges are not versioned); use --pipeline-schedule 1f1b")
+    if par.num_layers_per_virtual_pipeline_stage or par.num_virtual_stages_per_pipeline_rank:
+        raise UserError(f"{flag} runs one model chunk per rank: drop --num-layers-per-virtual-pipeline-stage / "
+                        "--num-virtual-stages-per-pipeline-rank")
+    if par.data_parallel_sharding_strategy == "optim_grads_params":
+        raise UserError(f"{flag} keeps whole weight versions per stage, which ZeRO-3 "
+                        "(--data-parallel-sharding-strategy optim_grads_params) never gathers; use optim or optim_grads")
+    if par.overlap_param_gather:
+        raise UserError(f"{flag} needs the updated weights in place right after the step to stash them: drop "
+                        "--overlap-param-gather")
+    if par.use_torch_fsdp2:
+        raise UserError(f"{flag} does not support --use-torch-fsdp2 (one copy of the weights); drop it")
+    if t.batch_size_schedule:
+        raise UserError(f"{flag} needs a fixed number of micro-batches per step: drop --rampup-batch-size / "
+                        "--step-batch-size-schedule")
+    pp, m = par.pipeline_model_parallel_size, config.num_microbatches
+    if schedule == "pipedream-2bw" and m < pp - 1:
+        raise UserError(f"--pipeline-schedule pipedream-2bw needs at least pipeline size - 1 = {pp - 1} micro-batches "
+                        f"per step (it has {m}): raise --global-batch-size")
+
+
+# ---- data parallelism ----------------------------------------------------------------------------------
+def _check_torch_fsdp2(p: ParallelConfig) -> None:
+    """What PyTorch's FSDP2 backend (parallel/data/fsdp2.py) cannot combine with, one line each."""
+    if p.data_parallel_sharding_strategy in ("no_shard", "optim"):
+        raise UserError(f"--use-torch-fsdp2 always shards parameters, gradients and optimizer state, not "
+                        f"--data-parallel-sharding-strategy {p.data_parallel_sharding_strategy}: use "
+                        "optim_grads_params (ZeRO-3, the default) or optim_grads (no reshard after forward)")
+    if p.ddp_bucket_size:
+        raise UserError("--ddp-bucket-size does not apply to --use-torch-fsdp2, which reduces one transformer layer "
+                        "at a time; drop it")
+    if p.pipeline_schedule not in ("1f1b", "gpipe"):
+        raise UserError(f"--use-torch-fsdp2 works with --pipeline-schedule 1f1b or gpipe, not "
+                        f"{p.pipeline_schedule} (FSDP2 reduces a layer's gradients when its whole backward has "
+                        "run and keeps one copy of the weights)")
+
+
+def _check_data_parallel(p: ParallelConfig) -> None:
+    if p.overlap_param_gather and p.data_parallel_sharding_strategy == "no_shard":
+        raise UserError("--overlap-param-gather needs --use-distributed-optimizer (or --data-parallel-sharding-strategy "
+                        "optim/optim_grads/optim_grads_params): without sharding there is no parameter all-gather")
+
+
+# ---- optimizer, data, checkpoints, logging -------------------------------------------------------------
+def _check_learning_rate(o: OptimizerConfig) -> None:
+    if o.lr <= 0:
+        raise UserError(f"--lr must be > 0, got {o.lr}")
+    if o.decoupled_min_lr is not None and o.decoupled_lr is None:
+        raise UserError("--decoupled-min-lr needs --decoupled-lr (the embedding and output layer's peak learning rate)")
+    if o.min_lr < 0 or o.min_lr > o.lr:
+        raise UserError(f"--min-lr {o.min_lr} must be in [0, --lr {o.lr}]")
+    if o.lr_decay_style == "WSD" and o.lr_wsd_decay_iters is None:
+        raise UserError("--lr-decay-style WSD needs --lr-wsd-decay-iters N (or --lr-wsd-decay-samples N)")
+    if o.lr_wsd_decay_iters is not None and o.lr_wsd_decay_iters > o.lr_decay_iters:
+        raise UserError(f"--lr-wsd-decay-iters ({o.lr_wsd_decay_iters:g}) exceeds the decay length "
+                        f"({o.lr_decay_iters:g} iterations)")
+    if o.fp16 and o.loss_scale is not None and o.loss_scale <= 0:
+        raise UserError(f"--loss-scale must be > 0, got {o.loss_scale}")
+    for flag, beta in (("--adam-beta1", o.adam_beta1), ("--adam-beta2", o.adam_beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise UserError(f"{flag} must be in [0, 1), got {beta}")
+
+
+def _check_data(d: DataConfig) -> None:
+    has_paths = bool(d.data_path or d.train_data_path)
+    if d.mock_data and has_paths:
+        raise UserError("--mock-data and --data-path/--train-data-path are exclusive; give one")
+    if not d.mock_data and not has_paths:
+        raise UserError("no training data: give --data-path PREFIX (made by tools/preprocess_data.py) or --mock-data")
+    if d.data_path and d.train_data_path:
+        raise UserError("--data-path and --train-data-path are exclusive; give one")
+    if d.tokenizer_type is None:
+        raise UserError("--tokenizer-type is required (GPT2BPETokenizer, SentencePieceTokenizer, "
+                        "HuggingFaceTokenizer or NullTokenizer)")
+    if d.vocab_size is not None and d.tokenizer_type != "NullTokenizer":
+        raise UserError(f"--vocab-size only applies to --tokenizer-type NullTokenizer (the {d.tokenizer_type} "
+                        "vocabulary comes from its files); remove it")
+    parts = [x.strip() for x in d.split.replace("/", ",").split(",")]
+    try:
+        weights = [float(x) for x in parts]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise UserError(f'--split {d.split!r} must be up to 3 non-negative weights like "969,30,1"')
+
+
+def _check_checkpointing(t: TrainingConfig) -> None:
+    if t.save_interval is not None and not t.save:
+        raise UserError("--save-interval needs --save DIR (where to write the checkpoints)")
+    for flag, value in (("--finetune", t.finetune), ("--no-load-optim", t.no_load_optim),
+                        ("--no-load-rng", t.no_load_rng)):
+        if value and not t.load:
+            raise UserError(f"{flag} needs --load DIR (the checkpoint to start from)")
+
+
+def _check_logging(t: TrainingConfig) -> None:
+    if t.profile and t.profile_step_end <= t.profile_step_start:
+        raise UserError(f"--profile-step-end {t.profile_step_end} must be after --profile-step-start "
+                        f"{t.profile_step_start}")
+    if t.manual_gc_interval and not t.manual_gc:
+        raise UserError("--manual-gc-interval needs --manual-gc (without it Python collects on its own schedule)")
+
+
+# ---- the file system -----------------------------------------------------------------------------------
+def check_paths(t: TrainingConfig) -> None:
+    """The folders the run will write can be written, and --load is a readable checkpoint."""
+    _check_output_paths(t)
+    _check_load_dir(t)
+
+
+def _check_output_paths(t: TrainingConfig) -> None:
+    """Folders the run will write (checkpoints, logs, metrics) can be written, known before any time is
+    spent: a path through an existing file, or below a folder we may not write, is refused. Nothing is
+    created here."""
+    for flag, path in (("--save", t.save), ("--tensorboard-dir", t.tensorboard_dir),
+                       ("--wandb-save-dir", t.wandb_save_dir), ("--metrics-file", t.metrics_file)):
+        if not path:
+            continue
+        if flag == "--metrics-file":
+            if os.path.isdir(path):
+                raise UserError(f"--metrics-file {path} is a folder; give a file name (e.g. {path}/metrics.jsonl)")
+            path_folder = os.path.dirname(os.path.abspath(path))
+        else:
+            path_folder = os.path.abspath(path)
+        existing = path_folder
+        while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise UserError(f"{flag} {path}: cannot write there ({existing} is a file, not a folder); choose "
+                            "another path")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise UserError(f"{flag} {path}: cannot write there (no write permission in {existing}); choose a "
+                            "writable path")
+
+
+def _check_load_dir(t: TrainingConfig) -> None:
+    """--load names a readable megalite checkpoint (or is the --save directory of a run that has not
+    saved yet): known before a process group or a model is built. Reads metadata.json only (JSON;
+    nothing is unpickled). With --use-checkpoint-args the command line has read it already."""
+    if not t.load or t.use_checkpoint_args:
+        return
+    from megalite.checkpoint.files import METADATA, TRACKER, CheckpointReader
+    fresh = not any(os.path.isfile(os.path.join(t.load, name)) for name in (TRACKER, METADATA))
+    if fresh and t.save and os.path.abspath(t.load) == os.path.abspath(t.save):
+        return
+    CheckpointReader(t.load)
