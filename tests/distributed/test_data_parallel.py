@@ -117,7 +117,7 @@ def test_zero3_gathers_one_layer_at_a_time_and_frees_it(dp4):
     assert z["peak"] < 0.75 * z["full"] + z["shard"]
 
 
-# ---- bytes moved per step (REFERENCE §6) --------------------------------------------------------------
+# ---- bytes moved per step (ring algorithms) --------------------------------------------------------------
 def ring_bytes_per_rank(calls, d):
     """Bytes each rank sends with ring algorithms: all-reduce 2(d-1)/d, reduce-scatter and all-gather
     (d-1)/d of the full tensor."""
@@ -125,7 +125,7 @@ def ring_bytes_per_rank(calls, d):
     return sum(factor[op] * nbytes for op, nbytes in calls)
 
 
-def test_collectives_move_the_bytes_of_reference_section_6(dp4):
+def test_collectives_move_the_ring_algorithm_bytes(dp4):
     d = 4
     for rank, result in enumerate(dp4):
         traffic = result["traffic"]

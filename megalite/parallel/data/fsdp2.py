@@ -14,7 +14,7 @@ With pipeline parallelism each of the rank's model chunks is sharded the same wa
 Megatron's flags:
 - ``--data-parallel-sharding-strategy optim_grads_params`` (the default with FSDP2): reshard after forward,
   ZeRO-3; ``optim_grads``: parameters stay gathered from forward to backward (ZeRO-2 within a step).
-  ``no_shard``/``optim`` and ``--use-distributed-optimizer`` are refused in arguments.py: FSDP2 always
+  ``no_shard``/``optim`` and ``--use-distributed-optimizer`` are refused in config validation: FSDP2 always
   shards gradients and optimizer state.
 - ``--overlap-param-gather``: explicit prefetch, each layer's forward starts the next layer's all-gather and
   each layer's backward the previous one's.

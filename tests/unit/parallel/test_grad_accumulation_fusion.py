@@ -74,7 +74,7 @@ def test_an_fp32_weight_whose_grad_was_reset_gets_autograds_gradient():
 
 
 def test_post_accumulate_hooks_still_fire_for_fused_weights():
-    """The data-parallel reduction counts arrivals in these hooks (distributed/ddp.py)."""
+    """The data-parallel reduction counts arrivals in these hooks (parallel/data/ddp.py)."""
     fc1, fc2 = fused_pair()
     arrived = []
     for w in (fc1.weight, fc2.weight):
