@@ -292,7 +292,7 @@ class DistributedDataParallel(DataParallel):
             self._comm_copies[bucket.index] = (flat, out, chunks)      # alive until the collective is done
         else:
             out = self.buffer.local_grad_chunk(bucket)
-            chunks = self.buffer._cached("grad_chunks", bucket, lambda: list(flat.chunk(self.dp_size)))
+            chunks = self.buffer.bucket_grad_chunks(bucket)
         if self.shard_optimizer:
             work = self.comm.reduce_scatter(out, flat, chunks, async_op)
         else:
@@ -366,9 +366,10 @@ class DistributedDataParallel(DataParallel):
         self.wait_for_param_gather()
         if self.shard_params:
             self._release(self.buckets)
-        for hook in self._hooks + self.buffer._hooks:
+        for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self.buffer.remove_hooks()
 
     # ---- what the model-parallel fix-ups see --------------------------------------------------
     def grad_views(self, param: nn.Parameter) -> list[tuple[torch.Tensor, int]]:

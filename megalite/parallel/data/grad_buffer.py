@@ -296,6 +296,10 @@ class ParamAndGradBuffer(FlatLayout):
     def bucket_grads(self, bucket: Bucket) -> torch.Tensor:
         return self._cached("grads", bucket, lambda: self.grad_data[bucket.start:bucket.end])
 
+    def bucket_grad_chunks(self, bucket: Bucket) -> list[torch.Tensor]:
+        """``bucket_grads(bucket)`` cut into one chunk per data-parallel rank (a reduce-scatter's inputs)."""
+        return self._cached("grad_chunks", bucket, lambda: list(self.bucket_grads(bucket).chunk(self.dp_size)))
+
     # ---- ZeRO-3 parameter storage ----------------------------------------------------------------
     def is_gathered(self, bucket: Bucket) -> bool:
         return bucket.unsharded.allocated
@@ -308,6 +312,12 @@ class ParamAndGradBuffer(FlatLayout):
         bucket.unsharded.free()
 
     # ---- gradients -------------------------------------------------------------------------------
+    def remove_hooks(self) -> None:
+        """Remove the hooks that add 16-bit gradients into main_grad (end of training)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
     def zero_grad(self) -> None:
         if self.grad_data is not None:
             self.grad_data.zero_()
