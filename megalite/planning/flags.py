@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from megalite.checkpoint.hf_config import dropout_fields, model_fields
-from megalite.config.schema import MegaliteConfig, ModelConfig, ParallelConfig, default_ffn_hidden_size
+from megalite.config.schema import (MegaliteConfig, ModelConfig, ParallelConfig, default_ffn_hidden_size,
+                                    default_kv_channels)
 from megalite.errors import UserError
 from megalite.parallel.pipeline.stages import SplitFlags, virtual_stage_layers
 from megalite.parallel.pipeline.zero_bubble import schedule_split
@@ -80,23 +81,21 @@ def pretrain_flags(workload: Workload, layout: Layout) -> list[str]:
 def model_from_flags(num_layers: int, hidden_size: int, num_attention_heads: int, vocab_size: int,
                      seq_length: int, ffn_hidden_size: int | None = None, num_query_groups: int | None = None,
                      kv_channels: int | None = None, swiglu: bool = False, **options) -> ModelConfig:
-    """A ModelConfig from Megatron's model flags, with pretrain_gpt.py's defaults (arguments.py)."""
-    if kv_channels is None and hidden_size % num_attention_heads:
-        raise UserError(f"--hidden-size {hidden_size} must be divisible by --num-attention-heads "
-                        f"{num_attention_heads} (or give --kv-channels)")
+    """A ModelConfig from Megatron's model flags, with pretrain_gpt.py's defaults (megatron_cli.py)."""
+    kv_channels = kv_channels or default_kv_channels(hidden_size, num_attention_heads)
     groups = num_query_groups or num_attention_heads
     if num_attention_heads % groups:
         raise UserError(f"--num-attention-heads {num_attention_heads} must be divisible by --num-query-groups {groups}")
     return ModelConfig(
         num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
         ffn_hidden_size=ffn_hidden_size or default_ffn_hidden_size(hidden_size, swiglu),
-        kv_channels=kv_channels or hidden_size // num_attention_heads, num_query_groups=groups,
+        kv_channels=kv_channels, num_query_groups=groups,
         seq_length=seq_length, max_position_embeddings=options.pop("max_position_embeddings", None) or seq_length,
         padded_vocab_size=vocab_size, vocab_size=vocab_size, swiglu=swiglu, **options)
 
 
 def workload_and_layout(config: MegaliteConfig) -> tuple[Workload, Layout]:
-    """The planner's view of a parsed pretrain_gpt.py command line (arguments.parse_args)."""
+    """The planner's view of a parsed pretrain_gpt.py command line (megatron_cli.parse_args)."""
     opt, par, train = config.optimizer, config.parallel, config.training
     precision = "bf16" if opt.bf16 else "fp16" if opt.fp16 else "fp32"
     split = schedule_split(SplitFlags.of(par), par.pipeline_schedule)
@@ -104,7 +103,7 @@ def workload_and_layout(config: MegaliteConfig) -> tuple[Workload, Layout]:
         // par.pipeline_model_parallel_size
     split = dataclasses.replace(split, layers_per_virtual_stage=None,          # (the layout's vpp says it)
                                 virtual_stages_per_rank=None)
-    # arguments.py has padded the vocabulary for this TP size already: keep it as it is (pad to 1)
+    # megatron_cli.py has padded the vocabulary for this TP size already: keep it as it is (pad to 1)
     model = dataclasses.replace(config.model, vocab_size=config.model.padded_vocab_size)
     workload = Workload(model, train.global_batch_size, precision, make_vocab_size_divisible_by=1)
     sharding, dp = par.data_parallel_sharding_strategy, par.data_parallel_size

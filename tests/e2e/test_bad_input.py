@@ -6,8 +6,8 @@ flag, file or variable), no traceback, no hang, and every file that was in the f
 data, checkpoints, tokenizer files, earlier outputs -- byte for byte unchanged, with no half-written
 temporary files left behind.
 
-Cases run two at a time (each is its own process) so the matrix stays near a minute on 2 cores;
-failing fast matters: most are caught before a model is built.
+Cases run two at a time (each is its own process) to keep the matrix short on 2 cores; failing fast
+matters: most are caught before a model is built.
 """
 from __future__ import annotations
 

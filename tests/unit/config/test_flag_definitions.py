@@ -1,5 +1,6 @@
 """Every config field is set by exactly one command-line flag or says what it is derived from; no flag is
-defined twice; every flag pretrain_gpt.py accepted before the flags moved onto the fields is still accepted."""
+defined twice; every flag of megatron_flags_accepted.txt (the recorded list of flags pretrain_gpt.py
+accepts) is accepted."""
 import os
 from collections import Counter
 from dataclasses import fields
