@@ -22,9 +22,11 @@ from dp_workloads import DP_ARGS, SyntheticTokens, layout_flags
 from harness import run_ranks
 from megalite.config.megatron_cli import parse_args
 from megalite.checkpoint.files import TORCH_DTYPES, CheckpointReader, as_2d, write_checkpoint
-from megalite.checkpoint.sharded import load_checkpoint, param_entries, save_checkpoint
+from megalite.checkpoint.pieces import param_entries
+from megalite.checkpoint.sharded import load_checkpoint, save_checkpoint
 from megalite.data.samplers import MegatronPretrainingSampler
 from megalite.errors import UserError
+from megalite.parallel.param_meta import param_meta
 from megalite.train.trainer import build_trainer
 from megalite.train.step import train_step
 from megalite_test_utils import with_flags
@@ -130,7 +132,7 @@ def save_resume_reshard(rank: int, world: int, tmp: str) -> dict:
             out[f"owned_{layout}"] = owned_elements(trainer)
         if layout == "tp2":
             out["tp_sharded"] = {e.global_name for e in param_entries(trainer.chunks)
-                                 if getattr(e.param, "tensor_model_parallel", False)}
+                                 if param_meta(e.param).tensor_model_parallel}
 
     # a corrupt piece that only rank 1 reads stops both ranks, with the same one-line error
     if rank == 0:
