@@ -39,7 +39,7 @@ class _Transfers:
         self.cursor = PostingCursor(plan.posts)
         self.receives: dict = {}       # post index -> PendingReceive
         self.outgoing: dict = {}       # post index -> tensor produced, about to be sent
-        self.local: dict = {}          # (kind, chunk, micro-batch) -> tensor handed between two chunks here
+        self.local: dict = {}          # (kind, chunk, mb) -> tensor handed over here: chunk to chunk, or step to step
 
     def _issue(self, indices: range) -> None:
         for i in indices:
@@ -54,7 +54,8 @@ class _Transfers:
         self._issue(self.cursor.ahead())
 
     def take(self, k: int, action) -> torch.Tensor | None:
-        """Action k's input: received (waited only now), handed over locally, or None."""
+        """Action k's input: received (waited only now), handed over locally or held from the step before
+        (StepHooks.start), or None."""
         index = self.plan.receive_of.get(k)
         if index is None:
             source = self.plan.stages.source(action)
