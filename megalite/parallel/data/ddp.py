@@ -1,8 +1,9 @@
 """Data parallelism over the flat bucketed buffer, and the parameter/gradient side of ZeRO.
 
 Every data-parallel rank runs the same model on its slice of the global batch; gradients are summed
-over the data-parallel group and divided by its size (SUM then divide: gloo's ReduceOp.AVG does not
-give the same result on every backend), so every rank ends with the gradient of the mean loss over the global batch.
+over the data-parallel group and divided by its size (SUM then divide: ReduceOp.AVG does not give the
+same result on every backend), so every rank ends with the gradient of the mean loss over the global
+batch.
 
 Strategies (Megatron's ``--data-parallel-sharding-strategy`` names):
 
@@ -16,9 +17,9 @@ Strategies (Megatron's ``--data-parallel-sharding-strategy`` names):
   added into this rank's gradient shard, and the staging freed (``bucket_comm.GradReduction``).
 - ``optim_grads_params`` (ZeRO-3): as ZeRO-2, and parameters are sharded too. Buckets follow the
   model's module units (``data_parallel_units``): the embedding, each transformer layer, and the head
-  (final norm + output layer). A unit's
-  parameters are all-gathered just before its forward and freed after it, gathered again when backward
-  reaches the unit and freed when its backward is done (a hook on the unit's input gradient). The
+  (final norm + output layer). A unit's parameters are all-gathered just before its forward and freed
+  after it, gathered again when backward reaches the unit and freed when its backward is done (a hook
+  on the unit's input gradient). The
   embedding's backward reads only the token ids, so it is not gathered for backward. With
   ``--overlap-param-gather`` the next unit's gather is prefetched (the previous one's in backward).
 
@@ -32,12 +33,13 @@ and each unit's forward pre-hook waits only for the buckets it needs.
 ``--grad-reduce-in-bf16``: the collectives carry bf16 gradients (half the bytes); accumulation over
 micro-batches and the optimizer's gradients stay fp32.
 
-Why not FSDP2 (``torch.distributed.fsdp.fully_shard``) for ZeRO-3: it replaces every parameter by a
-DTensor with its own per-parameter padded storage, while here parameters are views into one flat
-buffer that the optimizer (fused AdamW over flat shards), clipping, the bucketed reductions, the
-memory report and the tensor-/pipeline-parallel gradient fix-ups (parallel/finalize_grads.py) all
-work on. Sharding that same buffer per unit keeps one code path and one numerics for all four
-strategies (ZeRO-3 equals DP=1 to fp32 rounding) and composes with TP, SP and interleaved PP as is.
+Why a ZeRO-3 of its own beside the FSDP2 backend (fsdp2.py, ``torch.distributed.fsdp.fully_shard``):
+FSDP2 replaces every parameter by a DTensor with its own per-parameter padded storage, while here
+parameters are views into one flat buffer that the optimizer (fused AdamW over flat shards), clipping,
+the bucketed reductions, the memory report and the tensor-/pipeline-parallel gradient fix-ups
+(parallel/finalize_grads.py) all work on. Sharding that same buffer per unit keeps one code path and
+one numerics for all four strategies (ZeRO-3 equals DP=1 to fp32 rounding) and composes with TP, SP
+and interleaved PP as is.
 
 Pipeline parallelism: pass the rank's model chunks as a list (one buffer for all of them, parameter
 names prefixed ``chunk{i}.``); the count of backward passes per step is ``num_microbatches`` for every

@@ -30,18 +30,17 @@ Start-up is memory-true: the chunks are built on the meta device, sharded there,
 position in the TP-local tensor, so the weights equal the single-process run's bit for bit.
 
 Everything else in megalite (optimizer, gradient clipping, NaN checks, TP/PP gradient fix-ups,
-checkpoints, the memory report) works on a flat-layout view of the rank's state. ``ShardLayout`` supplies
-that view: each parameter's TP-local tensor flattened and concatenated in order (the "slots"), and this
+checkpoints, the memory report) works on the rank's FlatLayout (protocol.py). ``ShardLayout`` is
+FSDP2's: each parameter's TP-local tensor flattened and concatenated in order (the "slots"), and this
 rank's FSDP2 shard of a parameter, rows [r0, r1) of dim 0, is the contiguous flat range
-[slot.start + r0 * row, slot.start + r1 * row) of it. It has ParamAndGradBuffer's interface for sharded
-state (``buckets`` with ``local_range`` / ``local_param_chunk`` / ``local_grad_chunk``, one bucket per
-local shard), so megalite's DistributedOptimizer steps the shards' local tensors with fused AdamW, and
+[slot.start + r0 * row, slot.start + r1 * row) of it; its ``buckets`` are the local shards, one per
+parameter this rank holds rows of, so megalite's DistributedOptimizer steps the shards' local tensors with fused AdamW, and
 checkpoints write and read them as boxes by global name and offsets: a run saved under FSDP2 resumes
 under megalite's ZeRO-3 or any other layout, and the reverse.
 
 Numerics: every micro-batch's gradients are reduce-scattered and summed into the fp32 shard (like
-ddp.py's ZeRO-2/3), divided by the group size after a SUM (never ReduceOp.AVG, whose result differs between
-backends). With fp32 this equals the single-process run to fp32 rounding.
+ddp.py's ZeRO-2/3), divided by the group size after a SUM (never ReduceOp.AVG, whose result differs
+between backends). With fp32 this equals the single-process run to fp32 rounding.
 """
 from __future__ import annotations
 
