@@ -46,9 +46,9 @@ pipedream_behind{k}.NAME": NAME's value k updates ago) so resuming is exact: the
 are re-run on the restored versions.
 
 Not supported (one-line errors in config/validate.py: ``check_async_schedule``): virtual stages,
-context parallelism, ZeRO-3 and --overlap-param-gather (parameters not all present in the buffer after a step), batch-size
-ramp-up (the version rule assumes a fixed m). With dropout, a resumed run re-draws the in-flight
-micro-batches' dropout masks, so it is exact only without dropout.
+context parallelism, ZeRO-3 and --overlap-param-gather (parameters not all present in the buffer after
+a step), batch-size ramp-up (the version rule assumes a fixed m). With dropout, a resumed run re-draws
+the in-flight micro-batches' dropout masks, so it is exact only without dropout.
 """
 from __future__ import annotations
 
