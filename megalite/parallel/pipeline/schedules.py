@@ -39,7 +39,7 @@ def forward_backward_no_pipelining(loss_fn: Callable, data_iterator: Iterator, n
 
 @dataclass(frozen=True)
 class Action:
-    kind: str          # "F", "B" or "W"
+    kind: str          # "F", "B", "W" or "H"
     chunk: int
     microbatch: int
 
