@@ -57,7 +57,6 @@ def pad_vocabulary(full: torch.Tensor, global_name: str, padded_shape: tuple) ->
     return full
 
 
-
 @dataclass
 class Placement:
     """Where a TP-local parameter (viewed 2-D) sits in its stored tensor (viewed 2-D)."""

@@ -32,9 +32,9 @@ from torch import nn
 from megalite.checkpoint.files import (DTYPE_NAMES, Box, CheckpointReader, as_2d, model_config_from_metadata,
                                        model_metadata, prepare_temporary_dir, publish, temporary_dir,
                                        tokenizer_metadata, write_metadata, write_tensor_file, TRACKER, METADATA)
-from megalite.config.schema import ModelConfig
 from megalite.checkpoint.pieces import (OPTIMIZER_STATES, ParamEntry, Placement, box_view, boxes, held_params,
                                         optimizer_ranges, pad_vocabulary, param_entries, placement, stored_shape)
+from megalite.config.schema import ModelConfig
 from megalite.errors import UserError
 from megalite.parallel.pipeline.pipedream import stashed_name
 from megalite.parallel.param_meta import full_shape, param_meta
