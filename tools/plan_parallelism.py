@@ -153,8 +153,10 @@ def planner_inputs(args):
     if args.use_distributed_optimizer and args.data_parallel_sharding_strategy not in (None, "optim"):
         raise UserError(f"--use-distributed-optimizer is --data-parallel-sharding-strategy optim, not "
                         f"{args.data_parallel_sharding_strategy}; drop one of them")
-    split = SplitFlags.of(args)
-    split = dataclasses.replace(split, layers_per_virtual_stage=None, virtual_stages_per_rank=None)
+    split = SplitFlags(first=args.decoder_first_pipeline_num_layers, last=args.decoder_last_pipeline_num_layers,
+                       account_for_embedding=args.account_for_embedding_in_pipeline_split,
+                       account_for_loss=args.account_for_loss_in_pipeline_split,
+                       layout=args.pipeline_model_parallel_layout)
     pinned_split = split != SplitFlags()
     if pinned_split and args.pipeline_model_parallel_size is None:
         raise UserError(f"{split.given()[0]} needs --pipeline-model-parallel-size: the split is for one pipeline size")
