@@ -5,8 +5,9 @@ dead or stuck ranks. Each ends with a checkpoint where that is safe, and always 
   --exit-duration-in-mins and --exit-interval. Every rank checks after each iteration and the ranks
   agree (one small all-reduce), so all of them save the same checkpoint and leave together even when
   the signal reached only some of them.
-- NonFiniteStep: a NaN/Inf loss or gradient norm in bf16/fp32. The optimizer has already refused the
-  update (the weights are untouched), so stopping here keeps the weights and checkpoints clean.
+- a NaN/Inf loss or gradient norm in bf16/fp32 (ranks_with_nonfinite_loss, nonfinite_message; the loop
+  raises a TrainingFault). The optimizer has already refused the update (the weights are untouched), so
+  stopping here keeps the weights and checkpoints clean.
 - collective_phase: a collective that times out (--distributed-timeout-minutes) or whose peer died
   becomes a CollectiveFailure naming what the run was doing, instead of hanging or a long traceback.
 - report_sigterm_in_one_line: without --exit-signal-handler, a rank stopped from outside (torchrun stops
@@ -49,7 +50,7 @@ class Activity:
         return cls.phase if cls.iteration is None else f"iteration {cls.iteration}: {cls.phase}"
 
 
-def report_sigterm_in_one_line(report: Callable[[Exception], None]) -> None:
+def report_sigterm_in_one_line(report: Callable[[UserError], None]) -> None:
     """Python's default for SIGTERM ends the process without a word. When torchrun sees one rank exit it
     SIGTERMs the others 0.1 s later; a rank still computing (not yet in the collective that would tell it
     a peer died) would leave no line at all. This handler reports one (``report``: the entry point's,

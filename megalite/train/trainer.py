@@ -99,7 +99,8 @@ class Trainer:
         self.last_saved_iteration: int | None = None
         self.checkpoint_source: dict | None = None
         self._build_model()
-        self.optimizer = build_optimizer(self.ddp, config.optimizer, self.parallel)   # global norm over TP/PP (and DP shards)
+        # the global gradient norm is taken over TP/PP (and DP shards)
+        self.optimizer = build_optimizer(self.ddp, config.optimizer, self.parallel)
         self.scheduler = LRScheduler(config.optimizer, config.training.train_iters)
         self.pipeline = self._build_pipeline_comm()
         self.async_pipeline = build_async_pipeline(config, self.parallel, self.ddp, self.pipeline,
