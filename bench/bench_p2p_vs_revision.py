@@ -9,7 +9,7 @@ in a temporary git worktree), alternating which tree goes first each round, and 
 rounds of each tree's step time (first action's start to last action's end over both ranks, median step
 of those recorded) and measured bubble share, and their ratios (this tree / revision).
 
-    python bench/bench_p2p_vs_revision.py --baseline 5876bc4        # the executor before plan.py
+    python bench/bench_p2p_vs_revision.py --baseline 5876bc4        # a revision that posts in action order
     python bench/bench_p2p_vs_revision.py --baseline 5876bc4 --quick
 """
 import argparse
