@@ -6,11 +6,14 @@ PY := $(VENV)/bin/python
 # PyTorch first, pinned, so the requirements' range installs nothing more (a bare `torch` would pull CUDA wheels).
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
-# CPU runs preload jemalloc where it is installed (Debian: libjemalloc2), as torch.backends.xeon.run_cpu
-# --enable-jemalloc does: it reuses the large blocks every training step frees and re-allocates, where
-# glibc would return them to the OS and fault them back in. Without it, glibc's malloc runs.
+# CPU runs preload jemalloc where it is installed (Debian: libjemalloc2) with the MALLOC_CONF of
+# torch.backends.xeon.run_cpu --enable-jemalloc: no separate arena that unmaps every freed block of 8 MiB or
+# more at once (oversize_threshold), purging on a background thread. Without jemalloc, glibc's malloc runs
+# with a fixed 1 MiB mmap threshold, so a freed block of 1 MiB or more goes back to the OS: glibc's adaptive
+# threshold would keep such blocks in a heap that never shrinks, and the tests that bound peak RSS fail.
 JEMALLOC ?= $(shell ldconfig -p 2>/dev/null | grep -o '/[^ ]*libjemalloc\.so\.2' | head -1)
-RUN_ENV := $(if $(JEMALLOC),LD_PRELOAD=$(JEMALLOC))
+JEMALLOC_CONF ?= oversize_threshold:1,background_thread:true,metadata_thp:auto
+RUN_ENV := $(if $(JEMALLOC),LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=$(JEMALLOC_CONF),GLIBC_TUNABLES=glibc.malloc.mmap_threshold=1048576)
 
 .PHONY: demo test test-slow test-cuda setup bench clean-demo
 

@@ -4,7 +4,7 @@
 Sections (each a function returning table rows; add one to SECTIONS to extend):
 - zero: peak RSS per rank of a training step for each data-parallel sharding strategy (no_shard,
   ZeRO-1/2/3) at DP=4 with 4 micro-batches on a bf16 Llama whose state dominates (tiny activations),
-  against REFERENCE §6's bytes per parameter with Megatron's fp32 gradient buffer: 18, 6 + 12/d,
+  against the ZeRO paper's bytes per parameter with Megatron's fp32 gradient buffer: 18, 6 + 12/d,
   2 + 16/d, 18/d. The done-when figure: each stage saves >= 0.9 of its theoretical saving over the
   stage before it.
 - fsdp2: the same fp32 model under megalite's ZeRO-3 and under PyTorch's FSDP2 (``fully_shard`` per
@@ -63,7 +63,8 @@ ZERO_SHAPE = Shape(layers=16, hidden=512, ffn=1408, heads=8, kv_heads=2, vocab=4
 FSDP_SHAPE = Shape(layers=12, hidden=768, ffn=2048, vocab=16384, seq=128, mbs=2)   # ~100M parameters
 QUICK_SHAPE = Shape(layers=2, hidden=256, ffn=704, heads=4, kv_heads=2, vocab=2048, seq=32)
 
-# bytes per parameter with bf16 parameters, fp32 gradients and fp32 Adam (REFERENCE §6, Megatron's buffer)
+# bytes per parameter with bf16 parameters, fp32 gradients and fp32 Adam (the ZeRO paper's accounting with
+# Megatron's fp32 gradient buffer: 2 + 4 + 12, sharded by stage)
 THEORY = {"no_shard": lambda d: 18.0, "optim": lambda d: 6 + 12 / d, "optim_grads": lambda d: 2 + 16 / d,
           "optim_grads_params": lambda d: 18 / d}
 NAMES = {"no_shard": "no_shard", "optim": "ZeRO-1 (optim)", "optim_grads": "ZeRO-2 (optim_grads)",
@@ -172,7 +173,7 @@ def zero_argv(shape: Shape, world: int, micro_batches: int, strategy: str, preci
 def bench_zero(args):
     """Each stage against the one before; ZeRO-3 twice: with --overlap-param-gather (the next unit is
     prefetched while one computes, so two units are gathered at the peak, as in FSDP2) and without it
-    (one unit: the issue's 18Ψ/d + one layer), each against the ZeRO-2 row."""
+    (one unit: 18Ψ/d + one layer), each against the ZeRO-2 row."""
     shape, world, m = args.zero_shape, 4, 4
     layouts = [(s, NAMES[s], s, True) for s in THEORY]
     layouts.append(("zero3_no_prefetch", NAMES["optim_grads_params"] + " without --overlap-param-gather",
@@ -200,11 +201,13 @@ def bench_zero(args):
     header = (f"{shape.describe()}; Ψ = {psi / 1e6:.1f}M parameters; bf16 parameters, fp32 gradients and Adam; "
               f"DP={world}, {m} micro-batches, --overlap-grad-reduce --overlap-param-gather (but the last row), "
               f"4M-element buckets; gloo on localhost. Peak RSS of {args.steps} training steps above the RSS before "
-              f"start-up. Theory: REFERENCE §6 with Megatron's fp32 gradient buffer; ZeRO-3 adds its largest unit "
-              f"gathered in bf16 (the issue's 18Ψ/d + one layer), twice with --overlap-param-gather, whose prefetch "
-              f"gathers the next unit while one computes (FSDP2 does the same). Both ZeRO-3 rows compare with "
-              f"ZeRO-2. Activations and the buckets in flight are extra and cancel in the savings.")
-    headlines = [(f"{name} memory saving over the stage before", "REFERENCE §6 theory", f"{share:.2f} of theory")
+              f"start-up. Theory: the ZeRO paper's bytes per parameter with Megatron's fp32 gradient buffer; "
+              f"ZeRO-3 adds its largest unit gathered in bf16 (18Ψ/d + one layer), twice with "
+              f"--overlap-param-gather, whose prefetch gathers the next unit while one computes (FSDP2 does the "
+              f"same). Both ZeRO-3 rows compare with ZeRO-2. Activations and the buckets in flight are extra and "
+              f"cancel in the savings.")
+    headlines = [(f"{name} memory saving over the stage before", "ZeRO theory (bytes per parameter)",
+                  f"{share:.2f} of theory")
                  for name, share in shares.values()]
     return rows, header, headlines
 

@@ -1,0 +1,383 @@
+#!/usr/bin/env python
+"""CPU allocators side by side in one run: megalite before the redesign (its own caching CPU allocator
+over glibc) against this tree with jemalloc preloaded and with plain glibc malloc.
+
+Options (``--options``, comma-separated; the first is the baseline of every ratio):
+- before: revision ``--baseline`` (default d50f0c9) in a git worktree, run with this venv and
+  PYTHONPATH at the worktree (so the editable install of this tree does not win); its start-up installs
+  its caching CPU allocator and a 1 MiB glibc mmap threshold, with transparent huge pages for tensors;
+- jemalloc: this tree, LD_PRELOAD of libjemalloc.so.2 with the Makefile's MALLOC_CONF (what make test, demo
+  and bench run where jemalloc is installed);
+- glibc: this tree, glibc's malloc with its defaults;
+- glibc-1mib: glibc with a fixed 1 MiB mmap threshold (GLIBC_TUNABLES), make's setting without jemalloc;
+- jemalloc-bare: jemalloc with its default settings (no MALLOC_CONF), whose dedicated arena for blocks of
+  8 MiB or more hands every freed block back to the OS at once;
+- glibc-keep: glibc tunables that keep freed blocks in the heap (a fixed 32 MiB mmap threshold, no trim);
+- jemalloc-keep: jemalloc that never purges (dirty_decay_ms:-1, muzzy_decay_ms:-1).
+
+Two measurements, each option in its own processes with LD_PRELOAD, MALLOC_CONF and GLIBC_TUNABLES set as
+the option says (and nothing inherited):
+- step: bench_vs_hf.py's fp32 model through megalite's own training loop (each tree's bench_vs_hf.MegaliteLoop,
+  the "elapsed time per iteration" its log lines print), one long-lived worker per option, run in rounds of
+  ``--steps`` steps per worker in a rotating order so machine noise hits all alike; reported: median
+  ms/iteration, system CPU ms and minor page faults per iteration, and the worker's peak RSS;
+- zero: each tree's ``bench/bench_memory.py --sections zero`` (peak RSS per rank of a training step under
+  each ZeRO stage at DP=4, and the share of each stage's theoretical saving), ``--memory-rounds`` runs per
+  option in a rotating order, medians.
+
+The make test wall time of each revision is measured apart (it takes minutes per run); pass the seconds
+with --make-test-before / --make-test-after to put them in the table.
+
+    python bench/bench_allocator.py                        # about 10 minutes on 2 idle cores
+    python bench/bench_allocator.py --quick                # smoke test: small models, one round
+    python bench/bench_allocator.py --options before,jemalloc,glibc,jemalloc-bare --rounds 4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results import Headline, add_common_args, command_line, publish, read_section  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 2 ** 20
+ALLOCATOR_ENV = ("LD_PRELOAD", "MALLOC_CONF", "GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE")
+# the Makefile's JEMALLOC_CONF (torch.backends.xeon.run_cpu's): no separate arena that unmaps every freed
+# block of 8 MiB or more at once (oversize_threshold), purging on a background thread
+JEMALLOC_CONF = "oversize_threshold:1,background_thread:true,metadata_thp:auto"
+WITHIN = 0.10        # the issue's bar: an option within 10% of the baseline's figures
+MARK = "@@allocator "
+
+
+def find_jemalloc() -> str | None:
+    """$JEMALLOC, else the libjemalloc.so.2 the dynamic linker knows (as the Makefile finds it)."""
+    if os.environ.get("JEMALLOC"):
+        return os.environ["JEMALLOC"]
+    try:
+        listing = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return None
+    paths = [line.split("=>")[-1].strip() for line in listing.splitlines() if "libjemalloc.so.2" in line]
+    return paths[0] if paths else None
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    tree: str                      # "before" (the baseline worktree) or "after" (this tree)
+    env: dict = field(default_factory=dict)
+    what: str = ""
+
+
+def options(jemalloc: str | None, baseline: str) -> dict[str, Option]:
+    found = {
+        "before": Option("before", "before", {}, f"revision {baseline}: megalite's caching CPU allocator over glibc"),
+        "glibc": Option("glibc", "after", {}, "this tree, glibc malloc (defaults)"),
+        "glibc-1mib": Option("glibc-1mib", "after", {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576"},
+                             "this tree, glibc with a fixed 1 MiB mmap threshold (make's setting where jemalloc "
+                             "is not installed)"),
+        "glibc-keep": Option("glibc-keep", "after", {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:"
+                                                                        "glibc.malloc.trim_threshold=4294967296"},
+                             "this tree, glibc with a fixed 32 MiB mmap threshold and no trimming"),
+    }
+    if jemalloc:
+        found["jemalloc"] = Option("jemalloc", "after", {"LD_PRELOAD": jemalloc, "MALLOC_CONF": JEMALLOC_CONF},
+                                   f"this tree, jemalloc preloaded with make's MALLOC_CONF ({jemalloc})")
+        found["jemalloc-keep"] = Option("jemalloc-keep", "after", {"LD_PRELOAD": jemalloc, "MALLOC_CONF": JEMALLOC_CONF
+                                        + ",dirty_decay_ms:-1,muzzy_decay_ms:-1"},
+                                        "this tree, jemalloc that never hands freed pages back to the OS")
+        found["jemalloc-bare"] = Option("jemalloc-bare", "after", {"LD_PRELOAD": jemalloc},
+                                        "this tree, jemalloc preloaded with its default settings")
+    return found
+
+
+def option_env(option: Option, tree: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_ENV}
+    env.update(option.env)
+    env["PYTHONPATH"] = tree
+    return env
+
+
+# ---- the baseline revision's tree ------------------------------------------------------------------------
+class BaselineTree:
+    """The baseline revision checked out as a git worktree: ``path`` if given (reused when it exists), else
+    a temporary one, removed on exit (a worktree this created)."""
+
+    def __init__(self, revision: str, path: str | None):
+        self.revision, self.path, self.created, self.tmp = revision, path, False, None
+
+    def __enter__(self) -> str:
+        if self.path is None:
+            self.tmp = tempfile.mkdtemp(prefix="megalite-before-")
+            self.path = os.path.join(self.tmp, "tree")
+        if not os.path.exists(self.path):
+            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", self.path, self.revision],
+                           check=True)
+            self.created = True
+        head = subprocess.run(["git", "-C", self.path, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        wanted = subprocess.run(["git", "-C", ROOT, "rev-parse", self.revision], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        if head != wanted:
+            raise SystemExit(f"--baseline-tree {self.path} is at {head[:9]}, not {self.revision}: remove it or "
+                             f"pass another path")
+        return self.path
+
+    def __exit__(self, *exc) -> bool:
+        if self.created:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", self.path], check=False)
+        if self.tmp:
+            os.rmdir(self.tmp) if os.path.isdir(self.tmp) and not os.listdir(self.tmp) else None
+        return False
+
+
+# ---- step time: one long-lived worker per option ----------------------------------------------------------
+STEP_DRIVER = r"""
+import json, resource, sys
+sys.path[:0] = ["bench", "."]
+from bench_vs_hf import FULL, QUICK, MegaliteLoop
+loop = MegaliteLoop(QUICK if sys.argv[1] == "quick" else FULL, "fp32", compiled=False)
+with open("/proc/self/maps") as f:
+    jemalloc = "libjemalloc" in f.read()
+cache = sys.modules.get("megalite.caching_cpu_allocator")
+caching = cache is not None and getattr(cache, "_library", None) is not None
+print("@@allocator " + json.dumps({"jemalloc": jemalloc, "caching": caching}), flush=True)
+for line in sys.stdin:
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    times = loop.run(int(line))
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    print("@@allocator " + json.dumps({"times": times, "sys": r1.ru_stime - r0.ru_stime,
+                                      "minflt": r1.ru_minflt - r0.ru_minflt, "maxrss": r1.ru_maxrss * 1024}),
+          flush=True)
+"""
+
+
+class StepWorker:
+    """One option's training loop in its own process, driven over stdin/stdout."""
+
+    def __init__(self, option: Option, tree: str, quick: bool):
+        self.option = option
+        self.proc = subprocess.Popen([sys.executable, "-c", STEP_DRIVER, "quick" if quick else "full"], cwd=tree,
+                                     env=option_env(option, tree), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1)
+        self.times: list[float] = []
+        self.sys_seconds, self.faults, self.maxrss = 0.0, 0, 0
+        self.allocator = self.reply()
+
+    def reply(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+        raise RuntimeError(f"{self.option.name}: the step worker exited with code {self.proc.wait()}")
+
+    def run(self, steps: int, timed: bool = True) -> None:
+        self.proc.stdin.write(f"{steps}\n")
+        self.proc.stdin.flush()
+        r = self.reply()
+        if timed:
+            self.times += r["times"]
+            self.sys_seconds += r["sys"]
+            self.faults += r["minflt"]
+        self.maxrss = r["maxrss"]
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def measure_steps(chosen: list[Option], trees: dict, args) -> dict[str, StepWorker]:
+    """Warm every worker up one at a time, then ``args.rounds`` rounds of ``args.steps`` steps per worker."""
+    workers = {}
+    try:
+        for option in chosen:                   # start-up one at a time: they never share the cores
+            workers[option.name] = StepWorker(option, trees[option.tree], args.quick)
+            workers[option.name].run(args.warmup, timed=False)
+            print(f"  step: {option.name} ready ({workers[option.name].allocator})", flush=True)
+        names = [o.name for o in chosen]
+        for i in range(args.rounds):
+            for name in names[i % len(names):] + names[:i % len(names)]:     # nobody always goes first
+                workers[name].run(args.steps)
+            print(f"  step round {i + 1}/{args.rounds}: " + ", ".join(
+                f"{n} {1000 * statistics.median(w.times):.0f} ms" for n, w in workers.items())
+                + f" (load {os.getloadavg()[0]:.1f})", flush=True)
+    finally:
+        for worker in workers.values():
+            worker.close()
+    return workers
+
+
+# ---- memory: each tree's bench_memory.py --sections zero --------------------------------------------------
+def run_zero(option: Option, tree: str, args) -> dict[str, tuple[float, float | None]]:
+    """{strategy: (peak MiB per rank, share of the theoretical saving)} from one bench_memory.py run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        results = os.path.join(tmp, "RESULTS.md")
+        argv = [sys.executable, "bench/bench_memory.py", "--sections", "zero", "--results", results,
+                "--steps", str(args.memory_steps), *(["--quick"] if args.quick else [])]
+        subprocess.run(argv, cwd=tree, env=option_env(option, tree), check=True, stdout=subprocess.DEVNULL)
+        lines = read_section("bench_memory_zero", results) or []
+    rows = {}
+    for line in lines:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[3].replace(".", "").isdigit():
+            rows[cells[0]] = (float(cells[3]), None if cells[5] == "-" else float(cells[5]))
+    if not rows:
+        raise RuntimeError(f"{option.name}: no ZeRO table in bench_memory.py's output")
+    return rows
+
+
+def measure_zero(chosen: list[Option], trees: dict, args) -> dict[str, dict]:
+    runs = {o.name: [] for o in chosen}
+    for i in range(args.memory_rounds):
+        for option in chosen[i % len(chosen):] + chosen[:i % len(chosen)]:
+            start = time.perf_counter()
+            runs[option.name].append(run_zero(option, trees[option.tree], args))
+            print(f"  zero: {option.name} round {i + 1}/{args.memory_rounds} in {time.perf_counter() - start:.0f} s",
+                  flush=True)
+    return {name: {strategy: (statistics.median(r[strategy][0] for r in rs),
+                              statistics.median(r[strategy][1] for r in rs) if rs[0][strategy][1] is not None
+                              else None)
+                   for strategy in rs[0]} for name, rs in runs.items()}
+
+
+# ---- the section ------------------------------------------------------------------------------------------
+def within(value: float, base: float) -> str:
+    return "yes" if value <= base * (1 + WITHIN) else "**no**"
+
+
+def step_rows(chosen: list[Option], workers: dict) -> list[str]:
+    base = statistics.median(workers[chosen[0].name].times)
+    rows = ["| option | ms / iteration (median) | vs " + chosen[0].name + " | within 10% | system ms / iteration | "
+            "minor page faults / iteration | worker peak RSS MiB | allocator seen in the process |",
+            "|---|---|---|---|---|---|---|---|"]
+    for option in chosen:
+        w = workers[option.name]
+        ms, n = statistics.median(w.times), len(w.times)
+        seen = "caching CPU allocator" if w.allocator["caching"] else ("jemalloc" if w.allocator["jemalloc"]
+                                                                       else "glibc")
+        rows.append(f"| {option.name} | {1000 * ms:.0f} | {ms / base:.2f}x | {within(ms, base)} | "
+                    f"{1000 * w.sys_seconds / n:.0f} | {w.faults / n:,.0f} | {w.maxrss / MiB:.0f} | {seen} |")
+    return rows
+
+
+def zero_rows(chosen: list[Option], zero: dict) -> list[str]:
+    strategies = list(zero[chosen[0].name])
+    base = zero[chosen[0].name]
+    rows = ["| option | " + " | ".join(f"{s} peak MiB" for s in strategies) + " | worst peak vs "
+            f"{chosen[0].name} | within 10% | worst share of theoretical saving |",
+            "|---|" + "---|" * (len(strategies) + 3)]
+    for option in chosen:
+        z = zero[option.name]
+        worst = max(z[s][0] / base[s][0] for s in strategies)
+        shares = [z[s][1] for s in strategies if z[s][1] is not None]
+        rows.append(f"| {option.name} | " + " | ".join(f"{z[s][0]:.0f}" for s in strategies) +
+                    f" | {worst:.2f}x | {within(worst, 1.0)} | {min(shares):.2f} |")
+    return rows
+
+
+def make_test_rows(args) -> list[str]:
+    def shown(seconds):
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s" if seconds else "not given"
+    ratio = (f"{args.make_test_after / args.make_test_before:.2f}x" if args.make_test_before and args.make_test_after
+             else "-")
+    return ["| make test wall time | before | after (jemalloc) | after / before |", "|---|---|---|---|",
+            f"| `make test` (default suite, 2 workers) | {shown(args.make_test_before)} | "
+            f"{shown(args.make_test_after)} | {ratio} |"]
+
+
+def headlines(chosen: list[Option], workers: dict, zero: dict, command: str) -> list[Headline]:
+    base = chosen[0]
+    found = []
+    for option in chosen[1:]:
+        if workers:
+            ratio = statistics.median(workers[option.name].times) / statistics.median(workers[base.name].times)
+            found.append(Headline(f"fp32 training step time, {option.name}", f"{base.name} ({base.what})",
+                                  f"{ratio:.2f}x the ms / iteration (within 10%: {within(ratio, 1.0)})", command))
+        if zero:
+            worst = max(zero[option.name][s][0] / zero[base.name][s][0] for s in zero[base.name])
+            found.append(Headline(f"ZeRO stages' peak RSS per rank, {option.name}", f"{base.name} ({base.what})",
+                                  f"{worst:.2f}x at worst (within 10%: {within(worst, 1.0)})", command))
+    return found
+
+
+def body_lines(chosen: list[Option], workers: dict, zero: dict, args) -> list[str]:
+    described = [f"**{o.name}**: {o.what}" + (f" ({', '.join(f'{k}={v}' for k, v in o.env.items())})" if o.env else "")
+                 for o in chosen]
+    lines = ["Options: " + "; ".join(described) + "."]
+    if workers:
+        shape = "bench_vs_hf.py --quick's model" if args.quick else "bench_vs_hf.py's model"
+        lines += ["", f"Step: {shape}, fp32, through each tree's megalite training loop (the time its log lines "
+                      f"print); one worker per option, {args.warmup} warm-up steps, then {args.rounds} rounds of "
+                      f"{args.steps} steps per worker in a rotating order; medians. Peak RSS: the worker's "
+                      "ru_maxrss (start-up included).", "", *step_rows(chosen, workers)]
+    if zero:
+        lines += ["", f"ZeRO: each tree's `bench/bench_memory.py --sections zero --steps {args.memory_steps}"
+                      f"{' --quick' if args.quick else ''}` (DP=4, bf16; peak RSS per rank of the training steps "
+                      f"above the RSS before start-up, max over ranks), {args.memory_rounds} run(s) per option, "
+                      "medians.", "", *zero_rows(chosen, zero)]
+    lines += ["", "`make test` is timed apart (given with --make-test-before/--make-test-after):", "",
+              *make_test_rows(args)]
+    return lines
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--options", default="before,jemalloc,glibc",
+                   help="comma-separated from before, jemalloc, glibc, glibc-1mib, glibc-keep, jemalloc-bare, "
+                        "jemalloc-keep (the first is the baseline; default before,jemalloc,glibc)")
+    p.add_argument("--baseline", default="d50f0c9", help="the revision 'before' runs (default d50f0c9)")
+    p.add_argument("--baseline-tree", help="its worktree: reused if it exists, else created there and removed "
+                                           "after (default: a temporary one)")
+    p.add_argument("--measure", default="step,zero", help="step, zero or both (default both)")
+    p.add_argument("--rounds", type=int, help="step-time rounds (default 3; 1 with --quick)")
+    p.add_argument("--steps", type=int, help="steps per worker per round (default 2; 1 with --quick)")
+    p.add_argument("--warmup", type=int, help="warm-up steps per worker (default 2; 1 with --quick)")
+    p.add_argument("--memory-rounds", type=int, help="bench_memory.py runs per option (default 1)")
+    p.add_argument("--memory-steps", type=int, help="training steps per bench_memory.py run (default 2)")
+    p.add_argument("--make-test-before", type=float, help="seconds `make test` took at the baseline revision")
+    p.add_argument("--make-test-after", type=float, help="seconds `make test` took in this tree (jemalloc)")
+    add_common_args(p)
+    args = p.parse_args(argv)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.steps = args.steps or (1 if args.quick else 2)
+    args.warmup = args.warmup or (1 if args.quick else 2)
+    args.memory_rounds = args.memory_rounds or 1
+    args.memory_steps = args.memory_steps or 2
+    return args
+
+
+def main(argv: list[str]) -> None:
+    args = parse(argv)
+    known = options(find_jemalloc(), args.baseline)
+    missing = [n for n in args.options.split(",") if n not in known]
+    if missing:
+        raise SystemExit(f"unknown or unavailable --options {missing} (available here: {', '.join(known)}; "
+                         "the jemalloc ones need libjemalloc.so.2 installed or $JEMALLOC)")
+    chosen = [known[n] for n in args.options.split(",")]
+    measure = set(args.measure.split(","))
+    started = time.perf_counter()
+    with BaselineTree(args.baseline, args.baseline_tree) as before:
+        trees = {"before": before, "after": ROOT}
+        workers = measure_steps(chosen, trees, args) if "step" in measure else {}
+        zero = measure_zero(chosen, trees, args) if "zero" in measure else {}
+    minutes = (time.perf_counter() - started) / 60
+    command = command_line("bench_allocator.py", argv)
+    body = [*body_lines(chosen, workers, zero, args), "", f"The comparison took {minutes:.1f} minutes."]
+    print("\n".join(body), flush=True)
+    publish(args, "bench_allocator", "CPU allocator: before (caching allocator) vs jemalloc vs glibc", command,
+            headlines(chosen, workers, zero, command), body)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
