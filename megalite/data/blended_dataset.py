@@ -2,13 +2,12 @@
 
 Sample i of the blend comes from the dataset whose share so far lags its weight most: the error of
 dataset j is ``w_j * max(i, 1) - taken_j`` (ties go to the lower index), and the chosen dataset gives
-its next unused sample. This is the rule of Megatron's ``build_blending_indices`` (helpers.cpp);
-REFERENCE §2 writes ``w_j * (i + 1)``, but the primary source uses ``max(i, 1)``, so megalite follows
-it and reproduces Megatron's blend order. The achieved count of every dataset stays within about one
-sample of ``w_j * N`` (exactly within one for two datasets).
+its next unused sample. This is the rule of Megatron's ``build_blending_indices`` (helpers.cpp), whose
+error term uses ``max(i, 1)`` (not ``i + 1``), so megalite reproduces Megatron's blend order. The achieved
+count of every dataset stays within about one sample of ``w_j * N`` (exactly within one for two datasets).
 
-The choice of sample i depends on every earlier choice, so this is a plain loop over samples
-(~0.2 µs per sample and dataset); its result is cached like the GPT indices.
+The choice of sample i depends on every earlier choice, so this is a plain Python loop over samples; its
+result is cached like the GPT indices.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """GPT pretraining samples over a Megatron indexed dataset, indexed like Megatron's GPTDataset.
 
-A split is a contiguous range of documents. Three index arrays turn it into samples (REFERENCE §2):
+A split is a contiguous range of documents. Three index arrays turn it into samples, as in Megatron:
 
 - ``document_index``: the split's document ids repeated for as many epochs as ``num_samples``
   needs, shuffled with ``numpy.random.RandomState(seed)``; when the last epoch contributes less

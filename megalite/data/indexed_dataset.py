@@ -1,6 +1,6 @@
 """Megatron's memory-mapped indexed dataset: ``PREFIX.bin`` (tokens) and ``PREFIX.idx`` (index).
 
-Byte layout (REFERENCE §1), little-endian::
+Byte layout (Megatron's MMIDIDX format, version 1), little-endian::
 
     .idx: magic b"MMIDIDX\\x00\\x00" | version <Q = 1 | dtype code <B | sequence_count <Q |
           document_count <Q (documents + 1)            -- header ends at byte 34
@@ -197,6 +197,9 @@ class IndexedDataset:
     sharing the descriptor do not race on a file position). The ``.idx`` is mapped either way.
     """
 
+    _bin_fd: int | None = None      # the .bin's descriptor once an unmapped read opens it (a class default,
+                                    # so __del__ finds it even when __init__ raised before setting it)
+
     def __init__(self, prefix: str, mmap: bool = True):
         prefix = normalize_prefix(prefix)
         _check_present(prefix)
@@ -206,7 +209,6 @@ class IndexedDataset:
         bin_size = os.path.getsize(self._bin_path)
         self.index = _Index(index_file_path(prefix), bin_size)
         self.dtype = self.index.dtype
-        self._bin_fd = None
         if not mmap:
             self._bin = None
             self._bin_buffer = None
@@ -222,10 +224,10 @@ class IndexedDataset:
         return {"prefix": self.prefix, "mmap": self.mmap}
 
     def __setstate__(self, state):
-        self.__init__(state["prefix"], state.get("mmap", True))
+        self.__init__(state["prefix"], state["mmap"])
 
     def __del__(self):
-        if getattr(self, "_bin_fd", None) is not None:
+        if self._bin_fd is not None:
             os.close(self._bin_fd)
 
     def _read(self, byte_offset: int, count: int) -> np.ndarray:

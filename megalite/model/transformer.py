@@ -171,7 +171,7 @@ class KVCache:
 class SelfAttention(nn.Module):
     """Causal self-attention with a fused QKV projection in Megatron's grouped layout.
 
-    ``linear_qkv`` rows are grouped per KV head g: [q heads of group g, k_g, v_g] (REFERENCE §3), so a
+    ``linear_qkv`` rows are grouped per KV head g: [q heads of group g, k_g, v_g] (Megatron's layout), so a
     tensor-parallel shard is a contiguous block of whole groups. With more TP ranks than KV heads,
     each rank takes a slice of one group's query heads plus that group's K and V, which are then
     replicated across the ranks sharing the group (their gradients are summed over those ranks).
@@ -307,7 +307,7 @@ def _replicated_kv_rows(nq: int, nkv: int, d: int, tp: TensorParallel):
 
 
 class MLP(nn.Module):
-    """fc1 -> activation -> fc2. With SwiGLU, fc1 rows are [gate ; up] (REFERENCE §3); a TP shard is
+    """fc1 -> activation -> fc2. With SwiGLU, fc1 rows are [gate ; up] (Megatron's layout); a TP shard is
     [gate_r ; up_r], so each rank applies silu(gate) * up to its own columns."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
@@ -337,7 +337,7 @@ class _SwiGLUFunction(torch.autograd.Function):
     Autograd of the two ops would also keep silu(gate) (s x b x f); like Megatron's fused bias-SwiGLU
     this recomputes it in backward. Backward runs the ops autograd of silu(gate) * up would run (so the
     same values), written straight into the two halves of one gradient: silu's own fused backward
-    kernel, not a chain of fp32 elementwise ops (CPU: memory-bound, 4x the time in bf16)."""
+    kernel, not a chain of fp32 elementwise ops (memory-bound on a CPU, so several times slower in bf16)."""
 
     @staticmethod
     def forward(ctx, h):

@@ -79,14 +79,6 @@ class ParallelState:
         return self.rank // (self.tp_size * self.cp_size * self.dp_size)
 
     @property
-    def is_first_pp_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_pp_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
-
-    @property
     def is_logging_rank(self) -> bool:
         """Megatron prints the training line from the last rank. It holds the loss unless the schedule puts the
         last virtual stage elsewhere (zbv: pipeline rank 0); training.reported_loss brings it there."""

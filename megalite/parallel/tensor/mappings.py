@@ -6,7 +6,6 @@ nothing. Names follow Megatron:
   copy_to_tp_region           forward identity      backward all-reduce
   reduce_from_tp_region       forward all-reduce    backward identity
   gather_from_tp_region       forward all-gather    backward split          (last dim)
-  scatter_to_tp_region        forward split         backward all-gather     (last dim)
   gather_from_sp_region       forward all-gather    backward reduce-scatter (dim 0, the sequence)
   reduce_scatter_to_sp_region forward reduce-scatter backward all-gather    (dim 0)
   scatter_to_sp_region        forward split         backward all-gather     (dim 0)
@@ -129,7 +128,6 @@ def _along(op, dim: int):
 copy_to_tp_region = _mapping(_identity, all_reduce)
 reduce_from_tp_region = _mapping(_all_reduce_copy, _identity)
 gather_from_tp_region = _mapping(_along(all_gather, -1), _along(split, -1))
-scatter_to_tp_region = _mapping(_along(split, -1), _along(all_gather, -1))
 gather_from_sp_region = _mapping(_along(all_gather, 0), _along(reduce_scatter, 0))
 reduce_scatter_to_sp_region = _mapping(_along(reduce_scatter, 0), _along(all_gather, 0))
 scatter_to_sp_region = _mapping(_along(split, 0), _along(all_gather, 0))

@@ -1,4 +1,4 @@
-"""Blending (REFERENCE §2 / Megatron's helpers.cpp), the dataset builder the training loop calls, and the
+"""Blending (Megatron's helpers.cpp), the dataset builder the training loop calls, and the
 token-range check."""
 from __future__ import annotations
 

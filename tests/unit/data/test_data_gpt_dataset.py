@@ -1,4 +1,4 @@
-"""GPT dataset indexing (REFERENCE §2): samples = the concatenated token stream, Megatron's indices,
+"""GPT dataset indexing (Megatron's GPTDataset): samples = the concatenated token stream, Megatron's indices,
 epochs, determinism, the .npy cache."""
 from __future__ import annotations
 

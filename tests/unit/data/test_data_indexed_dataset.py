@@ -1,4 +1,4 @@
-"""Megatron .bin/.idx: byte layout (REFERENCE §1), round trips, reading foreign files, bad files."""
+"""Megatron .bin/.idx: byte layout (Megatron's MMIDIDX format), round trips, reading foreign files, bad files."""
 from __future__ import annotations
 
 import os
@@ -12,19 +12,19 @@ from megalite.data.indexed_dataset import (DTYPES, IndexedDataset, IndexedDatase
                                            check_vocab_fits)
 from megalite.errors import UserError
 
-# REFERENCE §1 dtype codes, written out independently of the implementation
-REFERENCE_CODES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32",
+# Megatron's dtype codes, written out independently of the implementation
+MEGATRON_DTYPE_CODES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32",
                    8: "uint16"}
 
 
 def test_dtype_codes_match_reference():
-    assert {c: np.dtype(t).name for c, t in DTYPES.items()} == REFERENCE_CODES
+    assert {c: np.dtype(t).name for c, t in DTYPES.items()} == MEGATRON_DTYPE_CODES
     assert best_dtype(65499) == np.uint16 and best_dtype(65500) == np.int32
 
 
-@pytest.mark.parametrize("code", sorted(REFERENCE_CODES))
+@pytest.mark.parametrize("code", sorted(MEGATRON_DTYPE_CODES))
 def test_round_trip_every_dtype(tmp_path, code):
-    dtype = np.dtype(REFERENCE_CODES[code])
+    dtype = np.dtype(MEGATRON_DTYPE_CODES[code])
     rng = np.random.default_rng(code)
     hi = 100 if dtype.kind == "f" else min(int(np.iinfo(dtype).max), 10 ** 6)
     lo = -hi if dtype.kind in "if" else 0
@@ -72,7 +72,7 @@ def test_idx_header_byte_by_byte(tmp_path):
 
 
 def _write_megatron_layout(prefix, dtype_code_, dtype, sequences, doc_indices, extra_idx=b""):
-    """A dataset built by hand from REFERENCE §1 (struct + numpy), independent of the writer."""
+    """A dataset built by hand from Megatron's byte layout (struct + numpy), independent of the writer."""
     with open(prefix + ".bin", "wb") as f:
         for s in sequences:
             f.write(np.asarray(s, dtype=dtype).tobytes())
