@@ -379,6 +379,7 @@ def test_real_size_flags_are_valid_at_the_full_world_size(tmp_path, name):
 def test_continue_pretraining_from_hf_converts_trains_resumes_and_exports(tmp_path):
     """A tiny HF Llama (GQA, tied embeddings, its own tokenizer) -> megalite -> 2 iterations at TP=2 + SP
     -> HF, loadable by transformers; a second run resumes the continued checkpoint, not the HF weights."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "unit", "checkpoint"))     # its tiny HF models
     from test_convert_checkpoint import TEXT, make_hf
 
     hf_model_dir, work = tmp_path / "hf_model", tmp_path / "work"
