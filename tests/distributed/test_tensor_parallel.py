@@ -8,6 +8,7 @@ from harness import run_ranks
 from megalite_test_utils import TINY_GPT2_ARGS, TINY_LLAMA_ARGS, with_flags
 from megalite.config.megatron_cli import parse_args
 from megalite.parallel.mesh import ParallelState
+from megalite.parallel.param_meta import param_meta
 from megalite.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, TensorParallel,
                                              VocabParallelEmbedding, parallel_logits)
@@ -27,7 +28,7 @@ def _full_tensors():
 
 def _load(layer_param, full):
     with torch.no_grad():
-        layer_param.copy_(layer_param.take_shard(full))
+        layer_param.copy_(param_meta(layer_param).take_shard(full))
 
 
 def _layer_checks(rank, world):
