@@ -6,6 +6,7 @@ from megalite_test_utils import TINY_GPT2_ARGS, TINY_LLAMA_ARGS
 from megalite.config.megatron_cli import parse_args
 from megalite.model.gpt import GPTModel
 from megalite.model.init import full_normal, init_std
+from megalite.parallel.param_meta import mark, param_meta
 
 
 def model_config(argv):
@@ -73,10 +74,8 @@ def test_a_later_pipeline_stage_gets_the_same_weights_as_the_whole_model():
 def test_a_shard_equals_the_slice_of_the_full_weight():
     """The hook tensor parallelism uses: a parameter with full_shape/take_shard gets its slice."""
     from megalite.model.init import initialize_parameter
-    shard = torch.nn.Parameter(torch.empty(8, 16))
-    shard.full_shape = (32, 16)
-    shard.take_shard = lambda full: full[8:16]
-    shard.tensor_model_parallel, shard.partition_dim = True, 0
+    shard = mark(torch.nn.Parameter(torch.empty(8, 16)), full_shape=(32, 16), take_shard=lambda full: full[8:16],
+                 tensor_model_parallel=True, partition_dim=0)
     name = "decoder.layers.0.self_attention.linear_qkv.weight"
     initialize_parameter(shard, name, 0.02, 2, seed=5)
     full = full_normal(name, (32, 16), init_std(name, 0.02, 2), 5)
@@ -94,7 +93,7 @@ def test_initial_values_of_any_range_need_no_full_tensor():
         flat = param.detach().reshape(-1)
         n = flat.numel()
         for start, end in ((0, n), (n // 3, n // 2), (n - 1, n)):
-            got = empty.init_values(start, end)
+            got = param_meta(empty).init_values(start, end)
             assert torch.equal(got.to(param.dtype), flat[start:end]), (name, start, end)
     values = full_normal("x", (1000, 1000), 1.0, 0)
     assert abs(values.mean().item()) < 0.005 and abs(values.std().item() - 1) < 0.005

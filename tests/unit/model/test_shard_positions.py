@@ -5,6 +5,7 @@ import torch
 
 from megalite.config.megatron_cli import parse_args
 from megalite.model.gpt import GPTModel
+from megalite.parallel.param_meta import full_shape, param_meta
 from megalite.parallel.tensor.layers import TensorParallel, shard_positions
 from megalite_test_utils import TINY_GPT2_ARGS, TINY_LLAMA_ARGS, with_flags
 
@@ -15,9 +16,10 @@ def test_shard_positions_match_take_shard(base, tp):
     for rank in range(tp):
         model = GPTModel(config, tp=TensorParallel(rank=rank, size=tp))
         for name, param in model.named_parameters():
-            full_shape = tuple(getattr(param, "full_shape", param.shape))
-            full = torch.arange(torch.Size(full_shape).numel()).view(full_shape)
-            expected = param.take_shard(full) if getattr(param, "take_shard", None) else full
+            shape = full_shape(param)
+            full = torch.arange(torch.Size(shape).numel()).view(shape)
+            take_shard = param_meta(param).take_shard
+            expected = take_shard(full) if take_shard is not None else full
             rows, cols, full_cols = shard_positions(param)
             got = (rows[:, None] * full_cols + cols[None, :]).view(param.shape)
             assert torch.equal(got, expected), name
