@@ -1,6 +1,7 @@
 """The single-tensor collectives under whichever name the installed torch gives them, and the one
-choice of collective form that depends on the backend. ddp.py, memory_report.py and
-tensor_parallel/mappings.py call the collectives through this module.
+choice of collective form that depends on the backend. The data-parallel buckets
+(parallel/data/bucket_comm.py), the tensor-parallel mappings and the training step's and
+performance report's reductions call the collectives through this module.
 
 Names. torch 2.13 calls the single-tensor reduce-scatter and all-gather ``reduce_scatter_single`` and
 ``all_gather_single`` and keeps ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` as deprecated
@@ -10,8 +11,8 @@ torch.distributed function (to count or reorder collectives) sees the calls made
 
 One code path for NCCL and gloo. gloo runs the single-tensor forms for every case megalite uses: any
 chunk size (including 0 and odd sizes), fp32, bf16, fp16 and integer tensors, ReduceOp.SUM, sync or
-async (a mean is a SUM then a division, as in ddp.py: ReduceOp.AVG is not used). The one
-backend-dependent path is the data-parallel bucket collectives (ddp.Comm): on gloo they use the list
+async (a mean is a SUM then a division, as in the data-parallel buckets: ReduceOp.AVG is not used). The one
+backend-dependent path is the data-parallel bucket collectives (bucket_comm.Comm): on gloo they use the list
 forms (``dist.reduce_scatter`` / ``dist.all_gather`` over per-rank chunk views) in bounded slices,
 because gloo's single-tensor forms are slower on CPU and copy the whole bucket through a temporary.
 ``bucket_list_form`` says when that branch is taken.

@@ -1,6 +1,6 @@
 """Who this process is in the job, from the launcher's environment: the one reader of RANK, WORLD_SIZE
-and SLURM's variables (arguments.py, initialize.py and pretrain_gpt.py all ask it). No torch import, so
-flags are checked against the right world size before torch loads.
+and SLURM's variables (the config parser, parallel/initialize.py and the training entry point all ask
+it). No torch import, so flags are checked against the right world size before torch loads.
 
 Launchers: torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or SLURM's srun
 (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, the first host of SLURM_JOB_NODELIST). A plain

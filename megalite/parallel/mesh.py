@@ -81,7 +81,7 @@ class ParallelState:
     @property
     def is_logging_rank(self) -> bool:
         """Megatron prints the training line from the last rank. It holds the loss unless the schedule puts the
-        last virtual stage elsewhere (zbv: pipeline rank 0); training.reported_loss brings it there."""
+        last virtual stage elsewhere (zbv: pipeline rank 0); train/step.py's reported_loss brings it there."""
         return self.rank == self.world_size - 1
 
     def group(self, name: str):
