@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from megalite.config import validate as rules
-from megalite.config.schema import ASYNC_SCHEDULES, SHARDING_STRATEGIES
+from megalite.config.schema import (ASYNC_SCHEDULES, SHARDING_STRATEGIES, DataConfig, MegaliteConfig, OptimizerConfig,
+                                    TrainingConfig)
 from megalite.errors import UserError
-from megalite.model.transformer import check_attention_split
 from megalite.parallel.pipeline.stages import SplitFlags, virtual_stage_layers
 from megalite.planning.flags import parallel_config
 from megalite.planning.inputs import GiB, GPU_KERNELS, Hardware, Kernels, Layout, Workload, split_name, stage_layers
@@ -34,47 +34,39 @@ def divisors(n: int) -> list[int]:
 
 
 def layout_problem(workload: Workload, layout: Layout, gpus_per_node: int) -> str | None:
-    """Why this layout cannot run (megalite's own checks, or TP leaving the node), or None."""
-    model = workload.model
+    """Why this layout cannot run, or None: it would span nodes with TP, it lies outside the search space
+    (schedules and their chunks per rank, sharding at data-parallel size 1), or megalite's own rules
+    (config/validate.py) refuse the run pretrain_gpt.py would get for it."""
     if layout.tp > gpus_per_node:
         return f"TP {layout.tp} would span nodes ({gpus_per_node} GPUs per node)"
-    if workload.global_batch_size % (layout.micro_batch_size * layout.dp):
-        return (f"--global-batch-size {workload.global_batch_size} is not divisible by micro-batch size "
-                f"{layout.micro_batch_size} x data-parallel size {layout.dp}")
-    m = layout.num_microbatches(workload.global_batch_size)
     if layout.schedule == "zbv" and layout.vpp != 2:
         return "--pipeline-schedule zbv places exactly two model chunks per pipeline rank"
     if layout.schedule not in ("1f1b", "zbv") and layout.vpp > 1:
         return f"--pipeline-schedule {layout.schedule} runs one model chunk per pipeline rank"
-    try:
-        check_attention_split(model.num_attention_heads, model.num_query_groups, layout.tp)
-        recompute = None if layout.recompute == "none" else layout.recompute
-        parallel = parallel_config(workload, layout)
-        rules.check_zero_bubble(parallel, dataclasses.replace(model, recompute_granularity=recompute))
-        rules.check_pipeline_split(model.num_layers, parallel, m)
-        stage_layers(layout, model.num_layers)
-    except UserError as error:
-        return str(error)
-    if layout.schedule in ASYNC_SCHEDULES:
-        if layout.pp == 1 or layout.cp > 1 or layout.sharding == "optim_grads_params":
-            return f"--pipeline-schedule {layout.schedule} needs pp > 1, no context parallelism and no ZeRO-3"
-        if layout.overlap_param_gather and layout.sharding != "no_shard" and layout.shards > 1:
-            return f"--pipeline-schedule {layout.schedule} needs the weights in place after the step: no --overlap-param-gather"
-        if layout.schedule == "pipedream-2bw" and m < layout.pp - 1:
-            return f"--pipeline-schedule pipedream-2bw needs at least pp - 1 = {layout.pp - 1} micro-batches"
-    if layout.cp > 1 and model.seq_length % (2 * layout.cp * (layout.tp if layout.sp else 1)):
-        return (f"--context-parallel-size {layout.cp} needs --seq-length {model.seq_length} divisible by 2 x cp"
-                + (" x TP" if layout.sp else ""))
-    if layout.cp > 1 and model.attention_dropout > 0:
-        return f"--context-parallel-size {layout.cp} needs --attention-dropout 0"
-    if model.ffn_hidden_size % layout.tp:
-        return f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by TP {layout.tp}"
-    if layout.sp and model.seq_length % layout.tp:
-        return f"--sequence-parallel needs --seq-length {model.seq_length} divisible by TP {layout.tp}"
+    if layout.schedule in ASYNC_SCHEDULES and layout.pp == 1:
+        return f"--pipeline-schedule {layout.schedule} needs --pipeline-model-parallel-size > 1"
     if layout.shards == 1 and layout.sharding != "no_shard":
         return f"--data-parallel-sharding-strategy {layout.sharding} shards nothing at data-parallel size 1"
+    try:
+        config = candidate_config(workload, layout)
+        rules.check_layout(config)
+        rules.check_async_schedule(config)
+        stage_layers(layout, workload.model.num_layers)
+    except UserError as error:
+        return str(error)
     return None
 
+
+def candidate_config(workload: Workload, layout: Layout) -> MegaliteConfig:
+    """The typed config of the run pretrain_gpt.py would get for ``layout`` (what its rules read)."""
+    recompute = None if layout.recompute == "none" else layout.recompute
+    overlap = layout.overlap_param_gather and layout.sharding != "no_shard" and layout.shards > 1
+    return MegaliteConfig(
+        model=dataclasses.replace(workload.model, recompute_granularity=recompute),
+        parallel=dataclasses.replace(parallel_config(workload, layout), overlap_param_gather=overlap),
+        optimizer=OptimizerConfig(lr=1e-4), data=DataConfig(),
+        training=TrainingConfig(micro_batch_size=layout.micro_batch_size,
+                                global_batch_size=workload.global_batch_size, train_iters=1))
 
 
 def pin(flag: str):
