@@ -134,8 +134,8 @@ class BaselineTree:
     def __exit__(self, *exc) -> bool:
         if self.created:
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", self.path], check=False)
-        if self.tmp:
-            os.rmdir(self.tmp) if os.path.isdir(self.tmp) and not os.listdir(self.tmp) else None
+        if self.tmp and os.path.isdir(self.tmp) and not os.listdir(self.tmp):
+            os.rmdir(self.tmp)
         return False
 
 
