@@ -33,7 +33,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.checkpoint.hf_config import read_hf_config_file  # noqa: E402
-from megalite.parallel.pipeline.stages import SplitFlags  # noqa: E402
+from megalite.parallel.pipeline.split import SplitFlags  # noqa: E402
 from megalite.planning import flags as plan_flags  # noqa: E402
 from megalite.planning import inputs, search  # noqa: E402
 from megalite.config.cli import OneLineArgumentParser, positive_float, positive_int  # noqa: E402

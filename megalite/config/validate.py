@@ -17,8 +17,7 @@ import os
 from megalite.config.schema import (ASYNC_SCHEDULES, ZERO_BUBBLE_SCHEDULES, DataConfig, MegaliteConfig, ModelConfig,
                                     OptimizerConfig, ParallelConfig, TrainingConfig, rotary_dim)
 from megalite.errors import UserError
-from megalite.parallel.pipeline.stages import SplitFlags, virtual_stage_layers
-from megalite.parallel.pipeline.zero_bubble import schedule_split
+from megalite.parallel.pipeline.split import SplitFlags, schedule_split, virtual_stage_layers
 
 MAX_SEED = 2 ** 32 - 1           # numpy's seeding range
 

@@ -80,7 +80,7 @@ def sync_shared_embedding_grads(chunks: list[GPTModel], state: ParallelState,
     params = shared_embedding_params(chunks)
     if len(params) == 2:          # zbv: the first and the last virtual stage are both on this rank
         embedding, output = (p.main_grad if ddp is None else ddp.grad_views(p)[0][0] for p in params)
-        embedding.add_(output)    # full views: zero_bubble.check_zero_bubble refuses sharded gradients here
+        embedding.add_(output)    # full views: config/validate.py check_zero_bubble refuses sharded gradients here
         output.copy_(embedding)
         return
     all_reduce = ddp.all_reduce_param_grads if ddp is not None else all_reduce_main_grads

@@ -8,8 +8,7 @@ from megalite.checkpoint.hf_config import dropout_fields, model_fields
 from megalite.config.schema import (MegaliteConfig, ModelConfig, ParallelConfig, default_ffn_hidden_size,
                                     default_kv_channels)
 from megalite.errors import UserError
-from megalite.parallel.pipeline.stages import SplitFlags, virtual_stage_layers
-from megalite.parallel.pipeline.zero_bubble import schedule_split
+from megalite.parallel.pipeline.split import SplitFlags, schedule_split, virtual_stage_layers
 from megalite.planning.inputs import Layout, Workload
 
 

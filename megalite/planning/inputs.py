@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megalite.config.schema import ModelConfig, padded_vocab_size
-from megalite.parallel.pipeline.stages import SplitFlags, virtual_stage_layers
+from megalite.parallel.pipeline.split import SplitFlags, virtual_stage_layers
 
 GiB = 2 ** 30
 HBM_GBPS = 3350.0       # H100 SXM HBM3, GB/s: the loss is memory-bound
@@ -176,7 +176,7 @@ def split_name(split: SplitFlags) -> str:
 
 
 def stage_layers(layout: Layout, num_layers: int) -> list[int]:
-    """Transformer layers of each virtual stage (pipeline_parallel/stages.py), v = chunk * pp + rank."""
+    """Transformer layers of each virtual stage (parallel/pipeline/split.py), v = chunk * pp + rank."""
     split = layout.split
     if layout.vpp > 1 and not split.layout:
         split = dataclasses.replace(split, layers_per_virtual_stage=None, virtual_stages_per_rank=layout.vpp)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from megalite.config.schema import ASYNC_SCHEDULES, ModelConfig
 from megalite.parallel.data.ddp import MAX_IN_FLIGHT, default_bucket_size
 from megalite.parallel.pipeline.pipedream import versions_behind
-from megalite.parallel.pipeline.stages import SplitFlags
+from megalite.parallel.pipeline.split import SplitFlags
 from megalite.planning.inputs import (GPU_KERNELS, Kernels, Layout, Workload, holds_embedding, holds_head,
                                       layer_parameters, layer_tensors, local_attention_heads, norm_parameters,
                                       rank_layers, stage_parameters)

@@ -41,8 +41,8 @@ from megalite.parallel.initialize import initialize_distributed, set_matmul_prec
 from megalite.parallel.pipeline.p2p import PipelineComm
 from megalite.parallel.pipeline.pipedream import build_async_pipeline
 from megalite.parallel.pipeline.schedules import stage_placement
-from megalite.parallel.pipeline.stages import SplitFlags, build_model_chunks, chunk_forward, virtual_stage_layers
-from megalite.parallel.pipeline.zero_bubble import schedule_split
+from megalite.parallel.pipeline.stages import build_model_chunks, chunk_forward
+from megalite.parallel.pipeline.split import SplitFlags, schedule_split, virtual_stage_layers
 from megalite.parallel.tensor.setup import build_tensor_parallel
 from megalite.train import loop
 from megalite.train.compile import compile_layers

@@ -137,9 +137,7 @@ class DistributedDataParallel(DataParallel):
     def __init__(self, model: nn.Module | list[nn.Module], config: ParallelConfig, parallel: ParallelState,
                  num_microbatches: int = 1, device: torch.device | None = None):
         self.models = list(model) if isinstance(model, (list, tuple)) else [model]
-        self.strategy = config.data_parallel_sharding_strategy
-        if self.strategy == "no_shard" and config.use_distributed_optimizer:
-            self.strategy = "optim"
+        self.strategy = config.data_parallel_sharding_strategy      # ParallelConfig folds in the ZeRO-1 flag
         if self.strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"unknown data-parallel sharding strategy {self.strategy!r}")
         self.overlap_grad_reduce = config.overlap_grad_reduce

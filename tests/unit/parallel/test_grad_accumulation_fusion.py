@@ -11,7 +11,7 @@ from megalite.config.megatron_cli import parse_args
 from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
 from megalite.parallel.param_meta import mark
 from megalite.model.gpt import GPTModel
-from megalite.parallel.pipeline.zero_bubble import backward_input, backward_weight
+from megalite.parallel.pipeline.split_backward import backward_input, backward_weight
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TensorParallel
 
 

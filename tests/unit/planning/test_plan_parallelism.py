@@ -26,7 +26,7 @@ import pytest
 from harness import run_ranks
 from megalite_test_utils import ROOT, TINY_GPT2_ARGS, TINY_LLAMA_ARGS, with_flags
 from megalite.checkpoint.hf_config import read_hf_config_file
-from megalite.parallel.pipeline.stages import SplitFlags
+from megalite.parallel.pipeline.split import SplitFlags
 from megalite.planning import flags as plan_flags
 from megalite.planning import inputs, memory, search
 from megalite.planning import time as timing
