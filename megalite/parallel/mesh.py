@@ -13,7 +13,8 @@ from itertools import product
 
 import torch.distributed as dist
 
-from megalite.errors import UserError
+from megalite.config.schema import ParallelConfig
+from megalite.config.validate import check_world_size
 
 
 def rank_grid_groups(world_size: int, tp: int, cp: int, pp: int, varying: str) -> list[list[int]]:
@@ -34,15 +35,6 @@ def rank_grid_groups(world_size: int, tp: int, cp: int, pp: int, varying: str) -
             members.append(coord["t"] + tp * (coord["c"] + cp * (coord["d"] + dp * coord["p"])))
         groups.append(sorted(members))
     return sorted(groups)
-
-
-def validate_sizes(world_size: int, tp: int, cp: int, pp: int) -> None:
-    model_parallel = tp * cp * pp
-    if world_size % model_parallel:
-        raise UserError(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--context-parallel-size {cp} x --pipeline-model-parallel-size {pp} = {model_parallel}; "
-            "launch a multiple of that many processes")
 
 
 @dataclass
@@ -91,7 +83,8 @@ class ParallelState:
     def build(cls, world_size: int, rank: int, tp: int = 1, cp: int = 1, pp: int = 1,
               timeout: timedelta | None = None) -> "ParallelState":
         """Create every process group (collectively: all ranks must call this in the same order)."""
-        validate_sizes(world_size, tp, cp, pp)
+        check_world_size(world_size, ParallelConfig(world_size=world_size, tensor_model_parallel_size=tp,
+                                                    pipeline_model_parallel_size=pp, context_parallel_size=cp))
         state = cls(world_size, rank, tp, cp, pp, timeout=timeout)
         started = dist.is_initialized() and dist.get_world_size() == world_size
         if not started:          # a plain single process (or a 1-process reference inside a larger run)
