@@ -127,6 +127,9 @@ def check_tensor_parallel(m: ModelConfig, p: ParallelConfig) -> None:
                         "(KV heads are then replicated)")
     if m.ffn_hidden_size % tp:
         raise UserError(f"--ffn-hidden-size {m.ffn_hidden_size} must be divisible by --tensor-model-parallel-size {tp}")
+    if m.padded_vocab_size % tp:
+        raise UserError(f"padded vocabulary {m.padded_vocab_size} is not divisible by --tensor-model-parallel-size {tp}; "
+                        "pad it with megalite.config.schema.padded_vocab_size")
     if p.sequence_parallel and tp > 1 and m.seq_length % tp:
         raise UserError(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by "
                         f"--tensor-model-parallel-size {tp}")

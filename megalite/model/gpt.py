@@ -13,7 +13,8 @@ from torch import nn
 from contextlib import nullcontext
 from functools import partial
 
-from megalite.config.schema import ModelConfig
+from megalite.config.schema import ModelConfig, ParallelConfig
+from megalite.config.validate import check_tensor_parallel
 from megalite.parallel.context.ring_attention import ContextParallel, local_positions
 from megalite.errors import UserError
 from megalite.model.init import initial_values, initialize_parameter
@@ -67,15 +68,8 @@ class GPTModel(nn.Module):
         self.config = config
         self.tp = tp = tp or TensorParallel()
         self.cp = cp = cp or ContextParallel()
-        if cp.size > 1 and config.seq_length % (2 * cp.size * (tp.size if tp.sequence_parallel else 1)):
-            raise UserError(f"--context-parallel-size {cp.size} needs --seq-length {config.seq_length} divisible by "
-                            f"2 x {cp.size}" + (f" x --tensor-model-parallel-size {tp.size}" if tp.sequence_parallel else ""))
-        if config.padded_vocab_size % tp.size:
-            raise UserError(f"padded vocabulary {config.padded_vocab_size} is not divisible by "
-                            f"--tensor-model-parallel-size {tp.size}")
-        if tp.sequence_parallel and config.seq_length % tp.size:
-            raise UserError(f"--sequence-parallel needs --seq-length {config.seq_length} divisible by "
-                            f"--tensor-model-parallel-size {tp.size}")
+        check_tensor_parallel(config, ParallelConfig(tensor_model_parallel_size=tp.size, context_parallel_size=cp.size,
+                                                     sequence_parallel=tp.sequence_parallel))
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_offset = layer_offset
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights

@@ -16,7 +16,6 @@ from torch import nn
 from megalite.parallel.pipeline.autograd_outputs import input_grads_to_compute
 from megalite.config.schema import ModelConfig
 from megalite.parallel.context.ring_attention import ContextParallel, ring_attention
-from megalite.errors import UserError
 from megalite.parallel.param_meta import mark
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TensorParallel
 from megalite.parallel.tensor.random import checkpoint
@@ -180,11 +179,8 @@ class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel, cp: ContextParallel | None = None):
         super().__init__()
         nq, nkv, d, h = config.num_attention_heads, config.num_query_groups, config.kv_channels, config.hidden_size
-        check_attention_split(nq, nkv, tp.size)
         self.tp = tp
         self.cp = cp if cp is not None and cp.size > 1 else None
-        if self.cp is not None and config.attention_dropout > 0:
-            raise UserError("--context-parallel-size > 1 needs --attention-dropout 0 (ring attention has no dropout)")
         self.head_dim = d
         self.num_heads = nq // tp.size                              # local to this rank
         self.num_groups = max(1, nkv // tp.size)
@@ -283,16 +279,6 @@ def sdpa_runs_gqa_fused(q, k, v, mask, dropout: float, causal: bool) -> bool:
         return False
 
 
-def check_attention_split(num_heads: int, num_groups: int, tp_size: int) -> None:
-    if num_heads % tp_size:
-        raise UserError(f"--num-attention-heads {num_heads} must be divisible by --tensor-model-parallel-size {tp_size}")
-    if tp_size <= num_groups and num_groups % tp_size:
-        raise UserError(f"--num-query-groups {num_groups} must be divisible by --tensor-model-parallel-size {tp_size}")
-    if tp_size > num_groups and tp_size % num_groups:
-        raise UserError(f"--tensor-model-parallel-size {tp_size} must be a multiple of --num-query-groups {num_groups} "
-                        "to replicate KV heads")
-
-
 def _replicated_kv_rows(nq: int, nkv: int, d: int, tp: TensorParallel):
     """Rows of the full QKV weight/bias for a rank sharing its KV head with tp/nkv - 1 others."""
     replicas = tp.size // nkv
@@ -313,8 +299,6 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
         ffn = config.ffn_hidden_size
-        if ffn % tp.size:
-            raise UserError(f"--ffn-hidden-size {ffn} must be divisible by --tensor-model-parallel-size {tp.size}")
         self.swiglu = config.swiglu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         fc1_out = 2 * ffn if config.swiglu else ffn
