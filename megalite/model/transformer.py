@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.parallel.pipeline.autograd_outputs import input_grads_to_compute
+from megalite.parallel.pipeline.split_backward import input_grads_to_compute
 from megalite.config.schema import ModelConfig
 from megalite.parallel.context.ring_attention import ContextParallel, ring_attention
 from megalite.parallel.param_meta import mark

@@ -104,7 +104,5 @@ def first_host(nodelist: str) -> str:
 
 def rank_error(message: str) -> UserError:
     """A start-up error only this rank may see (its environment, its rendezvous): every rank that hits
-    one reports it, not only rank 0 (``local``, as pretrain_gpt.py's report() reads it)."""
-    error = UserError(message)
-    error.local = True
-    return error
+    one reports it, not only rank 0 (``local``, as train/entry.py's report() reads it)."""
+    return UserError(message, local=True)

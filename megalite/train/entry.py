@@ -48,7 +48,7 @@ def report(error: UserError) -> None:
     may not have printed yet, and the user would see no error at all. A rank's own view (a failed
     collective, its launch environment) is prefixed with the rank."""
     rank, world = _launch()
-    local = getattr(error, "local", False) and world > 1   # probe: rank_error/faults mark a UserError local
+    local = error.local and world > 1
     line = f"error: rank {rank}: {error}" if local else f"error: {error}"
     write_torchrun_error_file(line)
     # one write() of the whole line: ranks share torchrun's stderr, and print() writes the newline

@@ -37,7 +37,9 @@ class TrainingFault(UserError):
 class CollectiveFailure(TrainingFault):
     """A collective timed out or lost its peer. Only this rank knows its own view, so every rank
     that hits one reports it (``local``)."""
-    local = True
+
+    def __init__(self, message: str = ""):
+        super().__init__(message, local=True)
 
 
 class Activity:
@@ -59,8 +61,7 @@ def report_sigterm_in_one_line(report: Callable[[UserError], None]) -> None:
     def on_sigterm(signum, _frame) -> None:
         stopped = TrainingFault(f"stopped by SIGTERM during {Activity.describe()} (torchrun sends it when "
                                 "another rank has exited, a scheduler when the job ends; that rank's line, or "
-                                "torchrun's Root Cause, says why)")
-        stopped.local = True          # this rank's own view: prefixed with its rank
+                                "torchrun's Root Cause, says why)", local=True)   # this rank's own view
         report(stopped)
         os._exit(128 + signum)
     signal.signal(signal.SIGTERM, on_sigterm)

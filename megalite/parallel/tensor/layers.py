@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.parallel.pipeline.autograd_outputs import input_grads_to_compute
+from megalite.parallel.pipeline.split_backward import input_grads_to_compute
 from megalite.parallel.param_meta import full_shape, mark, param_meta
 from megalite.parallel.tensor.mappings import (all_gather, all_gather_sequence_async, copy_to_tp_region,
                                                gather_from_tp_region, reduce_from_tp_region,
@@ -47,6 +47,7 @@ class TensorParallel:
     size: int = 1
     sequence_parallel: bool = False
     rng: Optional[RNGTracker] = None
+    kv_replica_group: Optional[object] = None   # the ranks sharing this rank's KV head (tensor/setup.py)
 
     def chunk(self, full: torch.Tensor, dim: int = 0) -> torch.Tensor:
         return full.chunk(self.size, dim=dim)[self.rank]
