@@ -124,9 +124,6 @@ class ModelConfig:
     def use_rope(self) -> bool:
         return self.position_embedding_type == "rope"
 
-    @property
-    def query_projection_size(self) -> int:
-        return self.kv_channels * self.num_attention_heads
 
     @property
     def kv_projection_size(self) -> int:

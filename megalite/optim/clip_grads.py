@@ -19,19 +19,6 @@ from megalite.parallel.param_meta import param_meta
 
 
 @torch.no_grad()
-def clip_by_global_norm(flat_grads: torch.Tensor, max_norm: float, total_norm: float | None = None) -> float:
-    """Clips ``flat_grads`` in place when ``max_norm`` > 0; returns the norm before clipping.
-
-    ``total_norm`` is the norm over all ranks when this rank holds only part of the gradients."""
-    if total_norm is not None:
-        norm = total_norm
-    else:
-        norm = float(torch.linalg.vector_norm(flat_grads, 2.0, dtype=torch.float32))
-    clip_pieces([flat_grads], max_norm, norm)
-    return norm
-
-
-@torch.no_grad()
 def clip_pieces(grads: list[torch.Tensor], max_norm: float, norm: float) -> None:
     if max_norm > 0.0:
         coefficient = max_norm / (norm + 1.0e-6)
