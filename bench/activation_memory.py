@@ -8,7 +8,7 @@ first saved while that layer runs forward. Measured on the last layer of a 2-lay
 per-layer cost of a deep stack — the layer's input (the previous layer's output, saved by its first
 norm) counts, tables shared by all layers (RoPE cos/sin, first saved by layer 0) don't.
 
-References per layer (Korthikanti et al. 2022, REFERENCE §6), for 16-bit activations:
+References per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"), for 16-bit activations:
   Megatron, no flash attention      s*b*h*(34 + 5*a*s/h)        (/t with TP t + sequence parallelism)
   Megatron, flash attention         34*s*b*h                    (/t with TP t + SP)
 scaled by (element size / 2) for fp32. Both assume GPT's 4h GELU MLP with dropout; ``minimum`` is the

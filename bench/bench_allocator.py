@@ -13,7 +13,9 @@ Options (``--options``, comma-separated; the first is the baseline of every rati
 - jemalloc-bare: jemalloc with its default settings (no MALLOC_CONF), whose dedicated arena for blocks of
   8 MiB or more hands every freed block back to the OS at once;
 - glibc-keep: glibc tunables that keep freed blocks in the heap (a fixed 32 MiB mmap threshold, no trim);
-- jemalloc-keep: jemalloc that never purges (dirty_decay_ms:-1, muzzy_decay_ms:-1).
+- jemalloc-keep: jemalloc that never purges (dirty_decay_ms:-1, muzzy_decay_ms:-1);
+- jemalloc-reuse: jemalloc with oversize_threshold:0 (no dedicated arena for large blocks): a freed block of
+  any size stays in its arena for reuse and is purged after the decay time (10 s by default).
 
 Two measurements, each option in its own processes with LD_PRELOAD, MALLOC_CONF and GLIBC_TUNABLES set as
 the option says (and nothing inherited):
@@ -94,6 +96,10 @@ def options(jemalloc: str | None, baseline: str) -> dict[str, Option]:
         found["jemalloc-keep"] = Option("jemalloc-keep", "after", {"LD_PRELOAD": jemalloc, "MALLOC_CONF": JEMALLOC_CONF
                                         + ",dirty_decay_ms:-1,muzzy_decay_ms:-1"},
                                         "this tree, jemalloc that never hands freed pages back to the OS")
+        found["jemalloc-reuse"] = Option("jemalloc-reuse", "after", {"LD_PRELOAD": jemalloc, "MALLOC_CONF":
+                                         "oversize_threshold:0,background_thread:true,metadata_thp:auto"},
+                                         "this tree, jemalloc without its dedicated arena for large blocks: freed "
+                                         "blocks of every size stay for reuse and are purged after its decay time")
         found["jemalloc-bare"] = Option("jemalloc-bare", "after", {"LD_PRELOAD": jemalloc},
                                         "this tree, jemalloc preloaded with its default settings")
     return found
@@ -335,7 +341,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--options", default="before,jemalloc,glibc",
                    help="comma-separated from before, jemalloc, glibc, glibc-1mib, glibc-keep, jemalloc-bare, "
-                        "jemalloc-keep (the first is the baseline; default before,jemalloc,glibc)")
+                        "jemalloc-keep, jemalloc-reuse (the first is the baseline; default before,jemalloc,glibc)")
     p.add_argument("--baseline", default="d50f0c9", help="the revision 'before' runs (default d50f0c9)")
     p.add_argument("--baseline-tree", help="its worktree: reused if it exists, else created there and removed "
                                            "after (default: a temporary one)")

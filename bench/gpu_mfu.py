@@ -11,7 +11,7 @@ LlamaDecoderLayer's forward. Each of the four runs alone on the GPU in its own p
 the other; the warm-up steps include the compilation.
 
     MFU = tokens/s * FLOPs/token / peak FLOP/s
-    FLOPs/token = 6*N + 12*L*h*s   (PaLM appendix B, REFERENCE.md §6; N = non-embedding parameters +
+    FLOPs/token = 6*N + 12*L*h*s   (PaLM appendix B; N = non-embedding parameters +
                                     output layer, attention without causal discount, no recomputation)
 
 The peak is the GPU's dense bf16 peak from the table below (by torch.cuda.get_device_name), or
@@ -92,7 +92,7 @@ class Run:
 
 # ---- arithmetic ---------------------------------------------------------------------------------
 def flops_per_token(n_params: int, shape: Shape) -> float:
-    """PaLM appendix B (REFERENCE §6): 6N + 12*L*h*s, N = non-embedding parameters + output layer."""
+    """PaLM appendix B: 6N + 12*L*h*s, N = non-embedding parameters + output layer."""
     return 6 * n_params + 12 * shape.layers * shape.hidden * shape.seq
 
 

@@ -37,7 +37,7 @@ def test_line_matches_megatron_field_for_field():
 
 
 def test_flops_formula_reduces_to_megatrons_for_gpt():
-    """72*B*s*L*h^2*(1 + s/(6h) + V/(12*L*h)) for a 4h-MLP GPT without GQA (REFERENCE §6)."""
+    """72*B*s*L*h^2*(1 + s/(6h) + V/(12*L*h)) for a 4h-MLP GPT without GQA."""
     cfg = parse_args(with_flags(TINY_LLAMA_ARGS, group_query_attention=False, num_query_groups=None, swiglu=False,
                                 ffn_hidden_size=256), world_size=1).model
     B, s, L, h, V = 8, cfg.seq_length, cfg.num_layers, cfg.hidden_size, cfg.padded_vocab_size
