@@ -6,11 +6,12 @@ PY := $(VENV)/bin/python
 # PyTorch first, pinned, so the requirements' range installs nothing more (a bare `torch` would pull CUDA wheels).
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
-# CPU runs preload jemalloc where it is installed (Debian: libjemalloc2) with the MALLOC_CONF of
-# torch.backends.xeon.run_cpu --enable-jemalloc: no separate arena that unmaps every freed block of 8 MiB or
-# more at once (oversize_threshold), purging on a background thread. Without jemalloc, glibc's malloc runs
-# with a fixed 1 MiB mmap threshold, so a freed block of 1 MiB or more goes back to the OS: glibc's adaptive
-# threshold would keep such blocks in a heap that never shrinks, and the tests that bound peak RSS fail.
+# CPU runs preload jemalloc where it is installed (Debian: libjemalloc2) with the MALLOC_CONF that
+# torch.backends.xeon.run_cpu --enable-jemalloc sets: freed pages are purged on a background thread, so peak
+# RSS follows what is alive, as the tests that bound it against theory need (each step then faults its
+# freed activations back in: bench/RESULTS.md, "CPU allocator"). Without jemalloc, glibc's malloc runs with
+# a fixed 1 MiB mmap threshold, so a freed block of 1 MiB or more goes back to the OS: glibc's adaptive
+# threshold would keep such blocks in a heap that never shrinks, and those tests fail.
 JEMALLOC ?= $(shell ldconfig -p 2>/dev/null | grep -o '/[^ ]*libjemalloc\.so\.2' | head -1)
 JEMALLOC_CONF ?= oversize_threshold:1,background_thread:true,metadata_thp:auto
 RUN_ENV := $(if $(JEMALLOC),LD_PRELOAD=$(JEMALLOC) MALLOC_CONF=$(JEMALLOC_CONF),GLIBC_TUNABLES=glibc.malloc.mmap_threshold=1048576)
