@@ -17,7 +17,7 @@ import os
 from megalite.config.schema import (ASYNC_SCHEDULES, ZERO_BUBBLE_SCHEDULES, DataConfig, MegaliteConfig, ModelConfig,
                                     OptimizerConfig, ParallelConfig, TrainingConfig, rotary_dim)
 from megalite.errors import UserError
-from megalite.parallel.pipeline.split import SplitFlags, schedule_split, virtual_stage_layers
+from megalite.parallel.pipeline.split import stage_layers_of
 
 MAX_SEED = 2 ** 32 - 1           # numpy's seeding range
 
@@ -163,7 +163,7 @@ def check_batch(micro_batch_size: int, global_batch_size: int, dp: int) -> None:
 def check_pipeline_split(num_layers: int, p: ParallelConfig, num_microbatches: int) -> int:
     """Number of model chunks per rank (virtual pipeline size) of the split the flags ask for."""
     pp = p.pipeline_model_parallel_size
-    chunks = len(virtual_stage_layers(num_layers, pp, schedule_split(SplitFlags.of(p), p.pipeline_schedule))) // pp
+    chunks = len(stage_layers_of(num_layers, p)) // pp
     if chunks > 1 and num_microbatches % pp:
         raise UserError(f"interleaved pipelining needs the number of micro-batches ({num_microbatches}) to be a "
                         f"multiple of --pipeline-model-parallel-size {pp}; change --global-batch-size")

@@ -8,7 +8,7 @@ from megalite.checkpoint.hf_config import dropout_fields, model_fields
 from megalite.config.schema import (MegaliteConfig, ModelConfig, ParallelConfig, default_ffn_hidden_size,
                                     default_kv_channels)
 from megalite.errors import UserError
-from megalite.parallel.pipeline.split import SplitFlags, schedule_split, virtual_stage_layers
+from megalite.parallel.pipeline.split import SplitFlags, virtual_stage_layers
 from megalite.planning.inputs import Layout, Workload
 
 
@@ -97,7 +97,7 @@ def workload_and_layout(config: MegaliteConfig) -> tuple[Workload, Layout]:
     """The planner's view of a parsed pretrain_gpt.py command line (megatron_cli.parse_args)."""
     opt, par, train = config.optimizer, config.parallel, config.training
     precision = "bf16" if opt.bf16 else "fp16" if opt.fp16 else "fp32"
-    split = schedule_split(SplitFlags.of(par), par.pipeline_schedule)
+    split = SplitFlags.of(par)
     chunks = len(virtual_stage_layers(config.model.num_layers, par.pipeline_model_parallel_size, split)) \
         // par.pipeline_model_parallel_size
     split = dataclasses.replace(split, layers_per_virtual_stage=None,          # (the layout's vpp says it)

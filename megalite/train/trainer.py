@@ -42,7 +42,7 @@ from megalite.parallel.pipeline.p2p import PipelineComm
 from megalite.parallel.pipeline.pipedream import build_async_pipeline
 from megalite.parallel.pipeline.schedules import stage_placement
 from megalite.parallel.pipeline.stages import build_model_chunks, chunk_forward
-from megalite.parallel.pipeline.split import SplitFlags, schedule_split, virtual_stage_layers
+from megalite.parallel.pipeline.split import stage_layers_of
 from megalite.parallel.tensor.setup import build_tensor_parallel
 from megalite.train import loop
 from megalite.train.compile import compile_layers
@@ -116,13 +116,11 @@ class Trainer:
                                    config.model.num_query_groups)
         cp = build_context_parallel(parallel)
         num_chunks = rules.check_layout(config)
-        split = schedule_split(SplitFlags.of(config.parallel), config.parallel.pipeline_schedule)   # zbv: two chunks
         # sharded start-up: the chunks are built without storage; the data-parallel buffer materialises only
         # this rank's elements (its TP shard, or its ZeRO-3 chunk of it) directly on the device
         chunks = build_model_chunks(config.model, config.training.seed, tp, parallel.pp_rank, parallel.pp_size,
                                     num_chunks, cp, meta=True,
-                                    stage_layers=virtual_stage_layers(config.model.num_layers, parallel.pp_size,
-                                                                      split),
+                                    stage_layers=stage_layers_of(config.model.num_layers, config.parallel),
                                     placement=stage_placement(config.parallel.pipeline_schedule))
         model = chunks[0]
         ddp = build_data_parallel(chunks, config.parallel, parallel, config.num_microbatches, device)

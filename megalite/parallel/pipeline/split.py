@@ -39,11 +39,15 @@ class SplitFlags:
 
     @classmethod
     def of(cls, parallel: ParallelConfig) -> "SplitFlags":
-        """The split flags of a ParallelConfig (the planner's command line uses the same names)."""
-        return cls(parallel.num_layers_per_virtual_pipeline_stage, parallel.num_virtual_stages_per_pipeline_rank,
-                   parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers,
-                   bool(parallel.account_for_embedding_in_pipeline_split),
-                   bool(parallel.account_for_loss_in_pipeline_split), parallel.pipeline_model_parallel_layout)
+        """The split a ParallelConfig asks for, with what its schedule implies: zbv builds two chunks per
+        rank unless a count or a layout is given (the planner's command line uses the same names)."""
+        split = cls(parallel.num_layers_per_virtual_pipeline_stage, parallel.num_virtual_stages_per_pipeline_rank,
+                    parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers,
+                    bool(parallel.account_for_embedding_in_pipeline_split),
+                    bool(parallel.account_for_loss_in_pipeline_split), parallel.pipeline_model_parallel_layout)
+        if parallel.pipeline_schedule == "zbv" and split.virtual_stages_per_rank is None and split.layout is None:
+            return replace(split, virtual_stages_per_rank=2)
+        return split
 
     def given(self) -> list[str]:
         """The flags set, by name."""
@@ -55,6 +59,11 @@ class SplitFlags:
                  ("--account-for-loss-in-pipeline-split", self.account_for_loss or None),
                  (LAYOUT_FLAG, self.layout)]
         return [name for name, value in names if value is not None]
+
+
+def stage_layers_of(num_layers: int, parallel: ParallelConfig) -> list[int]:
+    """Transformer layers of each virtual stage for ``parallel``'s flags and schedule."""
+    return virtual_stage_layers(num_layers, parallel.pipeline_model_parallel_size, SplitFlags.of(parallel))
 
 
 def virtual_stage_layers(num_layers: int, pp: int, split: SplitFlags = SplitFlags()) -> list[int]:
@@ -185,10 +194,3 @@ def _layout_layers(num_layers: int, pp: int, split: SplitFlags) -> list[int]:
     if empty:
         raise UserError(f"{flag}: stage {empty[0]} is empty; give every stage at least one of E, t, L")
     return [stage.count("t") for stage in stages]
-
-
-def schedule_split(split, schedule: str):
-    """The split flags a schedule implies: zbv builds two chunks per rank ."""
-    if schedule == "zbv" and split.virtual_stages_per_rank is None and split.layout is None:
-        return replace(split, virtual_stages_per_rank=2)
-    return split
