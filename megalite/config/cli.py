@@ -3,6 +3,7 @@ number types its flags use (finite, range-checked when parsed)."""
 from __future__ import annotations
 
 import argparse
+import ast
 import math
 
 from megalite.errors import UserError
@@ -54,3 +55,26 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def moe_layer_pattern(text: str):
+    """--moe-layer-freq: an int N (every N-th layer), or a 0/1 list written as Megatron's Python expression
+    of list literals, * and + (e.g. "([0]*3+[1]*29)"), evaluated without eval."""
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Add)):
+            left, right = value(node.left), value(node.right)
+            return left * right if isinstance(node.op, ast.Mult) else left + right
+        raise ValueError(text)
+    try:
+        result = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f'expected an int or a list such as "([0]*3+[1]*29)", got {text!r}') from None
+    if isinstance(result, int) and result > 0:
+        return result
+    if isinstance(result, list) and result and all(v in (0, 1) for v in result):
+        return result
+    raise argparse.ArgumentTypeError(f"expected a positive int or a list of 0/1 per layer, got {text!r}")

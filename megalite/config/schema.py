@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field
 from typing import Callable, Optional
 
-from megalite.config.cli import integer, non_negative_int, number, positive_float, positive_int
+from megalite.config.cli import integer, moe_layer_pattern, non_negative_int, number, positive_float, positive_int
 from megalite.errors import UserError
 
 # ---- the pipeline schedules --pipeline-schedule names, in one place ------------------------------------
@@ -119,10 +119,65 @@ class ModelConfig:
     recompute_num_layers: Optional[int] = flag("--recompute-num-layers", positive_int, default=None)
     cross_entropy_loss_fusion: bool = flag("--cross-entropy-loss-fusion", default=False, help=(
         "chunked vocabulary-parallel cross-entropy: fp32 logits of a chunk of tokens at a time"))
+    # ---- Mixture of Experts (model/moe.py): the MLP of the layers --moe-layer-freq selects
+    num_experts: Optional[int] = flag("--num-experts", positive_int, default=None,
+                                      help="experts per MoE layer (absent: a dense model)")
+    moe_layer_freq: object = flag("--moe-layer-freq", moe_layer_pattern, default=1, help=(
+        'MoE every N-th layer (int), or a 0/1 list per layer such as "([0]*3+[1]*29)" (dense first layers)'))
+    moe_ffn_hidden_size: Optional[int] = flag("--moe-ffn-hidden-size", positive_int, default=None,
+                                              help="each expert's hidden size (default --ffn-hidden-size)")
+    moe_shared_expert_intermediate_size: Optional[int] = flag(
+        "--moe-shared-expert-intermediate-size", positive_int, default=None,
+        help="hidden size of the shared expert every token also goes through (absent: none)")
+    moe_shared_expert_gate: bool = flag("--moe-shared-expert-gate", default=False, help=(
+        "scale the shared expert's output by sigmoid(a learned linear of the token), as Qwen2-MoE"))
+    moe_router_topk: int = flag("--moe-router-topk", positive_int, default=2, help="experts per token")
+    moe_router_score_function: str = flag("--moe-router-score-function", default="softmax",
+                                          choices=("softmax", "sigmoid"))
+    moe_router_pre_softmax: bool = flag("--moe-router-pre-softmax", default=False, help=(
+        "softmax over all experts, then top-k (weights not renormalised); default: softmax over the top-k"))
+    moe_router_topk_scaling_factor: Optional[float] = flag("--moe-router-topk-scaling-factor", positive_float,
+                                                           default=None, help="multiplies the routing weights")
+    moe_router_dtype: str = flag("--moe-router-dtype", default="fp32", choices=("fp32", "fp64"),
+                                 help="dtype of the router's logits, scores and auxiliary losses")
+    moe_router_load_balancing_type: str = flag("--moe-router-load-balancing-type", default="aux_loss",
+                                               choices=("aux_loss", "seq_aux_loss", "none"))
+    moe_aux_loss_coeff: float = flag("--moe-aux-loss-coeff", number, default=0.0)
+    moe_z_loss_coeff: Optional[float] = flag("--moe-z-loss-coeff", number, default=None)
+    moe_router_enable_expert_bias: bool = flag("--moe-router-enable-expert-bias", default=False, help=(
+        "auxiliary-loss-free balancing: a per-expert bias added to the scores for top-k selection only, "
+        "moved once per step towards the mean load (DeepSeek-V3)"))
+    moe_router_bias_update_rate: float = flag("--moe-router-bias-update-rate", number, default=1e-3)
+    moe_router_force_load_balancing: bool = flag("--moe-router-force-load-balancing", default=False, help=(
+        "route token t to experts (t*k + j) mod E whatever the scores (benchmarks only)"))
+    moe_grouped_gemm: bool = flag("--moe-grouped-gemm", default=False,
+                                  help="accepted; experts always run as one grouped GEMM")
+    moe_token_dispatcher_type: str = flag("--moe-token-dispatcher-type", default="allgather",
+                                          choices=("allgather", "alltoall"))
+    moe_expert_capacity_factor: Optional[float] = flag("--moe-expert-capacity-factor", number, default=None, help=(
+        "drop tokens beyond factor x (tokens x topk / experts) per expert, counted over this rank's "
+        "own tokens, so which tokens drop depends on the layout (absent: dropless)"))
+    moe_pad_expert_input_to_capacity: bool = flag("--moe-pad-expert-input-to-capacity", default=False,
+                                                  help="with a capacity factor: every expert computes capacity rows")
+    moe_token_drop_policy: str = flag("--moe-token-drop-policy", default="probs", choices=("probs", "position"),
+                                      help="beyond capacity drop the lowest-weighted tokens, or the latest ones")
 
     @property
     def use_rope(self) -> bool:
         return self.position_embedding_type == "rope"
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether 1-based layer ``layer_number`` has an MoE in place of its MLP (Megatron's --moe-layer-freq:
+        every N-th layer counting from the first, or a per-layer 0/1 list)."""
+        if not self.num_experts:
+            return False
+        if isinstance(self.moe_layer_freq, int):
+            return (layer_number - 1) % self.moe_layer_freq == 0
+        return bool(self.moe_layer_freq[layer_number - 1])
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
 
     @property
@@ -176,6 +231,11 @@ class ParallelConfig:
     gradient_accumulation_fusion: bool = flag("--no-gradient-accumulation-fusion", default=True, help=(
         "compute each linear's weight gradient on its own and add it into the fp32 main_grad after; by default the "
         "matmul adds it in place (fp32 weights; bf16/fp16 on CUDA)"))
+    expert_model_parallel_size: int = flag("--expert-model-parallel-size", positive_int, default=1,
+                                           help="EP: ranks the experts of each MoE layer are split over")
+    expert_tensor_parallel_size: Optional[int] = flag(
+        "--expert-tensor-parallel-size", positive_int, default=None,
+        help="ETP: ranks each expert's hidden dimension is split over (default --tensor-model-parallel-size)")
     use_torch_fsdp2: bool = flag("--use-torch-fsdp2", default=False, help=(
         "PyTorch FSDP2 (fully_shard per layer) instead of megalite's own data parallelism; ZeRO-3 by default, "
         "--data-parallel-sharding-strategy optim_grads keeps parameters gathered from forward to backward"))
@@ -185,6 +245,16 @@ class ParallelConfig:
         if self.use_distributed_optimizer and self.data_parallel_sharding_strategy == "no_shard":
             self.data_parallel_sharding_strategy = "optim"
         self.use_distributed_optimizer = self.data_parallel_sharding_strategy != "no_shard"
+
+    @property
+    def expert_tp_size(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """EDP: the ranks holding the same experts, world / (ETP x EP x PP) (Megatron's expert grid)."""
+        return self.world_size // (self.expert_tp_size * self.expert_model_parallel_size
+                                   * self.pipeline_model_parallel_size)
 
     @property
     def model_parallel_size(self) -> int:

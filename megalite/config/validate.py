@@ -27,6 +27,7 @@ def validate(config: MegaliteConfig, world_size: int) -> None:
     if config.optimizer.bf16 and config.optimizer.fp16:
         raise UserError("--bf16 and --fp16 are exclusive; pick one")
     check_model(config.model)
+    check_moe(config.model)
     _check_ranges(config)
     check_world_size(world_size, config.parallel)
     check_layout(config)
@@ -96,12 +97,20 @@ def check_world_size(world_size: int, p: ParallelConfig) -> None:
                         f"{p.tensor_model_parallel_size} x --pipeline-model-parallel-size "
                         f"{p.pipeline_model_parallel_size} x --context-parallel-size {p.context_parallel_size}; "
                         f"launch a multiple of {p.model_parallel_size} processes")
+    stage = world_size // p.pipeline_model_parallel_size
+    experts = p.expert_tp_size * p.expert_model_parallel_size
+    if stage % experts:
+        raise UserError(f"--expert-tensor-parallel-size {p.expert_tp_size} x --expert-model-parallel-size "
+                        f"{p.expert_model_parallel_size} must divide the {stage} ranks of each pipeline stage "
+                        f"(world {world_size} / --pipeline-model-parallel-size {p.pipeline_model_parallel_size}); "
+                        "choose sizes whose product divides it")
 
 
 def check_layout(config: MegaliteConfig) -> int:
     """The rules of one parallel layout; returns the model chunks per pipeline rank."""
     check_tensor_parallel(config.model, config.parallel)
     check_world_size(config.parallel.world_size, config.parallel)
+    check_experts(config.model, config.parallel)
     t, dp = config.training, config.parallel.data_parallel_size
     check_batch(t.micro_batch_size, t.global_batch_size, dp)
     check_zero_bubble(config.parallel, config.model)
@@ -111,6 +120,56 @@ def check_layout(config: MegaliteConfig) -> int:
     for batch in sorted({t.global_batch_size, *(b for _, b in t.batch_size_schedule)}):
         chunks = check_pipeline_split(config.model.num_layers, config.parallel, batch // (t.micro_batch_size * dp))
     return chunks
+
+
+def check_moe(m: ModelConfig) -> None:
+    """The MoE flags among themselves (model/moe.py)."""
+    if not m.num_experts:
+        moe_flags = [f for f, v in (("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size),
+                                    ("--moe-router-enable-expert-bias", m.moe_router_enable_expert_bias),
+                                    ("--moe-expert-capacity-factor", m.moe_expert_capacity_factor)) if v]
+        if moe_flags:
+            raise UserError(f"{moe_flags[0]} applies to MoE layers; add --num-experts N")
+        return
+    if m.add_bias_linear:
+        raise UserError("MoE experts have no biases: add --disable-bias-linear")
+    if m.moe_router_topk > m.num_experts:
+        raise UserError(f"--moe-router-topk {m.moe_router_topk} exceeds --num-experts {m.num_experts}; "
+                        "route each token to at most every expert")
+    if isinstance(m.moe_layer_freq, list) and len(m.moe_layer_freq) != m.num_layers:
+        raise UserError(f"--moe-layer-freq lists {len(m.moe_layer_freq)} layers but --num-layers is {m.num_layers}; "
+                        "give one 0/1 per layer")
+    if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
+        raise UserError(f"--moe-expert-capacity-factor must be > 0, got {m.moe_expert_capacity_factor:g}; "
+                        "leave it out for dropless routing")
+    if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
+        raise UserError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
+        raise UserError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as DeepSeek-V3)")
+    if m.moe_shared_expert_gate and not m.moe_shared_expert_intermediate_size:
+        raise UserError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+
+
+def check_experts(m: ModelConfig, p: ParallelConfig) -> None:
+    """How the experts split over the expert grid."""
+    ep, etp, tp = p.expert_model_parallel_size, p.expert_tp_size, p.tensor_model_parallel_size
+    if not m.num_experts:
+        if ep > 1 or p.expert_tensor_parallel_size not in (None, tp):
+            raise UserError("--expert-model-parallel-size / --expert-tensor-parallel-size need an MoE model "
+                            "(--num-experts N)")
+        return
+    if m.num_experts % ep:
+        raise UserError(f"--expert-model-parallel-size {ep} does not divide --num-experts {m.num_experts}; "
+                        "choose a divisor of the expert count")
+    if m.expert_ffn_hidden_size % etp:
+        raise UserError(f"--expert-tensor-parallel-size {etp} does not divide the experts' hidden size "
+                        f"{m.expert_ffn_hidden_size} (--moe-ffn-hidden-size); choose a divisor")
+    if tp > 1 and not p.sequence_parallel:
+        raise UserError("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel "
+                        "(each rank routes its own tokens)")
+    if p.use_torch_fsdp2:
+        raise UserError("--use-torch-fsdp2 does not shard experts over their own data-parallel group; use "
+                        "--data-parallel-sharding-strategy (megalite's ZeRO) with MoE")
 
 
 def check_tensor_parallel(m: ModelConfig, p: ParallelConfig) -> None:

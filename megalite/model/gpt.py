@@ -18,8 +18,10 @@ from megalite.config.validate import check_tensor_parallel
 from megalite.parallel.context.ring_attention import ContextParallel, local_positions
 from megalite.errors import UserError
 from megalite.model.init import initial_values, initialize_parameter
+from megalite.model.moe import MoELayer
 from megalite.model.transformer import KVCache, RotaryEmbedding, TransformerLayer, build_norm
 from megalite.parallel.data.protocol import ModuleUnit
+from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext
 from megalite.parallel.param_meta import mark
 from megalite.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.tensor.layers import ColumnParallelLinear, TensorParallel, VocabParallelEmbedding, parallel_logits
@@ -61,13 +63,16 @@ class Embedding(nn.Module):
 class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, seed: int = 1234, pre_process: bool = True,
                  post_process: bool = True, layer_offset: int = 0, num_local_layers: int | None = None,
-                 tp: TensorParallel | None = None, cp: ContextParallel | None = None, meta: bool = False):
+                 tp: TensorParallel | None = None, cp: ContextParallel | None = None, meta: bool = False,
+                 moe: MoEContext | None = None):
         """``meta``: build the parameters without storage (sharded start-up); each gets ``init_values(start,
-        end)`` and the data-parallel buffer materialises only this rank's elements on its device."""
+        end)`` and the data-parallel buffer materialises only this rank's elements on its device. ``moe``:
+        the expert grid of the MoE layers (default: all experts in this process)."""
         super().__init__()
         self.config = config
         self.tp = tp = tp or TensorParallel()
         self.cp = cp = cp or ContextParallel()
+        self.moe = moe or MoEContext(ExpertParallel()) if config.num_experts else None
         check_tensor_parallel(config, ParallelConfig(tensor_model_parallel_size=tp.size, context_parallel_size=cp.size,
                                                      sequence_parallel=tp.sequence_parallel))
         self.pre_process, self.post_process = pre_process, post_process
@@ -83,7 +88,7 @@ class GPTModel(nn.Module):
             self.embedding = Embedding(config, dtype, tp) if pre_process else None
             self.decoder = nn.Module()
             self.decoder.layers = nn.ModuleList(
-                TransformerLayer(config, layer_offset + i + 1, dtype, tp, cp) for i in range(n_local))
+                TransformerLayer(config, layer_offset + i + 1, dtype, tp, cp, self.moe) for i in range(n_local))
             if post_process:
                 self.decoder.final_layernorm = build_norm(config, dtype, tp)
                 if not (self.share_embeddings_and_output_weights and pre_process):
@@ -127,6 +132,10 @@ class GPTModel(nn.Module):
         for name, param in self.named_parameters():
             mark(param, init_values=partial(initial_values, param, self.global_name(name),
                                             self.config.init_method_std, self.config.num_layers, seed))
+
+    def moe_routers(self) -> list:
+        """The routers of this chunk's MoE layers, in layer order."""
+        return [layer.mlp.router for layer in self.decoder.layers if isinstance(layer.mlp, MoELayer)]
 
     def output_weight(self) -> torch.Tensor:
         if self.share_embeddings_and_output_weights and self.pre_process:

@@ -15,7 +15,10 @@ from torch import nn
 
 from megalite.parallel.pipeline.split_backward import input_grads_to_compute
 from megalite.config.schema import ModelConfig
+from megalite.model.mlp import MLP
+from megalite.model.moe import MoELayer
 from megalite.parallel.context.ring_attention import ContextParallel, ring_attention
+from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext
 from megalite.parallel.param_meta import mark
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TensorParallel
 from megalite.parallel.tensor.random import checkpoint
@@ -292,70 +295,6 @@ def _replicated_kv_rows(nq: int, nkv: int, d: int, tp: TensorParallel):
     return local_rows
 
 
-class MLP(nn.Module):
-    """fc1 -> activation -> fc2. With SwiGLU, fc1 rows are [gate ; up] (Megatron's layout); a TP shard is
-    [gate_r ; up_r], so each rank applies silu(gate) * up to its own columns."""
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
-        super().__init__()
-        ffn = config.ffn_hidden_size
-        self.swiglu = config.swiglu
-        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
-        fc1_out = 2 * ffn if config.swiglu else ffn
-        self.linear_fc1 = ColumnParallelLinear(config.hidden_size, fc1_out, config.add_bias_linear, dtype, tp,
-                                               local_rows=_swiglu_rows(ffn, tp) if config.swiglu else None)
-        self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, config.add_bias_linear, dtype, tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.linear_fc1(x)
-        if self.swiglu:
-            h = swiglu(h)
-        else:
-            h = F.gelu(h, approximate=self.gelu_approximate)
-        return self.linear_fc2(h)
-
-
-class _SwiGLUFunction(torch.autograd.Function):
-    """silu(gate) * up over fc1's [gate | up] output, keeping only that output for backward.
-
-    Autograd of the two ops would also keep silu(gate) (s x b x f); like Megatron's fused bias-SwiGLU
-    this recomputes it in backward. Backward runs the ops autograd of silu(gate) * up would run (so the
-    same values), written straight into the two halves of one gradient: silu's own fused backward
-    kernel, not a chain of fp32 elementwise ops (memory-bound on a CPU, so several times slower in bf16)."""
-
-    @staticmethod
-    def forward(ctx, h):
-        ctx.save_for_backward(h)
-        gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, grad):
-        h, = ctx.saved_tensors
-        gate, up = h.chunk(2, dim=-1)
-        grad_h = torch.empty_like(h)
-        grad_gate, grad_up = grad_h.chunk(2, dim=-1)
-        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
-        torch.mul(grad, F.silu(gate), out=grad_up)
-        return grad_h
-
-
-def swiglu(h: torch.Tensor) -> torch.Tensor:
-    """[..., 2f] fc1 output [gate | up] -> silu(gate) * up [..., f]."""
-    if torch.is_grad_enabled() and h.requires_grad and not torch.compiler.is_compiling():
-        return _SwiGLUFunction.apply(h)           # compiled: the plain ops, fused and partitioned by inductor
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def _swiglu_rows(ffn: int, tp: TensorParallel):
-    """This rank's [gate_r ; up_r] rows of a full [gate ; up] fc1 weight or bias."""
-    def local_rows(full: torch.Tensor) -> torch.Tensor:
-        halves = full.view(2, ffn, *full.shape[1:])
-        return tp.chunk(halves, dim=1).reshape(-1, *full.shape[1:])
-    return local_rows
-
-
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """F.dropout that keeps a 1-byte mask for backward (as Megatron counts it). CPU's F.dropout keeps a
     noise tensor in x's dtype; native_dropout, which CUDA's F.dropout runs, draws the same mask from
@@ -366,17 +305,21 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))); the MLP is an MoE layer
+    (model/moe.py) in the layers --moe-layer-freq selects."""
 
     def __init__(self, config: ModelConfig, layer_number: int, dtype: torch.dtype, tp: TensorParallel,
-                 cp: ContextParallel | None = None):
+                 cp: ContextParallel | None = None, moe: MoEContext | None = None):
         super().__init__()
         self.layer_number = layer_number          # global, 1-based (as Megatron)
         self.hidden_dropout = config.hidden_dropout
         self.input_layernorm = build_norm(config, dtype, tp)
         self.self_attention = SelfAttention(config, dtype, tp, cp)
         self.pre_mlp_layernorm = build_norm(config, dtype, tp)
-        self.mlp = MLP(config, dtype, tp)
+        if config.is_moe_layer(layer_number):
+            self.mlp = MoELayer(config, dtype, tp, moe or MoEContext(ExpertParallel()))
+        else:
+            self.mlp = MLP(config, dtype, tp)
 
     def forward(self, x: torch.Tensor, rotary=None, kv_cache: KVCache | None = None) -> torch.Tensor:
         # the layer number only keys the KV cache; not read without one, so torch.compile does not

@@ -10,7 +10,10 @@
    - with more TP ranks than KV heads, the K/V rows of the fused QKV weight are replicated across the
      ranks sharing a KV head, each of which saw only its own query heads (``replicated_rows``);
 3. the tied word embedding under pipeline parallelism: its copies on the first and the last stage sum
-   their gradients over the embedding group, so both receive the same update.
+   their gradients over the embedding group, so both receive the same update;
+4. the MoE routers' step: each router's tokens per expert of the step, summed over the pipeline stage's
+   ranks in one all-reduce, move its expert bias (auxiliary-loss-free balancing) and are kept for the
+   load statistics of the log (model/moe.py).
 
 Steps 2 and 3 reduce whatever part of each gradient this rank holds after step 1 (the full gradient,
 or a ZeRO / FSDP2 shard: ``DataParallel.all_reduce_param_grads``); without a data-parallel wrapper they
@@ -44,6 +47,20 @@ def finalize_model_grads(chunks: list[GPTModel], parallel: ParallelState, ddp: D
         params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     finalize_tensor_parallel_grads(params, chunks[0].tp, ddp)
     sync_shared_embedding_grads(chunks, parallel, ddp)
+    finish_router_step(chunks)
+
+
+@torch.no_grad()
+def finish_router_step(chunks: list[GPTModel]) -> None:
+    """Step 4: every router's load of the step over the whole pipeline stage, in one all-reduce."""
+    routers = [router for chunk in chunks for router in chunk.moe_routers()]
+    if not routers:
+        return
+    loads = torch.stack([router.step_counts for router in routers])
+    if chunks[0].moe.stage_group is not None:
+        dist.all_reduce(loads, group=chunks[0].moe.stage_group)
+    for router, load in zip(routers, loads):
+        router.finish_step(load)
 
 
 def finalize_tensor_parallel_grads(params: list[nn.Parameter], tp: TensorParallel,

@@ -43,8 +43,9 @@ def device_for(local_rank: int) -> torch.device:
 
 
 def initialize_distributed(parallel: ParallelConfig, timeout_minutes: float = 10,
-                           env: LaunchEnv | None = None) -> tuple[ParallelState, torch.device]:
-    """Start the process group (NCCL with CUDA, gloo otherwise) and build the rank grid."""
+                           env: LaunchEnv | None = None, experts: bool = False) -> tuple[ParallelState, torch.device]:
+    """Start the process group (NCCL with CUDA, gloo otherwise) and build the rank grid (with the expert
+    grid's groups when ``experts``: the model has MoE layers)."""
     if env is None:
         env = read_launch_env()
         note = single_process_note(os.environ)
@@ -64,7 +65,8 @@ def initialize_distributed(parallel: ParallelConfig, timeout_minutes: float = 10
             raise rank_error(rendezvous_error(e, env.rank, env.world_size, timeout_minutes)) from None
     state = ParallelState.build(env.world_size, env.rank, parallel.tensor_model_parallel_size,
                                 parallel.context_parallel_size, parallel.pipeline_model_parallel_size,
-                                timeout=timedelta(minutes=timeout_minutes))
+                                timeout=timedelta(minutes=timeout_minutes), ep=parallel.expert_model_parallel_size,
+                                etp=parallel.expert_tp_size, experts=experts)
     return state, device
 
 

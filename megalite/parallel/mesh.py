@@ -1,5 +1,11 @@
 """The process-group layout of one run: a rank grid in Megatron's order (tp fastest, then cp, dp, pp).
 
+MoE layers see the same ranks through a second grid (Megatron's expert grid): within each pipeline
+stage's tp x cp x dp ranks, expert-tensor-parallel (etp) varies fastest, then expert-parallel (ep),
+then expert-data-parallel (edp = world / (etp x ep x pp)). Expert weights are split over ep (whole
+experts) and etp (each expert's hidden dimension) and replicated over edp, whose ranks reduce their
+gradients (and shard them under ZeRO).
+
 ``ParallelState`` is built once from the world size and the model-parallel sizes and passed
 explicitly to whatever needs a rank or a group; there are no module-level globals. With every size 1
 and no process group started (plain ``python pretrain_gpt.py``) it describes a single process and holds no
@@ -23,16 +29,23 @@ def rank_grid_groups(world_size: int, tp: int, cp: int, pp: int, varying: str) -
     Rank = tp_rank + tp*(cp_rank + cp*(dp_rank + dp*pp_rank)): tp varies fastest, so a TP group is a
     run of adjacent ranks (it stays inside a node), and pp slowest.
     """
-    dp = world_size // (tp * cp * pp)
-    sizes = {"t": tp, "c": cp, "d": dp, "p": pp}
-    fixed_axes = [a for a in "tcdp" if a not in varying]
+    return grid_groups({"t": tp, "c": cp, "d": world_size // (tp * cp * pp), "p": pp}, "tcdp", varying)
+
+
+def grid_groups(sizes: dict, order: str, varying: str) -> list[list[int]]:
+    """All groups of ranks that differ only along the axes ``varying`` of a grid whose axes, fastest
+    first, are ``order`` with ``sizes``."""
+    fixed_axes = [a for a in order if a not in varying]
     groups = []
     for fixed in product(*(range(sizes[a]) for a in fixed_axes)):
         coord = dict(zip(fixed_axes, fixed))
         members = []
-        for moving in product(*(range(sizes[a]) for a in reversed(varying))):
-            coord.update(zip(reversed(varying), moving))
-            members.append(coord["t"] + tp * (coord["c"] + cp * (coord["d"] + dp * coord["p"])))
+        for moving in product(*(range(sizes[a]) for a in varying)):
+            coord.update(zip(varying, moving))
+            rank, stride = 0, 1
+            for axis in order:
+                rank, stride = rank + coord[axis] * stride, stride * sizes[axis]
+            members.append(rank)
         groups.append(sorted(members))
     return sorted(groups)
 
@@ -44,6 +57,8 @@ class ParallelState:
     tp_size: int = 1
     cp_size: int = 1
     pp_size: int = 1
+    ep_size: int = 1
+    etp_size: int = 1
     groups: dict = field(default_factory=dict)   # name -> process group of this rank (None when size 1)
     timeout: timedelta | None = None              # of every group (new groups would get torch's 30 min)
 
@@ -70,6 +85,28 @@ class ParallelState:
     def pp_rank(self) -> int:
         return self.rank // (self.tp_size * self.cp_size * self.dp_size)
 
+    # ---- the expert grid (module docstring) ----
+    @property
+    def stage_rank(self) -> int:
+        """This rank's index among its pipeline stage's tp x cp x dp ranks."""
+        return self.rank % (self.tp_size * self.cp_size * self.dp_size)
+
+    @property
+    def etp_rank(self) -> int:
+        return self.stage_rank % self.etp_size
+
+    @property
+    def ep_rank(self) -> int:
+        return (self.stage_rank // self.etp_size) % self.ep_size
+
+    @property
+    def edp_size(self) -> int:
+        return self.tp_size * self.cp_size * self.dp_size // (self.etp_size * self.ep_size)
+
+    @property
+    def edp_rank(self) -> int:
+        return self.stage_rank // (self.etp_size * self.ep_size)
+
     @property
     def is_logging_rank(self) -> bool:
         """Megatron prints the training line from the last rank. It holds the loss unless the schedule puts the
@@ -81,11 +118,16 @@ class ParallelState:
 
     @classmethod
     def build(cls, world_size: int, rank: int, tp: int = 1, cp: int = 1, pp: int = 1,
-              timeout: timedelta | None = None) -> "ParallelState":
-        """Create every process group (collectively: all ranks must call this in the same order)."""
+              timeout: timedelta | None = None, ep: int = 1, etp: int | None = None,
+              experts: bool = False) -> "ParallelState":
+        """Create every process group (collectively: all ranks must call this in the same order).
+        ``etp`` None: the tensor-parallel size (Megatron's default). ``experts``: the model has MoE
+        layers, so the expert grid's groups are created too."""
+        etp = tp if etp is None else etp
         check_world_size(world_size, ParallelConfig(world_size=world_size, tensor_model_parallel_size=tp,
-                                                    pipeline_model_parallel_size=pp, context_parallel_size=cp))
-        state = cls(world_size, rank, tp, cp, pp, timeout=timeout)
+                                                    pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                                                    expert_model_parallel_size=ep, expert_tensor_parallel_size=etp))
+        state = cls(world_size, rank, tp, cp, pp, ep, etp, timeout=timeout)
         started = dist.is_initialized() and dist.get_world_size() == world_size
         if not started:          # a plain single process (or a 1-process reference inside a larger run)
             return state
@@ -101,4 +143,20 @@ class ParallelState:
             group = state.new_group(ends)
             if rank in ends:
                 state.groups["embedding"] = group
+        if experts:
+            state.build_expert_groups()
         return state
+
+    def build_expert_groups(self) -> None:
+        """The expert grid's groups (module docstring): "ep", "etp", "edp", "ep_etp" (the ranks that split
+        one layer's experts between them), "expert_mp" (ep x etp x pp: every distinct expert piece) and
+        "stage" (tp x cp x dp: every token of one pipeline stage)."""
+        stage = self.tp_size * self.cp_size * self.dp_size
+        sizes = {"t": self.etp_size, "e": self.ep_size, "d": stage // (self.etp_size * self.ep_size),
+                 "p": self.pp_size}
+        for name, varying in {"ep": "e", "etp": "t", "edp": "d", "ep_etp": "te", "expert_mp": "tep",
+                              "stage": "ted"}.items():
+            for members in grid_groups(sizes, "tedp", varying):
+                group = self.new_group(members)
+                if self.rank in members:
+                    self.groups[name] = group

@@ -35,7 +35,10 @@ class ParamMeta:
       and checkpoints);
     - ``is_norm_weight`` / ``norm_init_value``: a norm's weight and the value initialisation fills it with;
     - ``init_values(start, end)``: initial elements [start, end) of a storage-less (meta) parameter;
-    - ``fuse_wgrad_into_main_grad``: the matmul adds this weight's gradient into its main_grad.
+    - ``fuse_wgrad_into_main_grad``: the matmul adds this weight's gradient into its main_grad;
+    - ``expert``: an MoE expert weight, split over the expert grid (EP whole experts, ETP within each)
+      and replicated over the expert-data-parallel ranks, not the dense data-parallel ones; its
+      ``take_shard`` selects rows and ``take_cols`` (when set) columns of the full tensor viewed 2-D.
     """
     full_shape: tuple | None = None
     take_shard: Callable | None = None
@@ -49,6 +52,8 @@ class ParamMeta:
     norm_init_value: float = 1.0
     init_values: Callable | None = None
     fuse_wgrad_into_main_grad: bool = False
+    expert: bool = False
+    take_cols: Callable | None = None
 
 
 _PLAIN = ParamMeta()

@@ -110,6 +110,8 @@ def forward_backward(trainer, data_iterator) -> list[float]:
     model.train()
     num_microbatches = trainer.config.num_microbatches_at(trainer.state.consumed_train_samples)
     trainer.ddp.num_microbatches = num_microbatches
+    if model.moe is not None:      # the MoE auxiliary losses backpropagate with the main loss's scale
+        model.moe.grad_scale = optimizer.loss_scale / num_microbatches
     optimizer.zero_grad()
     for chunk in trainer.chunks:
         chunk.train()

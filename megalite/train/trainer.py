@@ -43,6 +43,7 @@ from megalite.parallel.pipeline.pipedream import build_async_pipeline
 from megalite.parallel.pipeline.schedules import stage_placement
 from megalite.parallel.pipeline.stages import build_model_chunks, chunk_forward
 from megalite.parallel.pipeline.split import stage_layers_of
+from megalite.parallel.expert.dispatch import build_moe_context
 from megalite.parallel.tensor.setup import build_tensor_parallel
 from megalite.train import loop
 from megalite.train.compile import compile_layers
@@ -92,7 +93,8 @@ class Trainer:
         self.config = config
         self.print_fn = print_fn
         self.parallel, self.device = initialize_distributed(config.parallel,
-                                                            config.training.distributed_timeout_minutes)
+                                                            config.training.distributed_timeout_minutes,
+                                                            experts=bool(config.model.num_experts))
         self.log = print_fn if self.parallel.is_logging_rank else quiet
         set_matmul_precision(config.training.tf32, self.device)
         self.state = TrainState()
@@ -115,13 +117,15 @@ class Trainer:
         tp = build_tensor_parallel(parallel, config.parallel.sequence_parallel, seed, device,
                                    config.model.num_query_groups)
         cp = build_context_parallel(parallel)
+        moe = build_moe_context(parallel, config.model.moe_token_dispatcher_type, tp.sequence_parallel) \
+            if config.model.num_experts else None
         num_chunks = rules.check_layout(config)
         # sharded start-up: the chunks are built without storage; the data-parallel buffer materialises only
         # this rank's elements (its TP shard, or its ZeRO-3 chunk of it) directly on the device
         chunks = build_model_chunks(config.model, config.training.seed, tp, parallel.pp_rank, parallel.pp_size,
                                     num_chunks, cp, meta=True,
                                     stage_layers=stage_layers_of(config.model.num_layers, config.parallel),
-                                    placement=stage_placement(config.parallel.pipeline_schedule))
+                                    placement=stage_placement(config.parallel.pipeline_schedule), moe=moe)
         model = chunks[0]
         ddp = build_data_parallel(chunks, config.parallel, parallel, config.num_microbatches, device)
         # after the data-parallel wrapper: its hooks stay on the modules, only each layer's forward is compiled

@@ -70,7 +70,10 @@ def shard_positions(param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor, in
     full = full_shape(param)
     full_rows, full_cols = full[0], (math.prod(full[1:]) if len(full) > 1 else 1)
     rows, cols = torch.arange(full_rows), torch.arange(full_cols)
-    if meta.take_shard is not None and meta.tensor_model_parallel:
+    if meta.expert:                  # an expert weight: its experts' rows, its ETP columns (model/moe.py)
+        rows = meta.take_shard(rows)
+        cols = cols if meta.take_cols is None else meta.take_cols(cols)
+    elif meta.take_shard is not None and meta.tensor_model_parallel:
         if meta.partition_dim == 0:
             rows = meta.take_shard(rows).reshape(-1)
         else:

@@ -1,0 +1,74 @@
+"""The dense MLP: fc1 -> GELU or SwiGLU -> fc2, tensor-parallel (column then row), with a SwiGLU that keeps
+only fc1's output for backward."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.config.schema import ModelConfig
+from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TensorParallel
+
+
+class MLP(nn.Module):
+    """fc1 -> activation -> fc2. With SwiGLU, fc1 rows are [gate ; up] (Megatron's layout); a TP shard is
+    [gate_r ; up_r], so each rank applies silu(gate) * up to its own columns."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
+        super().__init__()
+        ffn = config.ffn_hidden_size
+        self.swiglu = config.swiglu
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+        fc1_out = 2 * ffn if config.swiglu else ffn
+        self.linear_fc1 = ColumnParallelLinear(config.hidden_size, fc1_out, config.add_bias_linear, dtype, tp,
+                                               local_rows=_swiglu_rows(ffn, tp) if config.swiglu else None)
+        self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, config.add_bias_linear, dtype, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear_fc1(x)
+        if self.swiglu:
+            h = swiglu(h)
+        else:
+            h = F.gelu(h, approximate=self.gelu_approximate)
+        return self.linear_fc2(h)
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    """silu(gate) * up over fc1's [gate | up] output, keeping only that output for backward.
+
+    Autograd of the two ops would also keep silu(gate) (s x b x f); like Megatron's fused bias-SwiGLU
+    this recomputes it in backward. Backward runs the ops autograd of silu(gate) * up would run (so the
+    same values), written straight into the two halves of one gradient: silu's own fused backward
+    kernel, not a chain of fp32 elementwise ops (memory-bound on a CPU, so several times slower in bf16)."""
+
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, = ctx.saved_tensors
+        gate, up = h.chunk(2, dim=-1)
+        grad_h = torch.empty_like(h)
+        grad_gate, grad_up = grad_h.chunk(2, dim=-1)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        torch.mul(grad, F.silu(gate), out=grad_up)
+        return grad_h
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """[..., 2f] fc1 output [gate | up] -> silu(gate) * up [..., f]."""
+    if torch.is_grad_enabled() and h.requires_grad and not torch.compiler.is_compiling():
+        return _SwiGLUFunction.apply(h)           # compiled: the plain ops, fused and partitioned by inductor
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_rows(ffn: int, tp: TensorParallel):
+    """This rank's [gate_r ; up_r] rows of a full [gate ; up] fc1 weight or bias."""
+    def local_rows(full: torch.Tensor) -> torch.Tensor:
+        halves = full.view(2, ffn, *full.shape[1:])
+        return tp.chunk(halves, dim=1).reshape(-1, *full.shape[1:])
+    return local_rows

@@ -1,0 +1,288 @@
+"""The Mixture-of-Experts layer: a router picks top-k experts per token, the experts run as grouped GEMMs,
+an optional shared expert sees every token. It replaces the MLP in the layers --moe-layer-freq selects.
+
+Router (``Router``), in fp32 (--moe-router-dtype): logits = x W^T [T, E], then
+- softmax (Mixtral, Qwen3-MoE): softmax over the top-k logits, or with --moe-router-pre-softmax softmax
+  over all experts and the top-k of those, not renormalised (Qwen2-MoE);
+- sigmoid (DeepSeek-V3): sigmoid scores, top-k on scores + expert bias, weights = the top-k scores
+  normalised to sum 1 (k > 1);
+then x --moe-router-topk-scaling-factor.
+
+Load balancing, added to the loss through the gradient of the layer's output (``_AttachLoss``) with the
+loss's own scale (loss scale / micro-batches, set per step on ``MoEContext``):
+- aux_loss (Switch/GShard): coeff x E / (k T^2) x sum_e P_e N_e, P_e the summed scores of expert e over
+  the micro-batch's T tokens, N_e the tokens routed to it;
+- seq_aux_loss: the same per sequence (s tokens), averaged over the micro-batch's sequences;
+- z-loss (ST-MoE): coeff x mean over tokens of logsumexp(logits)^2;
+- expert bias (auxiliary-loss-free, DeepSeek-V3): a per-expert bias, not a parameter, moved once per step
+  by rate x sign(mean load - load of e) over the whole step's tokens (``update_expert_bias``).
+Under sequence/context parallelism a rank holds part of each sequence: the counts N are summed over the
+TP x CP ranks, P over the rank's own tokens, so the ranks' partial losses add up to the serial one.
+
+Capacity (--moe-expert-capacity-factor f): an expert keeps at most ceil(f x T k / E) of a rank's T
+tokens, chosen by weight (--moe-token-drop-policy probs) or by position; T is the rank's own tokens, so
+with a capacity which tokens drop depends on the layout (sequence, context and data parallel splits).
+Dropless (no factor) is layout-independent.
+
+Experts are stacked: a rank holds [E/EP, 2f/ETP (f/ETP without SwiGLU), h] and [E/EP, h, f/ETP], its EP
+rank's experts and its ETP rank's part of f (parallel/expert/dispatch.py). Checkpoints and conversions
+see one 2-D tensor per layer, each expert's rows at its offset: ``mlp.experts.linear_fc1.weight``
+[E x 2f, h] (expert e's [gate; up] at rows e x 2f) and ``mlp.experts.linear_fc2.weight`` [E x h, f]
+(expert e's fc2 weight at rows e x h), so they reshard like any other tensor.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.config.schema import ModelConfig
+from megalite.model.mlp import MLP
+from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext, Routed, dispatch
+from megalite.parallel.param_meta import mark
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on ``out``; backward also sends ``scale`` into ``loss`` (an auxiliary loss)."""
+
+    @staticmethod
+    def forward(ctx, out, loss, scale: float):
+        ctx.scale = scale
+        ctx.shape, ctx.dtype = loss.shape, loss.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full(ctx.shape, ctx.scale, dtype=ctx.dtype, device=grad.device), None
+
+
+class Router(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, moe: MoEContext, sequence_parallel: bool):
+        super().__init__()
+        self.config, self.moe = config, moe
+        self.num_experts, self.topk = config.num_experts, config.moe_router_topk
+        self.dtype = torch.float64 if config.moe_router_dtype == "fp64" else torch.float32
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=dtype))
+        mark(self.weight, sequence_parallel=sequence_parallel)    # each TP rank routes its own tokens
+        if config.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+        # this step's tokens per expert (bias update, load statistics) and the losses, summed over micro-batches
+        self.register_buffer("step_counts", torch.zeros(config.num_experts), persistent=False)
+        self.register_buffer("step_losses", torch.zeros(3), persistent=False)   # aux, z, forwards
+        self.last_load = self.last_losses = None                                 # of the last finished step
+
+    def forward(self, x: torch.Tensor, seq_shape: tuple) -> tuple[Routed, torch.Tensor]:
+        """x [T, h] (T = s x b, sequence-major) -> (the routing, the scalar auxiliary loss to attach)."""
+        logits = F.linear(x.to(self.dtype), self.weight.to(self.dtype))
+        scores, experts, weights = self.top_k(logits)
+        routing = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, experts, True)
+        if self.training:
+            self.step_counts += routing.sum(0)          # this rank's own tokens; summed per step in finalize
+        counts = self.global_counts(routing.to(logits.dtype), seq_shape)
+        loss = self.balancing_loss(logits, scores, counts, seq_shape)
+        keep = self.capacity_mask(routing, scores, experts) if self.config.moe_expert_capacity_factor else None
+        return Routed(x, experts, weights, keep), loss
+
+    def top_k(self, logits: torch.Tensor):
+        """(scores [T, E] for the balancing loss, expert ids [T, k], routing weights [T, k])."""
+        c, k = self.config, self.topk
+        if c.moe_router_score_function == "sigmoid":
+            scores = torch.sigmoid(logits)
+            biased = scores if self.expert_bias is None else scores + self.expert_bias
+            experts = self.select(biased)
+            weights = scores.gather(1, experts)
+            if k > 1:
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+        else:
+            scores = torch.softmax(logits, dim=-1)
+            if c.moe_router_pre_softmax:
+                experts = self.select(scores)
+                weights = scores.gather(1, experts)
+            else:
+                experts = self.select(logits)
+                weights = torch.softmax(logits.gather(1, experts), dim=-1)
+        if c.moe_router_topk_scaling_factor:
+            weights = weights * c.moe_router_topk_scaling_factor
+        return scores, experts, weights
+
+    def select(self, values: torch.Tensor) -> torch.Tensor:
+        if self.config.moe_router_force_load_balancing:     # benchmarks: token t -> experts (t k + j) mod E
+            t = values.shape[0]
+            return torch.arange(t * self.topk, device=values.device).view(t, self.topk) % self.num_experts
+        return torch.topk(values, self.topk, dim=-1).indices
+
+    def global_counts(self, routing: torch.Tensor, seq_shape: tuple) -> torch.Tensor:
+        """Tokens per expert [E] over the micro-batch (seq_aux_loss: per sequence [b, E]), summed over the
+        ranks that hold parts of the same sequences."""
+        if self.config.moe_router_load_balancing_type == "seq_aux_loss":
+            counts = routing.view(seq_shape[0], seq_shape[1], -1).sum(0)
+        else:
+            counts = routing.sum(0)
+        counts = counts.detach()
+        if self.moe.sequence_group is not None:
+            dist.all_reduce(counts, group=self.moe.sequence_group)
+        return counts
+
+    def balancing_loss(self, logits, scores, counts, seq_shape) -> torch.Tensor:
+        """This rank's share of the auxiliary losses (module docstring), also added to ``step_losses``."""
+        c, E, k = self.config, self.num_experts, self.topk
+        total = logits.shape[0] * self.moe.sequence_split          # the micro-batch's tokens
+        aux = logits.new_zeros(())
+        if c.moe_router_load_balancing_type == "aux_loss" and c.moe_aux_loss_coeff:
+            aux = (scores.sum(0) * counts).sum() * (c.moe_aux_loss_coeff * E / (k * total * total))
+        elif c.moe_router_load_balancing_type == "seq_aux_loss" and c.moe_aux_loss_coeff:
+            s, b = seq_shape[0] * self.moe.sequence_split, seq_shape[1]
+            per_seq = scores.view(seq_shape[0], b, E).sum(0) / s           # [b, E] mean score (local share)
+            aux = (per_seq * counts * (E / (k * s))).sum() * (c.moe_aux_loss_coeff / b)
+        z = logits.new_zeros(())
+        if c.moe_z_loss_coeff:
+            z = torch.logsumexp(logits, dim=-1).square().sum() * (c.moe_z_loss_coeff / total)
+        if self.training:
+            with torch.no_grad():
+                self.step_losses += torch.stack([aux.detach(), z.detach(), torch.ones_like(aux)]).float()
+        return aux + z
+
+    def capacity(self, num_tokens: int) -> int:
+        """Assignments an expert keeps of one rank's ``num_tokens`` tokens (--moe-expert-capacity-factor)."""
+        return math.ceil(self.config.moe_expert_capacity_factor * num_tokens * self.topk / self.num_experts)
+
+    def capacity_mask(self, routing, scores, experts) -> torch.Tensor:
+        """[T, k] False for the assignments beyond an expert's capacity (module docstring)."""
+        t = routing.shape[0]
+        capacity = self.capacity(t)
+        if self.config.moe_token_drop_policy == "position":
+            kept = routing & (routing.long().cumsum(0) <= capacity)
+        else:
+            weight = torch.where(routing, scores.detach(), torch.full_like(scores, -1.0))
+            top = torch.topk(weight, min(capacity, t), dim=0).indices           # [capacity, E]
+            kept = torch.zeros_like(routing).scatter_(0, top, True) & routing
+        return kept.gather(1, experts)
+
+    @torch.no_grad()
+    def finish_step(self, load: torch.Tensor) -> None:
+        """Once per step, outside autograd, with ``load`` the step's tokens per expert over every rank of the
+        pipeline stage: bias_e += rate x sign(mean load - load_e); keep the load and this rank's summed
+        losses (``last_load``, ``last_losses``) for the log; start the next step's counts."""
+        if self.expert_bias is not None:
+            self.expert_bias += self.config.moe_router_bias_update_rate * torch.sign(load.mean() - load)
+        self.last_load = load.clone()
+        self.last_losses = self.step_losses.clone()
+        self.step_counts.zero_()
+        self.step_losses.zero_()
+
+
+def _stacked_weight(shape: tuple, full: tuple, dtype: torch.dtype, take_rows, take_cols=None) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape, dtype=dtype))
+    return mark(param, full_shape=full, take_shard=take_rows, take_cols=take_cols, expert=True)
+
+
+class GroupedExperts(nn.Module):
+    """This rank's experts, run as two grouped GEMMs over rows grouped by expert (torch._grouped_mm)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ep: ExpertParallel):
+        super().__init__()
+        E, h, f = config.num_experts, config.hidden_size, config.expert_ffn_hidden_size
+        self.swiglu = config.swiglu
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+        mine, etp, r = ep.local_experts(E), ep.etp_size, ep.etp_rank
+        local_f, halves = f // etp, 2 if config.swiglu else 1
+
+        def fc1_rows(rows: torch.Tensor) -> torch.Tensor:        # [E * halves * f] -> this rank's
+            block = rows.view(E, halves, f)[mine.start:mine.stop]
+            return block[:, :, r * local_f:(r + 1) * local_f].reshape(-1)
+
+        def fc2_rows(rows: torch.Tensor) -> torch.Tensor:        # [E * h] -> this rank's experts' rows
+            return rows.view(E, h)[mine.start:mine.stop].reshape(-1)
+
+        def fc2_cols(cols: torch.Tensor) -> torch.Tensor:
+            return cols.reshape(-1)[r * local_f:(r + 1) * local_f]
+
+        self.linear_fc1 = nn.Module()
+        self.linear_fc1.weight = _stacked_weight((len(mine), halves * local_f, h), (E * halves * f, h), dtype,
+                                                 fc1_rows)
+        self.linear_fc2 = nn.Module()
+        self.linear_fc2.weight = _stacked_weight((len(mine), h, local_f), (E * h, f), dtype, fc2_rows, fc2_cols)
+
+    def forward(self, rows: torch.Tensor, counts: list) -> torch.Tensor:
+        """rows [N, h] grouped by local expert, ``counts`` rows per expert -> partial outputs [N, h]."""
+        hidden = grouped_mm(rows, self.linear_fc1.weight, counts)
+        if self.swiglu:
+            gate, up = hidden.chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+        else:
+            hidden = F.gelu(hidden, approximate=self.gelu_approximate)
+        return grouped_mm(hidden, self.linear_fc2.weight, counts)
+
+
+def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, counts: list) -> torch.Tensor:
+    """rows [N, in] grouped by expert x weight [E, out, in] per expert -> [N, out]. torch._grouped_mm where
+    its layout rule holds (every row stride a multiple of 16 bytes), else one matmul per expert."""
+    width = rows.element_size()
+    if rows.shape[1] * width % 16 == 0 and weight.shape[1] * width % 16 == 0 and hasattr(torch, "_grouped_mm"):
+        offsets = torch.tensor(counts, dtype=torch.int32, device=rows.device).cumsum(0, dtype=torch.int32)
+        out = torch._grouped_mm(rows, weight.transpose(-1, -2), offs=offsets)
+        if out.requires_grad:
+            out.register_hook(torch.Tensor.contiguous)       # its backward refuses expanded gradients
+        return out
+    parts = rows.split(counts)
+    return torch.cat([p @ weight[e].t() for e, p in enumerate(parts)]) if parts else rows.new_zeros(0, weight.shape[1])
+
+
+class SharedExpert(MLP):
+    """An MLP every token goes through (tensor-parallel like the dense MLP), optionally gated per token by
+    sigmoid(x . gate_weight) (Qwen2-MoE)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp):
+        super().__init__(replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size), dtype, tp)
+        self.gate_weight = None
+        if config.moe_shared_expert_gate:
+            self.gate_weight = nn.Parameter(torch.empty(1, config.hidden_size, dtype=dtype))
+            mark(self.gate_weight, sequence_parallel=tp.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.gate_weight is not None:
+            out = out * torch.sigmoid(F.linear(x, self.gate_weight))
+        return out
+
+
+class MoELayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp, moe: MoEContext):
+        super().__init__()
+        self.config, self.moe = config, moe
+        self.router = Router(config, dtype, moe, tp.sequence_parallel)
+        self.experts = GroupedExperts(config, dtype, moe.ep)
+        self.shared_experts = None
+        if config.moe_shared_expert_intermediate_size:
+            self.shared_experts = SharedExpert(config, dtype, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [s, b, h] (this rank's tokens) -> [s, b, h]."""
+        tokens = x.reshape(-1, x.shape[-1])
+        routed, loss = self.router(tokens, x.shape[:2])
+        run = self.experts
+        if self.config.moe_pad_expert_input_to_capacity:
+            # each of the ranks sending rows to an expert sends at most its capacity
+            run = partial(self.run_padded, width=self.router.capacity(tokens.shape[0]) * self.moe.ep.ep_size
+                          * self.moe.ep.etp_size)
+        out = dispatch(routed, run, self.config.num_experts, self.moe.ep).view_as(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        if self.training and loss.requires_grad:
+            out = _AttachLoss.apply(out, loss, self.moe.grad_scale * self.moe.cp_size)
+        return out
+
+    def run_padded(self, rows: torch.Tensor, counts: list, width: int) -> torch.Tensor:
+        """--moe-pad-expert-input-to-capacity: every expert computes ``width`` rows (a fixed shape), the
+        padding rows are dropped after."""
+        index = torch.cat([torch.arange(c, device=rows.device) + e * width for e, c in enumerate(counts)])
+        padded = rows.new_zeros(width * len(counts), rows.shape[1]).index_copy(0, index, rows)
+        return self.experts(padded, [width] * len(counts))[index]
