@@ -16,7 +16,8 @@ import torch
 from megalite.optim.clip_grads import global_grad_norm
 from megalite.train.faults import (Activity, ExitConditions, TrainingFault, collective_phase, nonfinite_message,
                                    ranks_with_nonfinite_loss)
-from megalite.train.metrics import MetricsSinks, format_timers, format_training_line, format_validation_lines
+from megalite.train.metrics import (MetricsSinks, MoEStats, format_timers, format_training_line,
+                                    format_validation_lines, worst_load)
 from megalite.train.performance import Throughput, flops_per_iteration, memory_usage, peak_flops_per_device
 from megalite.train.profiler import StepProfiler
 from megalite.train.step import forward_only_losses, mean_loss, release_cached_memory, reported_loss, train_step
@@ -25,7 +26,7 @@ from megalite.train.step import forward_only_losses, mean_loss, release_cached_m
 def train(trainer, train_iter, valid_iter, log, sinks: MetricsSinks | None) -> None:
     """Train from ``trainer.state.iteration`` to --train-iters, or until an exit condition (then save)."""
     cfg, t, state = trainer.config, trainer.config.training, trainer.state
-    interval = IntervalStats()
+    interval = IntervalStats(moe=MoEStats.of(trainer))
     throughput = start_throughput(trainer, log)
     interval_start = time.perf_counter()
     exits = ExitConditions(t.exit_signal_handler, t.exit_duration_in_mins, t.exit_interval, trainer.device)
@@ -148,12 +149,14 @@ def _evaluate(trainer, data_iterator, num_batches: int) -> float:
 # ---- the interval's log line ---------------------------------------------------------------------
 @dataclass
 class IntervalStats:
-    """Megatron logs the mean lm loss over the iterations since the last log line."""
+    """Megatron logs the mean lm loss over the iterations since the last log line; ``moe`` sums the MoE
+    layers' auxiliary losses over the same iterations (on the device)."""
     iterations: int = 0
     loss_sum: float = 0.0
     last_grad_norm: float | None = None
     samples: int = 0                     # over the interval (the batch may grow: --rampup-batch-size)
     last_batch_size: int = 0
+    moe: MoEStats | None = None
 
     def add(self, loss: float, result, batch_size: int = 0) -> None:
         self.iterations += 1
@@ -162,6 +165,8 @@ class IntervalStats:
         self.last_batch_size = batch_size
         if result.grad_norm is not None:
             self.last_grad_norm = result.grad_norm
+        if self.moe is not None:
+            self.moe.add_step()
 
     def reset(self) -> None:
         self.iterations, self.loss_sum, self.last_grad_norm, self.samples = 0, 0.0, None, 0
@@ -178,19 +183,21 @@ def log_iteration(trainer, interval: IntervalStats, seconds_per_iter: float, thr
     rates = throughput.rates(seconds_per_iter * interval.iterations / full_batches)
     memory = memory_over_ranks(trainer)
     norms = optional_norms(trainer)            # collectives: every rank computes them
+    moe_losses, moe_loads = interval.moe.report() if interval.moe is not None else ({}, {})
     batch_size = interval.last_batch_size or t.global_batch_size
+    losses = {"lm loss": loss, **moe_losses}
     log(format_training_line(
         iteration=state.iteration, train_iters=t.train_iters, consumed_samples=state.consumed_train_samples,
         elapsed_ms=1000.0 * seconds_per_iter, learning_rate=trainer.scheduler.lr,
-        global_batch_size=batch_size, losses={"lm loss": loss}, loss_scale=trainer.optimizer.loss_scale,
+        global_batch_size=batch_size, losses=losses, loss_scale=trainer.optimizer.loss_scale,
         grad_norm=interval.last_grad_norm, skipped_iterations=state.skipped_iterations,
         nan_iterations=state.nan_iterations, tflops_per_gpu=rates.get("throughput (TFLOP/s/GPU)"),
         num_zeros=norms.get("num zeros"), params_norm=norms.get("params norm"),
-        extra=line_extras(rates, memory)))
+        extra=line_extras(rates, memory) | worst_load(moe_loads)))
     timing = trainer.timers.report(interval.iterations)
     if timing:
         log(format_timers(timing))
-    metrics = {"lm loss": loss, "learning rate": trainer.scheduler.lr, "grad norm": interval.last_grad_norm,
+    metrics = {**losses, **moe_loads, "learning rate": trainer.scheduler.lr, "grad norm": interval.last_grad_norm,
                "loss scale": trainer.optimizer.loss_scale, "consumed samples": state.consumed_train_samples,
                "global batch size": batch_size, "elapsed time per iteration (ms)": 1000.0 * seconds_per_iter,
                "skipped iterations": state.skipped_iterations, "nan iterations": state.nan_iterations, **norms,

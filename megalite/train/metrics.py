@@ -12,7 +12,7 @@ from datetime import datetime
 
 import torch
 
-from megalite.config.schema import TrainingConfig
+from megalite.config.schema import ModelConfig, TrainingConfig
 from megalite.errors import UserError
 
 
@@ -169,3 +169,98 @@ def _start_tensorboard(directory: str):
     except ImportError:
         raise UserError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from None
     return SummaryWriter(log_dir=directory)
+
+
+# ---- MoE: auxiliary losses and expert load ---------------------------------------------------------
+class MoEStats:
+    """What the MoE layers add to the log: their auxiliary losses and, per layer, how evenly the tokens
+    spread over the experts.
+
+    Losses (Megatron's names): ``load_balancing_loss`` (``seq_load_balancing_loss`` with
+    --moe-router-load-balancing-type seq_aux_loss) and ``z_loss``, each logged when its coefficient is set,
+    in the units they are added to the objective in (the coefficient included). For each MoE layer: the
+    mean over the log interval's steps, their micro-batches and the data-parallel ranks of the layer's
+    loss of one micro-batch, that of whole sequences (the sum of the shares of the ranks splitting them:
+    sequence and context parallel); then the mean over the model's MoE layers. Each router holds, after a
+    step, this rank's summed shares and its number of forwards (``last_losses``); per layer the sum of
+    the shares over all ranks, divided by the forwards over all ranks and times the ranks splitting one
+    sequence (``MoEContext.sequence_split``), is that mean. (A rank that holds whole sequences counts
+    whole losses and its forwards alike: the same quotient.)
+
+    Load, per MoE layer ``i`` (as in ``decoder.layers.{i}``): max / mean of the tokens per expert of the
+    log iteration's step (``last_load``, over the layer's pipeline stage; 1 is perfect balance) and, with
+    --moe-router-enable-expert-bias, the bias's max - min.
+
+    Cost: the loss sums are added up on the device after every step (no host synchronisation); at a log
+    iteration one all-reduce over all ranks of a [MoE layers, 5] table, each rank writing its own layers'
+    rows: loss shares from every rank, the load and bias (the same on all ranks of a pipeline stage) from
+    the first rank of each stage. Every rank calls ``report`` at the same iterations."""
+
+    def __init__(self, chunks: list, config: ModelConfig, parallel, device: torch.device):
+        self.moe_layers = [n for n in range(1, config.num_layers + 1) if config.is_moe_layer(n)]
+        local = [layer.layer_number for chunk in chunks for layer in chunk.decoder.layers
+                 if config.is_moe_layer(layer.layer_number)]
+        self.routers = [router for chunk in chunks for router in chunk.moe_routers()]     # the same order
+        self.rows = torch.tensor([self.moe_layers.index(n) for n in local], dtype=torch.long, device=device)
+        self.sequence_split = chunks[0].moe.sequence_split
+        self.first_of_stage = parallel.tp_rank == 0 and parallel.cp_rank == 0 and parallel.dp_rank == 0
+        self.world_size = parallel.world_size
+        self.device = device
+        self.expert_bias = config.moe_router_enable_expert_bias
+        self.loss_names = {}                 # column of the table -> the name it is logged under
+        balancing = config.moe_router_load_balancing_type
+        if balancing in ("aux_loss", "seq_aux_loss") and config.moe_aux_loss_coeff:
+            self.loss_names[0] = "seq_load_balancing_loss" if balancing == "seq_aux_loss" else "load_balancing_loss"
+        if config.moe_z_loss_coeff:
+            self.loss_names[1] = "z_loss"
+        self.loss_sums = torch.zeros(len(self.routers), 3, dtype=torch.float64, device=device)
+
+    @classmethod
+    def of(cls, trainer) -> MoEStats | None:
+        """The trainer's, or None for a model without MoE layers."""
+        if not trainer.config.model.num_experts:
+            return None
+        return cls(trainer.chunks, trainer.config.model, trainer.parallel, trainer.device)
+
+    @torch.no_grad()
+    def add_step(self) -> None:
+        """After each training step: add the routers' loss sums of the step, on the device."""
+        if self.routers and self.routers[0].last_losses is not None:
+            self.loss_sums += torch.stack([r.last_losses for r in self.routers]).to(self.loss_sums)
+
+    @torch.no_grad()
+    def report(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(the interval's losses, the per-layer load figures), on every rank; starts the next interval.
+        Collective: every rank calls it at the same log iterations."""
+        table = torch.zeros(len(self.moe_layers), 5, dtype=torch.float64, device=self.device)
+        if self.routers:
+            table[self.rows, :3] = self.loss_sums
+            if self.first_of_stage and self.routers[0].last_load is not None:
+                loads = torch.stack([r.last_load for r in self.routers]).double()
+                table[self.rows, 3] = loads.amax(1) / loads.mean(1).clamp_min(1e-30)
+                if self.expert_bias:
+                    bias = torch.stack([r.expert_bias for r in self.routers]).double()
+                    table[self.rows, 4] = bias.amax(1) - bias.amin(1)
+        if self.world_size > 1:
+            torch.distributed.all_reduce(table)
+        self.loss_sums.zero_()
+        rows = table.tolist()                # the one host synchronisation
+        losses = {}
+        for column, name in self.loss_names.items():
+            per_layer = [row[column] / row[2] * self.sequence_split for row in rows if row[2] > 0]
+            losses[name] = sum(per_layer) / len(per_layer) if per_layer else 0.0
+        loads = {}
+        for number, row in zip(self.moe_layers, rows):
+            loads[f"moe/layer{number - 1}/load_max_over_mean"] = row[3]
+            if self.expert_bias:
+                loads[f"moe/layer{number - 1}/expert_bias_range"] = row[4]
+        return losses, loads
+
+
+def worst_load(loads: dict[str, float]) -> dict[str, str]:
+    """The log line's summary of the per-layer figures: the largest max/mean tokens per expert and its layer."""
+    spreads = {key.split("/")[1]: value for key, value in loads.items() if key.endswith("/load_max_over_mean")}
+    if not spreads:
+        return {}
+    layer = max(spreads, key=spreads.get)
+    return {"max/mean tokens per expert": f"{spreads[layer]:.3f} ({layer})"}
