@@ -109,6 +109,8 @@ class ModelConfig:
     add_bias_linear: bool = flag("--disable-bias-linear", default=True)
     add_qkv_bias: bool = flag("--add-qkv-bias", default=False,
                               help="q/k/v biases even with --disable-bias-linear (Qwen2)")
+    qk_layernorm: bool = flag("--qk-layernorm", default=False, help=(
+        "normalise each head of q and k (--normalization, over the head dimension) before RoPE (Qwen3)"))
     untie_embeddings_and_output_weights: bool = flag("--untie-embeddings-and-output-weights", default=False)
     init_method_std: float = flag("--init-method-std", number, default=0.02)
     attention_dropout: float = flag("--attention-dropout", number, default=0.1)

@@ -7,7 +7,7 @@ linear_fc2, input_layernorm, pre_mlp_layernorm) so checkpoints and conversions m
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from megalite.parallel.context.ring_attention import ContextParallel, ring_atten
 from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext
 from megalite.parallel.param_meta import mark
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TensorParallel
+from megalite.parallel.tensor.mappings import copy_to_tp_region
 from megalite.parallel.tensor.random import checkpoint
 
 
@@ -201,6 +202,22 @@ class SelfAttention(nn.Module):
             for param in self.linear_qkv.parameters():
                 mark(param, replicated_rows=kv_rows)
         self.linear_proj = RowParallelLinear(nq * d, h, config.add_bias_linear, dtype, tp)
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:         # --qk-layernorm: per-head norms of q and k, weights [head_dim]
+            self.q_layernorm = build_norm(replace(config, hidden_size=d), dtype, tp)
+            self.k_layernorm = build_norm(replace(config, hidden_size=d), dtype, tp)
+
+    def norm_heads(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """q or k [s, b, heads, d] normalised over d. Each TP rank holds its own heads, so the replicated
+        norm weight's gradient is partial per rank and must be summed over TP: under sequence parallelism
+        finalize_model_grads does it (build_norm's sequence_parallel mark), without it the weight enters
+        through copy_to_tp_region, whose backward all-reduces its gradient."""
+        if self.tp.size == 1 or self.tp.sequence_parallel:
+            return norm(x)
+        weight = copy_to_tp_region(norm.scale(), self.tp.group)
+        if isinstance(norm, LayerNorm):
+            return F.layer_norm(x, weight.shape, weight, copy_to_tp_region(norm.bias, self.tp.group), norm.eps)
+        return F.rms_norm(x, weight.shape, weight, norm.eps)
 
     def split_qkv(self, qkv: torch.Tensor):
         s, b, _ = qkv.shape
@@ -242,6 +259,8 @@ class SelfAttention(nn.Module):
                 layer_number: int = 0) -> torch.Tensor:
         qkv = self.linear_qkv(x)
         q, k, v = self.split_qkv(qkv)
+        if self.q_layernorm is not None:
+            q, k = self.norm_heads(self.q_layernorm, q), self.norm_heads(self.k_layernorm, k)
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
