@@ -1,0 +1,318 @@
+#!/usr/bin/env python
+"""One MoE layer's forward + backward: megalite's MoELayer against transformers' own sparse MoE blocks.
+
+The blocks: Mixtral's ``MixtralSparseMoeBlock`` (softmax over the top-k logits) and Qwen3-MoE's
+``Qwen3MoeSparseMoeBlock`` with ``norm_topk_prob=False`` (softmax over all experts, top-k, not
+renormalised: megalite's --moe-router-pre-softmax), each with every experts implementation this
+transformers offers on a CPU (config ``_experts_implementation``: "eager", its loop over experts;
+"grouped_mm", torch._grouped_mm over rows sorted by expert; "batched_mm", one bmm over per-token copies
+of the expert weights, run only where those copies fit in --batched-mm-gb). megalite runs the same
+weights (HF's router weight, and its [E, 2f, h] gate_up / [E, h, f] down expert weights, which are
+megalite's in-memory layout) on the same tokens; before any timing every contender's output, input
+gradient and weight gradients are checked against megalite's.
+
+A step is forward + backward of the layer on [tokens, hidden] with a fixed output gradient, weight
+gradients freed after each. megalite's auxiliary loss coefficient is 0 (transformers computes its loss
+outside the block). All contenders live in one process with torch's default threads; rounds run every
+contender ``--steps`` steps, one at a time, in a rotating order, until no ratio moved more than
+--tolerance since the previous round. Ratio = transformers ms / megalite ms (> 1: megalite faster).
+
+    python bench/bench_moe.py                        # fp32 and bf16; writes bench/RESULTS.md
+    python bench/bench_moe.py --dtypes fp32
+    python bench/bench_moe.py --quick                # smoke test: tiny shape, every implementation
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results import Headline, add_common_args, command_line, publish  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+FAMILIES = ("mixtral", "qwen3_moe")
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")      # transformers' experts implementations that run on a CPU
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+# (relative error of the output, of the gradients) allowed: fp32 rounding, bf16 rounding over h or f terms
+TOLERANCE = {"fp32": (1e-5, 1e-4), "bf16": (2e-2, 5e-2)}
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    ffn: int
+    experts: int
+    topk: int
+    tokens: int
+
+    def describe(self) -> str:
+        return f"hidden {self.hidden}, expert ffn {self.ffn}, {self.experts} experts top-{self.topk}, {self.tokens} tokens"
+
+    def flops(self) -> float:
+        """Matmul FLOPs of one forward + backward: 3 x (2 x T k x 3 h f)."""
+        return 18.0 * self.tokens * self.topk * self.hidden * self.ffn
+
+    def batched_mm_bytes(self, element: int) -> float:
+        """What batched_mm materialises: per (token, slot) copies of both expert weights, and their gradients."""
+        return 2 * self.tokens * self.topk * 3 * self.hidden * self.ffn * element
+
+
+FULL = (Shape(512, 1024, 8, 2, 2048), Shape(1024, 1792, 8, 2, 4096))
+QUICK = (Shape(64, 96, 4, 2, 64),)
+
+
+# ---- the layers, on shared weights ------------------------------------------------------------
+def megalite_layer(family: str, shape: Shape, dtype):
+    from megalite.config.megatron_cli import parse_args
+    from megalite.model.moe import MoELayer
+    from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext
+    from megalite.parallel.tensor.layers import TensorParallel
+    argv = ["--num-layers", "1", "--hidden-size", str(shape.hidden), "--ffn-hidden-size", str(shape.ffn),
+            "--num-attention-heads", "4", "--seq-length", str(shape.tokens), "--max-position-embeddings",
+            str(shape.tokens), "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm",
+            "--num-experts", str(shape.experts), "--moe-router-topk", str(shape.topk), "--moe-grouped-gemm",
+            "--micro-batch-size", "1", "--global-batch-size", "1", "--lr", "1e-4", "--train-iters", "1",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
+    if family == "qwen3_moe":
+        argv.append("--moe-router-pre-softmax")
+    config = parse_args(argv, world_size=1).model
+    return MoELayer(config, dtype, TensorParallel(), MoEContext(ExpertParallel()))
+
+
+def hf_block(family: str, implementation: str, shape: Shape, dtype):
+    import torch
+    if family == "mixtral":
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+        config = MixtralConfig(hidden_size=shape.hidden, intermediate_size=shape.ffn,
+                               num_local_experts=shape.experts, num_experts_per_tok=shape.topk)
+        block_class = MixtralSparseMoeBlock
+    else:
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+        config = Qwen3MoeConfig(hidden_size=shape.hidden, moe_intermediate_size=shape.ffn, num_experts=shape.experts,
+                                num_experts_per_tok=shape.topk, norm_topk_prob=False)
+        block_class = Qwen3MoeSparseMoeBlock
+    config._experts_implementation = implementation
+    generator = torch.Generator().manual_seed(0)
+    block = block_class(config)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    return block.to(dtype)
+
+
+def copy_weights(block, layer) -> None:
+    """transformers' router and expert weights into megalite's layer (same in-memory layout)."""
+    import torch
+    with torch.no_grad():
+        layer.router.weight.copy_(block.gate.weight)
+        layer.experts.linear_fc1.weight.copy_(block.experts.gate_up_proj)
+        layer.experts.linear_fc2.weight.copy_(block.experts.down_proj)
+
+
+def weight_grads(module, megalite: bool) -> list:
+    if megalite:
+        return [module.router.weight.grad, module.experts.linear_fc1.weight.grad, module.experts.linear_fc2.weight.grad]
+    return [module.gate.weight.grad, module.experts.gate_up_proj.grad, module.experts.down_proj.grad]
+
+
+class Contender:
+    """A layer and its step: forward + backward on [T, h] tokens (megalite [s, b, h], transformers [b, s, h])."""
+
+    def __init__(self, name: str, module, megalite: bool, tokens, grad):
+        self.name, self.module, self.megalite = name, module, megalite
+        self.tokens, self.grad = tokens, grad
+
+    def step(self, keep_grads: bool = False):
+        x = self.tokens.clone().requires_grad_()
+        shaped = x[:, None] if self.megalite else x[None]
+        out = self.module(shaped).reshape(x.shape)
+        out.backward(self.grad)
+        result = (out.detach(), x.grad, weight_grads(self.module, self.megalite)) if keep_grads else None
+        self.module.zero_grad(set_to_none=True)
+        return result
+
+    def run(self, n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            self.step()
+            times.append(time.perf_counter() - start)
+        return times
+
+
+def relative_error(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def check_equivalence(reference: Contender, other: Contender, dtype_name: str) -> dict:
+    """Output, input gradient and the three weight gradients of ``other`` against megalite's: their
+    relative errors (Frobenius norm), each within TOLERANCE or AssertionError."""
+    out_tol, grad_tol = TOLERANCE[dtype_name]
+    ref_out, ref_dx, ref_dw = reference.step(keep_grads=True)
+    out, dx, dw = other.step(keep_grads=True)
+    errors = {"output": relative_error(out, ref_out), "input grad": relative_error(dx, ref_dx)}
+    errors.update({name: relative_error(a, b) for name, a, b in zip(("router grad", "fc1 grad", "fc2 grad"), dw, ref_dw)})
+    bad = {k: v for k, v in errors.items() if v > (out_tol if k == "output" else grad_tol)}
+    assert not bad, f"{other.name} ({dtype_name}) differs from megalite: relative errors {bad}"
+    return errors
+
+
+def contenders(shape: Shape, dtype_name: str, batched_mm_gb: float, quiet=print):
+    """(megalite contender per family, the transformers contenders, the ones left out with why), every
+    transformers contender checked against its family's megalite layer."""
+    import torch
+    dtype = getattr(torch, DTYPES[dtype_name])
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randn(shape.tokens, shape.hidden, generator=generator).to(dtype)
+    grad = torch.randn(shape.tokens, shape.hidden, generator=generator).to(dtype)
+    ours, theirs, skipped, errors = {}, [], [], {}
+    for family in FAMILIES:
+        for implementation in IMPLEMENTATIONS:
+            name = f"{family} {implementation}"
+            copies = shape.batched_mm_bytes(torch.empty((), dtype=dtype).element_size()) / 2 ** 30
+            if implementation == "batched_mm" and copies > batched_mm_gb:
+                skipped.append(f"{name}: not run, its per-token weight copies and their gradients would take "
+                               f"{copies:.0f} GiB (over --batched-mm-gb {batched_mm_gb:g})")
+                continue
+            block = hf_block(family, implementation, shape, dtype)
+            if family not in ours:
+                layer = megalite_layer(family, shape, dtype)
+                copy_weights(block, layer)
+                ours[family] = Contender(f"megalite ({family} routing)", layer, True, tokens, grad)
+            theirs.append(Contender(name, block, False, tokens, grad))
+            errors[name] = check_equivalence(ours[family], theirs[-1], dtype_name)
+            quiet(f"  {dtype_name} {name}: same as megalite, worst relative error "
+                  f"{max(errors[name].values()):.1e}", flush=True)
+    return ours, theirs, skipped, errors
+
+
+# ---- timing ------------------------------------------------------------------------------------------
+def ratios(times: dict, theirs: list) -> dict:
+    """transformers median / the same family's megalite median, per transformers contender."""
+    return {c.name: statistics.median(times[c.name]) / statistics.median(times[f"megalite ({c.name.split()[0]} routing)"])
+            for c in theirs}
+
+
+def stable(previous: dict | None, current: dict, tolerance: float) -> bool:
+    return previous is not None and all(abs(current[k] / previous[k] - 1) <= tolerance for k in current)
+
+
+def matmul_peak_flops(dtype_name: str) -> float:
+    """Best FLOP/s of a 2048^3 matmul in this dtype: what the layer's matmuls could reach at most."""
+    import torch
+    dtype = getattr(torch, DTYPES[dtype_name])
+    a, b = torch.randn(2048, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * 2048 ** 3 / best
+
+
+def compare(shape: Shape, dtype_name: str, args) -> dict:
+    ours, theirs, skipped, errors = contenders(shape, dtype_name, args.batched_mm_gb)
+    everyone = [*ours.values(), *theirs]
+    for contender in everyone:
+        contender.run(args.warmup)
+    times = {c.name: [] for c in everyone}
+    peak, previous, history = matmul_peak_flops(dtype_name), None, []
+    load_start = os.getloadavg()[0]
+    for round_index in range(args.max_rounds):
+        shift = round_index % len(everyone)
+        for contender in everyone[shift:] + everyone[:shift]:           # nobody always goes first
+            times[contender.name] += contender.run(args.steps)
+        peak = max(peak, matmul_peak_flops(dtype_name))
+        history.append(ratios(times, theirs))
+        print(f"  {dtype_name} {shape.describe()} round {round_index + 1}: "
+              + ", ".join(f"{k} {v:.2f}x" for k, v in history[-1].items()), flush=True)
+        if round_index + 1 >= args.rounds and stable(previous, history[-1], args.tolerance):
+            break
+        previous = history[-1]
+    ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
+    return {"shape": shape, "dtype": dtype_name, "ms": ms, "ratio": history[-1], "skipped": skipped,
+            "errors": errors, "peak": peak, "steps": len(times[everyone[0].name]), "rounds": len(history),
+            "converged": stable(history[-2] if len(history) > 1 else None, history[-1], args.tolerance),
+            "load": (load_start, os.getloadavg()[0])}
+
+
+# ---- report ------------------------------------------------------------------------------------------
+def table_rows(r: dict) -> list[str]:
+    rows, shape = [], r["shape"]
+    for name, ms in r["ms"].items():
+        ratio = "baseline of its family" if name.startswith("megalite") else f"**{r['ratio'][name]:.2f}x**"
+        error = "" if name.startswith("megalite") else f"{max(r['errors'][name].values()):.0e}"
+        share = shape.flops() / (ms / 1000) / r["peak"]
+        rows.append(f"| {shape.hidden} / {shape.ffn} / {shape.tokens} | {r['dtype']} | {name} | {ms:.1f} | {ratio} | "
+                    f"{100 * share:.0f}% | {error} |")
+    return rows
+
+
+def headlines(results: list, command: str) -> list[Headline]:
+    """Per dtype, at the largest shape: megalite against Mixtral's eager block and against the fastest
+    transformers contender."""
+    out, largest = [], max(r["shape"].flops() for r in results)
+    for r in (r for r in results if r["shape"].flops() == largest):
+        s, fastest = r["shape"], min(r["ratio"], key=lambda name: r["ms"][name])
+        for name in dict.fromkeys(["mixtral eager", fastest]):
+            family, implementation = name.split()
+            out.append(Headline(f"MoE layer forward+backward vs transformers {family} {implementation}, {r['dtype']}, "
+                                f"h {s.hidden} f {s.ffn} E {s.experts} k {s.topk} T {s.tokens}",
+                                f"transformers {family} sparse MoE block, experts_implementation={implementation}"
+                                f"{' (its fastest here)' if name == fastest else ''}, same weights and tokens",
+                                f"{r['ratio'][name]:.2f}x (HF ms / megalite ms)", command))
+    return out
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--rounds", type=int, default=3, help="at least this many rounds (default 3)")
+    parser.add_argument("--max-rounds", type=int, default=10, help="at most this many rounds (default 10)")
+    parser.add_argument("--steps", type=int, default=2, help="steps per contender per round (default 2)")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up steps per contender (default 2)")
+    parser.add_argument("--tolerance", type=float, default=0.02,
+                        help="stop when no ratio moved more than this (relative) in the last round (default 0.02)")
+    parser.add_argument("--batched-mm-gb", type=float, default=4.0,
+                        help="run transformers' batched_mm only where its weight copies take at most this (GiB)")
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.max_rounds, args.steps, args.warmup = 1, 1, 1, 1
+    import torch
+    command = command_line("bench_moe.py", argv)
+    results = []
+    for shape in QUICK if args.quick else FULL:
+        for dtype_name in args.dtypes.split(","):
+            results.append(compare(shape, dtype_name, args))
+            print("\n".join(table_rows(results[-1])), flush=True)
+    skipped = sorted({line for r in results for line in r["skipped"]})
+    body = [f"Shapes: {'; '.join(s.describe() for s in (QUICK if args.quick else FULL))}; SwiGLU experts, no biases; "
+            f"torch {torch.__version__} with {torch.get_num_threads()} threads, transformers "
+            f"{__import__('transformers').__version__}. One step = forward + backward of the layer. Before timing, "
+            "every transformers block's output, input gradient and router / fc1 / fc2 weight gradients matched "
+            "megalite's on the same weights and tokens (the worst relative error, Frobenius norm, is in the table). "
+            f"Medians of all steps after {args.warmup} warm-up steps, {args.steps} steps per contender per round, "
+            f"rounds in a rotating order until no ratio moved more than {100 * args.tolerance:g}% "
+            f"(at least {args.rounds}, at most {args.max_rounds}). Matmul share: the layer's matmul FLOPs "
+            "(18 T k h f per step) per second over the best 2048^3 matmul rate in the same dtype and run.", "",
+            *([f"Left out: {'; '.join(skipped)}.", ""] if skipped else []),
+            "| hidden / ffn / tokens | dtype | contender | ms / step | vs megalite (HF ms / megalite ms) | "
+            "matmul share | worst relative error |",
+            "|---|---|---|---|---|---|---|", *[row for r in results for row in table_rows(r)], "",
+            "Steps and rounds: " + "; ".join(f"{r['dtype']} h {r['shape'].hidden}: {r['steps']} steps in "
+                                              f"{r['rounds']} rounds{'' if r['converged'] else ' (not stable)'}, "
+                                              f"load {r['load'][0]:.1f} -> {r['load'][1]:.1f}" for r in results) + "."]
+    publish(args, "bench_moe", "MoE layer vs transformers", command, headlines(results, command), body)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
