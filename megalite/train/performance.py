@@ -12,9 +12,13 @@ state each rank holds from the tensors that exist (storage sizes, so padding and
 buckets count), next to the theoretical optimizer-state bytes of the ZeRO paper: Adam with fp32
 master weights keeps 12 bytes per parameter (master, m, v), sharded over the d data-parallel ranks by
 the distributed optimizer: 12Ψ/d, Ψ = parameters on this model-parallel rank. An fp32 model's own
-weights are its master copy, so there it is 8Ψ/d (m, v). Rank 0 prints one line per rank:
+weights are its master copy, so there it is 8Ψ/d (m, v). MoE expert weights are replicated, and their
+state sharded, over the expert-data-parallel ranks instead (d = EDP for them). Rank 0 prints one line
+per rank, and for a model with expert weights two more, the expert weights' share and the rest's:
 
     memory rank R: parameters P bytes | gradients G bytes | optimizer state O bytes | theoretical O' bytes
+    memory rank R expert weights: parameters ... (the same four figures)
+    memory rank R dense weights: parameters ...
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import torch.distributed as dist
 
 from megalite.config.schema import ModelConfig
 from megalite.parallel import collectives
+from megalite.parallel.param_meta import param_meta
 
 # Dense (no sparsity) bf16 tensor-core peaks in FLOP/s, from the vendors' datasheets. Matched as
 # substrings of torch.cuda.get_device_name(), most specific first.
@@ -170,26 +175,72 @@ class Throughput:
 
 
 # ---- the start-up memory report -----------------------------------------------------------------
+KEYS = ("parameters", "gradients", "optimizer", "theoretical")
+
+
 def theoretical_optimizer_bytes(num_params: int, param_dtype: torch.dtype, shards: int) -> int:
     per_param = 8 if param_dtype == torch.float32 else 12
     return round(per_param * num_params / shards)
 
 
 def measure(ddp, optimizer) -> dict[str, int]:
+    """This rank's bytes (module docstring), and with MoE expert weights their share of each figure
+    (``expert ...``); the theoretical figure shards the expert weights' state over the
+    expert-data-parallel ranks, the dense weights' over the data-parallel ones."""
     buf = ddp.buffer
     shards = ddp.dp_size if ddp.shard_optimizer else 1
-    return {"parameters": buf.param_bytes(), "gradients": buf.grad_bytes(), "optimizer": optimizer.state_bytes(),
-            "theoretical": theoretical_optimizer_bytes(buf.numel_unpadded, buf.param_dtype, shards)}
+    measured = {"parameters": buf.param_bytes(), "gradients": buf.grad_bytes(), "optimizer": optimizer.state_bytes(),
+                "theoretical": theoretical_optimizer_bytes(buf.numel_unpadded, buf.param_dtype, shards)}
+    experts = expert_share(ddp, optimizer) if any(param_meta(p).expert for p in buf.params) else None
+    if experts is not None:
+        dense = theoretical_optimizer_bytes(buf.numel_unpadded - experts.pop("numel"), buf.param_dtype, shards)
+        measured["theoretical"] = dense + experts["theoretical"]
+    return measured | {f"expert {key}": (experts or {}).get(key, 0) for key in KEYS}
 
 
-def format_memory_line(rank: int, m: dict[str, int]) -> str:
-    return (f"memory rank {rank}: parameters {m['parameters']} bytes | gradients {m['gradients']} bytes | "
+def expert_share(ddp, optimizer) -> dict[str, int]:
+    """The bytes of the expert weights' parameters, gradients and optimizer state this rank holds, read
+    from the flat layout: the elements of expert slots (``param_meta(p).expert``) inside what the rank
+    holds (all of the layout, or its chunk of each bucket, ``local_range``, where sharded: ZeRO-3 for
+    parameters, ZeRO-2/3 for gradients; the optimizer's pieces for its state). The optimizer state splits
+    in proportion to the elements it updates (moments and master copy are per element). ``numel``: the
+    expert weights' elements; ``theoretical``: their optimizer state by the ZeRO paper over the
+    expert-data-parallel ranks."""
+    buf = ddp.buffer
+    experts = sorted((buf.slots[name].start, buf.slots[name].end) for name, p in ddp.named_params
+                     if param_meta(p).expert)
+    whole = [(0, buf.numel)]
+    sharded = [buf.local_range(b) for b in buf.buckets]
+    grads = buf.grad_data if buf.grad_data is not None else buf.local_grad_chunk(buf.buckets[0])
+    pieces = [(piece.start, piece.end) for piece in optimizer.pieces]
+    updated = sum(end - start for start, end in pieces)
+    numel = sum(end - start for start, end in experts)
+    edp = optimizer.parallel.edp_size if optimizer.parallel is not None else 1
+    return {"parameters": overlap(whole if buf.param_data is not None else sharded, experts)
+            * buf.param_dtype.itemsize,
+            "gradients": overlap(whole if buf.grad_data is not None else sharded, experts) * grads.element_size(),
+            "optimizer": optimizer.state_bytes() * overlap(pieces, experts) // max(updated, 1),
+            "theoretical": theoretical_optimizer_bytes(numel, buf.param_dtype, edp if ddp.shard_optimizer else 1),
+            "numel": numel}
+
+
+def overlap(ranges: list[tuple[int, int]], segments: list[tuple[int, int]]) -> int:
+    """Elements of ``segments`` inside ``ranges`` (each a list of disjoint [start, end) ranges)."""
+    return sum(max(0, min(end, hi) - max(start, lo)) for start, end in ranges for lo, hi in segments)
+
+
+def format_memory_line(rank: int, m: dict[str, int], kind: str = "") -> str:
+    """The rank's line; ``kind`` "expert" or "dense": that share of each figure (MoE models)."""
+    if kind:
+        m = {key: m[f"expert {key}"] if kind == "expert" else m[key] - m[f"expert {key}"] for key in KEYS}
+    label = f"memory rank {rank}" + (f" {kind} weights" if kind else "")
+    return (f"{label}: parameters {m['parameters']} bytes | gradients {m['gradients']} bytes | "
             f"optimizer state {m['optimizer']} bytes | theoretical {m['theoretical']} bytes")
 
 
 def gather_memory(ddp, optimizer) -> list[dict[str, int]]:
     """Every rank's measurement (collective: all ranks call it)."""
-    keys = ("parameters", "gradients", "optimizer", "theoretical")
+    keys = KEYS + tuple(f"expert {key}" for key in KEYS)
     mine = measure(ddp, optimizer)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [mine]
@@ -202,9 +253,14 @@ def gather_memory(ddp, optimizer) -> list[dict[str, int]]:
 
 
 def report_memory(ddp, optimizer, rank: int, print_fn=print) -> list[dict[str, int]]:
-    """Rank 0 prints the line of every rank; every rank returns all measurements."""
+    """Rank 0 prints the line of every rank (with MoE expert weights, then its expert and its dense
+    share); every rank returns all measurements."""
     per_rank = gather_memory(ddp, optimizer)
+    moe = any(m["expert parameters"] for m in per_rank)
     if rank == 0:
         for r, m in enumerate(per_rank):
             print_fn(format_memory_line(r, m))
+            if moe:
+                print_fn(format_memory_line(r, m, "expert"))
+                print_fn(format_memory_line(r, m, "dense"))
     return per_rank
