@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Convert checkpoints between Hugging Face and megalite (Llama, Mistral, Qwen2, Phi-3, GPT-2), both ways.
+"""Convert checkpoints between Hugging Face and megalite, both ways: Llama, Mistral, Qwen2, Qwen3, Phi-3,
+GPT-2 and the Mixture-of-Experts Mixtral, Qwen2-MoE and Qwen3-MoE.
 
     python tools/convert_checkpoint.py --from hf --to megalite --input HF_DIR --output CKPT_DIR
     python tools/convert_checkpoint.py --from megalite --to hf --input CKPT_DIR --output HF_DIR \\
-        [--model-type llama|mistral|qwen2|phi3|gpt2] [--overwrite]
+        [--model-type llama|mistral|qwen2|qwen3|phi3|gpt2|mixtral|qwen2_moe|qwen3_moe] [--overwrite]
 
 HF -> megalite writes CKPT_DIR/iter_0000000 and its tracker file, with the tokenizer files (when the
 model directory has them) in iter_0000000/tokenizer; train from it with
@@ -14,7 +15,9 @@ checkpoint may be a save directory (its latest iteration) or an iter_N directory
 defaults to the family the checkpoint was converted from, else the one its architecture implies.
 
 The conversion is exact (tensors are renamed, transposed, fused or split, never rounded). Anything
-megalite cannot represent (scaled RoPE, Llama o_proj/MLP biases, ...) is refused before writing.
+megalite cannot represent (scaled RoPE, Llama o_proj/MLP biases, ...) is refused before writing, and
+so is an export to a family that cannot hold the checkpoint (an MoE checkpoint as a dense family, a
+dense one as an MoE family).
 Nothing is overwritten without --overwrite.
 """
 from __future__ import annotations
@@ -25,11 +28,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megalite.checkpoint.hf_config import SUPPORTED_MODEL_TYPES  # noqa: E402
 from megalite.config.cli import OneLineArgumentParser  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
 FORMATS = ("hf", "megalite")
-MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gpt2")
+MODEL_TYPES = SUPPORTED_MODEL_TYPES
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,5 @@
-"""Convert Hugging Face causal LMs to megalite checkpoints and back (Llama, Mistral, Qwen2, Phi-3, GPT-2).
+"""Convert Hugging Face causal LMs to megalite checkpoints and back (Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2,
+and the Mixture-of-Experts Mixtral, Qwen2-MoE and Qwen3-MoE).
 
     hf_to_megalite(HF_DIR, CKPT_DIR)       -> CKPT_DIR/iter_0000000 (+ tracker), tokenizer copied inside
     megalite_to_hf(CKPT_DIR, HF_DIR)       -> HF_DIR/config.json + model.safetensors (+ tokenizer files)
@@ -17,6 +18,11 @@ Both directions are exact: tensors are only renamed, transposed, concatenated or
 - Phi-3 is Llama with fused ``qkv_proj`` ([q; k; v], not grouped) and ``gate_up_proj`` ([gate; up], as
   megalite's fc1), and the one Llama-like family whose RoPE honours ``partial_rotary_factor``: it is
   where ``--rotary-percent`` < 1 maps (Llama's RoPE ignores the factor and rotates every dimension).
+- Qwen3 and Qwen3-MoE normalise each q and k head (``q_norm`` / ``k_norm`` [head_dim]): megalite's
+  --qk-layernorm, ``self_attention.q_layernorm`` / ``k_layernorm``.
+- MoE layers (hf_moe.py): the router is ``mlp.router``, the experts are stacked into one fc1 and one fc2
+  tensor per layer, Qwen2-MoE's gated shared expert is ``mlp.shared_experts``. metadata["model"] records
+  the MoE fields and --qk-layernorm next to files.ARCHITECTURE_FIELDS (hf_config.EXTRA_FIELDS).
 - ``--apply-layernorm-1p`` stores norm weights as gamma - 1; no HF family does, so the export folds
   the + 1 into the weights (exact: one rounding of the exact sum, as the norm itself computes it).
 
@@ -37,10 +43,12 @@ import torch
 
 from megalite.checkpoint.files import (ARCHITECTURE_FIELDS, METADATA, TRACKER, CheckpointReader, prepare_temporary_dir,
                                        publish, with_architecture_defaults, write_metadata, write_tensor_file)
-from megalite.checkpoint.hf_config import (SUPPORTED_MODEL_TYPES, build_hf_config, check_convertible,
-                                           check_representable, config_token_ids, default_model_type, dtype_name,
-                                           model_fields, quiet_transformers, read_hf_config, token_ids_from_tokenizer,
-                                           warn)
+from megalite.checkpoint.hf_config import (EXTRA_FIELDS, QKV_BIAS_MODEL_TYPES, SUPPORTED_MODEL_TYPES,
+                                           build_hf_config, check_convertible, check_representable, config_token_ids,
+                                           default_model_type, dtype_name, extra_defaults, model_fields,
+                                           quiet_transformers, read_hf_config, token_ids_from_tokenizer, warn)
+from megalite.checkpoint.hf_moe import (MOE_TRAINING_KEYS, is_sparse, megalite_to_moe, moe_to_megalite,
+                                        moe_training_settings)
 from megalite.checkpoint.hf_weights import HFWeights
 from megalite.errors import UserError
 
@@ -123,8 +131,14 @@ def llama_like_to_megalite(w: HFWeights, m: dict, model_type: str = "llama") -> 
         if m["add_qkv_bias"]:
             out[mg + "self_attention.linear_qkv.bias"] = fuse_qkv(
                 *(w.take(attn + f"{p}_proj.bias") for p in "qkv"), nq, nkv, d)
+        if m["qk_layernorm"]:
+            out[mg + "self_attention.q_layernorm.weight"] = w.take(attn + "q_norm.weight")
+            out[mg + "self_attention.k_layernorm.weight"] = w.take(attn + "k_norm.weight")
         out[mg + "self_attention.linear_proj.weight"] = w.take(attn + "o_proj.weight")
         out[mg + "pre_mlp_layernorm.weight"] = w.take(hf + "post_attention_layernorm.weight")
+        if is_sparse(m, i):
+            out.update(moe_to_megalite(w, hf, mg, m, model_type))
+            continue
         out[mg + "mlp.linear_fc1.weight"] = fuse_swiglu(w.take(hf + "mlp.gate_proj.weight"),
                                                         w.take(hf + "mlp.up_proj.weight"))
         out[mg + "mlp.linear_fc2.weight"] = w.take(hf + "mlp.down_proj.weight")
@@ -202,12 +216,18 @@ def megalite_to_llama_like(t: _MegaliteTensors, m: dict, model_type: str) -> dic
             out[hf + "mlp.down_proj.weight"] = t.get(mg + "mlp.linear_fc2.weight")
             continue
         out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v})
-        if model_type == "qwen2":
+        if m["qk_layernorm"]:
+            out[attn + "q_norm.weight"] = t.norm(mg + "self_attention.q_layernorm.weight", one_p)
+            out[attn + "k_norm.weight"] = t.norm(mg + "self_attention.k_layernorm.weight", one_p)
+        if model_type in QKV_BIAS_MODEL_TYPES:
             bias = t.bias(mg + "self_attention.linear_qkv.bias", (nq + 2 * nkv) * d)
             q, k, v = split_qkv(bias, nq, nkv, d)
             out.update({attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v})
         out[attn + "o_proj.weight"] = t.get(mg + "self_attention.linear_proj.weight")
         out[hf + "post_attention_layernorm.weight"] = t.norm(mg + "pre_mlp_layernorm.weight", one_p)
+        if is_sparse(m, i):
+            out.update(megalite_to_moe(t, hf, mg, m, model_type))
+            continue
         gate, up = split_swiglu(t.get(mg + "mlp.linear_fc1.weight"))
         out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = gate, up
         out[hf + "mlp.down_proj.weight"] = t.get(mg + "mlp.linear_fc2.weight")
@@ -279,7 +299,7 @@ def hf_to_megalite(hf_dir: str, output_dir: str, overwrite: bool = False, log=wa
     config = read_hf_config(hf_dir)
     model_type = config.model_type
     check_convertible(config, log)
-    m = model_fields(config)
+    m = {**extra_defaults(), **model_fields(config)}
     _check_output_free(output_dir, overwrite, kind="megalite")
 
     weights = HFWeights(hf_dir, "transformer." if model_type == "gpt2" else "model.")
@@ -292,7 +312,7 @@ def hf_to_megalite(hf_dir: str, output_dir: str, overwrite: bool = False, log=wa
     params_dtype = dtype_name(config) or DTYPE_NAMES.get(embeddings.dtype, "float32")
     # megalite stores float32/bfloat16/float16; a float64 model is stored as its params dtype
     tensors = {n: t if t.dtype in DTYPE_NAMES else t.to(getattr(torch, params_dtype)) for n, t in tensors.items()}
-    model = {**{k: m[k] for k in ARCHITECTURE_FIELDS}, "params_dtype": params_dtype}
+    model = {**{k: m[k] for k in ARCHITECTURE_FIELDS + EXTRA_FIELDS}, "params_dtype": params_dtype}
 
     _make_output_dir(output_dir)
     # written as iter_0000000.tmp (tokenizer included) and published by one rename, as training saves
@@ -309,7 +329,8 @@ def hf_to_megalite(hf_dir: str, output_dir: str, overwrite: bool = False, log=wa
     metadata = {"iteration": 0, "model": model, "tokenizer": tokenizer, "tensors": index,
                 "source": {"format": "huggingface", "model_type": model_type,
                            "architectures": list(getattr(config, "architectures", None) or []),
-                           "path": os.path.abspath(hf_dir), **config_token_ids(config)}}
+                           "path": os.path.abspath(hf_dir), **config_token_ids(config),
+                           **moe_training_settings(config)}}
     write_metadata(tmp, metadata)
     return publish(output_dir, 0)
 
@@ -327,9 +348,13 @@ def megalite_to_hf(checkpoint_dir: str, output_dir: str, model_type: str | None 
     reader = CheckpointReader(checkpoint_dir)
     meta = reader.metadata
     m = meta.get("model")
-    m = with_architecture_defaults(m) if isinstance(m, dict) else m
+    m = {**extra_defaults(), **with_architecture_defaults(m)} if isinstance(m, dict) else m
     if not isinstance(m, dict) or any(k not in m for k in ARCHITECTURE_FIELDS):
         raise UserError(f"checkpoint {reader.directory}: metadata.json has no complete model description")
+    if not m["num_experts"] and reader.names("decoder.layers.") and any(
+            n.endswith(".mlp.router.weight") for n in reader.names("decoder.layers.")):
+        raise UserError(f"checkpoint {reader.directory} holds MoE layers (mlp.router) but its metadata.json "
+                        "describes a dense model (no num_experts); it was saved without its MoE fields")
     model_type = model_type or default_model_type(meta)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(f"--model-type {model_type} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
@@ -344,7 +369,7 @@ def megalite_to_hf(checkpoint_dir: str, output_dir: str, model_type: str | None 
     token_ids = {k: source[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in source}
     if not token_ids and tokenizer_dir:
         token_ids = {k: v for k, v in token_ids_from_tokenizer(tokenizer_dir).items() if v is not None}
-    config = build_hf_config(m, model_type, token_ids)
+    config = build_hf_config(m, model_type, token_ids, {k: source[k] for k in MOE_TRAINING_KEYS if k in source})
 
     from safetensors.torch import save_file
     _make_output_dir(output_dir)

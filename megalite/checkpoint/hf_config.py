@@ -6,8 +6,17 @@ what megalite cannot represent exactly, while the planner only needs the shapes 
 the memory and time of plain RoPE). The reverse direction, ``build_hf_config``, writes the config of an
 exported checkpoint.
 
-Families: Llama 1/2/3, Mistral, Qwen2 (q/k/v biases), Phi-3 (fused projections, partial rotary) share
-one mapping (RoPE, RMSNorm, SwiGLU, GQA); GPT-2 (learned positions, LayerNorm, GELU, biases) has its own.
+Families: Llama 1/2/3, Mistral, Qwen2 (q/k/v biases), Qwen3 (QK-norm), Phi-3 (fused projections, partial
+rotary) and the Mixture-of-Experts Mixtral, Qwen2-MoE (gated shared expert) and Qwen3-MoE share one mapping
+(RoPE, RMSNorm, SwiGLU, GQA); GPT-2 (learned positions, LayerNorm, GELU, biases) has its own.
+
+MoE (``moe_fields``): HF layer i (0-based) is sparse when i is not in ``mlp_only_layers`` and (i + 1) is a
+multiple of ``decoder_sparse_step``; megalite's --moe-layer-freq is that 0/1 list (1 when every layer is).
+Routers: Mixtral and ``norm_topk_prob=True`` renormalise the top-k softmax weights (= softmax over the
+top-k logits, megalite's default); ``norm_topk_prob=False`` keeps the softmax over all experts
+(--moe-router-pre-softmax). HF adds ``router_aux_loss_coef`` x its load-balancing loss only with
+``output_router_logits``; that is when it maps to --moe-aux-loss-coeff (HF pools the statistics of all
+layers into one loss, Megatron adds one loss per layer: same coefficient, different normalisation).
 """
 from __future__ import annotations
 
@@ -16,11 +25,25 @@ import json
 import os
 import sys
 
+from megalite.checkpoint.hf_moe import (MOE_MODEL_TYPES, build_moe_config, check_moe_convertible,
+                                        check_moe_representable, moe_fields)
 from megalite.errors import UserError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gpt2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel",
+                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")            # RMSNorm of each q and k head (q_norm, k_norm)
+QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
+# families whose sliding window applies only when use_sliding_window (and a layer type says so)
+LAYER_TYPED_WINDOW = ("qwen2", "qwen2_moe", "qwen3")
+# metadata["model"] fields a conversion records beyond files.ARCHITECTURE_FIELDS (the MoE layer, QK-norm);
+# ModelConfig's defaults stand for a checkpoint that lacks them
+EXTRA_FIELDS = ("qk_layernorm", "num_experts", "moe_layer_freq", "moe_ffn_hidden_size",
+                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_topk",
+                "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+                "moe_router_enable_expert_bias")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")      # the parameter dtypes megalite stores
 # GPT-2 activation names -> openai_gelu. gelu_new is the tanh approximation written out by hand
 # (NewGELUActivation); it equals F.gelu(approximate="tanh") to float rounding.
@@ -100,6 +123,13 @@ def dtype_name(config) -> str | None:
     return name if name in DTYPE_NAMES else None
 
 
+def extra_defaults() -> dict:
+    """EXTRA_FIELDS at ModelConfig's defaults (a dense model without QK-norm)."""
+    import dataclasses
+    from megalite.config.schema import ModelConfig
+    return {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in EXTRA_FIELDS}
+
+
 def config_token_ids(config) -> dict:
     """bos/eos/pad ids, recorded so an export writes the model's own (LlamaConfig defaults to 1/2)."""
     return {key: getattr(config, key, None) for key in TOKEN_ID_KEYS}
@@ -152,7 +182,7 @@ def rotary_factor(config) -> float:
 def _sliding_window(config, model_type: str) -> int | None:
     """The attention window a Mistral/Qwen2 model actually applies, or None for full attention."""
     window = getattr(config, "sliding_window", None)
-    if model_type == "qwen2":
+    if model_type in LAYER_TYPED_WINDOW:
         layer_types = getattr(config, "layer_types", None) or []
         uses = getattr(config, "use_sliding_window", False) and (not layer_types or "sliding_attention" in layer_types)
         window = window if uses else None
@@ -189,6 +219,8 @@ def check_convertible(config, log=warn) -> None:
     if factor != 1.0 and (int(head_dim * factor) % 2 or int(head_dim * factor) < 2):
         raise UserError(f"partial_rotary_factor={factor} rotates {int(head_dim * factor)} of {head_dim} head dimensions; "
                         "megalite needs an even number >= 2")
+    if model_type in MOE_MODEL_TYPES:
+        check_moe_convertible(config, log)
     window = _sliding_window(config, model_type)
     if window is not None:
         log(f"{model_type} sliding_window={window} < max_position_embeddings={config.max_position_embeddings}: "
@@ -223,10 +255,16 @@ def llama_like_fields(config) -> dict:
         "vocab_size": config.vocab_size, "position_embedding_type": "rope",
         "rotary_base": float(rope_parameters(config).get("rope_theta", 10000.0)),
         "normalization": "RMSNorm", "norm_epsilon": float(config.rms_norm_eps), "swiglu": True, "openai_gelu": False,
-        "add_bias_linear": False, "add_qkv_bias": config.model_type == "qwen2",
+        "add_bias_linear": False, "add_qkv_bias": _has_qkv_bias(config),
         "untie_embeddings_and_output_weights": not getattr(config, "tie_word_embeddings", False),
         "rotary_percent": _rotary_percent(config), "apply_layernorm_1p": False,
+        "qk_layernorm": config.model_type in QK_NORM_MODEL_TYPES, **moe_fields(config),
     }
+
+
+def _has_qkv_bias(config) -> bool:
+    """Qwen2 always has q/k/v biases, Qwen2-MoE unless ``qkv_bias=False`` (transformers 5)."""
+    return config.model_type == "qwen2" or (config.model_type == "qwen2_moe" and getattr(config, "qkv_bias", True))
 
 
 def gpt2_fields(config) -> dict:
@@ -265,6 +303,11 @@ def default_model_type(metadata: dict) -> str:
         return "gpt2"
     if m.get("rotary_percent", 1.0) != 1.0:
         return "phi3"
+    if m.get("num_experts"):
+        return "qwen3_moe" if m.get("qk_layernorm") else "qwen2_moe" if m.get("moe_shared_expert_intermediate_size") \
+            else "mixtral"
+    if m.get("qk_layernorm"):
+        return "qwen3"
     return "qwen2" if m["add_qkv_bias"] else "llama"
 
 
@@ -287,17 +330,25 @@ def check_representable(m: dict, model_type: str) -> None:
     need(m["normalization"] == "RMSNorm", f"{model_type} uses RMSNorm, the checkpoint {m['normalization']}")
     need(m["swiglu"], f"{model_type} has a SwiGLU MLP, the checkpoint a GELU MLP")
     need(not m["add_bias_linear"], f"{model_type} has no biases on its linear layers (add_bias_linear=True)")
-    if model_type != "qwen2":
-        need(not m["add_qkv_bias"], f"{model_type} has no q/k/v biases (add_qkv_bias=True); use --model-type qwen2")
+    if model_type not in QKV_BIAS_MODEL_TYPES:
+        need(not m["add_qkv_bias"], f"{model_type} has no q/k/v biases (add_qkv_bias=True); use --model-type qwen2 "
+             "or qwen2_moe")
     if model_type != "phi3":
         need(m["rotary_percent"] == 1.0, f"{model_type}'s RoPE rotates whole heads, the checkpoint has "
              f"--rotary-percent {m['rotary_percent']:g}; use --model-type phi3")
+    if model_type in QK_NORM_MODEL_TYPES:
+        need(m["qk_layernorm"], f"{model_type} normalises q and k per head, the checkpoint has no --qk-layernorm")
+    else:
+        need(not m["qk_layernorm"], f"{model_type} has no q/k norms (--qk-layernorm); use --model-type qwen3 or "
+             "qwen3_moe")
+    check_moe_representable(m, model_type, need)
 
 
-def build_hf_config(m: dict, model_type: str, token_ids: dict):
-    """The transformers config object for metadata["model"] ``m`` (already checked representable)."""
+def build_hf_config(m: dict, model_type: str, token_ids: dict, moe_training: dict | None = None):
+    """The transformers config object for metadata["model"] ``m`` (already checked representable);
+    ``moe_training``: MOE_TRAINING_KEYS to write (the converted model's own), else the family's defaults."""
     with quiet_transformers():
-        from transformers import GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+        from transformers import GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
         common = {"vocab_size": m["vocab_size"], "tie_word_embeddings": not m["untie_embeddings_and_output_weights"],
                   "architectures": [ARCHITECTURES[model_type]], "dtype": m.get("params_dtype", "float32"), **token_ids}
         if model_type == "gpt2":
@@ -319,10 +370,14 @@ def build_hf_config(m: dict, model_type: str, token_ids: dict):
             ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
             return Phi3Config(sliding_window=None, original_max_position_embeddings=m["max_position_embeddings"],
                               **{**ids, **fields})
+        if model_type in MOE_MODEL_TYPES:
+            return build_moe_config(m, model_type, fields, moe_training or {})
         if model_type == "llama":
             return LlamaConfig(attention_bias=False, mlp_bias=False, **fields)
         if model_type == "mistral":
             return MistralConfig(sliding_window=None, **fields)     # megalite attention is full causal
+        if model_type == "qwen3":
+            return Qwen3Config(attention_bias=False, use_sliding_window=False, sliding_window=None, **fields)
         return Qwen2Config(use_sliding_window=False, sliding_window=None, **fields)
 
 

@@ -22,7 +22,7 @@ from megalite.checkpoint.files import ARCHITECTURE_FIELDS, CheckpointReader, wri
 from megalite.checkpoint.sharded import load_model
 from megalite.errors import UserError
 from megalite.checkpoint.hf import fuse_qkv, hf_to_megalite, megalite_to_hf, split_qkv
-from megalite.checkpoint.hf_config import default_model_type
+from megalite.checkpoint.hf_config import EXTRA_FIELDS, default_model_type, extra_defaults
 
 transformers = pytest.importorskip("transformers")
 
@@ -125,7 +125,8 @@ def test_megalite_logits_match_transformers(converted):
 def test_checkpoint_metadata(converted):
     meta = CheckpointReader(converted.ckpt).metadata
     assert converted.iter_dir == os.path.join(converted.ckpt, "iter_0000000")
-    assert set(meta["model"]) == set(ARCHITECTURE_FIELDS) | {"params_dtype"}
+    assert set(meta["model"]) == set(ARCHITECTURE_FIELDS) | set(EXTRA_FIELDS) | {"params_dtype"}
+    assert {k: meta["model"][k] for k in EXTRA_FIELDS} == extra_defaults()      # dense, no QK-norm
     assert meta["model"]["params_dtype"] == "float32" and meta["model"]["vocab_size"] == VOCAB
     hf_type = converted.model.config.model_type
     assert meta["source"]["format"] == "huggingface" and meta["source"]["model_type"] == hf_type
