@@ -45,6 +45,7 @@ from megalite.config.schema import ModelConfig
 from megalite.model.mlp import MLP
 from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext, Routed, dispatch
 from megalite.parallel.param_meta import mark
+from megalite.parallel.pipeline.split_backward import input_grads_to_compute
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -185,7 +186,7 @@ def _stacked_weight(shape: tuple, full: tuple, dtype: torch.dtype, take_rows, ta
 
 
 class GroupedExperts(nn.Module):
-    """This rank's experts, run as two grouped GEMMs over rows grouped by expert (torch._grouped_mm)."""
+    """This rank's experts: two GEMMs per expert over rows grouped by expert, as one autograd node."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, ep: ExpertParallel):
         super().__init__()
@@ -213,27 +214,80 @@ class GroupedExperts(nn.Module):
 
     def forward(self, rows: torch.Tensor, counts: list) -> torch.Tensor:
         """rows [N, h] grouped by local expert, ``counts`` rows per expert -> partial outputs [N, h]."""
-        hidden = grouped_mm(rows, self.linear_fc1.weight, counts)
-        if self.swiglu:
+        activation = "swiglu" if self.swiglu else self.gelu_approximate
+        return _ExpertMLP.apply(rows, self.linear_fc1.weight, self.linear_fc2.weight, counts, activation)
+
+
+class _ExpertMLP(torch.autograd.Function):
+    """fc2(act(fc1(rows))) per expert over rows grouped by expert; act is SwiGLU or GELU ("none"/"tanh").
+
+    One node instead of autograd's chain of grouped GEMMs, split, activation and product: it saves the
+    rows, fc1's output and the activation (less than the chain keeps), and its backward writes each
+    gradient once into its place (the gate and up halves of fc1's gradient side by side, every expert's
+    weight gradient into one stacked tensor) instead of concatenating pieces."""
+
+    @staticmethod
+    def forward(ctx, rows, fc1, fc2, counts: list, activation: str):
+        hidden = grouped_mm(rows, fc1, counts)                                  # [N, 2f] or [N, f]
+        if activation == "swiglu":
             gate, up = hidden.chunk(2, dim=-1)
-            hidden = F.silu(gate) * up
+            act = F.silu(gate).mul_(up)
         else:
-            hidden = F.gelu(hidden, approximate=self.gelu_approximate)
-        return grouped_mm(hidden, self.linear_fc2.weight, counts)
+            act = F.gelu(hidden, approximate=activation)
+        ctx.save_for_backward(rows, fc1, fc2, hidden, act)
+        ctx.counts, ctx.activation = counts, activation
+        return grouped_mm(act, fc2, counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, fc1, fc2, hidden, act = ctx.saved_tensors
+        counts = ctx.counts
+        need_rows, need_fc1, need_fc2 = input_grads_to_compute(ctx)[:3]
+        grad = grad.contiguous()
+        d_fc2 = grouped_weight_grad(grad, act, counts, fc2) if need_fc2 else None
+        if not (need_rows or need_fc1):
+            return None, None, d_fc2, None, None
+        d_act = grouped_mm(grad, fc2.transpose(-1, -2), counts)                 # [N, f]
+        if ctx.activation == "swiglu":
+            gate, up = hidden.chunk(2, dim=-1)
+            d_hidden = torch.empty_like(hidden)
+            d_gate, d_up = d_hidden.chunk(2, dim=-1)
+            torch.mul(F.silu(gate), d_act, out=d_up)
+            torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
+        else:
+            d_hidden = torch.ops.aten.gelu_backward(d_act, hidden, approximate=ctx.activation)
+        d_rows = grouped_mm(d_hidden, fc1.transpose(-1, -2), counts) if need_rows else None
+        d_fc1 = grouped_weight_grad(d_hidden, rows, counts, fc1) if need_fc1 else None
+        return d_rows, d_fc1, d_fc2, None, None
 
 
 def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, counts: list) -> torch.Tensor:
-    """rows [N, in] grouped by expert x weight [E, out, in] per expert -> [N, out]. torch._grouped_mm where
-    its layout rule holds (every row stride a multiple of 16 bytes), else one matmul per expert."""
+    """rows [N, in] grouped by expert x weight [E, out, in] per expert -> [N, out] (no autograd of its own:
+    _ExpertMLP differentiates it). On a GPU torch._grouped_mm, one kernel for every expert, where its
+    layout rule holds (every row stride a multiple of 16 bytes); elsewhere one matmul per expert written
+    into its slice of the output."""
     width = rows.element_size()
-    if rows.shape[1] * width % 16 == 0 and weight.shape[1] * width % 16 == 0 and hasattr(torch, "_grouped_mm"):
+    if (rows.device.type != "cpu" and rows.shape[1] * width % 16 == 0 and weight.shape[1] * width % 16 == 0
+            and hasattr(torch, "_grouped_mm")):         # probe: torch's private grouped GEMM, absent before 2.8
         offsets = torch.tensor(counts, dtype=torch.int32, device=rows.device).cumsum(0, dtype=torch.int32)
-        out = torch._grouped_mm(rows, weight.transpose(-1, -2), offs=offsets)
-        if out.requires_grad:
-            out.register_hook(torch.Tensor.contiguous)       # its backward refuses expanded gradients
-        return out
-    parts = rows.split(counts)
-    return torch.cat([p @ weight[e].t() for e, p in enumerate(parts)]) if parts else rows.new_zeros(0, weight.shape[1])
+        return torch._grouped_mm(rows, weight.transpose(-1, -2), offs=offsets)
+    out = rows.new_empty(rows.shape[0], weight.shape[1])
+    for part, result, w in zip(rows.split(counts), out.split(counts), weight):
+        if part.shape[0]:
+            torch.mm(part, w.t(), out=result)
+    return out
+
+
+def grouped_weight_grad(grad: torch.Tensor, rows: torch.Tensor, counts: list, weight: torch.Tensor) -> torch.Tensor:
+    """The gradient of grouped_mm's weight [E, out, in]: per expert grad_e^T rows_e (zero for an expert
+    that got no rows)."""
+    out = torch.empty_like(weight)
+    for g, part, result in zip(grad.split(counts), rows.split(counts), out):
+        if part.shape[0]:
+            torch.mm(g.t(), part, out=result)
+        else:
+            result.zero_()
+    return out
 
 
 class SharedExpert(MLP):
