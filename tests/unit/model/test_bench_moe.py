@@ -36,3 +36,43 @@ def test_batched_mm_is_left_out_where_its_weight_copies_exceed_the_budget():
     _, theirs, skipped, _ = bench_moe.contenders(TINY, "fp32", batched_mm_gb=0.0, quiet=lambda *a, **k: None)
     assert len(skipped) == 2 and all("batched_mm: not run" in line for line in skipped)
     assert "batched_mm" not in " ".join(c.name for c in theirs)
+
+
+@pytest.mark.parametrize("swiglu,openai_gelu", [(True, False), (False, False), (False, True)])
+def test_grouped_experts_gradients_equal_plain_autograd_per_expert(swiglu, openai_gelu):
+    """GroupedExperts' own backward (one node for both GEMMs and the activation) against autograd through
+    plain per-expert matmuls, in fp64, with an expert that gets no rows."""
+    import torch.nn.functional as F
+    from megalite.config.megatron_cli import parse_args
+    from megalite.model.moe import GroupedExperts
+    from megalite.parallel.expert.dispatch import ExpertParallel
+    from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
+    argv = with_flags(TINY_LLAMA_ARGS, num_experts=4, moe_ffn_hidden_size=24, swiglu=swiglu or None,
+                      openai_gelu=openai_gelu or None)
+    experts = GroupedExperts(parse_args(argv, world_size=1).model, torch.float64, ExpertParallel())
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64) * 0.1)
+    counts = [5, 0, 9, 3]
+    rows = torch.randn(sum(counts), 64, generator=generator, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(sum(counts), 64, generator=generator, dtype=torch.float64)
+    experts(rows, counts).backward(grad)
+    got = [rows.grad, experts.linear_fc1.weight.grad, experts.linear_fc2.weight.grad]
+
+    fc1 = experts.linear_fc1.weight.detach().requires_grad_()
+    fc2 = experts.linear_fc2.weight.detach().requires_grad_()
+    x = rows.detach().requires_grad_()
+    outs = []
+    for e, part in enumerate(x.split(counts)):
+        hidden = part @ fc1[e].t()
+        if swiglu:
+            gate, up = hidden.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        else:
+            act = F.gelu(hidden, approximate="tanh" if openai_gelu else "none")
+        outs.append(act @ fc2[e].t())
+    torch.cat(outs).backward(grad)
+    for ours, reference in zip(got, [x.grad, fc1.grad, fc2.grad]):
+        torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12)
+    assert not got[1][1].any() and not got[2][1].any()           # the expert without rows
