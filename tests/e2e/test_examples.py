@@ -180,6 +180,36 @@ def test_llama3_8b_tensor_sequence_and_interleaved_pipeline_parallel(tmp_path, d
     assert_metrics(ckpt / "metrics.jsonl")
 
 
+def test_moe_cpu_quickstart_splits_the_experts_over_two_processes(tmp_path, data):
+    """EP=2 over 2 processes (data parallel 2 for the rest), 4 experts top-2 with the load-balancing loss,
+    on the SentencePiece data made here: each rank holds 2 experts' weights."""
+    run_dir = tmp_path / "run"
+    proc = run_script(os.path.join(EXAMPLES, "pretrain_moe_cpu_quickstart.sh"), script_env(
+        RUN_DIR=run_dir, DATA_PATH=data["sp_data"], TOKENIZER_MODEL=data["sp_model"], NPROC_PER_NODE=2, EP=2,
+        NUM_EXPERTS=4, MICRO_BATCH=2, EVAL_INTERVAL=2), tmp_path)
+    assert_trained(proc.stdout)
+    assert "load_balancing_loss:" in proc.stdout and "max/mean tokens per expert:" in proc.stdout
+    # 4 layers x 2 experts x (2 x 128 x 64 + 64 x 128) fp32 weights on each rank
+    assert "memory rank 1 expert weights: parameters 786432 bytes" in proc.stdout, proc.stdout[-3000:]
+    assert "validation loss at iteration 2 | lm loss value:" in proc.stdout
+    assert_checkpoint(run_dir / "checkpoints", 2)
+    assert_metrics(run_dir / "metrics.jsonl")
+
+
+def test_mixtral_8x7b_expert_tensor_sequence_and_pipeline_parallel(tmp_path, data):
+    """EP=2 x TP=2 + sequence parallel x PP=2 on 4 processes (experts not split by TP: ETP=1), the
+    distributed optimizer with overlapped reduction and gather, all-to-all dispatch, bf16."""
+    ckpt = tmp_path / "ckpt"
+    proc = run_script(os.path.join(EXAMPLES, "pretrain_mixtral_8x7b.sh"), script_env(
+        NNODES=1, GPUS_PER_NODE=4, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), CHECKPOINT_PATH=ckpt, TP=2,
+        PP=2, EP=2, ETP=1, NUM_EXPERTS=4, NUM_WORKERS=0, DATA_PATH=data["sp_data"],
+        TOKENIZER_MODEL=data["sp_model"]), tmp_path)
+    assert_trained(proc.stdout)
+    assert "load_balancing_loss:" in proc.stdout
+    assert_checkpoint(ckpt, 2)
+    assert_metrics(ckpt / "metrics.jsonl")
+
+
 FAKE_SRUN = r"""#!/bin/bash
 # fake srun: one task per node of the allocation, all on this machine, with the variables srun sets
 while [[ $# -gt 0 && $1 == -* ]]; do echo "fake srun: option $1" >&2; shift; done
@@ -349,7 +379,11 @@ FULL_SIZE = {
                   (32, 4096, 14336, 32, 8, 8192, 128256), (8, 2, 2, 8, 2, 64)),
     "llama2_70b": ("pretrain_llama2_70b_torchrun.sh", {"TOKENIZER_MODEL": "t", "NODE_RANK": 0, "MASTER_ADDR": "n0"},
                    32000, (80, 8192, 28672, 64, 8, 4096, 32768), (64, 8, 4, 5, 2, 512)),
+    "mixtral_8x7b": ("pretrain_mixtral_8x7b.sh", {"TOKENIZER_MODEL": "t", "NODE_RANK": 0, "MASTER_ADDR": "n0"},
+                     32000, (32, 4096, 14336, 32, 8, 4096, 32000), (64, 2, 4, None, 8, 32)),
 }
+# the MoE scripts' experts: (experts, top-k, aux loss coefficient, dispatcher, EP, expert TP (None: TP))
+FULL_SIZE_EXPERTS = {"mixtral_8x7b": (8, 2, 1e-2, "alltoall", 8, None)}
 
 
 @pytest.mark.parametrize("name", list(FULL_SIZE))
@@ -373,6 +407,9 @@ def test_real_size_flags_are_valid_at_the_full_world_size(tmp_path, name):
             p["num_layers_per_virtual_pipeline_stage"], config["data_parallel_size"], config["num_microbatches"]) == layout
     assert config["optimizer"]["bf16"] and p["use_distributed_optimizer"] and p["overlap_grad_reduce"]
     assert p["sequence_parallel"] == (p["tensor_model_parallel_size"] > 1)
+    assert (m["num_experts"], m["moe_router_topk"], m["moe_aux_loss_coeff"], m["moe_token_dispatcher_type"],
+            p["expert_model_parallel_size"], p["expert_tensor_parallel_size"]) == \
+        FULL_SIZE_EXPERTS.get(name, (None, 2, 0.0, "allgather", 1, None))
     assert not os.path.exists(tmp_path / "ckpt")                              # nothing ran
 
 
