@@ -48,11 +48,13 @@ MEGATRON_INPUTS = [
 ]
 
 # Megatron flags that only pick fused kernels or legacy code paths; megalite accepts them so existing
-# scripts run, and says once at start-up that they change nothing.
+# scripts run, and says once at start-up that they change nothing. --no-position-embedding is the legacy
+# model's switch, which Megatron's core models ignore too: --position-embedding-type decides.
 COMPAT_NO_EFFECT = ["--use-mcore-models", "--use-flash-attn", "--no-masked-softmax-fusion",
                     "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
                     "--no-rope-fusion", "--attention-softmax-in-fp32",
-                    "--accumulate-allreduce-grads-in-fp32", "--use-rotary-position-embeddings"]
+                    "--accumulate-allreduce-grads-in-fp32", "--use-rotary-position-embeddings",
+                    "--no-position-embedding"]
 FP8_FLAGS = ["--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]
 COMPAT_FLAGS = [(name, dict(action="store_true")) for name in COMPAT_NO_EFFECT] + [
     ("--transformer-impl", dict(choices=["local", "transformer_engine"])),

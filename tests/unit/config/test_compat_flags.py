@@ -23,3 +23,12 @@ def test_accepted_flags_say_once_what_megalite_does_instead():
     assert startup_notes(TINY_LLAMA_ARGS) == []
     with pytest.raises(UserError, match="--decoupled-min-lr needs --decoupled-lr"):
         parse_args(with_flags(TINY_LLAMA_ARGS, decoupled_min_lr="1e-5"), world_size=1)
+
+
+def test_no_position_embedding_changes_nothing_as_in_megatron_core_models():
+    """Megatron's Mixtral example passes it beside --position-embedding-type rope; its core models ignore
+    it (only the legacy model read it), and so does megalite, saying so at start-up."""
+    argv = with_flags(TINY_LLAMA_ARGS, no_position_embedding=True)
+    assert parse_args(argv, world_size=1) == parse_args(TINY_LLAMA_ARGS, world_size=1)
+    assert startup_notes(argv) == ["accepted with no effect (megalite chooses its kernels itself): "
+                                   "--no-position-embedding"]
