@@ -447,13 +447,19 @@ class StoredTensor:
 # ---- the model's description ---------------------------------------------------------------------
 # ModelConfig fields that define the architecture (and so the tensors); recorded in metadata["model"]
 # and taken back by --use-checkpoint-args, load_model and the Hugging Face exporter.
+# the MoE fields that shape the weights or the forward; a dense model's metadata lacks them
+MOE_DEFAULTS = {"num_experts": None, "moe_layer_freq": 1, "moe_ffn_hidden_size": None,
+                "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False, "moe_router_topk": 2,
+                "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
+                "moe_router_topk_scaling_factor": None, "moe_router_enable_expert_bias": False}
+MOE_FIELDS = tuple(MOE_DEFAULTS)
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
                        "num_query_groups", "seq_length", "max_position_embeddings", "vocab_size",
                        "position_embedding_type", "rotary_base", "normalization", "norm_epsilon", "swiglu",
                        "openai_gelu", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
-                       "rotary_percent", "apply_layernorm_1p")
+                       "rotary_percent", "apply_layernorm_1p", *MOE_FIELDS)
 # values for metadata that lacks these fields (the model they describe has none of the feature)
-ARCHITECTURE_DEFAULTS = {"rotary_percent": 1.0, "apply_layernorm_1p": False}
+ARCHITECTURE_DEFAULTS = {"rotary_percent": 1.0, "apply_layernorm_1p": False, **MOE_DEFAULTS}
 
 
 def with_architecture_defaults(model: dict) -> dict:

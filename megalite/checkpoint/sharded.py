@@ -102,13 +102,10 @@ def owned_parts(trainer) -> list[tuple[ParamEntry, int, int, dict[str, torch.Ten
     """What this rank writes: per parameter, the local flat range [lo, hi) it owns and, per stored
     tensor name, a flat tensor holding that range (element 0 is local element lo)."""
     p, buffer, optimizer = trainer.parallel, trainer.buffer, trainer.optimizer
-    if not optimizer.grads_sharded and buffer.dp_rank != 0:       # a replica of data-parallel rank 0's
-        return []
     master_is_weights = buffer.param_dtype == torch.float32
     parts = []
     for entry in param_entries(trainer.chunks):
-        replicated = not param_meta(entry.param).tensor_model_parallel
-        if not entry.stored_here or (replicated and p.tp_rank != 0):
+        if not entry.stored_here or not writes(p, optimizer.grads_sharded, param_meta(entry.param)):
             continue
         slot, g = buffer.slots[entry.buffer_name], entry.global_name
         for start, end, piece, master, state, cut in optimizer_ranges(optimizer, slot):
@@ -121,15 +118,32 @@ def owned_parts(trainer) -> list[tuple[ParamEntry, int, int, dict[str, torch.Ten
     return parts
 
 
+def writes(p, grads_sharded: bool, meta) -> bool:
+    """Whether this rank writes its part of a parameter: every holder of a distinct part (TP shards,
+    EP x ETP expert pieces, ZeRO chunks), and of replicas the first (data-parallel rank 0, TP rank 0
+    for a replicated dense parameter, expert-data-parallel rank 0 for an expert weight)."""
+    if meta.expert:
+        return grads_sharded or p.edp_rank == 0
+    return (grads_sharded or p.dp_rank == 0 and p.cp_rank == 0) and (meta.tensor_model_parallel or p.tp_rank == 0)
+
+
 def shard_filename(trainer, kind: str) -> str:
-    """model-pp000[-tp001][-dp00002].safetensors: the coordinates of the writer, where there are several."""
+    """model-pp000[-tp001][-dp00002].safetensors: the coordinates of the writer, where there are several
+    (an MoE model's experts are written by ranks of any data-parallel coordinate)."""
     p, buffer = trainer.parallel, trainer.buffer
     name = f"{kind}-pp{p.pp_rank:03d}"
     if p.tp_size > 1:
         name += f"-tp{p.tp_rank:03d}"
-    if trainer.optimizer.grads_sharded and buffer.dp_size > 1:
+    if (trainer.optimizer.grads_sharded or trainer.config.model.num_experts) and buffer.dp_size > 1:
         name += f"-dp{buffer.dp_rank:05d}"
     return name + ".safetensors"
+
+
+def router_buffers(trainer) -> list[tuple[str, torch.Tensor]]:
+    """(global name, tensor) of this rank's MoE expert biases (buffers, equal on every rank of a pipeline
+    stage: the first rank of the stage writes them whole)."""
+    return [(chunk.global_name(name), buffer) for chunk in trainer.chunks
+            for name, buffer in chunk.named_buffers() if name.endswith("router.expert_bias")]
 
 
 def write_shards(trainer, directory: str) -> dict[str, dict]:
@@ -138,6 +152,11 @@ def write_shards(trainer, directory: str) -> dict[str, dict]:
     vocab = trainer.config.model.vocab_size
     files = {"model": {}, "optimizer": {}}
     index: dict[str, dict] = {}
+    if trainer.parallel.stage_rank == 0:
+        for name, tensor in router_buffers(trainer):
+            files["model"][name] = tensor
+            index[name] = {"shape": list(tensor.shape), "dtype": DTYPE_NAMES[tensor.dtype], "pieces": [
+                {"file": shard_filename(trainer, "model"), "key": name, "box": [[0, tensor.numel()], [0, 1]]}]}
     for entry, lo, hi, sources in owned_parts(trainer):
         shape = stored_shape(entry.global_name, full_shape(entry.param), vocab)
         rows, cols = as_2d(shape)
@@ -238,7 +257,8 @@ def has_checkpoint(path: str) -> bool:
 def architecture_differences(reader: CheckpointReader, model_config: ModelConfig) -> list[str]:
     """Model fields where the checkpoint and this run disagree, as "--flag saved vs this run"."""
     differences, fields = [], dataclasses.asdict(model_config)
-    for name, value in reader.metadata.get("model", {}).items():
+    stored = reader.metadata.get("model", {})
+    for name, value in sorted(stored.items(), key=lambda item: item[0] != "num_experts"):   # MoE vs dense first
         if name in ("params_dtype", "seq_length"):
             continue
         mine = fields.get(name)
@@ -316,7 +336,8 @@ def load_tensors(trainer, reader: CheckpointReader, load_optimizer: bool) -> Non
     if differences:          # every tensor fits, but the model differs (e.g. fewer layers, another rotary base)
         raise UserError(f"checkpoint {reader.directory} is from a different model: {differences[0]}; match the model "
                         "flags or add --use-checkpoint-args")
-    reader.read_into(load_targets(trainer, sources))
+    biases = [(name, (0, t.numel(), 0, 1), t.view(-1, 1)) for name, t in router_buffers(trainer) if reader.has(name)]
+    reader.read_into(load_targets(trainer, sources) + biases)       # a bias the checkpoint lacks starts at 0
     load_stashed_versions(trainer, reader, load_optimizer)         # PipeDream's older weight versions
     step = reader.metadata["optimizer"]["step"] if load_optimizer else 0.0
     for master in trainer.optimizer.master_pieces:
@@ -385,7 +406,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
         for name, param in model.named_parameters():
             g = model.global_name(name)
             source = f"optimizer.master.{g}" if reader.has(f"optimizer.master.{g}") else g
-            param.copy_(expected_full(reader, source, param, g, config.vocab_size))
+            param.copy_(expected_full(reader, source, param, g, config.vocab_size).reshape(param.shape))
     model.checkpoint_metadata = reader.metadata
     model.checkpoint_dir = reader.directory
     return model.to(device).eval()

@@ -70,13 +70,14 @@ class Router(nn.Module):
         self.dtype = torch.float64 if config.moe_router_dtype == "fp64" else torch.float32
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=dtype))
         mark(self.weight, sequence_parallel=sequence_parallel)    # each TP rank routes its own tokens
+        # buffers have storage even when the model is built on the meta device (the trainer moves them)
         if config.moe_router_enable_expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts, device="cpu"))
         else:
             self.expert_bias = None
         # this step's tokens per expert (bias update, load statistics) and the losses, summed over micro-batches
-        self.register_buffer("step_counts", torch.zeros(config.num_experts), persistent=False)
-        self.register_buffer("step_losses", torch.zeros(3), persistent=False)   # aux, z, forwards
+        self.register_buffer("step_counts", torch.zeros(config.num_experts, device="cpu"), persistent=False)
+        self.register_buffer("step_losses", torch.zeros(3, device="cpu"), persistent=False)   # aux, z, forwards
         self.last_load = self.last_losses = None                                 # of the last finished step
 
     def forward(self, x: torch.Tensor, seq_shape: tuple) -> tuple[Routed, torch.Tensor]:

@@ -9,6 +9,12 @@
 - ZeRO (sharded gradients): every data-parallel rank counts its own shard.
 Each rank sums the squares of what it counts; the sums are all-reduced over the model-parallel group
 (tp x pp) and, for sharded gradients, over the data-parallel group.
+
+MoE expert weights (``expert`` in their ``param_meta``) are a class of their own: the expert grid's
+EP x ETP ranks hold distinct pieces, replicated over the expert-data-parallel ranks, so each rank counts
+its pieces in full and that sum is all-reduced over the expert model-parallel group (etp x ep x pp) and,
+for sharded gradients, over the expert-data-parallel group. The norm is the square root of the classes'
+summed squares (``norm_over_classes``): every element counts exactly once.
 """
 from __future__ import annotations
 
@@ -28,13 +34,13 @@ def clip_pieces(grads: list[torch.Tensor], max_norm: float, norm: float) -> None
 
 
 def norm_weights(named_params, slots, tp_rank: int) -> list[tuple[int, int, float]]:
-    """(start, end, weight) segments of the flat buffer layout: how much each gradient element counts
-    in this rank's share of the squared global norm (rules in the module docstring)."""
+    """(start, end, weight) segments of the flat buffer layout: how much each gradient element of a dense
+    parameter counts in this rank's share of the squared global norm (rules in the module docstring)."""
     segments = []
     for name, param in named_params:
         slot = slots[name]
         meta = param_meta(param)
-        if meta.shared:
+        if meta.shared or meta.expert:
             continue
         if not meta.tensor_model_parallel:
             if tp_rank == 0:
@@ -48,6 +54,16 @@ def norm_weights(named_params, slots, tp_rank: int) -> list[tuple[int, int, floa
         row = param.numel() // param.shape[0]
         lo, hi = slot.start + first * row, slot.start + end * row
         segments += [(slot.start, lo, 1.0), (lo, hi, 1.0 / replicas), (hi, slot.end, 1.0)]
+    return _merged(segments)
+
+
+def expert_norm_weights(named_params, slots) -> list[tuple[int, int, float]]:
+    """The segments of the expert weights: each counts in full on every rank that holds it."""
+    return _merged([(slots[name].start, slots[name].end, 1.0) for name, param in named_params
+                    if param_meta(param).expert])
+
+
+def _merged(segments) -> list[tuple[int, int, float]]:
     merged: list[tuple[int, int, float]] = []
     for start, end, w in sorted(s for s in segments if s[1] > s[0]):
         if merged and merged[-1][1] == start and merged[-1][2] == w:
@@ -68,9 +84,9 @@ def local_segments(segments, start: int, end: int) -> list[tuple[int, int, float
 
 
 @torch.no_grad()
-def global_grad_norm(grads: list[torch.Tensor], segments: list[list[tuple[int, int, float]]],
-                     groups: list) -> float:
-    """sqrt of the sum over ranks of sum(weight * grad^2): ``segments[i]`` weights ``grads[i]``;
+def squared_norm(grads: list[torch.Tensor], segments: list[list[tuple[int, int, float]]],
+                 groups: list) -> torch.Tensor:
+    """The sum over ranks of sum(weight * grad^2) (a 1-element tensor): ``segments[i]`` weights ``grads[i]``;
     the per-rank sums are all-reduced over every group in ``groups``."""
     by_weight: dict[float, list[torch.Tensor]] = {}
     for g, segs in zip(grads, segments):
@@ -84,7 +100,20 @@ def global_grad_norm(grads: list[torch.Tensor], segments: list[list[tuple[int, i
     squared = squared.reshape(1)
     for group in groups:
         dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=group)
-    return float(squared.sqrt())
+    return squared
+
+
+def global_grad_norm(grads: list[torch.Tensor], segments: list[list[tuple[int, int, float]]],
+                     groups: list) -> float:
+    """sqrt of ``squared_norm``: the global norm of one class of parameters."""
+    return float(squared_norm(grads, segments, groups).sqrt())
+
+
+def norm_over_classes(grads: list[torch.Tensor], classes: list[tuple[list, list]]) -> float:
+    """The global norm over parameter classes [(segments per grad, groups)] (dense, experts): the square
+    root of their summed squares, each all-reduced over its own groups (one host read)."""
+    total = sum(squared_norm(grads, segments, groups) for segments, groups in classes)
+    return float(total.sqrt())
 
 
 @torch.no_grad()

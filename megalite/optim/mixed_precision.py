@@ -20,7 +20,9 @@ from torch import nn
 
 from megalite.config.schema import OptimizerConfig
 from megalite.parallel.data.protocol import DataParallel, FlatLayout
-from megalite.optim.clip_grads import any_not_finite, clip_pieces, global_grad_norm, local_segments, norm_weights
+from megalite.optim.clip_grads import (any_not_finite, clip_pieces, expert_norm_weights, local_segments,
+                                       norm_over_classes, norm_weights)
+from megalite.parallel.param_meta import param_meta
 from megalite.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler
 
 
@@ -84,6 +86,11 @@ class MixedPrecisionAdamW:
         tp_rank = parallel.tp_rank if parallel is not None else 0
         weights = norm_weights(named_params, buffer.slots, tp_rank)
         self.norm_segments = [local_segments(weights, p.start, p.end) for p in self.pieces]
+        self.expert_norm_segments = None            # MoE: the expert weights' class of the norm (clip_grads.py)
+        if any(param_meta(p).expert for _, p in named_params) or \
+                (parallel is not None and parallel.group("expert_mp") is not None):
+            experts = expert_norm_weights(named_params, buffer.slots)
+            self.expert_norm_segments = [local_segments(experts, p.start, p.end) for p in self.pieces]
         groups = [{"params": [m for m, d in zip(self.master_pieces, self.decoupled) if d == decoupled],
                    "decoupled": decoupled} for decoupled in (False, True)]
         self.adam = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr,
@@ -98,13 +105,30 @@ class MixedPrecisionAdamW:
         return [Piece(0, self.buffer.numel, self.buffer.param_data, self.buffer.grad_data)]
 
     def _reduction_groups(self) -> list:
-        """Groups over which the squared norm and the overflow flag are summed / maxed."""
+        """Groups over which the dense parameters' squared norm and the overflow flag are summed / maxed."""
         groups = []
         if self.parallel is not None and self.parallel.tp_size * self.parallel.pp_size > 1:
             groups.append(self.parallel.group("mp"))
         if self.grads_sharded and self.ddp is not None and self.ddp.group is not None:
             groups.append(self.ddp.group)
         return groups
+
+    def _expert_reduction_groups(self) -> list:
+        """The same for the expert weights: the expert model-parallel group, and EDP when sharded."""
+        p = self.parallel
+        if p is None or p.group("expert_mp") is None:
+            return []
+        groups = [p.group("expert_mp")] if p.ep_size * p.etp_size * p.pp_size > 1 else []
+        if self.grads_sharded and p.edp_size > 1:
+            groups.append(p.group("edp"))
+        return groups
+
+    def norm_classes(self) -> list[tuple[list, list]]:
+        """[(segments per piece, groups)] of the global norm: dense parameters, then expert weights."""
+        classes = [(self.norm_segments, self._reduction_groups())]
+        if self.expert_norm_segments is not None:
+            classes.append((self.expert_norm_segments, self._expert_reduction_groups()))
+        return classes
 
     @property
     def master(self) -> torch.Tensor:
@@ -138,18 +162,18 @@ class MixedPrecisionAdamW:
         """One update at learning rate ``lr`` (``decoupled_lr`` for the input embedding and output layer
         with --decoupled-lr)."""
         grads = [p.grad for p in self.pieces]
-        groups = self._reduction_groups()
+        classes = self.norm_classes()
         if self.loss_scaler is not None:
             for g in grads:
                 g.mul_(1.0 / self.loss_scaler.scale)
-            found_inf = any_not_finite(grads, groups)
+            found_inf = any_not_finite(grads, [group for _, groups in classes for group in groups])
             self.loss_scaler.update(found_inf)
             if found_inf:
                 return StepResult(False, None)
         if self.grad_norm_fn is not None:
             grad_norm = self.grad_norm_fn()
         else:
-            grad_norm = global_grad_norm(grads, self.norm_segments, groups)
+            grad_norm = norm_over_classes(grads, classes)
         if not math.isfinite(grad_norm):     # the same value on every rank: all of them refuse the update
             return StepResult(False, grad_norm, nonfinite=True)
         clip_pieces(grads, self.config.clip_grad, grad_norm)

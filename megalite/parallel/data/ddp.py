@@ -41,6 +41,10 @@ the bucketed reductions, the memory report and the tensor-/pipeline-parallel gra
 one numerics for all four strategies (ZeRO-3 equals DP=1 to fp32 rounding) and composes with TP, SP
 and interleaved PP as is.
 
+MoE expert weights: their buckets are reduced, sharded and gathered over the expert-data-parallel group
+(``comm_of``), and divided by the data-parallel (x CP) size like the rest: an expert's gradient already
+sums every token routed to it from its EP peers, so over EDP it sums all the stage's tokens.
+
 Pipeline parallelism: pass the rank's model chunks as a list (one buffer for all of them, parameter
 names prefixed ``chunk{i}.``); the count of backward passes per step is ``num_microbatches`` for every
 chunk, whatever the schedule's order.
@@ -54,7 +58,6 @@ forward and backward instead of the one after the step.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -63,7 +66,8 @@ from torch import nn
 from megalite.config.schema import SHARDING_STRATEGIES, ParallelConfig
 from megalite.parallel.data.bucket_comm import DONE, Comm, GradReduction
 from megalite.parallel.data.grad_buffer import Bucket, ParamAndGradBuffer
-from megalite.parallel.data.protocol import DataParallel, ModuleUnit, UnitSource
+from megalite.parallel.data.protocol import DataParallel
+from megalite.parallel.data.units import Unit, model_units, tensors_in
 from megalite.parallel.mesh import ParallelState
 
 # Asynchronous bucket collectives in flight at once. A ZeRO-2/3 reduce-scatter holds a full-size staging
@@ -96,32 +100,6 @@ def data_parallel_group(parallel: ParallelState):
     return group, size, dist.get_rank(group)
 
 
-@dataclass(eq=False)
-class Unit:
-    """A model's ModuleUnit with what ddp tracks for it: its parameters, the buckets holding any of them,
-    its neighbours in forward order, and whether backward is inside it."""
-    name: str
-    module: nn.Module
-    end_module: nn.Module
-    params: list = field(default_factory=list)
-    buckets: list = field(default_factory=list)
-    gather_in_backward: bool = True
-    reads: tuple = ()
-    next: "Unit | None" = None
-    prev: "Unit | None" = None
-    in_backward: bool = False
-
-
-def model_units(model: nn.Module, prefix: str = "") -> list[Unit]:
-    """The model's units in forward order (``data_parallel_units``); any other module is one unit."""
-    listed = model.data_parallel_units() if isinstance(model, UnitSource) else []
-    units = [Unit(prefix + u.name, u.module, u.end_module, gather_in_backward=u.gather_in_backward, reads=u.reads)
-             for u in listed] or [Unit(prefix + "model", model, model)]
-    for a, b in zip(units, units[1:]):
-        a.next, b.prev = b, a
-    return units
-
-
 class DistributedDataParallel(DataParallel):
     """Owns the parameter/gradient buffer of one rank's model (or model chunks) and its reductions.
 
@@ -145,7 +123,11 @@ class DistributedDataParallel(DataParallel):
         self.num_microbatches = num_microbatches
         self.parallel = parallel
         self.group, self.dp_size, self.dp_rank = data_parallel_group(parallel)
-        self.comm = Comm(self.group, self.dp_size, torch.bfloat16 if config.grad_reduce_in_bf16 else None)
+        reduce_dtype = torch.bfloat16 if config.grad_reduce_in_bf16 else None
+        self.comm = Comm(self.group, self.dp_size, reduce_dtype)
+        expert_group = parallel.group("edp")           # MoE expert weights' data-parallel group
+        self.expert_comm = self.comm if expert_group is None else Comm(expert_group, parallel.edp_size, reduce_dtype)
+        expert_dp = None if expert_group is None else (parallel.edp_rank, parallel.edp_size)
         self.shard_optimizer = self.strategy != "no_shard"
         self.shard_grads = self.strategy in ("optim_grads", "optim_grads_params")
         self.shard_params = self.strategy == "optim_grads_params"
@@ -154,7 +136,8 @@ class DistributedDataParallel(DataParallel):
         bucket_size = config.ddp_bucket_size or default_bucket_size(self.dp_size, self.overlap_grad_reduce)
         self.buffer = ParamAndGradBuffer(named, bucket_size, self.dp_rank, self.dp_size, self.shard_grads,
                                          self.shard_params, units=unit_of if self.shard_grads else None,
-                                         device=device, staging_dtype=self.comm.reduce_dtype or torch.float32)
+                                         device=device, staging_dtype=self.comm.reduce_dtype or torch.float32,
+                                         expert_dp=expert_dp)
         named = self._swap_materialised(named)
         for module in self.models if device is not None else []:
             module.to(device)                 # the remaining buffers (rotary tables); parameters are there
@@ -168,7 +151,7 @@ class DistributedDataParallel(DataParallel):
             ids = {id(p) for p in unit.params}
             unit.buckets = [b for b in self.buckets if any(id(p) in ids for p in b.params)]
 
-        self._reductions = {b.index: GradReduction(b, self.buffer.local_grad_chunk(b), self.comm)
+        self._reductions = {b.index: GradReduction(b, self.buffer.local_grad_chunk(b), self.comm_of(b))
                             for b in self.buckets} if self.shard_grads else {}
         self._in_flight: deque[GradReduction] = deque()
         self._end_of_backward_queued = False
@@ -190,6 +173,10 @@ class DistributedDataParallel(DataParallel):
                     lambda module, args, unit=unit: self._wait_param_gather(unit.buckets)))
 
     # ---- structure -------------------------------------------------------------------------------
+    def comm_of(self, bucket: Bucket) -> Comm:
+        """The group a bucket is reduced and gathered over: expert-data-parallel for expert weights."""
+        return self.expert_comm if bucket.expert else self.comm
+
     def _collect_units(self):
         """Named trainable parameters, each one's unit index (the unit that owns it: a tied output
         weight belongs to the embedding, the head only uses it), and the units in forward order."""
@@ -284,19 +271,19 @@ class DistributedDataParallel(DataParallel):
 
     def _launch(self, bucket: Bucket, async_op: bool) -> None:
         """Start the reduction of a bucket of the full gradient buffer (no_shard, optim)."""
-        flat = self.buffer.bucket_grads(bucket)
-        if self.comm.reduce_dtype is not None:          # travel in bf16; copied back in _complete
-            flat = flat.to(self.comm.reduce_dtype)
-            out = torch.empty(bucket.numel // self.dp_size, dtype=flat.dtype, device=flat.device)
-            chunks = list(flat.chunk(self.dp_size))
+        flat, comm = self.buffer.bucket_grads(bucket), self.comm_of(bucket)
+        if comm.reduce_dtype is not None:               # travel in bf16; copied back in _complete
+            flat = flat.to(comm.reduce_dtype)
+            out = torch.empty(bucket.chunk_numel, dtype=flat.dtype, device=flat.device)
+            chunks = list(flat.chunk(bucket.shard_size))
             self._comm_copies[bucket.index] = (flat, out, chunks)      # alive until the collective is done
         else:
             out = self.buffer.local_grad_chunk(bucket)
             chunks = self.buffer.bucket_grad_chunks(bucket)
         if self.shard_optimizer:
-            work = self.comm.reduce_scatter(out, flat, chunks, async_op)
+            work = comm.reduce_scatter(out, flat, chunks, async_op)
         else:
-            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=comm.group, async_op=async_op)
         self._grad_work[bucket.index] = work if async_op else DONE
         if async_op:
             self._limit_in_flight(lambda: self._complete(bucket))
@@ -398,8 +385,8 @@ class DistributedDataParallel(DataParallel):
             order += [b for b in unit.buckets if b not in order]
         order += [b for b in self.buckets if b not in order]
         for bucket in order:
-            work = self.comm.all_gather(self.buffer.bucket_params(bucket), self.buffer.local_param_chunk(bucket),
-                                        async_op=self.overlap_param_gather)
+            work = self.comm_of(bucket).all_gather(self.buffer.bucket_params(bucket),
+                                                   self.buffer.local_param_chunk(bucket), async_op=self.overlap_param_gather)
             if self.overlap_param_gather:
                 self._param_gather_work[bucket.index] = work
                 self._limit_in_flight(lambda bucket=bucket: self._wait_param_gather([bucket]))
@@ -435,7 +422,7 @@ class DistributedDataParallel(DataParallel):
             if self.group is None:
                 bucket.unsharded.tensor.copy_(chunk)
                 continue
-            work = self.comm.all_gather(bucket.unsharded.tensor, chunk, async_op=async_op)
+            work = self.comm_of(bucket).all_gather(bucket.unsharded.tensor, chunk, async_op=async_op)
             if async_op:
                 self._gather_work[bucket.index] = work
 
@@ -459,7 +446,7 @@ class DistributedDataParallel(DataParallel):
             self._gather(unit.next.buckets, async_op=True)
         if torch.is_grad_enabled() and not unit.in_backward and unit.gather_in_backward:
             # the gradient of the unit's input is computed last in its backward: then it is done
-            for t in _tensors(args):
+            for t in tensors_in(args):
                 if t.requires_grad:
                     t.register_hook(lambda grad, unit=unit: self._post_backward(unit))
                     break
@@ -468,7 +455,7 @@ class DistributedDataParallel(DataParallel):
         if unit.in_backward:             # recomputation during backward: the gradient needs them next
             return
         if torch.is_grad_enabled() and unit.gather_in_backward:
-            for t in _tensors(output):
+            for t in tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
         self._release(unit.buckets)
@@ -482,13 +469,3 @@ class DistributedDataParallel(DataParallel):
     def _post_backward(self, unit: Unit) -> None:
         unit.in_backward = False
         self._release(unit.buckets)
-
-
-def _tensors(output) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors(item)]
-    return []

@@ -14,7 +14,9 @@ has a mixed-dtype addmm on the device (CUDA). Not with ``shard_grads``: there ma
 
 Buckets (data parallelism). The flat layout is split into buckets, each a run of whole parameters
 (about ``bucket_size`` elements; a parameter is never split) and padded to a multiple of the
-data-parallel size ``dp_size``. A bucket is the unit of communication: one all-reduce, or one
+data-parallel size ``dp_size``. MoE expert weights (``expert`` in their record) are replicated over the
+expert-data-parallel ranks instead (``expert_dp``: that group's rank and size): they get buckets of their
+own, whose chunks are cut over that group, so every bucket belongs to one group. A bucket is the unit of communication: one all-reduce, or one
 reduce-scatter + all-gather, per bucket. Data-parallel rank r owns the r-th of the ``dp_size`` equal,
 contiguous chunks of every bucket (Megatron's distributed-optimizer layout); with one bucket that is
 simply the r-th contiguous chunk of the whole buffer.
@@ -92,6 +94,10 @@ class Bucket:
     names: list = field(default_factory=list)
     params: list = field(default_factory=list)
     unit: int = 0                    # the module unit (ZeRO-3 gather granularity) its parameters belong to
+    expert: bool = False             # holds MoE expert weights: reduced and sharded over the expert DP group
+    shard_rank: int = 0              # this rank's place in the bucket's data-parallel group, and its size
+    shard_size: int = 1
+    shard_start: int = 0             # where this rank's chunk of the bucket starts in the shard tensors
     alone: bool = False              # holds one shared_embedding parameter and nothing else
     unsharded: Transient | None = None   # ZeRO-3: the full bucket of parameters while gathered
     staging: Transient | None = None     # ZeRO-2/3: one micro-batch's gradients until reduce-scattered
@@ -107,6 +113,11 @@ class Bucket:
         n = self.numel // size
         return self.start + rank * n, self.start + (rank + 1) * n
 
+    @property
+    def chunk_numel(self) -> int:
+        """Elements of one rank's chunk over the bucket's own group."""
+        return self.numel // self.shard_size
+
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
@@ -118,12 +129,13 @@ class ParamAndGradBuffer(FlatLayout):
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], bucket_size: int | None = None,
                  dp_rank: int = 0, dp_size: int = 1, shard_grads: bool = False, shard_params: bool = False,
                  units: list[int] | None = None, device: torch.device | None = None,
-                 staging_dtype: torch.dtype = torch.float32):
+                 staging_dtype: torch.dtype = torch.float32, expert_dp: tuple[int, int] | None = None):
         """``units[i]`` is the module unit of ``named_params[i]``; a bucket never spans two units when
         given (ZeRO-2/3 reduce and gather per unit). ``bucket_size`` None: one bucket (per unit).
         ``device``: where storage lives (needed when the parameters are on the meta device).
         ``staging_dtype``: dtype of ZeRO-2/3 per-micro-batch gradient staging (bf16 with
-        --grad-reduce-in-bf16, so the reduce-scatter moves half the bytes)."""
+        --grad-reduce-in-bf16, so the reduce-scatter moves half the bytes). ``expert_dp``: (rank, size)
+        in the expert-data-parallel group, for expert weights (default: the data-parallel ones)."""
         if not named_params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         dtypes = {p.dtype for _, p in named_params}
@@ -136,6 +148,7 @@ class ParamAndGradBuffer(FlatLayout):
         if self.device.type == "meta":
             raise ValueError("parameters are on the meta device: pass the device their storage goes to")
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.expert_dp = expert_dp or (dp_rank, dp_size)
         self.shard_grads, self.shard_params = shard_grads or shard_params, shard_params
         self.slots: dict[str, BufferSlot] = {}
         self.buckets: list[Bucket] = []
@@ -143,6 +156,7 @@ class ParamAndGradBuffer(FlatLayout):
         self.numel_unpadded = sum(p.numel() for p in self.params)
         self._layout(named_params, bucket_size, units or [0] * len(named_params))
         self.numel = self.buckets[-1].end
+        self.shard_numel = sum(b.chunk_numel for b in self.buckets)
 
         # ---- parameters (storage-less meta parameters are replaced by materialised ones: ``replacements``)
         self.replacements: dict[int, nn.Parameter] = {}
@@ -157,7 +171,7 @@ class ParamAndGradBuffer(FlatLayout):
                         _fill(target, param, 0, param.numel())
                     self._set_storage(param, target.view(slot.shape))
         else:
-            self.param_shard = torch.zeros(self.numel // dp_size, dtype=self.param_dtype, device=self.device)
+            self.param_shard = torch.zeros(self.shard_numel, dtype=self.param_dtype, device=self.device)
             for bucket in self.buckets:
                 bucket.unsharded = Transient(bucket.numel, self.param_dtype, self.device)
                 self._fill_local_chunk(bucket)
@@ -177,11 +191,11 @@ class ParamAndGradBuffer(FlatLayout):
             for name, param in zip(self._names(), self.params):
                 param.main_grad = self.view(self.grad_data, name)
         else:
-            self.grad_shard = torch.zeros(self.numel // dp_size, dtype=torch.float32, device=self.device)
+            self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
             for bucket in self.buckets:
                 bucket.staging = Transient(bucket.numel, staging_dtype, self.device)
-                bucket.staging_chunks = list(bucket.staging.tensor.chunk(dp_size))
-                bucket.reduced = Transient(bucket.numel // dp_size, staging_dtype, self.device)
+                bucket.staging_chunks = list(bucket.staging.tensor.chunk(bucket.shard_size))
+                bucket.reduced = Transient(bucket.chunk_numel, staging_dtype, self.device)
                 bucket.staging.free()
                 bucket.reduced.free()
         self.grads_are_main_grads = self.param_dtype == torch.float32 and not self.shard_grads
@@ -192,8 +206,9 @@ class ParamAndGradBuffer(FlatLayout):
 
     # ---- layout ----------------------------------------------------------------------------------
     def _layout(self, named_params, bucket_size, units) -> None:
-        """Reverse parameter order; a new bucket when the current one reaches ``bucket_size`` elements
-        or the module unit changes; every bucket padded to a multiple of dp_size.
+        """Reverse parameter order; a new bucket when the current one reaches ``bucket_size`` elements,
+        the module unit changes or expert weights meet dense ones; every bucket padded to a multiple of
+        its group's size.
 
         A parameter marked ``shared_embedding`` (the word embedding that the first and last pipeline
         stages both hold) gets a bucket of its own when the buffer is sharded, so both stages shard it
@@ -202,12 +217,16 @@ class ParamAndGradBuffer(FlatLayout):
         offset, current = 0, None
         for (name, param), unit in reversed(list(zip(named_params, units))):
             alone = self.dp_size > 1 and param_meta(param).shared_embedding
+            expert = param_meta(param).expert
             if current is not None and (offset - current.start >= limit or unit != current.unit or alone
-                                        or current.alone):
+                                        or current.alone or expert != current.expert):
                 offset = self._close(current, offset)
                 current = None
             if current is None:
-                current = Bucket(len(self.buckets), offset, offset, unit=unit)
+                rank, size = self.expert_dp if expert else (self.dp_rank, self.dp_size)
+                shard_start = self.buckets[-1].shard_start + self.buckets[-1].chunk_numel if self.buckets else 0
+                current = Bucket(len(self.buckets), offset, offset, unit=unit, expert=expert, shard_rank=rank,
+                                 shard_size=size, shard_start=shard_start)
                 current.alone = alone
                 self.buckets.append(current)
             self.slots[name] = BufferSlot(offset, offset + param.numel(), tuple(param.shape))
@@ -217,7 +236,7 @@ class ParamAndGradBuffer(FlatLayout):
         self._close(current, offset)
 
     def _close(self, bucket: Bucket, offset: int) -> int:
-        bucket.end = bucket.start + _round_up(max(offset - bucket.start, 1), self.dp_size)
+        bucket.end = bucket.start + _round_up(max(offset - bucket.start, 1), bucket.shard_size)
         return bucket.end
 
     def _names(self) -> list[str]:
@@ -263,12 +282,11 @@ class ParamAndGradBuffer(FlatLayout):
 
     def local_range(self, bucket: Bucket) -> tuple[int, int]:
         """This rank's chunk of ``bucket`` in the flat layout."""
-        return bucket.chunk(self.dp_rank, self.dp_size)
+        return bucket.chunk(bucket.shard_rank, bucket.shard_size)
 
     def _local_offsets(self, bucket: Bucket) -> tuple[int, int]:
         """Where this rank's chunk of ``bucket`` sits in the shard tensors (chunks in bucket order)."""
-        n = bucket.numel // self.dp_size
-        return bucket.start // self.dp_size, bucket.start // self.dp_size + n
+        return bucket.shard_start, bucket.shard_start + bucket.chunk_numel
 
     # Views are created once and kept, so a collective always gets the same tensor objects.
     def _cached(self, kind: str, bucket: Bucket, make) -> torch.Tensor:
@@ -298,7 +316,7 @@ class ParamAndGradBuffer(FlatLayout):
 
     def bucket_grad_chunks(self, bucket: Bucket) -> list[torch.Tensor]:
         """``bucket_grads(bucket)`` cut into one chunk per data-parallel rank (a reduce-scatter's inputs)."""
-        return self._cached("grad_chunks", bucket, lambda: list(self.bucket_grads(bucket).chunk(self.dp_size)))
+        return self._cached("grad_chunks", bucket, lambda: list(self.bucket_grads(bucket).chunk(bucket.shard_size)))
 
     # ---- ZeRO-3 parameter storage ----------------------------------------------------------------
     def is_gathered(self, bucket: Bucket) -> bool:

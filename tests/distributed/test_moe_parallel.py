@@ -1,0 +1,119 @@
+"""Expert parallelism through pretrain_gpt.py: a tiny Llama-MoE (8 experts, top-2, shared expert, aux loss,
+fp32, dropless) logs the serial run's losses and gradient norms at every layout that splits its experts,
+with both token dispatchers, under the NCCL-semantics tier too, and a checkpoint saved at EP=4 resumes at
+EP=2 x TP=2 and serially."""
+import pytest
+
+from harness import run_pretrain
+from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
+
+ARGV = with_flags(TINY_LLAMA_ARGS, num_layers=4, global_batch_size=8, train_iters=4, num_experts=8,
+                  moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=48,
+                  moe_aux_loss_coeff="1e-2", moe_token_dispatcher_type="alltoall")
+SP = {"sequence_parallel": True}
+
+# the default suite; the NCCL-semantics runs below add EP2 x TP2 (ETP 2) with ZeRO-3 for both dispatchers and
+# the checkpoint test EP4 and EP2 x TP2
+LAYOUTS = {
+    "ep2-tp2-etp1": (4, dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, expert_tensor_parallel_size=1,
+                             **SP)),
+    "ep2-pp2-interleaved": (4, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                    num_layers_per_virtual_pipeline_stage=1)),
+    "ep2-dp2-zero1": (4, dict(expert_model_parallel_size=2, use_distributed_optimizer=True)),
+    "ep2-cp2": (4, dict(expert_model_parallel_size=2, context_parallel_size=2)),
+    "ep4-allgather": (4, dict(expert_model_parallel_size=4, moe_token_dispatcher_type="allgather")),
+}
+SLOW_LAYOUTS = {
+    "ep2": (2, dict(expert_model_parallel_size=2)),
+    "ep4": (4, dict(expert_model_parallel_size=4)),
+    "ep2-tp2-etp2": (4, dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, **SP)),
+    "ep2-tp2-allgather": (4, dict(expert_model_parallel_size=2, tensor_model_parallel_size=2,
+                                  moe_token_dispatcher_type="allgather", **SP)),
+    "ep2-pp2-1f1b": (4, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2)),
+    "ep2-pp2-zb-h1": (4, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2, pipeline_schedule="zb-h1")),
+    "ep2-pp2-zbv": (4, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2, pipeline_schedule="zbv")),
+    "ep2-pp2-gpipe": (4, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2, pipeline_schedule="gpipe")),
+    "ep2-dp2-zero2": (4, dict(expert_model_parallel_size=2, data_parallel_sharding_strategy="optim_grads",
+                              overlap_grad_reduce=True)),
+    "ep2-dp2-zero3": (4, dict(expert_model_parallel_size=2, data_parallel_sharding_strategy="optim_grads_params",
+                              overlap_grad_reduce=True, overlap_param_gather=True, ddp_bucket_size=3000)),
+    "ep2-recompute-full": (2, dict(expert_model_parallel_size=2, recompute_granularity="full",
+                                   recompute_method="uniform", recompute_num_layers=1)),
+    "ep2-recompute-selective": (2, dict(expert_model_parallel_size=2, recompute_granularity="selective")),
+    "ep1-etp2": (2, dict(expert_tensor_parallel_size=2)),
+    "ep2-etp2-zero1": (4, dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2,
+                               use_distributed_optimizer=True)),
+}
+
+
+def logged(stdout: str) -> dict[int, tuple[float, float]]:
+    """iteration -> (lm loss, grad norm) from the training log lines."""
+    import re
+    out = {}
+    for line in stdout.splitlines():
+        m = re.search(r"iteration\s+(\d+)\s*/.*lm loss:\s*([-+0-9.eE]+).*grad norm:\s*([-+0-9.eE]+)", line)
+        if m:
+            out[int(m.group(1))] = (float(m.group(2)), float(m.group(3)))
+    return out
+
+
+def train(nproc: int, flags: dict, nccl: bool = False, base=ARGV) -> dict:
+    proc = run_pretrain(nproc, with_flags(base, **flags), nccl=nccl)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return logged(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def serial():
+    return train(1, {})
+
+
+def assert_equal_runs(reference: dict, run: dict, iterations=range(1, 5)) -> None:
+    assert sorted(run) == list(iterations), run
+    for it in iterations:
+        assert run[it][0] == pytest.approx(reference[it][0], rel=1e-5, abs=1e-5), f"loss at iteration {it}"
+        assert run[it][1] == pytest.approx(reference[it][1], rel=1e-4), f"grad norm at iteration {it}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_expert_parallel_layouts_equal_serial(serial, layout):
+    nproc, flags = LAYOUTS[layout]
+    assert_equal_runs(serial, train(nproc, flags))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", SLOW_LAYOUTS)
+def test_more_expert_parallel_layouts_equal_serial(serial, layout):
+    nproc, flags = SLOW_LAYOUTS[layout]
+    assert_equal_runs(serial, train(nproc, flags))
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_dispatchers_under_nccl_semantics(serial, dispatcher):
+    """One stream per rank pair, ops in posting order, blocking receives: both dispatchers' exchanges
+    are collectives every rank issues in the same order (the tier compares the ranks' logs)."""
+    flags = dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, moe_token_dispatcher_type=dispatcher,
+                 data_parallel_sharding_strategy="optim_grads_params", **SP)
+    assert_equal_runs(serial, train(4, flags, nccl=True))
+
+
+def test_checkpoint_saved_at_ep4_resumes_at_ep2_tp2_and_serially(serial, tmp_path):
+    save = str(tmp_path / "ckpt")
+    first = train(4, dict(expert_model_parallel_size=4, save=save, save_interval=2, exit_interval=2))
+    assert sorted(first) == [1, 2]
+    resumed = train(4, dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, load=save, **SP))
+    assert_equal_runs(serial, resumed, iterations=range(3, 5))
+    alone = train(1, dict(load=save))
+    assert_equal_runs(serial, alone, iterations=range(3, 5))
+
+
+def test_an_moe_checkpoint_into_a_dense_model_is_one_line(tmp_path):
+    save = str(tmp_path / "ckpt")
+    train(2, dict(expert_model_parallel_size=2, save=save, save_interval=2, exit_interval=2))
+    dense = {flag: None for flag in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                                     "moe_shared_expert_intermediate_size", "moe_aux_loss_coeff",
+                                     "moe_token_dispatcher_type")}
+    proc = run_pretrain(1, with_flags(ARGV, load=save, **dense))
+    assert proc.returncode != 0
+    error = [line for line in proc.stderr.splitlines() + proc.stdout.splitlines() if "checkpoint" in line]
+    assert error and "--num-experts" in error[-1], proc.stderr[-2000:]
