@@ -11,13 +11,22 @@ pretrain_gpt.py flags to run them.
         --untie-embeddings-and-output-weights --position-embedding-type rope --normalization RMSNorm \\
         --disable-bias-linear --vocab-size 128256 --num-gpus 64 --gpu-memory-gb 80 --seq-length 4096 \\
         --global-batch-size 1024 --top 3
+    # a Mixture of Experts (Mixtral 8x7B's shape): the search adds expert parallelism (EP) and ETP
+    python tools/plan_parallelism.py --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 \
+        --num-attention-heads 32 --group-query-attention --num-query-groups 8 --swiglu \
+        --untie-embeddings-and-output-weights --position-embedding-type rope --normalization RMSNorm \
+        --disable-bias-linear --vocab-size 32000 --num-experts 8 --moe-router-topk 2 \
+        --moe-token-dispatcher-type alltoall --num-gpus 64 --gpu-memory-gb 80 --seq-length 4096 \
+        --global-batch-size 512
     # evaluate one layout: pin any of --tensor-model-parallel-size, --pipeline-model-parallel-size,
     # --num-layers-per-virtual-pipeline-stage, --micro-batch-size, --recompute-granularity,
-    # --data-parallel-sharding-strategy / --use-distributed-optimizer
+    # --data-parallel-sharding-strategy / --use-distributed-optimizer, --expert-model-parallel-size,
+    # --expert-tensor-parallel-size
 
 It tries every layout megalite accepts (TP within a node with sequence parallelism, PP dividing the
 layers, interleaved virtual stages, DP the rest, every micro-batch size, recomputation none /
-selective / full, ZeRO sharding no_shard / optim / optim_grads / optim_grads_params), estimates the
+selective / full, ZeRO sharding no_shard / optim / optim_grads / optim_grads_params; for an MoE model EP
+dividing the experts and ETP 1 or TP), estimates the
 memory of the fullest device and the step time (megalite/planning/memory.py and time.py explain them), drops what does
 not fit in --usable-memory-fraction of --gpu-memory-gb, and prints the fastest --top layouts.
 GB means 2^30 bytes. Defaults describe H100 SXM nodes: 8 GPUs, 989 dense bf16 TFLOP/s (67 fp32),
@@ -36,7 +45,8 @@ from megalite.checkpoint.hf_config import read_hf_config_file  # noqa: E402
 from megalite.parallel.pipeline.split import SplitFlags  # noqa: E402
 from megalite.planning import flags as plan_flags  # noqa: E402
 from megalite.planning import inputs, search  # noqa: E402
-from megalite.config.cli import OneLineArgumentParser, positive_float, positive_int  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser, moe_layer_pattern, positive_float, positive_int  # noqa: E402
+from megalite.config import validate as checks  # noqa: E402
 from megalite.config.schema import PIPELINE_SCHEDULES, SHARDING_STRATEGIES  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
@@ -67,6 +77,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden-dropout", type=float, help="default 0.1 (pretrain_gpt.py), or the HF config's")
     g.add_argument("--attention-dropout", type=float, help="default 0.1 (pretrain_gpt.py), or the HF config's")
 
+    g = p.add_argument_group("Mixture of Experts (pretrain_gpt.py's flags; absent --num-experts: a dense model)")
+    g.add_argument("--num-experts", type=positive_int)
+    g.add_argument("--moe-router-topk", type=positive_int, default=2)
+    g.add_argument("--moe-ffn-hidden-size", type=positive_int, help="each expert's hidden size (default --ffn-hidden-size)")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=positive_int)
+    g.add_argument("--moe-shared-expert-gate", action="store_true")
+    g.add_argument("--moe-layer-freq", type=moe_layer_pattern, default=1,
+                   help='every N-th layer is MoE, or a 0/1 list such as "([0]*3+[1]*29)" (default 1: all)')
+    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather")
+    g.add_argument("--moe-expert-capacity-factor", type=positive_float,
+                   help="drop beyond this multiple of the mean rows per expert (default: dropless)")
+    g.add_argument("--moe-z-loss-coeff", type=positive_float)
+    g.add_argument("--moe-imbalance-margin", type=positive_float, default=inputs.MOE_IMBALANCE_MARGIN,
+                   help="dropless routing: the busiest expert rank's rows over the mean, for its dispatched rows, "
+                        f"expert activations and expert compute (default {inputs.MOE_IMBALANCE_MARGIN}: the "
+                        "headroom capacity-factor recipes leave a balanced router)")
+
     g = p.add_argument_group("training")
     g.add_argument("--seq-length", type=positive_int, required=True)
     g.add_argument("--global-batch-size", type=positive_int, required=True)
@@ -96,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES)
     g.add_argument("--use-distributed-optimizer", action="store_true", help="= --data-parallel-sharding-strategy optim")
     g.add_argument("--context-parallel-size", type=positive_int, help="default 1 (context parallelism is not searched)")
+    g.add_argument("--expert-model-parallel-size", type=positive_int)
+    g.add_argument("--expert-tensor-parallel-size", type=positive_int, help="searched: 1 or the TP size")
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, help="default 1f1b (interleaved with virtual stages)")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=positive_int)
     g.add_argument("--decoder-first-pipeline-num-layers", type=positive_int)
@@ -130,6 +159,7 @@ def model_config(args):
             position_embedding_type=args.position_embedding_type, normalization=args.normalization,
             add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+    model = dataclasses.replace(model, **moe_fields(args, model))
     dropout = {name: value for name, value in (("hidden_dropout", args.hidden_dropout),
                                                ("attention_dropout", args.attention_dropout)) if value is not None}
     for name, value in dropout.items():
@@ -141,9 +171,31 @@ def model_config(args):
     return dataclasses.replace(model, **dropout)
 
 
+MOE_FLAGS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+             "moe_shared_expert_gate", "moe_layer_freq", "moe_token_dispatcher_type", "moe_expert_capacity_factor",
+             "moe_z_loss_coeff")
+
+
+def moe_fields(args, model) -> dict:
+    """The MoE fields of the model: the MoE flags given on the command line, over a Hugging Face config's
+    own; checked as pretrain_gpt.py checks them (config/validate.py's check_moe)."""
+    parser = build_parser()
+    given = {name: vars(args)[name] for name in MOE_FLAGS if vars(args)[name] != parser.get_default(name)}
+    if not (given.get("num_experts") or model.num_experts):
+        if given:
+            raise UserError(f"--{next(iter(given)).replace('_', '-')} applies to MoE layers; add --num-experts N")
+        return {}
+    fields = given if model.num_experts else {name: vars(args)[name] for name in MOE_FLAGS}
+    checks.check_moe(dataclasses.replace(model, **fields))
+    return fields
+
+
 def planner_inputs(args):
+    if args.moe_imbalance_margin < 1:
+        raise UserError(f"--moe-imbalance-margin is the busiest rank's rows over the mean, at least 1; got "
+                        f"{args.moe_imbalance_margin}")
     workload = inputs.Workload(model_config(args), args.global_batch_size, args.precision or "bf16",
-                                 args.make_vocab_size_divisible_by)
+                                 args.make_vocab_size_divisible_by, args.moe_imbalance_margin)
     for flag in ("usable_memory_fraction", "compute_efficiency"):
         if vars(args)[flag] > 1:
             raise UserError(f"--{flag.replace('_', '-')} is a fraction in (0, 1], got {vars(args)[flag]}")
@@ -166,7 +218,8 @@ def planner_inputs(args):
                          args.num_layers_per_virtual_pipeline_stage, args.micro_batch_size, args.recompute_granularity,
                          "optim" if args.use_distributed_optimizer else args.data_parallel_sharding_strategy,
                          args.context_parallel_size, args.pipeline_schedule, args.num_virtual_stages_per_pipeline_rank,
-                         split if pinned_split else None)
+                         split if pinned_split else None, args.expert_model_parallel_size,
+                         args.expert_tensor_parallel_size)
     return workload, hardware, pins
 
 
@@ -176,6 +229,11 @@ def describe_model(workload) -> str:
     attention = f"{m.num_attention_heads} heads" + (f" / {m.num_query_groups} KV groups"
                                                      if m.num_query_groups != m.num_attention_heads else "")
     mlp = f"SwiGLU {m.ffn_hidden_size}" if m.swiglu else f"MLP {m.ffn_hidden_size}"
+    if m.num_experts:
+        moe_layers = sum(m.is_moe_layer(n) for n in range(1, m.num_layers + 1))
+        shared = f" + shared {m.moe_shared_expert_intermediate_size}" if m.moe_shared_expert_intermediate_size else ""
+        mlp = (f"{mlp}; MoE in {moe_layers} layers: {m.num_experts} experts of {m.expert_ffn_hidden_size}, "
+               f"top-{m.moe_router_topk}{shared}, {m.moe_token_dispatcher_type} dispatch")
     return (f"{inputs.count_parameters(workload) / 1e9:.2f}B parameters: {m.num_layers} layers, hidden {m.hidden_size}, "
             f"{attention}, {mlp}, vocabulary {m.vocab_size}"
             + ("" if m.untie_embeddings_and_output_weights else " (tied)"))
@@ -183,7 +241,8 @@ def describe_model(workload) -> str:
 
 def format_table(estimates, workload, hardware) -> list[str]:
     GiB = inputs.GiB
-    header = (f"{'#':>3} {'TP':>3} {'CP':>3} {'PP':>3} {'VPP':>3} {'DP':>4} {'MBS':>3} {'m':>4}  {'schedule':13} "
+    header = (f"{'#':>3} {'TP':>3} {'CP':>3} {'PP':>3} {'VPP':>3} {'DP':>4} {'EP':>3} {'ETP':>3} {'MBS':>3} {'m':>4}  "
+              f"{'schedule':13} "
               f"{'split':17} {'recompute':9}  {'sharding':18} "
               f"{'weights':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'total':>6} GB  {'step s':>7} {'MFU':>4} "
               f"{'bubble':>6} {'imbal':>6} {'comm s':>6}")
@@ -191,10 +250,11 @@ def format_table(estimates, workload, hardware) -> list[str]:
     for i, e in enumerate(estimates, 1):
         lay, mem, t = e.layout, e.memory, e.time
         m = lay.num_microbatches(workload.global_batch_size)
-        comm = t.tensor_parallel + t.context_parallel + t.pipeline_parallel + t.data_parallel
+        comm = t.communication
         lines.append(
             f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.vpp if lay.vpp > 1 else '-':>3} {lay.dp:>4} "
-            f"{lay.micro_batch_size:>3} {m:>4}  {lay.schedule:13} {inputs.split_name(lay.split)[:17]:17} "
+            f"{lay.ep:>3} {lay.expert_tp:>3} {lay.micro_batch_size:>3} {m:>4}  {lay.schedule:13} "
+            f"{inputs.split_name(lay.split)[:17]:17} "
             f"{lay.recompute:9}  {lay.sharding:18} {mem.weights / GiB:7.1f} {mem.grads / GiB:6.1f} "
             f"{mem.optimizer / GiB:6.1f} {mem.activations / GiB:6.1f} {mem.total / GiB:6.1f}     {t.total:7.2f} "
             f"{100 * e.mfu(workload, hardware):3.0f}% {100 * t.bubble / t.total:5.1f}% "

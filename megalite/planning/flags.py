@@ -23,7 +23,8 @@ def parallel_config(workload: Workload, layout: Layout) -> ParallelConfig:
         account_for_embedding_in_pipeline_split=split.account_for_embedding,
         account_for_loss_in_pipeline_split=split.account_for_loss, pipeline_model_parallel_layout=split.layout,
         sequence_parallel=layout.sp, pipeline_schedule=layout.schedule,
-        use_distributed_optimizer=layout.sharding != "no_shard", data_parallel_sharding_strategy=layout.sharding)
+        use_distributed_optimizer=layout.sharding != "no_shard", data_parallel_sharding_strategy=layout.sharding,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
 
 
 def split_flags(workload: Workload, layout: Layout) -> SplitFlags:
@@ -58,6 +59,10 @@ def pretrain_flags(workload: Workload, layout: Layout) -> list[str]:
         flags += ["--pipeline-schedule", layout.schedule]
     if layout.cp > 1:
         flags += ["--context-parallel-size", str(layout.cp)]
+    if layout.ep > 1:
+        flags += ["--expert-model-parallel-size", str(layout.ep)]
+    if layout.etp is not None:
+        flags += ["--expert-tensor-parallel-size", str(layout.etp)]
     flags += ["--micro-batch-size", str(layout.micro_batch_size), "--global-batch-size", str(workload.global_batch_size)]
     if layout.recompute == "full":
         flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
@@ -106,13 +111,15 @@ def workload_and_layout(config: MegaliteConfig) -> tuple[Workload, Layout]:
     model = dataclasses.replace(config.model, vocab_size=config.model.padded_vocab_size)
     workload = Workload(model, train.global_batch_size, precision, make_vocab_size_divisible_by=1)
     sharding, dp = par.data_parallel_sharding_strategy, par.data_parallel_size
+    etp = par.expert_tensor_parallel_size
     layout = Layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, dp, chunks,
                     train.micro_batch_size, config.model.recompute_granularity or "none", sharding,
                     sequence_parallel=par.sequence_parallel or par.tensor_model_parallel_size == 1,   # (moot at TP=1)
                     overlap_grad_reduce=par.overlap_grad_reduce or dp * par.context_parallel_size == 1,  # (moot)
                     overlap_param_gather=par.overlap_param_gather or dp * par.context_parallel_size == 1
                     or sharding == "no_shard",
-                    cp=par.context_parallel_size, schedule=par.pipeline_schedule, split=split)
+                    cp=par.context_parallel_size, schedule=par.pipeline_schedule, split=split,
+                    ep=par.expert_model_parallel_size, etp=None if etp == par.tensor_model_parallel_size else etp)
     return workload, layout
 
 

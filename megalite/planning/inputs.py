@@ -1,9 +1,11 @@
 """The planner's inputs and what a layout puts on each pipeline rank.
 
-A ``Workload`` (the model as a ``ModelConfig``, the global batch, the precision), a ``Layout`` (TP x CP x
-PP x DP sizes, virtual stages, micro-batch size, recomputation, ZeRO sharding, schedule, stage split), the
-``Hardware`` and the ``Kernels`` (what CUDA and CPU builds keep differently). From them: the parameters of
-one transformer layer on one TP rank and the parameters each pipeline rank holds, as megalite builds them.
+A ``Workload`` (the model as a ``ModelConfig``, the global batch, the precision, the MoE imbalance margin),
+a ``Layout`` (TP x CP x PP x DP sizes, EP x ETP for the experts, virtual stages, micro-batch size,
+recomputation, ZeRO sharding, schedule, stage split), the ``Hardware`` and the ``Kernels`` (what CUDA and CPU
+builds keep differently). From them: the parameters of one transformer layer on one rank and the parameters
+each pipeline rank holds, as megalite builds them (an MoE layer's experts split over EP and ETP, the rest of
+it, router and shared expert, like a dense layer's MLP).
 """
 from __future__ import annotations
 
@@ -16,6 +18,12 @@ from megalite.parallel.pipeline.split import SplitFlags, virtual_stage_layers
 GiB = 2 ** 30
 HBM_GBPS = 3350.0       # H100 SXM HBM3, GB/s: the loss is memory-bound
 PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Dropless routing sends each expert whatever the router picks, so the rank holding the busiest experts
+# receives more rows than the mean T x k: its dispatched rows and expert activations are planned at this
+# multiple of the mean. 1.2 is the headroom capacity-factor recipes give dropping routers (Switch
+# Transformer trains at 1.0-1.25, Megatron's MoE examples at 1.0-1.2) for the load an auxiliary or
+# bias-balanced router settles to; early training and unbalanced routers can exceed it (--moe-imbalance-margin).
+MOE_IMBALANCE_MARGIN = 1.2
 
 
 @dataclass(frozen=True)
@@ -24,6 +32,13 @@ class Workload:
     global_batch_size: int
     precision: str = "bf16"     # "bf16", "fp16" or "fp32"
     make_vocab_size_divisible_by: int = 128
+    moe_imbalance_margin: float = MOE_IMBALANCE_MARGIN   # busiest rank's dispatched rows / the mean (dropless)
+
+    @property
+    def dispatch_margin(self) -> float:
+        """Rows the busiest expert rank receives over the mean: a capacity factor bounds them (at most the
+        factor's multiple, exactly it when padded to capacity); dropless routing gets the planner's margin."""
+        return self.model.moe_expert_capacity_factor or self.moe_imbalance_margin
 
     @property
     def dtype_bytes(self) -> int:
@@ -48,10 +63,22 @@ class Layout:
     cp: int = 1                      # context parallel: each rank holds 2 of 2cp chunks of every sequence
     schedule: str = "1f1b"           # PIPELINE_SCHEDULES; 1f1b with vpp > 1 is interleaved 1F1B; zbv has vpp 2 in a V
     split: SplitFlags = SplitFlags() # uneven stages (first/last counts, account-for flags, a layout string)
+    ep: int = 1                      # expert parallel: whole experts of each MoE layer split over ep ranks
+    etp: int | None = None           # expert tensor parallel: each expert's hidden dimension; None = tp
 
     @property
     def num_gpus(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_shards(self) -> int:
+        """EDP: the ranks of a pipeline stage holding the same expert weights, tp x cp x dp / (etp x ep)
+        (parallel/mesh.py's expert grid); expert gradients are reduced, and sharded by ZeRO, over them."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
     @property
     def shards(self) -> int:
@@ -70,6 +97,8 @@ class Layout:
         vpp += f" CP={self.cp}" if self.cp > 1 else ""
         vpp += f" {self.schedule}" if self.schedule != "1f1b" else ""
         vpp += f" split={split_name(self.split)}" if self.split != SplitFlags() else ""
+        vpp += f" EP={self.ep}" if self.ep > 1 else ""
+        vpp += f" ETP={self.etp}" if self.etp is not None else ""
         off = [name for name, on in (("grad reduce", self.overlap_grad_reduce),
                                      ("param gather", self.overlap_param_gather)) if not on and self.dp > 1]
         overlap = f" (no overlapped {' or '.join(off)})" if off else ""
@@ -134,31 +163,63 @@ CPU_KERNELS = Kernels(dropout_mask_bytes=None, flash_attention_dropout=False, co
 
 
 
+def token_counts(workload: Workload, layout: Layout) -> tuple[int, int]:
+    """(tokens of one micro-batch on one context-parallel rank, the sequence-parallel share of them on one
+    TP rank). Ring attention keeps what flash attention keeps, for the rank's 2 of 2cp chunks."""
+    tokens = workload.model.seq_length * layout.micro_batch_size // layout.cp
+    return tokens, tokens // layout.tp if layout.sp else tokens
+
+
 def local_attention_heads(model: ModelConfig, tp: int) -> tuple[int, int]:
     """(query heads, KV groups) on one TP rank; with more TP ranks than KV heads each rank keeps a
     replica of its group's K and V (SelfAttention)."""
     return model.num_attention_heads // tp, max(1, model.num_query_groups // tp)
 
 
-def layer_tensors(model: ModelConfig, tp: int) -> list[int]:
-    """Sizes of one transformer layer's parameters on one TP rank, in TransformerLayer's order: input
-    norm, linear_qkv (+ bias), linear_proj (+ bias, replicated), pre-MLP norm, linear_fc1 (+ bias),
-    linear_fc2 (+ bias, replicated)."""
+def layer_tensors(model: ModelConfig, tp: int, experts: tuple[int, int] | None = None) -> list[int]:
+    """Sizes of one transformer layer's parameters on one rank, in TransformerLayer's order: input norm,
+    linear_qkv (+ bias), linear_proj (+ bias, replicated), pre-MLP norm, then the MLP: linear_fc1 (+ bias),
+    linear_fc2 (+ bias, replicated); or, for an MoE layer (``experts`` = (EP, ETP)), ``moe_tensors``."""
     h, d = model.hidden_size, model.kv_channels
     heads, groups = local_attention_heads(model, tp)
-    ffn = model.ffn_hidden_size // tp
-    qkv_rows, fc1_rows = (heads + 2 * groups) * d, 2 * ffn if model.swiglu else ffn
+    qkv_rows = (heads + 2 * groups) * d
     norm = [h] * (norm_parameters(model) // h)
     bias = model.add_bias_linear
-    return [*norm, qkv_rows * h, *([qkv_rows] if bias or model.add_qkv_bias else []),
-            heads * d * h, *([h] if bias else []),
-            *norm, fc1_rows * h, *([fc1_rows] if bias else []),
-            ffn * h, *([h] if bias else [])]
+    attention = [*norm, qkv_rows * h, *([qkv_rows] if bias or model.add_qkv_bias else []),
+                 heads * d * h, *([h] if bias else []), *norm]
+    if experts is not None:
+        return attention + moe_tensors(model, tp, *experts)
+    ffn = model.ffn_hidden_size // tp
+    fc1_rows = 2 * ffn if model.swiglu else ffn
+    return attention + [fc1_rows * h, *([fc1_rows] if bias else []), ffn * h, *([h] if bias else [])]
 
 
-def layer_parameters(model: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank (TransformerLayer)."""
-    return sum(layer_tensors(model, tp))
+def moe_tensors(model: ModelConfig, tp: int, ep: int, etp: int) -> list[int]:
+    """An MoE layer's MLP on one rank (MoELayer, no biases): the router [E, h] (replicated), the rank's
+    experts' stacked linear_fc1 [E/ep, 2f/etp, h] (f/etp without SwiGLU) and linear_fc2 [E/ep, h, f/etp],
+    and the shared expert, an MLP tensor-parallel over tp, with its gate [1, h]."""
+    h, f, E = model.hidden_size, model.expert_ffn_hidden_size, model.num_experts
+    halves = 2 if model.swiglu else 1
+    tensors = [E * h, E // ep * halves * (f // etp) * h, E // ep * h * (f // etp)]
+    shared = (model.moe_shared_expert_intermediate_size or 0) // tp
+    if shared:
+        tensors += [halves * shared * h, shared * h] + ([h] if model.moe_shared_expert_gate else [])
+    return tensors
+
+
+def expert_parameters(model: ModelConfig, ep: int, etp: int) -> int:
+    """Parameters of one MoE layer's experts on one rank (moe_tensors' two expert tensors)."""
+    return sum(moe_tensors(model, 1, ep, etp)[1:3])
+
+
+def layer_experts(model: ModelConfig, layout: "Layout", layer_number: int) -> tuple[int, int] | None:
+    """(EP, ETP) of 1-based layer ``layer_number`` when it is an MoE layer, else None."""
+    return (layout.ep, layout.expert_tp) if model.is_moe_layer(layer_number) else None
+
+
+def layer_parameters(model: ModelConfig, tp: int, experts: tuple[int, int] | None = None) -> int:
+    """Parameters of one transformer layer on one rank (TransformerLayer; ``layer_tensors``)."""
+    return sum(layer_tensors(model, tp, experts))
 
 
 def norm_parameters(model: ModelConfig) -> int:
@@ -197,6 +258,24 @@ def rank_layers(workload: Workload, layout: Layout, pp_rank: int) -> list[int]:
     return [layers[v] for v in virtual_stages_of(layout, pp_rank)]
 
 
+def rank_layer_numbers(workload: Workload, layout: Layout, pp_rank: int) -> list[range]:
+    """The 1-based layer numbers of each model chunk of pipeline rank ``pp_rank`` (a virtual stage's
+    layers follow the previous virtual stages', as build_model_chunks numbers them)."""
+    layers = stage_layers(layout, workload.model.num_layers)
+    starts = [sum(layers[:v]) for v in range(len(layers))]
+    return [range(starts[v] + 1, starts[v] + layers[v] + 1) for v in virtual_stages_of(layout, pp_rank)]
+
+
+def rank_moe_layers(workload: Workload, layout: Layout, pp_rank: int) -> int:
+    """How many of pipeline rank ``pp_rank``'s layers are MoE layers."""
+    if not workload.model.num_experts:
+        return 0
+    if workload.model.moe_layer_freq == 1:
+        return sum(rank_layers(workload, layout, pp_rank))
+    return sum(workload.model.is_moe_layer(n) for chunk in rank_layer_numbers(workload, layout, pp_rank)
+               for n in chunk)
+
+
 def holds_embedding(layout: Layout, pp_rank: int) -> bool:
     return 0 in virtual_stages_of(layout, pp_rank)
 
@@ -208,23 +287,34 @@ def holds_head(layout: Layout, pp_rank: int) -> bool:
 
 @dataclass(frozen=True)
 class StageParameters:
-    layers: int            # parameters in this rank's transformer layers
+    layers: int            # parameters in this rank's transformer layers (its experts' included)
     embedding: int         # word (+ position) embeddings, on the first stage
     head: int              # final norm + output layer, on the last stage
+    experts: int = 0       # of ``layers``, the MoE experts' (replicated over EDP ranks, not DP)
 
     @property
     def total(self) -> int:
         return self.layers + self.embedding + self.head
 
+    @property
+    def dense(self) -> int:
+        """Parameters replicated over the data-parallel ranks (everything but the experts)."""
+        return self.total - self.experts
+
 
 def stage_parameters(workload: Workload, layout: Layout, pp_rank: int) -> StageParameters:
-    """Parameters on pipeline rank ``pp_rank`` of one TP rank (build_model_chunks / GPTModel): its
-    layers (stage_layers), the embeddings on the first stage, and on the last the final norm plus the
+    """Parameters on pipeline rank ``pp_rank`` of one rank (build_model_chunks / GPTModel): its
+    layers (stage_layers; an MoE layer's experts those of the rank's EP and ETP ranks), the embeddings on the first stage, and on the last the final norm plus the
     output layer, which tied embeddings still need as a copy when the first stage is another chunk."""
     model, tp = workload.model, layout.tp
     vocab_rows = workload.padded_vocab(tp) // tp
     h = model.hidden_size
-    layers = sum(rank_layers(workload, layout, pp_rank)) * layer_parameters(model, tp)
+    count, moe = sum(rank_layers(workload, layout, pp_rank)), rank_moe_layers(workload, layout, pp_rank)
+    layers = (count - moe) * layer_parameters(model, tp)
+    experts = 0
+    if moe:
+        layers += moe * layer_parameters(model, tp, (layout.ep, layout.expert_tp))
+        experts = moe * expert_parameters(model, layout.ep, layout.expert_tp)
     first, last = holds_embedding(layout, pp_rank), holds_head(layout, pp_rank)
     embedding = 0
     if first:
@@ -234,7 +324,7 @@ def stage_parameters(workload: Workload, layout: Layout, pp_rank: int) -> StageP
         head = norm_parameters(model)
         if model.untie_embeddings_and_output_weights or layout.pp > 1:     # (another chunk holds the embedding)
             head += vocab_rows * h
-    return StageParameters(layers, embedding, head)
+    return StageParameters(layers, embedding, head, experts)
 
 
 def count_parameters(workload: Workload) -> int:

@@ -3,7 +3,8 @@
 - weights, gradients, optimizer state: parameters on the rank x bytes per parameter of the sharding
   strategy (the ZeRO paper's 16, 4 + 12/d, 2 + 14/d, 16/d bytes with 2-byte gradients). megalite keeps
   fp32 gradients for every precision (grad_buffer.py, like Megatron's distributed optimizer), so bf16
-  costs 2 + 4 + 12 = 18 B/param, 6 + 12/d with the distributed optimizer.
+  costs 2 + 4 + 12 = 18 B/param, 6 + 12/d with the distributed optimizer. d is DP x CP for the dense
+  parameters and EDP (Layout.expert_shards) for MoE experts, which only those ranks hold alike.
 - activations: what autograd keeps for backward, per layer and micro-batch, times the micro-batches
   a pipeline rank holds at once (1F1B: p - rank; interleaved: 2(p-1-rank) + (v-1)p + 1 model chunks),
   plus the temporaries of backward's fullest moment: through a layer's MLP (``layer_backward_bytes``)
@@ -24,9 +25,11 @@ from megalite.config.schema import ASYNC_SCHEDULES, ModelConfig
 from megalite.parallel.data.ddp import MAX_IN_FLIGHT, default_bucket_size
 from megalite.parallel.pipeline.pipedream import versions_behind
 from megalite.parallel.pipeline.split import SplitFlags
+from megalite.planning.experts import moe_activation_bytes, moe_backward_bytes
 from megalite.planning.inputs import (GPU_KERNELS, Kernels, Layout, Workload, holds_embedding, holds_head,
-                                      layer_parameters, layer_tensors, local_attention_heads, norm_parameters,
-                                      rank_layers, stage_parameters)
+                                      layer_experts, layer_tensors, local_attention_heads,
+                                      norm_parameters, rank_layer_numbers, rank_layers, rank_moe_layers,
+                                      stage_parameters, token_counts)
 
 GRAD_BYTES = 4          # megalite accumulates and reduces gradients in fp32 at every precision (grad_buffer.py)
 
@@ -64,8 +67,8 @@ def attention_saved_elements(model: ModelConfig, tp: int, tokens: int) -> float:
     return tokens * (2 * heads + 2 * groups) * d
 
 
-def layer_activation_bytes(workload: Workload, layout: Layout, kernels: Kernels) -> float:
-    """Bytes one transformer layer keeps for backward for one micro-batch on one TP rank.
+def layer_activation_bytes(workload: Workload, layout: Layout, kernels: Kernels, moe: bool = False) -> float:
+    """Bytes one transformer layer (``moe``: an MoE layer) keeps for backward for one micro-batch on one rank.
 
     Korthikanti et al. count, per layer at 16 bits, sbh(34 + 5as/h) bytes: layernorm inputs 4sbh;
     attention 11sbh + 5as^2b (QKV input 2, Q and K 4, V 2, projection input 2, dropout mask 1, and
@@ -79,7 +82,8 @@ def layer_activation_bytes(workload: Workload, layout: Layout, kernels: Kernels)
       per token and head;
     - MLP: SwiGLU keeps fc1's output (2f/t) and the fc2 input (f/t), silu being recomputed in
       backward; GELU keeps fc1's output and the activation, 2f/t;
-    - hidden dropout (p > 0): two 1-byte masks over [s/t, b, h].
+    - hidden dropout (p > 0): two 1-byte masks over [s/t, b, h];
+    - an MoE layer's MLP: experts.moe_activation_bytes in place of the MLP's terms.
     Full recomputation keeps only the layer's input [s/t, b, h] (Korthikanti: 2sbh, /t with SP).
     For a GPT layer (MHA, learned positions, 4h GELU MLP) on CUDA this is Korthikanti's 34sbh/t
     without the score terms.
@@ -99,16 +103,9 @@ def layer_activation_bytes(workload: Workload, layout: Layout, kernels: Kernels)
     attention = attention_saved_elements(model, layout.tp, tokens) * e
     if layout.recompute != "selective":
         attention += tokens * heads * 4                                   # log-sum-exp, fp32
-    mlp = (3 if model.swiglu else 2) * tokens * ffn * e
+    mlp = moe_activation_bytes(workload, layout) if moe else (3 if model.swiglu else 2) * tokens * ffn * e
     dropout = 2 * sp_tokens * h if model.hidden_dropout > 0 else 0
     return norms + linear_inputs + attention + mlp + dropout
-
-
-def token_counts(workload: Workload, layout: Layout) -> tuple[int, int]:
-    """(tokens of one micro-batch on one context-parallel rank, the sequence-parallel share of them on one
-    TP rank). Ring attention keeps what flash attention keeps, for the rank's 2 of 2cp chunks."""
-    tokens = workload.model.seq_length * layout.micro_batch_size // layout.cp
-    return tokens, tokens // layout.tp if layout.sp else tokens
 
 
 def output_layer_bytes(workload: Workload, layout: Layout, kernels: Kernels) -> tuple[float, float]:
@@ -139,9 +136,10 @@ def output_layer_bytes(workload: Workload, layout: Layout, kernels: Kernels) -> 
     return kept, max(loss, linear)
 
 
-def layer_backward_bytes(workload: Workload, layout: Layout, kernels: Kernels) -> float:
+def layer_backward_bytes(workload: Workload, layout: Layout, kernels: Kernels, moe: bool = False) -> float:
     """The most bytes that backward through one layer holds beyond the activations the layers keep:
-    the gradient arriving at the layer's output [s/t, b, h] and the largest of three moments of its MLP.
+    the gradient arriving at the layer's output [s/t, b, h] and the largest of three moments of its MLP
+    (``moe``: of its experts, experts.moe_backward_bytes, or of its shared expert, a dense MLP of its size).
 
     - the activation's backward: _SwiGLUFunction.backward works in fp32; next to the gradient of fc2's
       input (f/t, compute dtype) it holds fp32 copies of fc1's output (2f/t) and of that gradient
@@ -154,9 +152,20 @@ def layer_backward_bytes(workload: Workload, layout: Layout, kernels: Kernels) -
       input and fc1's output freed; with sequence parallelism also the input all-gathered again, the
       reduce-scattered input gradient and gloo's copy of the reduce-scatter's input.
     This is the largest moment of a layer's backward: attention's is smaller (no s x s scores)."""
+    _, sp_tokens = token_counts(workload, layout)
+    arriving = sp_tokens * workload.model.hidden_size * workload.dtype_bytes
+    if not moe:
+        return arriving + mlp_backward_bytes(workload, layout, kernels, workload.model.ffn_hidden_size)
+    shared = workload.model.moe_shared_expert_intermediate_size or 0
+    return arriving + max(moe_backward_bytes(workload, layout),
+                          mlp_backward_bytes(workload, layout, kernels, shared) if shared else 0.0)
+
+
+def mlp_backward_bytes(workload: Workload, layout: Layout, kernels: Kernels, ffn_hidden_size: int) -> float:
+    """The fullest of a tensor-parallel MLP's three backward moments (``layer_backward_bytes``)."""
     model, e = workload.model, workload.dtype_bytes
     tokens, sp_tokens = token_counts(workload, layout)
-    h, f = model.hidden_size, model.ffn_hidden_size // layout.tp
+    h, f = model.hidden_size, ffn_hidden_size // layout.tp
     fc1_out = 2 * f if model.swiglu else f
     copies = kernels.collective_copies
     if model.swiglu:
@@ -168,7 +177,7 @@ def layer_backward_bytes(workload: Workload, layout: Layout, kernels: Kernels) -
     fc1 = tokens * h * e + fc1_out * h * e - tokens * f * e
     if layout.sp:
         fc1 += tokens * h * e + sp_tokens * h * e + (tokens * h * e if copies else 0)
-    return sp_tokens * h * e + max(activation, fc2, fc1)
+    return max(activation, fc2, fc1)
 
 
 def chunks_in_flight(layout: Layout, pp_rank: int, num_microbatches: int) -> int:
@@ -197,8 +206,11 @@ def kept_activations(workload: Workload, layout: Layout, pp_rank: int, kernels: 
     model, e = workload.model, workload.dtype_bytes
     in_flight = chunks_in_flight(layout, pp_rank, layout.num_microbatches(workload.global_batch_size))
     layers_per_chunk = sum(rank_layers(workload, layout, pp_rank)) / layout.vpp     # (chunks alternate)
+    moe_per_chunk = rank_moe_layers(workload, layout, pp_rank) / layout.vpp
     _, sp_tokens = token_counts(workload, layout)
-    kept = in_flight * layers_per_chunk * layer_activation_bytes(workload, layout, kernels)
+    kept = in_flight * (layers_per_chunk - moe_per_chunk) * layer_activation_bytes(workload, layout, kernels)
+    if moe_per_chunk:
+        kept += in_flight * moe_per_chunk * layer_activation_bytes(workload, layout, kernels, moe=True)
     stashed_outputs = in_flight - 1 if holds_head(layout, pp_rank) else in_flight
     kept += stashed_outputs * sp_tokens * model.hidden_size * e if layout.pp > 1 else 0
     if holds_embedding(layout, pp_rank) and model.hidden_dropout > 0:
@@ -236,14 +248,22 @@ def backward_tensors(workload: Workload, layout: Layout, pp_rank: int) -> list[P
         if params.head > norm_parameters(model):
             tensors.append(Param(0, vocab_rows * h, alone=tied))
         tensors += [Param(0, n) for n in [h] * (norm_parameters(model) // h)]
-    layers = sum(rank_layers(workload, layout, pp_rank))
-    for i in range(layers):
-        tensors += [Param(1 + i, n) for n in reversed(layer_tensors(model, layout.tp))]
+    numbers = top_down_layers(workload, layout, pp_rank)
+    layers = len(numbers)
+    kinds = {experts: layer_tensors(model, layout.tp, experts)[::-1]
+             for experts in {layer_experts(model, layout, n) for n in numbers}}
+    for i, number in enumerate(numbers):
+        tensors += [Param(1 + i, n) for n in kinds[layer_experts(model, layout, number)]]
     if params.embedding:
         if not model.use_rope:
             tensors.append(Param(1 + layers, model.max_position_embeddings * h))
         tensors.append(Param(1 + layers, vocab_rows * h, alone=tied))
     return tensors
+
+
+def top_down_layers(workload: Workload, layout: Layout, pp_rank: int) -> list[int]:
+    """The layer numbers of pipeline rank ``pp_rank``, last first (the order backward reaches them)."""
+    return [n for chunk in reversed(rank_layer_numbers(workload, layout, pp_rank)) for n in reversed(chunk)]
 
 
 def buckets_of(tensors: list[Param], layout: Layout, per_unit: bool) -> list[int]:
@@ -268,12 +288,13 @@ class Buckets:
 
 
 def buckets_at(workload: Workload, layout: Layout, pp_rank: int, arrived: int, per_unit: bool,
-               previous_microbatch: bool) -> Buckets:
+               previous_microbatch: bool, tensors: list[Param] | None = None) -> Buckets:
     """Buckets alive once the first ``arrived`` gradients of this micro-batch's backward are in.
     With --overlap-grad-reduce a complete bucket's reduction runs until ddp.MAX_IN_FLIGHT newer ones
     have started (counting the previous micro-batch's last ones, still in flight at the top of the
-    stage, when ``previous_microbatch``); without, it runs as soon as the bucket is complete."""
-    tensors = backward_tensors(workload, layout, pp_rank)
+    stage, when ``previous_microbatch``); without, it runs as soon as the bucket is complete.
+    ``tensors``: backward_tensors' list, when the caller has it."""
+    tensors = tensors or backward_tensors(workload, layout, pp_rank)
     ends = buckets_of(tensors, layout, per_unit)
     sizes = [sum(t.size for t in tensors[start:end]) for start, end in zip([0] + ends, ends)]
     complete = sum(1 for end in ends if end <= arrived)
@@ -297,7 +318,7 @@ class Transients:
 
 
 def data_parallel_transients(workload: Workload, layout: Layout, pp_rank: int, kernels: Kernels,
-                             moment: str, depth: int = 0) -> Transients:
+                             moment: str, depth: int = 0, tensors: list[Param] | None = None) -> Transients:
     """What data parallelism holds at ``moment``: "layer" (backward through the MLP of the stage's
     ``depth``-th layer from the top: linear_fc2's gradients are in), "head" (the loss and the output
     layer's backward, last stage) or "step" (after the last backward, when the full gradient buffer is
@@ -316,19 +337,25 @@ def data_parallel_transients(workload: Workload, layout: Layout, pp_rank: int, k
       --overlap-grad-reduce, else after it, MAX_IN_FLIGHT at a time). ZeRO-1/2 all-gather the updated
       parameters in place after the step (gloo: through copies of up to MAX_IN_FLIGHT buckets with
       --overlap-param-gather, one at a time without).
+    MoE experts' gradients share the rank's buckets here at the dense d; their own EDP group's reductions
+    differ only in the 1/d output chunks and gloo's (d-1)/d copies.
     """
     d, e = layout.shards, workload.dtype_bytes
     if d == 1 or (moment == "step" and layout.sharding == "optim_grads_params"):
         return Transients()
     copies = kernels.collective_copies
-    params = stage_parameters(workload, layout, pp_rank)
-    layer = layer_parameters(workload.model, layout.tp)
-    tensors = backward_tensors(workload, layout, pp_rank)
+    model, params = workload.model, stage_parameters(workload, layout, pp_rank)
+    numbers = top_down_layers(workload, layout, pp_rank)
+    kinds = {experts: layer_tensors(model, layout.tp, experts)
+             for experts in {layer_experts(model, layout, n) for n in numbers}}
+    sizes = [kinds[layer_experts(model, layout, n)] for n in numbers]
+    layer = max(map(sum, sizes), default=0)
+    tensors = tensors or backward_tensors(workload, layout, pp_rank)
     arrived = 0                               # gradients of this micro-batch's backward in by the moment
     if moment == "layer":
         head_tensors = sum(1 for t in tensors if t.unit == 0) if params.head else 0
-        fc2_tensors = 2 if workload.model.add_bias_linear else 1
-        arrived = head_tensors + depth * len(layer_tensors(workload.model, layout.tp)) + fc2_tensors
+        fc2_tensors = 2 if model.add_bias_linear else 1
+        arrived = head_tensors + sum(len(t) for t in sizes[:depth]) + fc2_tensors
     per_unit = layout.sharding in ("optim_grads", "optim_grads_params")
 
     def reduce_scatter_copies(buckets) -> float:
@@ -346,11 +373,11 @@ def data_parallel_transients(workload: Workload, layout: Layout, pp_rank: int, k
     if not per_unit:                # the full buffer: reductions start during the last micro-batch only
         if layout.sharding == "no_shard" or moment != "layer":
             return Transients()
-        reducing = buckets_at(workload, layout, pp_rank, arrived, False, False).reducing
+        reducing = buckets_at(workload, layout, pp_rank, arrived, False, False, tensors).reducing
         return Transients(0.0, reduce_scatter_copies(reducing))
 
     many = layout.num_microbatches(workload.global_batch_size) > 1
-    alive = buckets_at(workload, layout, pp_rank, arrived, True, many)
+    alive = buckets_at(workload, layout, pp_rank, arrived, True, many, tensors)
     grads = GRAD_BYTES * (sum(alive.filling) + sum(n * (1 + 1 / d) for n in alive.reducing))
     grads += reduce_scatter_copies(alive.reducing)
     weights = 0.0
@@ -384,27 +411,38 @@ def rank_memory(workload: Workload, layout: Layout, pp_rank: int, kernels: Kerne
     backward come with every in-flight micro-batch's kept activations; after the last backward only
     the state is left, with the data-parallel reductions and gathers (``data_parallel_transients``)."""
     params = stage_parameters(workload, layout, pp_rank)
-    per_weight, per_grad, per_optimizer = state_bytes_per_parameter(workload.dtype_bytes, layout.sharding,
-                                                                    layout.shards)
-    per_weight *= 1 + weight_versions(layout, pp_rank, layout.num_microbatches(workload.global_batch_size))
+    weights, grads, optimizer = state_bytes(workload, layout, params)
+    weights *= 1 + weight_versions(layout, pp_rank, layout.num_microbatches(workload.global_batch_size))
     kept = kept_activations(workload, layout, pp_rank, kernels)
-    through_layer = layer_backward_bytes(workload, layout, kernels)
-    if layout.recompute == "full":
-        through_layer += layer_activation_bytes(workload, dataclasses.replace(layout, recompute="none"), kernels)
+    # the rank's kinds of layer (dense, MoE): backward through the fullest, each one freed the least
+    moe = rank_moe_layers(workload, layout, pp_rank)
+    kinds = [kind for kind, count in ((False, sum(rank_layers(workload, layout, pp_rank)) - moe), (True, moe))
+             if count]
+    through_layer = max(layer_backward_bytes(workload, layout, kernels, kind)
+                        + (layer_activation_bytes(workload, dataclasses.replace(layout, recompute="none"), kernels,
+                                                  kind) if layout.recompute == "full" else 0.0) for kind in kinds)
     # backward through the chunk's top layers: each one deeper has freed a layer's activations, but may
     # have more data-parallel reductions in flight (beyond MAX_IN_FLIGHT layers nothing changes)
     layers_per_chunk = max(rank_layers(workload, layout, pp_rank))
-    freed = layer_activation_bytes(workload, layout, kernels)
+    freed = min(layer_activation_bytes(workload, layout, kernels, kind) for kind in kinds)
+    tensors = backward_tensors(workload, layout, pp_rank) if layout.shards > 1 else None
     moments = [(kept - depth * freed + through_layer,
-                data_parallel_transients(workload, layout, pp_rank, kernels, "layer", depth))
+                data_parallel_transients(workload, layout, pp_rank, kernels, "layer", depth, tensors))
                for depth in range(min(layers_per_chunk, MAX_IN_FLIGHT + 1))]
-    moments.append((0.0, data_parallel_transients(workload, layout, pp_rank, kernels, "step")))
+    moments.append((0.0, data_parallel_transients(workload, layout, pp_rank, kernels, "step", tensors=tensors)))
     if holds_head(layout, pp_rank):
         moments.append((kept + sum(output_layer_bytes(workload, layout, kernels)),
-                        data_parallel_transients(workload, layout, pp_rank, kernels, "head")))
+                        data_parallel_transients(workload, layout, pp_rank, kernels, "head", tensors=tensors)))
     activations, transients = max(moments, key=lambda moment: moment[0] + moment[1].total)
-    return Memory(params.total * per_weight + transients.weights, params.total * per_grad + transients.grads,
-                  params.total * per_optimizer, activations)
+    return Memory(weights + transients.weights, grads + transients.grads, optimizer, activations)
+
+
+def state_bytes(workload: Workload, layout: Layout, params) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes of a rank's parameters (``StageParameters``): the dense
+    ones sharded over DP x CP, the experts over EDP (ZeRO over the expert-data-parallel group)."""
+    dense = state_bytes_per_parameter(workload.dtype_bytes, layout.sharding, layout.shards)
+    experts = state_bytes_per_parameter(workload.dtype_bytes, layout.sharding, layout.expert_shards)
+    return tuple(params.dense * a + params.experts * b for a, b in zip(dense, experts))
 
 
 def weight_versions(layout: Layout, pp_rank: int, num_microbatches: int) -> int:
@@ -416,9 +454,24 @@ def weight_versions(layout: Layout, pp_rank: int, num_microbatches: int) -> int:
     return versions_behind(layout.schedule, layout.pp, pp_rank, num_microbatches)
 
 
+def state_memory(workload: Workload, layout: Layout) -> float:
+    """The largest pipeline rank's (sharded) weights, gradients and optimizer state: a lower bound of
+    ``estimate_memory``'s total, cheap to compute."""
+    return max(sum(state_bytes(workload, layout, stage_parameters(workload, layout, r)))
+               for r in memory_ranks(workload, layout))
+
+
 def estimate_memory(workload: Workload, layout: Layout, kernels: Kernels = GPU_KERNELS) -> Memory:
     """The device that needs the most: the largest of the pipeline ranks."""
-    return max((rank_memory(workload, layout, r, kernels) for r in outer_ranks(layout)), key=lambda m: m.total)
+    return max((rank_memory(workload, layout, r, kernels) for r in memory_ranks(workload, layout)),
+               key=lambda m: m.total)
+
+
+def memory_ranks(workload: Workload, layout: Layout) -> set[int]:
+    """The pipeline ranks that can need the most: ``outer_ranks``, or every rank of a model with dense and
+    MoE layers, whose stages can hold different numbers of MoE layers (--moe-layer-freq)."""
+    mixed = workload.model.num_experts and workload.model.moe_layer_freq != 1
+    return set(range(layout.pp)) if mixed else outer_ranks(layout)
 
 
 def outer_ranks(layout: Layout) -> set[int]:

@@ -12,7 +12,7 @@ from megalite.errors import UserError
 from megalite.parallel.pipeline.split import SplitFlags, virtual_stage_layers
 from megalite.planning.flags import parallel_config
 from megalite.planning.inputs import GiB, GPU_KERNELS, Hardware, Kernels, Layout, Workload, split_name, stage_layers
-from megalite.planning.memory import Memory, estimate_memory
+from megalite.planning.memory import Memory, estimate_memory, state_memory
 from megalite.planning.time import StepTime, step_time
 
 RECOMPUTE = ("none", "selective", "full")
@@ -39,6 +39,8 @@ def layout_problem(workload: Workload, layout: Layout, gpus_per_node: int) -> st
     (config/validate.py) refuse the run pretrain_gpt.py would get for it."""
     if layout.tp > gpus_per_node:
         return f"TP {layout.tp} would span nodes ({gpus_per_node} GPUs per node)"
+    if layout.expert_tp > gpus_per_node:
+        return f"ETP {layout.expert_tp} would span nodes ({gpus_per_node} GPUs per node)"
     if layout.schedule == "zbv" and layout.vpp != 2:
         return "--pipeline-schedule zbv places exactly two model chunks per pipeline rank"
     if layout.schedule not in ("1f1b", "zbv") and layout.vpp > 1:
@@ -87,6 +89,8 @@ class Pins:
     schedule: str | None = pin("--pipeline-schedule")
     virtual_stages: int | None = pin("--num-virtual-stages-per-pipeline-rank")
     split: SplitFlags | None = None             # first/last counts, account-for flags or a layout string
+    ep: int | None = pin("--expert-model-parallel-size")
+    etp: int | None = pin("--expert-tensor-parallel-size")
 
     def allow(self, layout: Layout, num_layers: int) -> bool:
         extra = int(layout.split.account_for_embedding) + int(layout.split.account_for_loss)
@@ -95,7 +99,8 @@ class Pins:
             (self.tp, layout.tp), (self.pp, layout.pp), (self.layers_per_virtual_stage, vpp_layers),
             (self.micro_batch_size, layout.micro_batch_size), (self.recompute, layout.recompute),
             (self.sharding, layout.sharding), (self.cp, layout.cp), (self.schedule, layout.schedule),
-            (self.virtual_stages, layout.vpp), (self.split, layout.split)))
+            (self.virtual_stages, layout.vpp), (self.split, layout.split), (self.ep, layout.ep),
+            (self.etp, layout.expert_tp)))
 
     def describe(self) -> str:
         values = dataclasses.asdict(self)
@@ -127,10 +132,28 @@ def candidate_splits(num_layers: int, pp: int) -> list[tuple[SplitFlags, list[in
     return splits
 
 
+def expert_grids(workload: Workload, stage_ranks: int, tp: int, pins: Pins) -> list[tuple[int, int | None]]:
+    """(EP, ETP, None meaning TP) of an MoE model's experts over a pipeline stage's ``stage_ranks`` ranks:
+    EP dividing the experts, ETP the experts' hidden size, ETP x EP the stage's ranks (config/validate.py
+    checks each again); ETP 1 or TP unless pinned (Megatron's usual choices: whole experts per rank, or
+    experts split like the dense MLP). A dense model: (1, None)."""
+    model = workload.model
+    if not model.num_experts:
+        return [(1, None)]
+    etps = [pins.etp] if pins.etp is not None else sorted({1, tp})
+    grids = []
+    for ep in divisors(model.num_experts):
+        for etp in etps:
+            if stage_ranks % (ep * etp) == 0 and model.expert_ffn_hidden_size % etp == 0:
+                grids.append((ep, None if etp == tp else etp))
+    return grids
+
+
 def layouts_of(workload: Workload, num_gpus: int, pins: Pins = Pins()) -> Iterator[Layout]:
     """Every TP x CP x PP x DP split of ``num_gpus`` (CP as pinned, else 1), every split of the layers
     (``candidate_splits``, or the pinned one) with every virtual-stage count it allows, micro-batch size
-    dividing GBS/DP, recomputation and sharding; sequence parallel on; the pinned schedule, else 1F1B."""
+    dividing GBS/DP, recomputation and sharding, an MoE model's expert grids (``expert_grids``); sequence
+    parallel on; the pinned schedule, else 1F1B."""
     layers, gbs = workload.model.num_layers, workload.global_batch_size
     cp = pins.cp or 1
     schedule = pins.schedule or "1f1b"
@@ -149,14 +172,17 @@ def layouts_of(workload: Workload, num_gpus: int, pins: Pins = Pins()) -> Iterat
             elif schedule != "1f1b":
                 splits = [(split, [1]) for split, _ in splits]
             micro_batch_sizes = divisors(gbs // dp) if gbs % dp == 0 else [1]
+            grids = expert_grids(workload, tp * cp * dp, tp, pins)
             for split, vpps in splits:
                 for vpp in vpps:
                     for mbs in micro_batch_sizes:
                         for recompute in RECOMPUTE:
                             for sharding in SHARDING_STRATEGIES:
-                                yield Layout(tp, pp, dp, vpp, mbs, recompute, sharding, cp=cp, schedule=schedule,
-                                             split=split, overlap_param_gather=schedule not in ASYNC_SCHEDULES
-                                             or sharding == "no_shard" or dp * cp == 1)
+                                for ep, etp in grids:
+                                    yield Layout(tp, pp, dp, vpp, mbs, recompute, sharding, cp=cp,
+                                                 schedule=schedule, split=split, ep=ep, etp=etp,
+                                                 overlap_param_gather=schedule not in ASYNC_SCHEDULES
+                                                 or sharding == "no_shard" or dp * cp == 1)
 
 
 def candidate_layouts(workload: Workload, hardware: Hardware, pins: Pins = Pins()) -> list[Layout]:
@@ -187,10 +213,15 @@ def evaluate(workload: Workload, layout: Layout, hardware: Hardware, kernels: Ke
 
 def plan(workload: Workload, hardware: Hardware, pins: Pins = Pins(), top: int = 5,
          kernels: Kernels = GPU_KERNELS) -> list[Estimate]:
-    """The ``top`` fastest layouts that fit, fastest first; a one-line UserError when none does."""
-    estimates = [evaluate(workload, layout, hardware, kernels) for layout in candidate_layouts(workload, hardware, pins)]
+    """The ``top`` fastest layouts that fit, fastest first; a one-line UserError when none does. Layouts
+    whose state alone (``memory.state_memory``, a lower bound) exceeds the device are not estimated further
+    unless none fits."""
+    layouts = candidate_layouts(workload, hardware, pins)
+    maybe = [lay for lay in layouts if state_memory(workload, lay) <= hardware.usable_bytes]
+    estimates = [evaluate(workload, layout, hardware, kernels) for layout in maybe]
     feasible = sorted((e for e in estimates if e.fits), key=lambda e: (e.time.total, e.memory.total))
     if not feasible:
+        estimates = [evaluate(workload, layout, hardware, kernels) for layout in layouts]
         raise UserError(nothing_fits_message(min(estimates, key=lambda e: e.memory.total), hardware))
     return feasible[:top]
 
@@ -200,7 +231,8 @@ def nothing_fits_message(smallest: Estimate, hardware: Hardware) -> str:
     state = mem.weights + mem.grads + mem.optimizer
     if state > hardware.usable_bytes:
         advice = (f"the weights, gradients and optimizer state alone take {state / GiB:.1f} GB: add GPUs (the state "
-                  "divides over TP x PP, and over DP with ZeRO) or use GPUs with more memory")
+                  "divides over TP x PP, MoE experts over EP x ETP too, and over DP with ZeRO) or use GPUs with "
+                  "more memory")
     else:
         advice = (f"{mem.activations / GiB:.1f} GB of it are activations: shorten --seq-length, add GPUs or use GPUs "
                   "with more memory")

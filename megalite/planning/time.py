@@ -1,8 +1,10 @@
 """Step time of a layout: compute, pipeline bubble and exposed communication.
 
 Hardware FLOPs (model FLOPs of performance.flops_per_iteration, plus recomputation) over peak x an efficiency,
-plus the pipeline bubble ((p-1)/(v*m) for 1F1B), plus tensor-, context-, pipeline- and data-parallel
-traffic over the NVLink / InfiniBand bandwidth. Collectives move ring volumes: per rank an all-reduce
+plus the pipeline bubble ((p-1)/(v*m) for 1F1B), plus tensor-, context-, expert-, pipeline- and
+data-parallel traffic over the NVLink / InfiniBand bandwidth. An MoE layer computes k experts' MLPs, its
+shared expert's and its router's (experts.moe_extra_flops_per_token) and dispatches its tokens
+(experts.dispatch_bytes), which nothing overlaps. Collectives move ring volumes: per rank an all-reduce
 sends 2(n-1)/n of its buffer, an all-gather or a reduce-scatter (n-1)/n.
 """
 from __future__ import annotations
@@ -11,8 +13,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from megalite.config.schema import ASYNC_SCHEDULES
-from megalite.planning.inputs import Hardware, Layout, Workload, holds_head, local_attention_heads, rank_layers, stage_parameters
-from megalite.planning.memory import GRAD_BYTES, outer_ranks, token_counts
+from megalite.planning.experts import dispatch_bytes, mlp_flops_per_token, moe_extra_flops_per_token
+from megalite.planning.inputs import (Hardware, Layout, Workload, holds_head, local_attention_heads, rank_layers,
+                                      rank_moe_layers, stage_parameters, token_counts)
+from megalite.planning.memory import GRAD_BYTES, memory_ranks
 from megalite.train.performance import flops_per_iteration
 
 LOSS_BYTES_PER_LOGIT = 20   # fp32 logits: written, read twice (max, sum of exp) in forward, read + written in backward
@@ -28,18 +32,42 @@ class StepTime:
     model_flops: float
     imbalance: float = 0.0        # the slowest pipeline stage's time beyond the mean stage's
     context_parallel: float = 0.0     # ring attention's K/V traffic not hidden behind attention
+    expert_parallel: float = 0.0      # MoE token dispatch (all-to-all or all-gather), on the critical path
 
     @property
     def total(self) -> float:
         return (self.compute + self.imbalance + self.bubble + self.tensor_parallel + self.context_parallel
-                + self.pipeline_parallel + self.data_parallel)
+                + self.expert_parallel + self.pipeline_parallel + self.data_parallel)
+
+    @property
+    def communication(self) -> float:
+        return (self.tensor_parallel + self.context_parallel + self.expert_parallel + self.pipeline_parallel
+                + self.data_parallel)
+
+
+def moe_layer_extra_flops(workload: Workload, layout: Layout) -> tuple[float, float]:
+    """(model FLOPs, FLOPs actually run) one MoE layer adds to a dense layer in one iteration (forward and
+    backward, 3 x forward; full recomputation runs its forward again)."""
+    model = workload.model
+    if not model.num_experts:
+        return 0.0, 0.0
+    extra = 3.0 * moe_extra_flops_per_token(model) * workload.global_batch_size * model.seq_length
+    return extra, extra * (4 / 3 if layout.recompute == "full" else 1)
 
 
 def hardware_flops(workload: Workload, layout: Layout) -> tuple[float, float]:
     """(model FLOPs, FLOPs actually run) of one iteration: recomputation runs forward again, the
     whole layer stack (full) or attention's scores and values, 4*s*nq*d per token and layer
-    (selective; performance.flops_per_iteration's attention term)."""
+    (selective; performance.flops_per_iteration's attention term). MoE layers add
+    ``moe_layer_extra_flops`` each."""
     model = dataclasses.replace(workload.model, padded_vocab_size=workload.padded_vocab(layout.tp))
+    moe_layers = sum(model.is_moe_layer(n) for n in range(1, model.num_layers + 1)) if model.num_experts else 0
+    moe_model, moe_run = (moe_layers * x for x in moe_layer_extra_flops(workload, layout))
+    model_flops, flops = _dense_hardware_flops(workload, layout, model)
+    return model_flops + moe_model, flops + moe_run
+
+
+def _dense_hardware_flops(workload: Workload, layout: Layout, model) -> tuple[float, float]:
     model_flops = flops_per_iteration(model, workload.global_batch_size)
     tokens = workload.global_batch_size * model.seq_length
     if layout.recompute == "full":
@@ -80,19 +108,27 @@ def bubble_fraction(layout: Layout, num_microbatches: int) -> float:
 
 def stage_busy_seconds(workload: Workload, layout: Layout, hardware: Hardware) -> list[float]:
     """Seconds each pipeline rank computes in one step: its layers' FLOPs (recomputation included), the
-    output layer's on the rank with the last stage, over the stage's tp x cp x dp devices at peak x
+    output layer's on the rank with the last stage (an MoE layer's experts, shared expert and router
+    beyond a dense layer's MLP added, its experts at the pace of the busiest expert rank, which gets
+    ``Workload.dispatch_margin`` times the mean rows while the others wait for its outputs), over the stage's tp x cp x dp devices at peak x
     efficiency; plus the loss, which is memory-bound: LOSS_BYTES_PER_LOGIT over the HBM bandwidth for
     each of the rank's fp32 logits (tokens / (dp x cp) x vocabulary / tp)."""
     model = dataclasses.replace(workload.model, padded_vocab_size=workload.padded_vocab(layout.tp))
-    model_flops, flops = hardware_flops(workload, layout)
+    _, flops = _dense_hardware_flops(workload, layout, model)
     head = flops_per_iteration(dataclasses.replace(model, num_layers=0), workload.global_batch_size)
     per_layer = (flops - head) / model.num_layers
+    _, per_moe_layer = moe_layer_extra_flops(workload, layout)
+    if model.num_experts:               # the busiest expert rank's rows beyond the mean (experts.py)
+        routed = mlp_flops_per_token(model, model.expert_ffn_hidden_size) * model.moe_router_topk
+        per_moe_layer += ((workload.dispatch_margin - 1) * 3 * routed * workload.global_batch_size * model.seq_length
+                          * (4 / 3 if layout.recompute == "full" else 1))
     rate = layout.tp * layout.cp * layout.dp * hardware.peak_flops(workload.precision) * hardware.compute_efficiency
     logits = workload.global_batch_size * model.seq_length / (layout.dp * layout.cp) * model.padded_vocab_size / layout.tp
     loss = LOSS_BYTES_PER_LOGIT * logits / (hardware.memory_gbps * 1e9)
     busy = []
     for rank in range(layout.pp):
-        seconds = sum(rank_layers(workload, layout, rank)) * per_layer / rate
+        seconds = (sum(rank_layers(workload, layout, rank)) * per_layer
+                   + rank_moe_layers(workload, layout, rank) * per_moe_layer) / rate
         if holds_head(layout, rank):
             seconds += head / rate + loss
         busy.append(seconds)
@@ -102,7 +138,7 @@ def stage_busy_seconds(workload: Workload, layout: Layout, hardware: Hardware) -
 def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTime:
     """compute: the mean stage's busy time (every device's share of the work); imbalance: what the slowest
     stage adds to it (the others wait for it every micro-batch); bubble: the schedule's idle share of the
-    slowest stage's time; then tensor-, context-, pipeline- and data-parallel traffic."""
+    slowest stage's time; then tensor-, context-, expert-, pipeline- and data-parallel traffic."""
     model, e = workload.model, workload.dtype_bytes
     m = layout.num_microbatches(workload.global_batch_size)
     model_flops, _ = hardware_flops(workload, layout)
@@ -112,12 +148,22 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
     layers = max(sum(rank_layers(workload, layout, r)) for r in range(layout.pp))
 
     # TP: per layer and micro-batch 2 all-reduces of [s/cp, b, h] forward and 2 backward (with SP the
-    # same volume as all-gathers + reduce-scatters); full recomputation repeats the forward ones
+    # same volume as all-gathers + reduce-scatters), half of them the MLP's: an MoE layer without a
+    # shared expert routes its own tokens instead; full recomputation repeats the forward ones
     tokens, _ = token_counts(workload, layout)
     activation = tokens * model.hidden_size * e
-    collectives = 4 + (2 if layout.recompute == "full" else 0)
-    tp_bytes = collectives * ring_bytes("all_reduce", activation, layout.tp) * layers * m
+    repeat = 1.5 if layout.recompute == "full" else 1.0
+    routes_own = 0 if model.moe_shared_expert_intermediate_size else 1
+    halves = max(2 * sum(rank_layers(workload, layout, r)) - routes_own * rank_moe_layers(workload, layout, r)
+                 for r in range(layout.pp))
+    tp_bytes = 2 * repeat * halves * ring_bytes("all_reduce", activation, layout.tp) * m
     tensor_parallel = tp_bytes / link_bandwidth(hardware, layout.tp)
+
+    # EP: every MoE layer dispatches each micro-batch's tokens to the experts and back, forward and
+    # backward (full recomputation dispatches forward again), over the EP x ETP ranks
+    moe_layers = max(rank_moe_layers(workload, layout, r) for r in range(layout.pp))
+    ep_bytes = dispatch_bytes(workload, layout) * repeat * moe_layers * m
+    expert_parallel = ep_bytes / link_bandwidth(hardware, layout.ep * layout.expert_tp) if moe_layers else 0.0
 
     # CP: ring attention passes the rank's K and V cp - 1 times forward, K, V and their gradients cp - 1
     # times backward, per layer and micro-batch, each step behind a block of attention compute
@@ -138,7 +184,7 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
 
     data_parallel = exposed_data_parallel_time(workload, layout, hardware, compute)
     return StepTime(compute, bubble, tensor_parallel, pipeline_parallel, data_parallel, model_flops,
-                    imbalance=slowest - compute, context_parallel=context_parallel)
+                    imbalance=slowest - compute, context_parallel=context_parallel, expert_parallel=expert_parallel)
 
 
 def exposed_data_parallel_time(workload: Workload, layout: Layout, hardware: Hardware, compute: float) -> float:
@@ -148,22 +194,30 @@ def exposed_data_parallel_time(workload: Workload, layout: Layout, hardware: Har
     reduce-scatter (d-1)/d * 4Psi + all-gather (d-1)/d * e*Psi; ZeRO-2 reduce-scatters every
     micro-batch; ZeRO-3 gathers parameters in forward and backward of every micro-batch. With
     --overlap-grad-reduce (recommended) the reduction runs during the last micro-batch's compute, or
-    during every micro-batch's for ZeRO-2/3, which communicate each one."""
-    d, m = layout.shards, layout.num_microbatches(workload.global_batch_size)
-    if d == 1:
+    during every micro-batch's for ZeRO-2/3, which communicate each one. MoE experts are reduced (and
+    sharded) over their EDP group instead, of the same span."""
+    m = layout.num_microbatches(workload.global_batch_size)
+    params = [stage_parameters(workload, layout, r) for r in memory_ranks(workload, layout)]
+    seconds = 0.0
+    for psi, d in ((max(p.dense for p in params), layout.shards), (max(p.experts for p in params), layout.expert_shards)):
+        sent = data_parallel_bytes(workload, layout.sharding, psi, d, m)
+        seconds += sent / link_bandwidth(hardware, layout.tp * layout.shards)  # (spans the stage's tp x cp x dp)
+    if seconds == 0.0:
         return 0.0
-    psi = max(stage_parameters(workload, layout, r).total for r in outer_ranks(layout))
-    grads, params = GRAD_BYTES * psi, workload.dtype_bytes * psi
-    if layout.sharding == "no_shard":
-        sent = ring_bytes("all_reduce", grads, d)
-    elif layout.sharding == "optim":
-        sent = ring_bytes("reduce_scatter", grads, d) + ring_bytes("all_gather", params, d)
-    elif layout.sharding == "optim_grads":
-        sent = m * ring_bytes("reduce_scatter", grads, d) + ring_bytes("all_gather", params, d)
-    else:
-        sent = m * ring_bytes("reduce_scatter", grads, d) + 2 * m * ring_bytes("all_gather", params, d)
-    seconds = sent / link_bandwidth(hardware, layout.tp * d)   # (the dp x cp group spans tp x cp x dp ranks)
     overlap_window = compute if layout.sharding in ("optim_grads", "optim_grads_params") else compute / m
     return max(0.0, seconds - overlap_window)
 
 
+def data_parallel_bytes(workload: Workload, sharding: str, psi: int, d: int, m: int) -> float:
+    """Bytes a rank sends in one step to reduce the gradients of ``psi`` parameters over ``d`` ranks and
+    gather them back (``exposed_data_parallel_time``)."""
+    if d == 1 or psi == 0:
+        return 0.0
+    grads, params = GRAD_BYTES * psi, workload.dtype_bytes * psi
+    if sharding == "no_shard":
+        return ring_bytes("all_reduce", grads, d)
+    if sharding == "optim":
+        return ring_bytes("reduce_scatter", grads, d) + ring_bytes("all_gather", params, d)
+    if sharding == "optim_grads":
+        return m * ring_bytes("reduce_scatter", grads, d) + ring_bytes("all_gather", params, d)
+    return m * ring_bytes("reduce_scatter", grads, d) + 2 * m * ring_bytes("all_gather", params, d)
