@@ -1,6 +1,6 @@
 #!/bin/bash
-# Continue pretraining a Hugging Face model (Llama 1/2/3, Mistral, Qwen2, GPT-2) and export the
-# result back to Hugging Face:
+# Continue pretraining a Hugging Face model (Llama 1/2/3, Mistral, Qwen2, Qwen3, Phi-3, GPT-2, or the
+# Mixture-of-Experts Mixtral, Qwen2-MoE, Qwen3-MoE) and export the result back to Hugging Face:
 #   1. tools/convert_checkpoint.py --from hf --to megalite      HF_MODEL -> BASE_CHECKPOINT
 #   2. (when DATA_PATH does not exist yet) tokenize CORPUS with the model's own tokenizer
 #   3. pretrain_gpt.py --load BASE_CHECKPOINT --use-checkpoint-args --finetune: no model flags, the
@@ -11,6 +11,7 @@
 #   HF_MODEL=path/to/Meta-Llama-3-8B DATA_PATH=data/my_corpus_text_document \
 #       bash examples/continue_pretraining_from_hf.sh
 #   HF_MODEL=... CORPUS=my_corpus.jsonl DATA_PATH=data/my_corpus_text_document bash ...   # tokenizes first
+#   HF_MODEL=path/to/Mixtral-8x7B-v0.1 EP=8 TP=1 PP=4 DATA_PATH=... bash ...   # experts over 8 ranks
 #
 # Re-running continues from the latest checkpoint in CHECKPOINT_PATH (not from the HF weights again).
 # With NNODES > 1 the conversions and tokenization run on NODE_RANK 0 only; torchrun's rendezvous
@@ -43,6 +44,13 @@ CORPUS=${CORPUS:-}                   # JSONL/Parquet text to tokenize into DATA_
 # ---- parallelism ----------------------------------------------------------------------------------
 TP=${TP:-2}                          # 2 for 7-8B models on 80 GB GPUs, 1 for smaller ones, more for larger
 PP=${PP:-1}
+# MoE models only: EP ranks split each MoE layer's experts (a divisor of the expert count); they come
+# out of the data-parallel ranks, so EP x TP x PP must divide the world size
+EP=${EP:-1}
+# MoE models only: the load-balancing loss coefficient; empty: the HF config's router_aux_loss_coef when
+# its output_router_logits is true (HF trains with the loss then), else 0. Megatron adds one loss per MoE
+# layer where HF pools all layers into one: set it explicitly to tune the balancing strength
+MOE_AUX_LOSS_COEFF=${MOE_AUX_LOSS_COEFF:-}
 
 # ---- batch and schedule: gentler than pretraining from scratch -------------------------------------
 SEQ_LENGTH=${SEQ_LENGTH:-}           # empty: the model's own context length (from the checkpoint)
@@ -91,7 +99,20 @@ PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
     --use-distributed-optimizer --overlap-grad-reduce
 )
-if [ "$TP" -gt 1 ]; then PARALLEL_ARGS+=(--sequence-parallel); fi
+if [ "$TP" -gt 1 ]; then PARALLEL_ARGS+=(--sequence-parallel); fi     # MoE with TP needs it too
+if [ "$EP" -gt 1 ]; then PARALLEL_ARGS+=(--expert-model-parallel-size "$EP"); fi
+if [ -z "$MOE_AUX_LOSS_COEFF" ]; then
+    # megalite's mapping of HF_MODEL's config.json (prints nothing for a dense model)
+    MOE_AUX_LOSS_COEFF=$("$PYTHON" - "$ROOT" "$HF_MODEL" <<'EOF'
+import sys
+sys.path.insert(0, sys.argv[1])
+from megalite.checkpoint.hf_config import model_fields, read_hf_config
+print(model_fields(read_hf_config(sys.argv[2])).get("moe_aux_loss_coeff", ""))
+EOF
+    )
+fi
+MOE_ARGS=()                          # the experts, router and layer pattern come from the checkpoint
+if [ -n "$MOE_AUX_LOSS_COEFF" ]; then MOE_ARGS+=(--moe-aux-loss-coeff "$MOE_AUX_LOSS_COEFF"); fi
 TRAINING_ARGS=(
     --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS"
     --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine --lr-warmup-iters "$WARMUP_ITERS"
@@ -115,7 +136,8 @@ if [ -n "${WANDB_PROJECT:-}" ]; then
 fi
 
 "${TORCHRUN[@]}" "${DISTRIBUTED_ARGS[@]}" "$ROOT/pretrain_gpt.py" \
-    "${LOAD_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${EVAL_AND_LOGGING_ARGS[@]}"
+    "${LOAD_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
+    "${EVAL_AND_LOGGING_ARGS[@]}"
 
 # ---- 4: export the latest checkpoint to Hugging Face (node 0 only) ---------------------------------
 if [ "$NODE_RANK" -eq 0 ]; then
