@@ -250,6 +250,35 @@ def test_qwen2_moe_without_a_shared_expert_is_refused(tmp_path):
         hf_to_megalite(str(tmp_path / "hf"), str(tmp_path / "out"))
 
 
+# the run flags of the qwen3_moe / qwen3 families above, dense (no --num-experts) and MoE
+DENSE_RUN = ["--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "48", "--num-attention-heads", "4",
+             "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "8", "--seq-length", "16",
+             "--max-position-embeddings", "64", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+             "--norm-epsilon", "1e-6", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+             "--qk-layernorm", "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
+             "--train-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99",
+             "--attention-dropout", "0", "--hidden-dropout", "0", "--finetune"]
+MOE_RUN = DENSE_RUN + ["--num-experts", "8", "--moe-ffn-hidden-size", "24", "--moe-router-pre-softmax"]
+
+
+def test_loading_a_converted_moe_model_into_a_dense_run_or_the_reverse_names_the_difference(tmp_path):
+    from megalite.config.megatron_cli import parse_args
+    from megalite.train.trainer import pretrain
+    for family in ("qwen3_moe", "qwen3"):
+        make_hf(str(tmp_path / family), family)
+        hf_to_megalite(str(tmp_path / family), str(tmp_path / f"{family}_ckpt"))
+    cases = [(DENSE_RUN, "qwen3_moe", "--num-experts: 8 in the checkpoint, None in this run"),
+             (MOE_RUN, "qwen3", "--num-experts: None in the checkpoint, 8 in this run")]
+    for flags, family, message in cases:
+        with pytest.raises(UserError) as error:
+            pretrain(parse_args(flags + ["--load", str(tmp_path / f"{family}_ckpt")], world_size=1),
+                     print_fn=lambda *_: None)
+        assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+    state = pretrain(parse_args(MOE_RUN + ["--load", str(tmp_path / "qwen3_moe_ckpt")], world_size=1),
+                     print_fn=lambda *_: None)                     # the matching flags load and train
+    assert len(state.history) == 1
+
+
 # ---- --qk-layernorm under tensor parallelism -------------------------------------------------------------
 # adam_eps 1: updates proportional to the gradients (plain Adam would hide a gradient summed twice)
 QK_ARGS = with_flags(TINY_LLAMA_ARGS, lr="0.1", adam_eps="1.0", train_iters=3) + ["--qk-layernorm"]
