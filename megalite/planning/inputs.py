@@ -37,7 +37,10 @@ class Workload:
     @property
     def dispatch_margin(self) -> float:
         """Rows the busiest expert rank receives over the mean: a capacity factor bounds them (at most the
-        factor's multiple, exactly it when padded to capacity); dropless routing gets the planner's margin."""
+        factor's multiple, exactly it when padded to capacity); dropless routing gets the planner's margin,
+        forced balancing (--moe-router-force-load-balancing, benchmarks) none."""
+        if self.model.moe_router_force_load_balancing:
+            return 1.0
         return self.model.moe_expert_capacity_factor or self.moe_imbalance_margin
 
     @property

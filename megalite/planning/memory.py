@@ -27,7 +27,7 @@ from megalite.parallel.pipeline.pipedream import versions_behind
 from megalite.parallel.pipeline.split import SplitFlags
 from megalite.planning.experts import moe_activation_bytes, moe_backward_bytes
 from megalite.planning.inputs import (GPU_KERNELS, Kernels, Layout, Workload, holds_embedding, holds_head,
-                                      layer_experts, layer_tensors, local_attention_heads,
+                                      layer_experts, layer_tensors, local_attention_heads, moe_tensors,
                                       norm_parameters, rank_layer_numbers, rank_layers, rank_moe_layers,
                                       stage_parameters, token_counts)
 
@@ -234,6 +234,7 @@ class Param:
     unit: int           # 0: the head, 1..: the layers top-down, then the embedding
     size: int
     alone: bool = False     # a tied word embedding: a bucket of its own (grad_buffer.py, shared_embedding)
+    expert: bool = False    # an MoE expert weight: buckets hold expert or dense weights, never both
 
 
 def backward_tensors(workload: Workload, layout: Layout, pp_rank: int) -> list[Param]:
@@ -253,7 +254,11 @@ def backward_tensors(workload: Workload, layout: Layout, pp_rank: int) -> list[P
     kinds = {experts: layer_tensors(model, layout.tp, experts)[::-1]
              for experts in {layer_experts(model, layout, n) for n in numbers}}
     for i, number in enumerate(numbers):
-        tensors += [Param(1 + i, n) for n in kinds[layer_experts(model, layout, number)]]
+        experts = layer_experts(model, layout, number)
+        # an MoE layer's tensors end with router, experts' fc1, fc2 and the shared expert's (moe_tensors)
+        shared = len(moe_tensors(model, layout.tp, *experts)) - 3 if experts else 0
+        tensors += [Param(1 + i, n, expert=experts is not None and shared <= j < shared + 2)
+                    for j, n in enumerate(kinds[experts])]
     if params.embedding:
         if not model.use_rope:
             tensors.append(Param(1 + layers, model.max_position_embeddings * h))
@@ -268,11 +273,11 @@ def top_down_layers(workload: Workload, layout: Layout, pp_rank: int) -> list[in
 
 def buckets_of(tensors: list[Param], layout: Layout, per_unit: bool) -> list[int]:
     """The index one past each bucket's last tensor (grad_buffer.ParamAndGradBuffer._layout): a bucket
-    closes once it holds ``bucket_size`` elements, before a tied embedding and after it, and, for
-    ZeRO-2/3 (``per_unit``), where the unit changes."""
+    closes once it holds ``bucket_size`` elements, before a tied embedding and after it, where expert
+    weights meet dense ones, and, for ZeRO-2/3 (``per_unit``), where the unit changes."""
     limit, ends, size = bucket_size(layout), [], 0
     for i, tensor in enumerate(tensors):
-        if i and (size >= limit or tensor.alone or tensors[i - 1].alone
+        if i and (size >= limit or tensor.alone or tensors[i - 1].alone or tensor.expert != tensors[i - 1].expert
                   or (per_unit and tensor.unit != tensors[i - 1].unit)):
             ends.append(i)
             size = 0
@@ -337,8 +342,8 @@ def data_parallel_transients(workload: Workload, layout: Layout, pp_rank: int, k
       --overlap-grad-reduce, else after it, MAX_IN_FLIGHT at a time). ZeRO-1/2 all-gather the updated
       parameters in place after the step (gloo: through copies of up to MAX_IN_FLIGHT buckets with
       --overlap-param-gather, one at a time without).
-    MoE experts' gradients share the rank's buckets here at the dense d; their own EDP group's reductions
-    differ only in the 1/d output chunks and gloo's (d-1)/d copies.
+    MoE experts' buckets (never mixed with dense weights) are counted at the dense d too; their own EDP
+    group's reductions differ only in the 1/d output chunks and gloo's (d-1)/d copies.
     """
     d, e = layout.shards, workload.dtype_bytes
     if d == 1 or (moment == "step" and layout.sharding == "optim_grads_params"):

@@ -1,9 +1,12 @@
 """The parallelism planner (megalite/planning, tools/plan_parallelism.py).
 
 The key check: the planner's memory estimate against the peak memory of real megalite training
-(build_trainer + train_step, gloo ranks) at seven layouts - serial fp32; serial bf16 with full
+(build_trainer + train_step, gloo ranks) at ten layouts - serial fp32; serial bf16 with full
 recomputation; TP=2 with sequence parallelism; PP=2 1F1B; PP=2 interleaved; DP=2 with the
-distributed optimizer in bf16; DP=2 ZeRO-3 - within 15% on every rank.
+distributed optimizer in bf16; DP=2 ZeRO-3; and an MoE model (4 experts, top-2, evenly routed:
+--moe-router-force-load-balancing, so the dropless margin is 1) at EP=2 x TP=2 with the alltoall
+dispatcher, with ZeRO-1 sharding its experts over EDP=2, and at EP=2 with the allgather dispatcher, a
+gated shared expert and ZeRO-3 - within 15% on every rank.
 
 Memory is measured at the allocator, independently of the planner: torch.profiler with
 profile_memory=True records every allocation and free of torch's CPU allocator (address, bytes,
@@ -38,6 +41,9 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 MEASURED_MODEL = with_flags(TINY_LLAMA_ARGS, num_layers=4, hidden_size=256, num_attention_heads=4,
                             num_query_groups=2, ffn_hidden_size=704, seq_length=256, max_position_embeddings=256,
                             vocab_size=1023, micro_batch_size=2, global_batch_size=4, train_iters=2)
+# 4 experts of 352 (each half the dense MLP's 704), top-2, routed evenly
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "352",
+       "--moe-token-dispatcher-type", "alltoall", "--moe-router-force-load-balancing"]
 SERIAL_LAYOUTS = {
     "serial fp32": [],
     "serial bf16, full recompute": ["--bf16", "--recompute-granularity", "full", "--recompute-method", "uniform"],
@@ -50,6 +56,16 @@ TWO_RANK_LAYOUTS = {
                                                   "--num-layers-per-virtual-pipeline-stage", "1",
                                                   "--global-batch-size", "8"],
     "DP=2 ZeRO-3 fp32": ["--data-parallel-sharding-strategy", "optim_grads_params", "--global-batch-size", "8"],
+    "MoE EP=2 x TP=2 (ETP=1) alltoall fp32": MOE + ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size",
+                                                  "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+                                                  "--micro-batch-size", "4", "--global-batch-size", "8"],
+    "MoE DP=2 ZeRO-1, experts over EDP=2, bf16": MOE + ["--use-distributed-optimizer", "--bf16",
+                                                      "--global-batch-size", "8"],
+    "MoE EP=2 allgather, gated shared expert, ZeRO-3 bf16": MOE + [
+        "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather",
+        "--moe-shared-expert-intermediate-size", "256", "--moe-shared-expert-gate",
+        "--data-parallel-sharding-strategy", "optim_grads_params", "--bf16", "--micro-batch-size", "4",
+        "--global-batch-size", "8"],
 }
 STEPS = 2
 TOLERANCE = 0.15
@@ -141,7 +157,8 @@ def measured() -> dict:
 
 
 def estimated(flags: list[str], world_size: int) -> list[int]:
-    """The planner's peak bytes per rank (global rank order: tp fastest, then dp, then pp)."""
+    """The planner's peak bytes per rank (global rank order: tp fastest, then dp, then pp; every rank of a
+    stage alike, the expert grid's included)."""
     from megalite.config.megatron_cli import parse_args
     config = parse_args(MEASURED_MODEL + flags, world_size=world_size)
     workload, layout = plan_flags.workload_and_layout(config)
