@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.optim.clip_grads import global_grad_norm
+from megalite.optim.clip_grads import norm_over_classes
 from megalite.train.faults import (Activity, ExitConditions, TrainingFault, collective_phase, nonfinite_message,
                                    ranks_with_nonfinite_loss)
 from megalite.train.metrics import (MetricsSinks, MoEStats, format_timers, format_training_line,
@@ -212,19 +212,23 @@ def optional_norms(trainer) -> dict[str, float]:
     """--log-params-norm: L2 norm of the fp32 master weights; --log-num-zeros-in-grad: zero elements of the
     last step's (unscaled, clipped) gradients. Both count each parameter of the whole model once, with the
     global gradient norm's rules (clip_grads.py: TP-replicated parameters on TP rank 0, the tied
-    embedding's second copy not at all, ZeRO shards on their owner), summed over the same ranks."""
+    embedding's second copy not at all, ZeRO shards on their owner, MoE expert weights as a class of their
+    own over the expert grid), each class summed over its own ranks."""
     t, opt = trainer.config.training, trainer.optimizer
     out = {}
-    groups = opt._reduction_groups()
+    classes = opt.norm_classes()
     if t.log_num_zeros_in_grad:
-        zeros = sum(float((p.grad[lo:hi] == 0).sum()) * w
-                    for p, segments in zip(opt.pieces, opt.norm_segments) for lo, hi, w in segments)
-        total = torch.tensor([zeros], dtype=torch.float64, device=trainer.device)
-        for group in groups:
-            torch.distributed.all_reduce(total, group=group)
-        out["num zeros"] = float(total)
+        total = 0.0
+        for segments_per_piece, groups in classes:
+            zeros = sum(float((p.grad[lo:hi] == 0).sum()) * w
+                        for p, segments in zip(opt.pieces, segments_per_piece) for lo, hi, w in segments)
+            count = torch.tensor([zeros], dtype=torch.float64, device=trainer.device)
+            for group in groups:
+                torch.distributed.all_reduce(count, group=group)
+            total += float(count)
+        out["num zeros"] = total
     if t.log_params_norm:
-        out["params norm"] = global_grad_norm(opt.master_pieces, opt.norm_segments, groups)
+        out["params norm"] = norm_over_classes(opt.master_pieces, classes)
     return out
 
 

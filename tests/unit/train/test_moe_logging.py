@@ -151,3 +151,21 @@ def test_memory_report_splits_expert_state(tmp_path, flags):
     dense = sum(p.numel() for p in trainer.ddp.params) - numel
     assert row["theoretical"] - row["expert theoretical"] == per_element * dense
     assert row["parameters"] - row["expert parameters"] >= dense * itemsize
+
+
+def test_params_norm_and_num_zeros_count_the_expert_weights():
+    """--log-params-norm / --log-num-zeros-in-grad count the expert weights (a norm class of their own);
+    the norm against float64 (fp32 sums of squares differ in the last digits by summation order)."""
+    from megalite.train.loop import optional_norms
+    from megalite.train.step import train_step
+    from megalite_test_utils import masked_micro_batches
+    argv = with_flags(MOE_ARGS, log_params_norm=True, log_num_zeros_in_grad=True)
+    trainer = build_trainer(parse_args(argv, world_size=1))
+    train_step(trainer, iter(masked_micro_batches()[:2]))
+    with torch.no_grad():                         # zeros the dense weights cannot have: two experts' fc2
+        trainer.chunks[0].decoder.layers[0].mlp.experts.linear_fc2.weight.main_grad[:2] = 0.0
+    norms = optional_norms(trainer)
+    params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    assert norms["params norm"] == pytest.approx(float(params.double().norm()), rel=1e-6)
+    assert norms["num zeros"] == float((trainer.buffer.grad_data == 0).sum())
+    assert norms["num zeros"] >= 2 * 64 * 32
