@@ -38,7 +38,7 @@ def check_moe_convertible(config, log) -> None:
     if config.model_type == "qwen2_moe" and _num_experts(config) and not config.shared_expert_intermediate_size:
         raise UserError("qwen2_moe shared_expert_intermediate_size=0 is not supported: megalite's shared expert "
                         "has a positive hidden size (convert it as qwen3_moe, which has none)")
-    if getattr(config, "router_jitter_noise", 0.0):
+    if config.model_type == "mixtral" and config.router_jitter_noise:
         log(f"mixtral router_jitter_noise={config.router_jitter_noise}: HF multiplies the router input by uniform "
             "noise in training; megalite's router has no jitter (inference is identical)")
 
@@ -47,21 +47,21 @@ def _num_experts(config) -> int:
     """Experts per MoE layer (0: none); Mixtral calls it num_local_experts."""
     if config.model_type == "mixtral":
         return config.num_local_experts
-    return getattr(config, "num_experts", 0) or 0
+    return config.num_experts or 0
 
 
 def moe_fields(config) -> dict:
     """The MoE fields of ModelConfig for an HF config (hf_config's docstring); empty for a dense model."""
+    if config.model_type not in MOE_MODEL_TYPES:
+        return {}
     experts, layers = _num_experts(config), config.num_hidden_layers
-    if config.model_type not in MOE_MODEL_TYPES or not experts:
+    if not experts:
         return {}
     fields = {"num_experts": experts, "moe_router_topk": config.num_experts_per_tok, "moe_layer_freq": 1,
-              "moe_aux_loss_coeff": float(config.router_aux_loss_coef if getattr(config, "output_router_logits", False)
-                                          else 0.0)}
+              "moe_aux_loss_coeff": float(config.router_aux_loss_coef if config.output_router_logits else 0.0)}
     if config.model_type == "mixtral":          # every layer sparse, experts of intermediate_size
         return fields
-    dense = set(getattr(config, "mlp_only_layers", None) or [])
-    step = getattr(config, "decoder_sparse_step", 1) or 1
+    dense, step = set(config.mlp_only_layers or []), config.decoder_sparse_step or 1
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
     if not any(pattern):
         return {}                               # no sparse layer: a dense model
@@ -138,7 +138,7 @@ def moe_training_settings(config) -> dict:
     """HF's load-balancing settings of an MoE config (MOE_TRAINING_KEYS), empty for a dense one."""
     if config.model_type not in MOE_MODEL_TYPES:
         return {}
-    return {key: getattr(config, key, None) for key in MOE_TRAINING_KEYS}
+    return {"router_aux_loss_coef": config.router_aux_loss_coef, "output_router_logits": config.output_router_logits}
 
 
 # ==================================================================================================
