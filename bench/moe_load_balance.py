@@ -48,7 +48,8 @@ class Shape:
     def argv(self) -> list[str]:
         """pretrain_gpt.py's flags for this shape: sigmoid router, no auxiliary loss, mock data."""
         return [
-            "--num-layers", str(self.layers), "--hidden-size", str(self.hidden), "--ffn-hidden-size", str(4 * self.hidden),
+            "--num-layers", str(self.layers), "--hidden-size", str(self.hidden),
+            "--ffn-hidden-size", str(4 * self.hidden),
             "--num-attention-heads", "4", "--seq-length", str(self.seq), "--max-position-embeddings", str(self.seq),
             "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
             "--untie-embeddings-and-output-weights", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
