@@ -2,7 +2,8 @@
 """Plan a parallel layout: the fastest TP x PP x DP layouts that fit in device memory, with the
 pretrain_gpt.py flags to run them.
 
-    # a Hugging Face config (Llama / Mistral / Qwen2 / Phi-3 / GPT-2 config.json, or a model directory)
+    # a Hugging Face config (Llama / Mistral / Qwen2/3 / Phi-3 / GPT-2 / Mixtral /
+    # Qwen2-MoE / Qwen3-MoE config.json, or a model directory)
     python tools/plan_parallelism.py --hf-config llama-3-8b/config.json --num-gpus 8 --gpu-memory-gb 80 \\
         --seq-length 8192 --global-batch-size 128
     # or Megatron's model flags
@@ -57,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineArgumentParser(prog="tools/plan_parallelism.py", description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     g = p.add_argument_group("model: a Hugging Face config, or Megatron's model flags")
-    g.add_argument("--hf-config", help="config.json of a Llama/Mistral/Qwen2/Phi-3/GPT-2 model, or its directory")
+    g.add_argument("--hf-config", help="config.json of a model whose family checkpoint/hf_config.py converts "
+                   "(Llama, Mixtral, Qwen2-MoE, ...), or its directory")
     g.add_argument("--num-layers", type=positive_int)
     g.add_argument("--hidden-size", type=positive_int)
     g.add_argument("--ffn-hidden-size", type=positive_int, help="default 4*hidden, or Megatron's 2/3 rule with --swiglu")

@@ -181,15 +181,17 @@ def local_attention_heads(model: ModelConfig, tp: int) -> tuple[int, int]:
 
 def layer_tensors(model: ModelConfig, tp: int, experts: tuple[int, int] | None = None) -> list[int]:
     """Sizes of one transformer layer's parameters on one rank, in TransformerLayer's order: input norm,
-    linear_qkv (+ bias), linear_proj (+ bias, replicated), pre-MLP norm, then the MLP: linear_fc1 (+ bias),
+    linear_qkv (+ bias), linear_proj (+ bias, replicated), the q and k head norms (--qk-layernorm),
+    pre-MLP norm, then the MLP: linear_fc1 (+ bias),
     linear_fc2 (+ bias, replicated); or, for an MoE layer (``experts`` = (EP, ETP)), ``moe_tensors``."""
     h, d = model.hidden_size, model.kv_channels
     heads, groups = local_attention_heads(model, tp)
     qkv_rows = (heads + 2 * groups) * d
     norm = [h] * (norm_parameters(model) // h)
     bias = model.add_bias_linear
+    head_norms = [d] * (2 * norm_parameters(model) // h) if model.qk_layernorm else []   # q and k, per head
     attention = [*norm, qkv_rows * h, *([qkv_rows] if bias or model.add_qkv_bias else []),
-                 heads * d * h, *([h] if bias else []), *norm]
+                 heads * d * h, *([h] if bias else []), *head_norms, *norm]
     if experts is not None:
         return attention + moe_tensors(model, tp, *experts)
     ffn = model.ffn_hidden_size // tp

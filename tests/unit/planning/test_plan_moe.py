@@ -208,6 +208,32 @@ def test_dropless_margin_raises_the_dispatched_rows():
     assert capped.dispatch_margin == 1.5
 
 
+# ---- Hugging Face configs ------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_hf_moe_config_gives_the_parameter_count_of_transformers_and_megalite(family, tmp_path):
+    """--hf-config of an MoE family (checkpoint/hf_config.py's mapping): the planner counts what
+    transformers and megalite build (Qwen2-MoE's gated shared expert, Qwen3-MoE's q/k head norms)."""
+    import transformers
+    from megalite.checkpoint.hf_config import read_hf_config_file
+    from megalite.model.gpt import GPTModel
+    cls, extra = {"mixtral": ("Mixtral", dict(num_local_experts=4)),
+                  "qwen2_moe": ("Qwen2Moe", dict(num_experts=4, moe_intermediate_size=32,
+                                                 shared_expert_intermediate_size=48)),
+                  "qwen3_moe": ("Qwen3Moe", dict(num_experts=4, moe_intermediate_size=32))}[family]
+    config = getattr(transformers, f"{cls}Config")(
+        hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=300, max_position_embeddings=128, tie_word_embeddings=False, num_experts_per_tok=2, **extra)
+    hf_model = getattr(transformers, f"{cls}ForCausalLM")(config)
+    config.save_pretrained(tmp_path)
+    model = plan_flags.model_from_hf_config(read_hf_config_file(str(tmp_path)), seq_length=128)
+    assert model.num_experts == 4
+    unpadded = inputs.Workload(model, 8, make_vocab_size_divisible_by=1)
+    assert inputs.count_parameters(unpadded) == sum(p.numel() for p in hf_model.parameters())
+    padded = inputs.Workload(model, 8)
+    megalite_model = GPTModel(dataclasses.replace(model, padded_vocab_size=padded.padded_vocab(1)), meta=True)
+    assert inputs.count_parameters(padded) == sum(p.numel() for p in megalite_model.parameters())
+
+
 # ---- the command line ----------------------------------------------------------------------------------
 MIXTRAL_FLAGS = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads",
                  "32", "--group-query-attention", "--num-query-groups", "8", "--swiglu", "--normalization", "RMSNorm",
