@@ -243,6 +243,21 @@ def test_router_and_shared_expert_variants_other_families_lack_are_refused(tmp_p
     assert not os.path.exists(tmp_path / "out")
 
 
+def test_moe_tensors_under_a_dense_description_are_refused(tmp_path):
+    """A checkpoint whose metadata lost its MoE fields (saved by a megalite that did not record them)."""
+    make_hf(str(tmp_path / "hf"), "mixtral")
+    ckpt = str(tmp_path / "ckpt")
+    hf_to_megalite(str(tmp_path / "hf"), ckpt)
+    meta_path = os.path.join(ckpt, "iter_0000000", "metadata.json")
+    meta = json.load(open(meta_path))
+    for field in EXTRA_FIELDS:
+        del meta["model"][field]
+    del meta["source"]
+    json.dump(meta, open(meta_path, "w"))
+    with pytest.raises(UserError, match="holds MoE layers .* describes a dense model"):
+        megalite_to_hf(ckpt, str(tmp_path / "out"))
+
+
 def test_qwen2_moe_without_a_shared_expert_is_refused(tmp_path):
     config = transformers.Qwen2MoeConfig(**SMALL, **QWEN_MOE, shared_expert_intermediate_size=0)
     config.save_pretrained(tmp_path / "hf")
