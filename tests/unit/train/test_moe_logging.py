@@ -22,6 +22,15 @@ MOE_ARGS = with_flags(TINY_LLAMA_ARGS, num_layers=3, num_experts=8, moe_router_t
 AUX, Z = 1e-2, 1e-3
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The matmuls are tiny: a second thread only adds synchronisation (and the suite runs two workers)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def hand_routing(router, x: torch.Tensor, bias: torch.Tensor | None):
     """(tokens per expert [E], auxiliary loss, z-loss) of one forward on x [T, h], in float64."""
     c, E, k = router.config, router.num_experts, router.topk
