@@ -12,7 +12,7 @@ last 10 steps), where the same run without it stays above 1.2.
 Writes bench/moe_load_balance.png (tokens per expert of each layer over the steps, off and on, and the
 max/mean of every layer) and the "MoE load balance" section of bench/RESULTS.md.
 
-    python bench/moe_load_balance.py                 # 100 steps each, about 2 minutes on 2 idle cores
+    python bench/moe_load_balance.py                 # 100 steps each, under a minute (one thread)
     python bench/moe_load_balance.py --quick         # smoke test: 20 steps
 """
 from __future__ import annotations
