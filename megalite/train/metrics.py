@@ -1,4 +1,5 @@
-"""What a run reports: Megatron's stdout line, its timers, a JSON-lines metrics file, wandb and tensorboard.
+"""What a run reports: Megatron's stdout line, its timers, a JSON-lines metrics file, wandb and tensorboard,
+and for MoE models the auxiliary losses and expert load (MoEStats).
 
 The stdout line keeps Megatron's field names and formats exactly, because people grep it.
 """
