@@ -180,13 +180,13 @@ def test_llama3_8b_tensor_sequence_and_interleaved_pipeline_parallel(tmp_path, d
     assert_metrics(ckpt / "metrics.jsonl")
 
 
-def test_moe_cpu_quickstart_splits_the_experts_over_two_processes(tmp_path, data):
-    """EP=2 over 2 processes (data parallel 2 for the rest), 4 experts top-2 with the load-balancing loss,
-    on the SentencePiece data made here: each rank holds 2 experts' weights."""
+def test_moe_cpu_quickstart_splits_the_experts_and_replicates_them(tmp_path, data):
+    """EP=2 x expert-data-parallel 2 over 4 processes (data parallel 4 for the rest), 4 experts top-2
+    with the load-balancing loss, on the SentencePiece data made here: each rank holds 2 experts' weights."""
     run_dir = tmp_path / "run"
     proc = run_script(os.path.join(EXAMPLES, "pretrain_moe_cpu_quickstart.sh"), script_env(
-        RUN_DIR=run_dir, DATA_PATH=data["sp_data"], TOKENIZER_MODEL=data["sp_model"], NPROC_PER_NODE=2, EP=2,
-        NUM_EXPERTS=4, MICRO_BATCH=2, EVAL_INTERVAL=2), tmp_path)
+        RUN_DIR=run_dir, DATA_PATH=data["sp_data"], TOKENIZER_MODEL=data["sp_model"], NPROC_PER_NODE=4, EP=2,
+        NUM_EXPERTS=4, EVAL_INTERVAL=2), tmp_path)
     assert_trained(proc.stdout)
     assert "load_balancing_loss:" in proc.stdout and "max/mean tokens per expert:" in proc.stdout
     # 4 layers x 2 experts x (2 x 128 x 64 + 64 x 128) fp32 weights on each rank
