@@ -457,9 +457,9 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_
                        "num_query_groups", "seq_length", "max_position_embeddings", "vocab_size",
                        "position_embedding_type", "rotary_base", "normalization", "norm_epsilon", "swiglu",
                        "openai_gelu", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
-                       "rotary_percent", "apply_layernorm_1p", *MOE_FIELDS)
+                       "rotary_percent", "apply_layernorm_1p", "qk_layernorm", *MOE_FIELDS)
 # values for metadata that lacks these fields (the model they describe has none of the feature)
-ARCHITECTURE_DEFAULTS = {"rotary_percent": 1.0, "apply_layernorm_1p": False, **MOE_DEFAULTS}
+ARCHITECTURE_DEFAULTS = {"rotary_percent": 1.0, "apply_layernorm_1p": False, "qk_layernorm": False, **MOE_DEFAULTS}
 
 
 def with_architecture_defaults(model: dict) -> dict:

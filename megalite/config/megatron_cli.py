@@ -140,11 +140,9 @@ def startup_notes(argv: list[str]) -> list[str]:
 
 
 # ---- --use-checkpoint-args ----------------------------------------------------------------------------
-# model flags (argparse dests) that --use-checkpoint-args takes from the checkpoint's metadata["model"]
-CHECKPOINT_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
-                         "max_position_embeddings", "position_embedding_type", "rotary_base", "normalization",
-                         "norm_epsilon", "swiglu", "openai_gelu", "add_bias_linear", "add_qkv_bias",
-                         "untie_embeddings_and_output_weights", "rotary_percent", "apply_layernorm_1p")
+# the architecture fields --use-checkpoint-args does not take as they are (files.ARCHITECTURE_FIELDS has the
+# rest): the vocabulary comes with the tokenizer, GQA through its two flags, and --seq-length only when absent
+NOT_CHECKPOINT_MODEL_ARGS = ("vocab_size", "num_query_groups", "seq_length")
 
 
 def apply_checkpoint_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int | None:
@@ -155,10 +153,11 @@ def apply_checkpoint_args(args: argparse.Namespace, parser: argparse.ArgumentPar
         return None
     if not args.load:
         raise UserError("--use-checkpoint-args needs --load DIR (the checkpoint whose model flags to use)")
-    from megalite.checkpoint.files import ARCHITECTURE_DEFAULTS, CheckpointReader
+    from megalite.checkpoint.files import ARCHITECTURE_DEFAULTS, ARCHITECTURE_FIELDS, CheckpointReader
     reader = CheckpointReader(args.load)
     model = reader.metadata["model"]
-    saved = {name: model.get(name, ARCHITECTURE_DEFAULTS.get(name)) for name in CHECKPOINT_MODEL_ARGS}
+    saved = {name: model.get(name, ARCHITECTURE_DEFAULTS.get(name)) for name in ARCHITECTURE_FIELDS
+             if name not in NOT_CHECKPOINT_MODEL_ARGS}
     gqa = model["num_query_groups"] != model["num_attention_heads"]
     saved.update(group_query_attention=gqa, num_query_groups=model["num_query_groups"] if gqa else None)
     values = vars(args)

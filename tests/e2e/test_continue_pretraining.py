@@ -73,17 +73,6 @@ def make_qwen3_moe(directory):
     return model
 
 
-def _records_moe_and_qk_layernorm() -> bool:
-    """Whether training checkpoints record the MoE fields and --qk-layernorm (files.ARCHITECTURE_FIELDS) and
-    --use-checkpoint-args takes them back (megatron_cli.CHECKPOINT_MODEL_ARGS)."""
-    from megalite.checkpoint.files import ARCHITECTURE_FIELDS
-    from megalite.config.megatron_cli import CHECKPOINT_MODEL_ARGS
-    needed = {"num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "qk_layernorm"}
-    return needed <= set(ARCHITECTURE_FIELDS) and needed <= set(CHECKPOINT_MODEL_ARGS)
-
-
-@pytest.mark.skipif(not _records_moe_and_qk_layernorm(), reason="checkpoint metadata / --use-checkpoint-args do not "
-                    "carry the MoE fields and qk_layernorm yet")
 def test_continue_pretraining_a_converted_moe_model_with_and_without_expert_parallelism(tmp_path):
     hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
     hf_model = make_qwen3_moe(hf_dir)
