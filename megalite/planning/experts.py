@@ -104,18 +104,3 @@ def dispatch_bytes(workload: Workload, layout: Layout) -> float:
     rows = sp_tokens * k * h * e
     forward = 2 * rows * (ep - 1) / ep + 2 * (etp - 1) * rows
     return 2 * forward
-
-
-def mlp_flops_per_token(model, ffn: int) -> float:
-    """Forward FLOPs of a dense MLP of ``ffn`` hidden units per token (performance.flops_per_iteration's)."""
-    return 2 * model.hidden_size * ffn * (3 if model.swiglu else 2)
-
-
-def moe_extra_flops_per_token(model) -> float:
-    """Forward FLOPs per token an MoE layer runs beyond the dense layer flops_per_iteration counts: k
-    experts' MLPs of f hidden (the dense MLP's x k x f/ffn), the shared expert's MLP and the router
-    (2 h E), less the dense MLP."""
-    routed = mlp_flops_per_token(model, model.expert_ffn_hidden_size) * model.moe_router_topk
-    shared = mlp_flops_per_token(model, model.moe_shared_expert_intermediate_size or 0)
-    router = 2 * model.hidden_size * model.num_experts
-    return routed + shared + router - mlp_flops_per_token(model, model.ffn_hidden_size)

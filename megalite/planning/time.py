@@ -3,7 +3,7 @@
 Hardware FLOPs (model FLOPs of performance.flops_per_iteration, plus recomputation) over peak x an efficiency,
 plus the pipeline bubble ((p-1)/(v*m) for 1F1B), plus tensor-, context-, expert-, pipeline- and
 data-parallel traffic over the NVLink / InfiniBand bandwidth. An MoE layer computes k experts' MLPs, its
-shared expert's and its router's (experts.moe_extra_flops_per_token) and dispatches its tokens
+shared expert's and its router's (performance.moe_extra_flops_per_token) and dispatches its tokens
 (experts.dispatch_bytes), which nothing overlaps. Collectives move ring volumes: per rank an all-reduce
 sends 2(n-1)/n of its buffer, an all-gather or a reduce-scatter (n-1)/n.
 """
@@ -13,11 +13,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from megalite.config.schema import ASYNC_SCHEDULES
-from megalite.planning.experts import dispatch_bytes, mlp_flops_per_token, moe_extra_flops_per_token
+from megalite.planning.experts import dispatch_bytes
 from megalite.planning.inputs import (Hardware, Layout, Workload, holds_head, local_attention_heads, rank_layers,
                                       rank_moe_layers, stage_parameters, token_counts)
 from megalite.planning.memory import GRAD_BYTES, memory_ranks
-from megalite.train.performance import flops_per_iteration
+from megalite.train.performance import flops_per_iteration, mlp_flops_per_token, moe_extra_flops_per_token
 
 LOSS_BYTES_PER_LOGIT = 20   # fp32 logits: written, read twice (max, sum of exp) in forward, read + written in backward
 
@@ -60,11 +60,18 @@ def hardware_flops(workload: Workload, layout: Layout) -> tuple[float, float]:
     whole layer stack (full) or attention's scores and values, 4*s*nq*d per token and layer
     (selective; performance.flops_per_iteration's attention term). MoE layers add
     ``moe_layer_extra_flops`` each."""
-    model = dataclasses.replace(workload.model, padded_vocab_size=workload.padded_vocab(layout.tp))
-    moe_layers = sum(model.is_moe_layer(n) for n in range(1, model.num_layers + 1)) if model.num_experts else 0
+    model = dense_part(workload, layout)
+    moe = workload.model
+    moe_layers = sum(map(moe.is_moe_layer, range(1, moe.num_layers + 1))) if moe.num_experts else 0
     moe_model, moe_run = (moe_layers * x for x in moe_layer_extra_flops(workload, layout))
     model_flops, flops = _dense_hardware_flops(workload, layout, model)
     return model_flops + moe_model, flops + moe_run
+
+
+def dense_part(workload: Workload, layout: Layout):
+    """The model with every layer dense (MoE layers' extra FLOPs are counted on their own), its vocabulary
+    padded for the layout's TP."""
+    return dataclasses.replace(workload.model, padded_vocab_size=workload.padded_vocab(layout.tp), num_experts=None)
 
 
 def _dense_hardware_flops(workload: Workload, layout: Layout, model) -> tuple[float, float]:
@@ -113,13 +120,13 @@ def stage_busy_seconds(workload: Workload, layout: Layout, hardware: Hardware) -
     ``Workload.dispatch_margin`` times the mean rows while the others wait for its outputs), over the stage's tp x cp x dp devices at peak x
     efficiency; plus the loss, which is memory-bound: LOSS_BYTES_PER_LOGIT over the HBM bandwidth for
     each of the rank's fp32 logits (tokens / (dp x cp) x vocabulary / tp)."""
-    model = dataclasses.replace(workload.model, padded_vocab_size=workload.padded_vocab(layout.tp))
+    model = dense_part(workload, layout)
     _, flops = _dense_hardware_flops(workload, layout, model)
     head = flops_per_iteration(dataclasses.replace(model, num_layers=0), workload.global_batch_size)
     per_layer = (flops - head) / model.num_layers
     _, per_moe_layer = moe_layer_extra_flops(workload, layout)
-    if model.num_experts:               # the busiest expert rank's rows beyond the mean (experts.py)
-        routed = mlp_flops_per_token(model, model.expert_ffn_hidden_size) * model.moe_router_topk
+    if workload.model.num_experts:      # the busiest expert rank's rows beyond the mean (experts.py)
+        routed = mlp_flops_per_token(workload.model, model.expert_ffn_hidden_size) * workload.model.moe_router_topk
         per_moe_layer += ((workload.dispatch_margin - 1) * 3 * routed * workload.global_batch_size * model.seq_length
                           * (4 / 3 if layout.recompute == "full" else 1))
     rate = layout.tp * layout.cp * layout.dp * hardware.peak_flops(workload.precision) * hardware.compute_efficiency

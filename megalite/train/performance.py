@@ -60,12 +60,16 @@ KNOWN_GPU_PEAK_FLOPS = (
 
 
 def matmul_parameters(model: ModelConfig) -> int:
-    """N of PaLM's 6N: the transformer layers' weight matrices plus the output layer (embeddings excluded)."""
+    """N of PaLM's 6N: the transformer layers' weight matrices plus the output layer (embeddings excluded);
+    an MoE layer's are those a token runs (k experts, the shared expert, the router)."""
     h, d = model.hidden_size, model.kv_channels
     nq, nkv = model.num_attention_heads, model.num_query_groups
     attention = h * (nq + 2 * nkv) * d + nq * d * h
     mlp = h * model.ffn_hidden_size * (3 if model.swiglu else 2)
-    return model.num_layers * (attention + mlp) + model.padded_vocab_size * h
+    dense = model.num_layers * (attention + mlp) + model.padded_vocab_size * h
+    if not model.num_experts:
+        return dense
+    return dense + moe_extra_flops_per_token(model) // 2 * sum(map(model.is_moe_layer, range(1, model.num_layers + 1)))
 
 
 def model_flops_per_token(model: ModelConfig) -> float:
@@ -79,15 +83,31 @@ def flops_per_iteration(model: ModelConfig, batch_size: int) -> float:
     Per token and layer, forward: QKV 2*h*(nq+2*nkv)*d, attention scores and values 4*s*nq*d (no causal
     discount), output projection 2*nq*d*h, MLP 2*h*ffn*(3 if SwiGLU else 2); plus logits 2*h*V per token.
     For GPT with a 4h MLP and no GQA this equals Megatron's
-    72*B*s*L*h^2 * (1 + s/(6h) + V/(12*L*h)).
+    72*B*s*L*h^2 * (1 + s/(6h) + V/(12*L*h)). An MoE layer counts the FLOPs its tokens run instead of
+    the MLP's (``moe_extra_flops_per_token``).
     """
     h, s, d = model.hidden_size, model.seq_length, model.kv_channels
     nq, nkv = model.num_attention_heads, model.num_query_groups
-    mlp_matrices = 3 if model.swiglu else 2
     per_layer = (2 * h * (nq + 2 * nkv) * d + 4 * s * nq * d + 2 * nq * d * h
-                 + 2 * h * model.ffn_hidden_size * mlp_matrices)
+                 + mlp_flops_per_token(model, model.ffn_hidden_size))
     per_token = model.num_layers * per_layer + 2 * h * model.padded_vocab_size
+    if model.num_experts:
+        per_token += moe_extra_flops_per_token(model) * sum(map(model.is_moe_layer, range(1, model.num_layers + 1)))
     return 3.0 * per_token * batch_size * s
+
+
+def mlp_flops_per_token(model: ModelConfig, ffn: int) -> float:
+    """Forward FLOPs of a dense MLP of ``ffn`` hidden units per token."""
+    return 2 * model.hidden_size * ffn * (3 if model.swiglu else 2)
+
+
+def moe_extra_flops_per_token(model: ModelConfig) -> float:
+    """Forward FLOPs per token an MoE layer runs beyond a dense layer's MLP: k experts' MLPs of f hidden,
+    the shared expert's MLP and the router (2 h E), less the dense MLP."""
+    routed = mlp_flops_per_token(model, model.expert_ffn_hidden_size) * model.moe_router_topk
+    shared = mlp_flops_per_token(model, model.moe_shared_expert_intermediate_size or 0)
+    router = 2 * model.hidden_size * model.num_experts
+    return routed + shared + router - mlp_flops_per_token(model, model.ffn_hidden_size)
 
 
 def peak_flops_per_device(flag_value: float | None, device: torch.device) -> tuple[float | None, str]:

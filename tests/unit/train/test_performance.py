@@ -73,3 +73,15 @@ print(json.dumps([before, memory_usage(torch.device("cpu"))]))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     before, after = json.loads(out)
     assert after["rss"] - before["rss"] > 60 and after["max rss"] >= after["rss"]
+
+
+def test_moe_layers_count_the_flops_their_tokens_run():
+    """k experts of ffn/k hidden units run what the dense MLP runs; the router adds 2 h E per token and MoE
+    layer (--moe-layer-freq 2: layers 1 and 3 of 4), forward and backward."""
+    from megalite.train.performance import flops_per_iteration
+    dense = parse_args(with_flags(TINY_LLAMA_ARGS, num_layers=4), world_size=1).model
+    moe = parse_args(with_flags(TINY_LLAMA_ARGS, num_layers=4, num_experts=8, moe_router_topk=2,
+                                moe_ffn_hidden_size=dense.ffn_hidden_size // 2, moe_layer_freq=2), world_size=1).model
+    tokens = 3 * moe.seq_length
+    router = 3.0 * 2 * moe.hidden_size * 8 * 2 * tokens
+    assert flops_per_iteration(moe, 3) == pytest.approx(flops_per_iteration(dense, 3) + router)
