@@ -117,3 +117,19 @@ def test_an_moe_checkpoint_into_a_dense_model_is_one_line(tmp_path):
     assert proc.returncode != 0
     error = [line for line in proc.stderr.splitlines() + proc.stdout.splitlines() if "checkpoint" in line]
     assert error and "--num-experts" in error[-1], proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_with_expert_bias_reshards_over_pp_etp_and_zero(tmp_path):
+    """Saved at EP=2 x PP=2 with ZeRO-1 (experts' optimizer state sharded over EDP), resumed at ETP=2 with
+    ZeRO-3 on 2 ranks; the sigmoid router's expert bias (a buffer, moved every step) comes back too."""
+    base = with_flags(ARGV, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                      moe_router_bias_update_rate="0.05")
+    reference = train(1, {}, base=base)
+    save = str(tmp_path / "ckpt")
+    first = train(4, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2, use_distributed_optimizer=True,
+                          save=save, save_interval=2, exit_interval=2), base=base)
+    assert_equal_runs(reference, first, iterations=range(1, 3))
+    resumed = train(2, dict(expert_tensor_parallel_size=2, data_parallel_sharding_strategy="optim_grads_params",
+                            load=save), base=base)
+    assert_equal_runs(reference, resumed, iterations=range(3, 5))
