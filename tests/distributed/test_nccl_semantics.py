@@ -87,3 +87,18 @@ def test_compare_logs_names_the_first_collective_that_differs(tmp_path):
     assert len(problems) == 1 and "rank 0 and rank 1 differ at operation 0" in problems[0]
     (tmp_path / "rank1.json").write_text(json.dumps({"g": logs[0]["g"]}))
     assert nccl_semantics.compare_logs(str(tmp_path)) == []
+
+
+def test_compare_logs_pairs_up_all_to_all_sizes(tmp_path):
+    """An all-to-all's sizes differ per rank by design; what rank a sends b must be what b receives from a."""
+    import json
+
+    def write(send0, recv0, send1, recv1):
+        for rank, (send, recv) in enumerate([(send0, recv0), (send1, recv1)]):
+            op = ["all_to_all_single", ["pairwise", [64], "torch.float32", send, recv]]
+            (tmp_path / f"rank{rank}.json").write_text(json.dumps({"g": {"ranks": [0, 1], "ops": [op]}}))
+    write([3, 5], [3, 2], [2, 7], [5, 7])            # 0 -> 1: 5 rows, 1 -> 0: 2 rows
+    assert nccl_semantics.compare_logs(str(tmp_path)) == []
+    write([3, 5], [3, 2], [2, 7], [4, 7])            # rank 1 expects 4 rows from rank 0, which sends 5
+    problems = nccl_semantics.compare_logs(str(tmp_path))
+    assert len(problems) == 1 and "differ at operation 0" in problems[0]
