@@ -1,0 +1,88 @@
+"""bench/bench_moe_dispatch.py's measurement: the profile split puts known times where they belong, and at
+EP=2 (tiny model, one profiled step) every backward node of an exchange lands in "exchange" and every
+expert node in "experts", as many as the dispatcher issues per layer and micro-batch."""
+import os
+import sys
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from harness import run_ranks
+from megalite_test_utils import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import bench_moe_dispatch as bench  # noqa: E402
+
+SHAPE = bench.QUICK
+MICRO_BATCHES = SHAPE.gbs // (SHAPE.mbs * 2)                 # per rank at EP = DP = 2
+EXCHANGE_NODES = {"_AllToAllBackward", "_GatherEqualBackward", "_ReduceScatterEqualBackward"}
+
+
+class _Sleeps(torch.autograd.Function):
+    """Identity whose forward and backward each sleep a known time."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s: float, backward_s: float):
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+def test_split_profile_attributes_forward_ranges_and_backward_nodes():
+    """Forward: a range's own time less its inner ranges; backward: a node's time to its forward op's range."""
+    x = torch.ones(4, requires_grad=True)
+    rf = torch.profiler.record_function
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with rf(bench.STEP_RANGE):
+            with rf("moe/dispatch"):
+                time.sleep(0.03)                                             # permutation
+                with rf("moe/dispatch/exchange"):
+                    y = _Sleeps.apply(x, 0.02, 0.06)
+                with rf("moe/experts"):
+                    y = _Sleeps.apply(y, 0.01, 0.04)
+            time.sleep(0.05)                                                 # rest
+            y.sum().backward()
+    seconds, nodes = bench.split_profile(prof.events())
+    expected = {"permutation": 0.03, "exchange": 0.08, "experts": 0.05, "router": 0.0, "counts": 0.0}
+    for category, value in expected.items():
+        assert seconds.get(category, 0.0) == pytest.approx(value, abs=0.01), (category, seconds)
+    others = sum(seconds.get(c, 0.0) for c in bench.CATEGORIES if c != "rest")
+    assert seconds["rest"] == pytest.approx(seconds["step"] - others) and seconds["rest"] >= 0.05
+    assert nodes[("exchange", "_SleepsBackward")] == 1 and nodes[("experts", "_SleepsBackward")] == 1
+
+
+def _check_rank(result: dict, dispatcher: str) -> None:
+    layer_mb = SHAPE.layers * MICRO_BATCHES
+    nodes = Counter()
+    for (category, name), count in result["nodes"].items():
+        if name in EXCHANGE_NODES or name == "_ExpertMLPBackward":
+            nodes[(category, name)] += count
+    if dispatcher == "alltoall":                 # rows there and back; ETP = 1: no gather
+        expected = {("exchange", "_AllToAllBackward"): 2 * layer_mb}
+        ranges = 6                               # router, dispatch, counts, 2 x exchange, experts
+    else:                                        # tokens and weights gathered (expert ids carry no gradient)
+        expected = {("exchange", "_GatherEqualBackward"): 2 * layer_mb,
+                    ("exchange", "_ReduceScatterEqualBackward"): layer_mb}
+        ranges = 5                               # router, dispatch, 2 x exchange, experts
+    expected[("experts", "_ExpertMLPBackward")] = layer_mb
+    assert dict(nodes) == expected
+    assert result["ranges_per_step"] == ranges * layer_mb
+    shares = bench.shares(result)
+    assert all(shares[c] >= 0 for c in bench.CATEGORIES) and sum(shares.values()) == pytest.approx(1.0)
+    assert shares["exchange"] > 0 and shares["experts"] > 0 and shares["router"] > 0
+    assert (shares["counts"] > 0) == (dispatcher == "alltoall")
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_ep2_profile_splits_the_step_by_dispatcher(dispatcher):
+    results = run_ranks(2, bench.profile_steps, SHAPE, dispatcher, 1, 1, 1)
+    for result in results:
+        _check_rank(result, dispatcher)
+        assert len(result["step"]) == 1 and result["step"][0] > 0
