@@ -133,3 +133,13 @@ def test_sharded_checkpoint_with_expert_bias_reshards_over_pp_etp_and_zero(tmp_p
     resumed = train(2, dict(expert_tensor_parallel_size=2, data_parallel_sharding_strategy="optim_grads_params",
                             load=save), base=base)
     assert_equal_runs(reference, resumed, iterations=range(3, 5))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("capacity", [dict(moe_pad_expert_input_to_capacity=True), dict(moe_token_drop_policy="position")])
+def test_capacity_at_ep2_data_parallel_equals_serial(dispatcher, capacity):
+    """Capacity counts a rank's own tokens: at EP=2 over data-parallel ranks each rank routes whole
+    micro-batches, as the single process does, so the same assignments drop."""
+    base = with_flags(ARGV, moe_expert_capacity_factor="1.0", moe_token_dispatcher_type=dispatcher, **capacity)
+    assert_equal_runs(train(1, {}, base=base), train(2, dict(expert_model_parallel_size=2), base=base))
