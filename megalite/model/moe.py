@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from megalite.config.schema import ModelConfig
 from megalite.model.mlp import MLP
@@ -322,13 +323,15 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s, b, h] (this rank's tokens) -> [s, b, h]."""
         tokens = x.reshape(-1, x.shape[-1])
-        routed, loss = self.router(tokens, x.shape[:2])
+        with record_function("moe/router"):
+            routed, loss = self.router(tokens, x.shape[:2])
         run = self.experts
         if self.config.moe_pad_expert_input_to_capacity:
             # each of the ranks sending rows to an expert sends at most its capacity
             run = partial(self.run_padded, width=self.router.capacity(tokens.shape[0]) * self.moe.ep.ep_size
                           * self.moe.ep.etp_size)
-        out = dispatch(routed, run, self.config.num_experts, self.moe.ep).view_as(x)
+        with record_function("moe/dispatch"):     # profiler range; dispatch() opens its exchange/experts ranges in it
+            out = dispatch(routed, run, self.config.num_experts, self.moe.ep).view_as(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if self.training and loss.requires_grad:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from megalite.parallel import collectives
 
@@ -199,21 +200,28 @@ def dispatch_alltoall(routed: Routed, run_experts, num_experts: int, ep: ExpertP
     rows = routed.tokens[token]
     per_expert = torch.bincount(expert, minlength=num_experts)
     local = num_experts // ep.ep_size
-    recv_counts = exchange_counts(per_expert.view(ep.ep_size, local), ep.ep_group, ep.ep_size)   # [src, local]
-    etp_counts = gather_counts(recv_counts.reshape(-1), ep.etp_group, ep.etp_size).view(ep.etp_size, ep.ep_size, local)
-    host = etp_counts.tolist()          # the one host read: split sizes of the exchanges below
-    send = per_expert.view(ep.ep_size, local).sum(1).tolist()
+    with record_function("moe/dispatch/counts"):
+        recv_counts = exchange_counts(per_expert.view(ep.ep_size, local), ep.ep_group, ep.ep_size)   # [src, local]
+        etp_counts = gather_counts(recv_counts.reshape(-1), ep.etp_group, ep.etp_size).view(ep.etp_size, ep.ep_size,
+                                                                                             local)
+        host = etp_counts.tolist()          # the one host read: split sizes of the exchanges below
+        send = per_expert.view(ep.ep_size, local).sum(1).tolist()
     recv = [sum(c) for c in host[ep.etp_rank]]
-    received = all_to_all(rows, send, recv, ep.ep_group)                      # ordered (source, local expert)
     sizes = [sum(sum(c) for c in block) for block in host]
-    gathered = gather_rows(received, sizes, ep.etp_group)                     # ordered (etp, source, expert)
+    with record_function("moe/dispatch/exchange"):
+        received = all_to_all(rows, send, recv, ep.ep_group)                  # ordered (source, local expert)
+        gathered = gather_rows(received, sizes, ep.etp_group)                 # ordered (etp, source, expert)
     row_expert = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep.etp_size * ep.ep_size),
                                          etp_counts.reshape(-1).to(rows.device))
     order = torch.argsort(row_expert, stable=True)
     counts = etp_counts.sum((0, 1)).tolist()
-    out = run_experts(gathered[order], counts)[torch.argsort(order)]        # back in the received order
-    out = scatter_rows(out, sizes, ep.etp_rank, ep.etp_group)
-    out = all_to_all(out, recv, send, ep.ep_group)
+    grouped = gathered[order]
+    with record_function("moe/experts"):
+        out = run_experts(grouped, counts)
+    out = out[torch.argsort(order)]                                            # back in the received order
+    with record_function("moe/dispatch/exchange"):
+        out = scatter_rows(out, sizes, ep.etp_rank, ep.etp_group)
+        out = all_to_all(out, recv, send, ep.ep_group)
     return combine(out, token, weight, routed.tokens.shape[0])
 
 
@@ -221,18 +229,23 @@ def dispatch_allgather(routed: Routed, run_experts, num_experts: int, ep: Expert
     """As dispatch_alltoall, gathering every token of the EP x ETP group instead of exchanging rows."""
     size = ep.ep_size * ep.etp_size
     sizes = [routed.tokens.shape[0]] * size
-    tokens = gather_rows(routed.tokens, sizes, ep.ep_etp_group)
-    experts = gather_rows(routed.experts, sizes, ep.ep_etp_group)
-    weights = gather_rows(routed.weights, sizes, ep.ep_etp_group)
-    keep = None if routed.keep is None else gather_rows(routed.keep, sizes, ep.ep_etp_group)
+    with record_function("moe/dispatch/exchange"):
+        tokens = gather_rows(routed.tokens, sizes, ep.ep_etp_group)
+        experts = gather_rows(routed.experts, sizes, ep.ep_etp_group)
+        weights = gather_rows(routed.weights, sizes, ep.ep_etp_group)
+        keep = None if routed.keep is None else gather_rows(routed.keep, sizes, ep.ep_etp_group)
     token, expert, weight = _sorted_assignments(Routed(tokens, experts, weights, keep))
     mine = ep.local_experts(num_experts)
     selected = (expert >= mine.start) & (expert < mine.stop)
     token, expert, weight = token[selected], expert[selected], weight[selected]
     counts = torch.bincount(expert - mine.start, minlength=len(mine)).tolist()
-    out = combine(run_experts(tokens[token], counts), token, weight, tokens.shape[0])
+    rows = tokens[token]
+    with record_function("moe/experts"):
+        rows = run_experts(rows, counts)
+    out = combine(rows, token, weight, tokens.shape[0])
     rank = dist.get_rank(ep.ep_etp_group) if ep.ep_etp_group is not None else 0
-    return scatter_rows(out, sizes, rank, ep.ep_etp_group)
+    with record_function("moe/dispatch/exchange"):
+        return scatter_rows(out, sizes, rank, ep.ep_etp_group)
 
 
 def combine(rows: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, num_tokens: int) -> torch.Tensor:
