@@ -126,13 +126,24 @@ def _innermost(spans: list, starts: list, t: float) -> str | None:
     return None
 
 
-def split_profile(events) -> tuple[dict, Counter]:
-    """Seconds per category over the profiled steps (and "step": their wall time), and per category the
-    backward nodes attributed to it (Counter of (category, node name))."""
-    spans = _ranges(events)
-    seconds = Counter()
+COLLECTIVES = ("counts", "exchange")                 # the categories whose time is a collective's (and its wait)
+
+
+@dataclass
+class Split:
+    """One rank's profiled steps: ``seconds`` per category (and "step": their wall time); ``nodes``, the
+    backward nodes per (category, node name); ``collectives``, the seconds of every count-exchange and
+    exchange range and exchange backward node in the order the rank ran them (every rank runs the same
+    collectives in the same order, so the i-th entries of two ranks are the same collective)."""
+    seconds: dict
+    nodes: Counter
+    collectives: list
+
+
+def _forward_times(spans: dict, seconds: Counter, collectives: list) -> None:
+    """Each range's own time (less the ranges directly inside it) into its category; the step ranges' sum."""
     for thread_spans in spans.values():
-        stack = []                                          # forward: each range's own time
+        stack = []
         for start, end, name in thread_spans:
             while stack and stack[-1][1] <= start:
                 stack.pop()
@@ -142,19 +153,34 @@ def split_profile(events) -> tuple[dict, Counter]:
                 seconds[RANGES[name]] += (end - start) / 1e6
                 if stack and stack[-1][2] != STEP_RANGE:
                     seconds[RANGES[stack[-1][2]]] -= (end - start) / 1e6
+                if RANGES[name] in COLLECTIVES:
+                    collectives.append((start, (end - start) / 1e6))
             stack.append((start, end, name))
-    created = {}                                            # (thread, sequence number) -> the forward op's start
-    backward = []
+
+
+def _backward_nodes(events) -> tuple[list, dict]:
+    """The backward nodes the engine evaluated (outermost only), and per (thread, sequence number) the start
+    of the forward op that created the node of that number."""
+    created, backward = {}, []
     for e in events:
         if e.sequence_nr < 0:
             continue
+        inside_backward = any(a.name.startswith(BACKWARD) for a in _ancestors(e))
         if e.name.startswith(BACKWARD):
-            if not any(a.name.startswith(BACKWARD) for a in _ancestors(e)):
+            if not inside_backward:
                 backward.append(e)
-        elif not any(a.name.startswith(BACKWARD) for a in _ancestors(e)):
+        elif not inside_backward:
             key = (e.thread, e.sequence_nr)                 # the last op to see a number is the one that used it
             created[key] = max(created.get(key, e.time_range.start), e.time_range.start)
-    nodes = Counter()
+    return backward, created
+
+
+def split_profile(events) -> Split:
+    """Forward time by the innermost range, backward time by the range of each node's forward op."""
+    spans = _ranges(events)
+    seconds, nodes, collectives = Counter(), Counter(), []
+    _forward_times(spans, seconds, collectives)
+    backward, created = _backward_nodes(events)
     starts = {thread: [s[0] for s in thread_spans] for thread, thread_spans in spans.items()}
     for e in backward:
         t = created.get((e.fwd_thread, e.sequence_nr))
@@ -162,8 +188,10 @@ def split_profile(events) -> tuple[dict, Counter]:
         if name is not None:
             seconds[RANGES[name]] += (e.time_range.end - e.time_range.start) / 1e6
             nodes[(RANGES[name], e.name[len(BACKWARD):])] += 1
+            if RANGES[name] in COLLECTIVES:
+                collectives.append((e.time_range.start, (e.time_range.end - e.time_range.start) / 1e6))
     seconds["rest"] = seconds["step"] - sum(seconds[c] for c in CATEGORIES if c != "rest")
-    return dict(seconds), nodes
+    return Split(dict(seconds), nodes, [d for _, d in sorted(collectives)])
 
 
 # ---- one rank -----------------------------------------------------------------------------------------------
@@ -201,10 +229,10 @@ def profile_steps(rank: int, world: int, shape: Shape, dispatcher: str, steps: i
             with torch.profiler.record_function(STEP_RANGE):
                 train_step(trainer, data)
     events = prof.events()
-    seconds, nodes = split_profile(events)
+    split = split_profile(events)
     opened = Counter(e.name for e in events if e.name in RANGES)
-    return {"step": times[warmup:], "seconds": seconds, "nodes": nodes, "profiled": profiled,
-            "ranges_per_step": sum(opened.values()) / profiled}
+    return {"step": times[warmup:], "seconds": split.seconds, "nodes": split.nodes,
+            "collectives": split.collectives, "profiled": profiled, "ranges_per_step": sum(opened.values()) / profiled}
 
 
 def record_function_cost(n: int = 20000) -> float:
@@ -231,35 +259,66 @@ def shares(result: dict) -> dict:
     return {c: seconds.get(c, 0.0) / seconds["step"] for c in CATEGORIES}
 
 
+def wait_shares(results: list[dict]) -> list[float]:
+    """Per rank, the share of its profiled step spent waiting for the other ranks in collectives: each
+    collective's time less the least time any rank spent in it (the rank that arrives last waits least)."""
+    calls = [r["collectives"] for r in results]
+    assert len({len(c) for c in calls}) == 1, "the ranks ran different collectives"
+    least = [min(times) for times in zip(*calls)]
+    return [sum(t - m for t, m in zip(c, least)) / r["seconds"]["step"] for c, r in zip(calls, results)]
+
+
 def measure(args) -> dict:
     """Layout name -> {"step": per-step seconds (slowest rank), "shares": per rank, "ranks": raw results}."""
-    runs = {name: {"step": [], "shares": [], "ranks": []} for name, _, _ in layouts(args.quick)}
+    runs = {name: {"step": [], "shares": [], "wait": [], "ranks": []} for name, _, _ in layouts(args.quick)}
     for _ in range(args.rounds):                    # rounds interleave layouts so machine noise hits all alike
         for name, ep, dispatcher in layouts(args.quick):
             results = spawn(ep, args.threads, profile_steps, args.shape, dispatcher, args.steps, args.warmup,
                             args.profiled)
             runs[name]["step"] += [max(r["step"][i] for r in results) for i in range(args.steps)]
             runs[name]["shares"] += [shares(r) for r in results]
+            runs[name]["wait"] += wait_shares(results)
             runs[name]["ranks"] += results
     return runs
 
 
 def table(runs: dict, args) -> tuple[list[str], dict]:
-    rows = ["| layout | processes x threads | ms / step | profiled ms / step | dispatch share | counts | "
-            "exchange | permutation | experts | router | rest | dispatch share, min-max over ranks |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    dispatch_share = {}
+    """The rows, and per layout (the mean dispatch share, the mean share of waiting inside it)."""
+    rows = ["| layout | processes x threads | ms / step | profiled ms / step | dispatch share | of which waiting "
+            "for other ranks | counts | exchange | permutation | experts | router | rest | dispatch share, "
+            "min-max over ranks |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    figures = {}
     for name, ep, _ in layouts(args.quick):
         run = runs[name]
         mean = {c: statistics.mean(s[c] for s in run["shares"]) for c in CATEGORIES}
-        dispatch_share[name] = sum(mean[c] for c in DISPATCH)
+        figures[name] = (sum(mean[c] for c in DISPATCH), statistics.mean(run["wait"]))
         profiled = statistics.mean(r["seconds"]["step"] / r["profiled"] for r in run["ranks"]) * 1000
         per_rank = [sum(s[c] for c in DISPATCH) for s in run["shares"]]
         rows.append(f"| {name} | {ep} x {args.threads} | {statistics.median(run['step']) * 1000:.0f} | "
-                    f"{profiled:.0f} | **{dispatch_share[name]:.1%}** | {mean['counts']:.1%} | "
+                    f"{profiled:.0f} | **{figures[name][0]:.1%}** | {figures[name][1]:.1%} | {mean['counts']:.1%} | "
                     f"{mean['exchange']:.1%} | {mean['permutation']:.1%} | {mean['experts']:.1%} | "
                     f"{mean['router']:.1%} | {mean['rest']:.1%} | {min(per_rank):.1%}-{max(per_rank):.1%} |")
-    return rows, dispatch_share
+    return rows, figures
+
+
+def describe(args, runs: dict, load_before: float) -> str:
+    """The section's text: what ran, how it is split, and what a range costs without a profiler."""
+    cost = record_function_cost()
+    reference = runs[layouts(args.quick)[0][0]]
+    ranges = statistics.mean(r["ranges_per_step"] for r in reference["ranks"])
+    return (
+        f"{args.shape.describe()}. EP = processes (gloo on localhost, expert parallelism inside data parallelism, "
+        f"same global batch), {args.threads} intra-op thread(s) per rank (OMP_NUM_THREADS={args.threads}) on "
+        f"{os.cpu_count()} cores: EP=4 oversubscribes them, so its absolute times are the scheduler's as much as "
+        f"the model's; compare shares. Per layout, {args.rounds} round(s) of {args.warmup} warm-up, {args.steps} "
+        f"timed and {args.profiled} profiled steps (torch.profiler, CPU). Shares are of the profiled step, "
+        f"averaged over ranks; dispatch = counts + exchange + permutation (module docstring of "
+        f"bench/bench_moe_dispatch.py: forward by record_function ranges, backward by the autograd node's "
+        f"forward op). Counts and exchange include the wait for the slower rank; the waiting column is, per "
+        f"collective, a rank's time in it less the least any rank spent in it (the last rank to arrive waits "
+        f"least), summed. Load average {load_before:.1f} at the start. record_function without a profiler: "
+        f"{cost * 1e6:.2f} us per range, {ranges:.0f} ranges per EP=1 step = "
+        f"{cost * ranges / statistics.median(reference['step']):.4%} of its step.")
 
 
 def main(argv: list[str]) -> None:
@@ -279,27 +338,14 @@ def main(argv: list[str]) -> None:
     args.rounds = args.rounds or (1 if args.quick else 2)
     load_before = os.getloadavg()[0]
     runs = measure(args)
-    rows, dispatch_share = table(runs, args)
-    cost = record_function_cost()
-    reference = runs[layouts(args.quick)[0][0]]
-    ranges = statistics.mean(r["ranges_per_step"] for r in reference["ranks"])
-    cores = os.cpu_count() or 1
-    header = (
-        f"{args.shape.describe()}. EP = processes (gloo on localhost, expert parallelism inside data parallelism, "
-        f"same global batch), {args.threads} intra-op thread(s) per rank (OMP_NUM_THREADS={args.threads}) on "
-        f"{cores} cores: EP=4 oversubscribes them, so its absolute times are the scheduler's as much as the "
-        f"model's; compare shares. Per layout, {args.rounds} round(s) of {args.warmup} warm-up, {args.steps} "
-        f"timed and {args.profiled} profiled steps (torch.profiler, CPU). Shares are of the profiled step, "
-        f"averaged over ranks; dispatch = counts + exchange + permutation (module docstring of "
-        f"bench/bench_moe_dispatch.py: forward by record_function ranges, backward by the autograd node's "
-        f"forward op). Counts and exchange include the wait for the slower rank. Load average {load_before:.1f} at the "
-        f"start. record_function without a profiler: {cost * 1e6:.2f} us per range, {ranges:.0f} ranges per "
-        f"EP=1 step = {cost * ranges / statistics.median(reference['step']):.4%} of its step.")
+    rows, figures = table(runs, args)
+    header = describe(args, runs, load_before)
     print(header + "\n" + "\n".join(rows), flush=True)
-    base = dispatch_share[layouts(args.quick)[0][0]]
-    headlines = [(f"MoE dispatch share of the training step, {name}", "EP=1 (one process), same model and batch",
-                  f"{dispatch_share[name]:.1%} of the step (EP=1: {base:.1%})")
-                 for name, ep, _ in layouts(args.quick) if ep > 1]
+    headlines = [(f"MoE dispatch share of the training step, {name}",
+                  f"EP=1 {dispatcher} (one process), same model and batch",
+                  f"{figures[name][0]:.1%} of the step, {figures[name][0] - figures[name][1]:.1%} less the wait "
+                  f"for other ranks (EP=1: {figures[f'EP=1 {dispatcher}'][0]:.1%})")
+                 for name, ep, dispatcher in layouts(args.quick) if ep > 1]
     command = command_line("bench_moe_dispatch.py", argv)
     publish(args, "bench_moe_dispatch", "MoE dispatch overhead", command, [Headline(*h, command) for h in headlines],
             [header, "", *rows])

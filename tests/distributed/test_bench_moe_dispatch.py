@@ -49,17 +49,28 @@ def test_split_profile_attributes_forward_ranges_and_backward_nodes():
                     y = _Sleeps.apply(y, 0.01, 0.04)
             time.sleep(0.05)                                                 # rest
             y.sum().backward()
-    seconds, nodes = bench.split_profile(prof.events())
+    split = bench.split_profile(prof.events())
+    seconds, nodes = split.seconds, split.nodes
     expected = {"permutation": 0.03, "exchange": 0.08, "experts": 0.05, "router": 0.0, "counts": 0.0}
     for category, value in expected.items():
         assert seconds.get(category, 0.0) == pytest.approx(value, abs=0.01), (category, seconds)
     others = sum(seconds.get(c, 0.0) for c in bench.CATEGORIES if c != "rest")
     assert seconds["rest"] == pytest.approx(seconds["step"] - others) and seconds["rest"] >= 0.05
     assert nodes[("exchange", "_SleepsBackward")] == 1 and nodes[("experts", "_SleepsBackward")] == 1
+    assert split.collectives == pytest.approx([0.02, 0.06], abs=0.01)          # the exchange's forward, backward
+
+
+def test_wait_is_each_collectives_time_less_the_least_over_ranks():
+    ranks = [{"collectives": [0.1, 0.3, 0.2], "seconds": {"step": 1.0}},
+             {"collectives": [0.4, 0.1, 0.2], "seconds": {"step": 2.0}}]
+    assert bench.wait_shares(ranks) == pytest.approx([0.2 / 1.0, 0.3 / 2.0])
 
 
 def _check_rank(result: dict, dispatcher: str) -> None:
     layer_mb = SHAPE.layers * MICRO_BATCHES
+    exchange_nodes = sum(n for (category, _), n in result["nodes"].items() if category == "exchange")
+    collective_ranges = {"alltoall": 3, "allgather": 2}[dispatcher]           # counts + exchanges per forward
+    assert len(result["collectives"]) == collective_ranges * layer_mb + exchange_nodes
     nodes = Counter()
     for (category, name), count in result["nodes"].items():
         if name in EXCHANGE_NODES or name == "_ExpertMLPBackward":
@@ -83,6 +94,8 @@ def _check_rank(result: dict, dispatcher: str) -> None:
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 def test_ep2_profile_splits_the_step_by_dispatcher(dispatcher):
     results = run_ranks(2, bench.profile_steps, SHAPE, dispatcher, 1, 1, 1)
+    waits = bench.wait_shares(results)
+    assert all(0 <= w <= bench.shares(r)["counts"] + bench.shares(r)["exchange"] for w, r in zip(waits, results))
     for result in results:
         _check_rank(result, dispatcher)
         assert len(result["step"]) == 1 and result["step"][0] > 0
