@@ -34,7 +34,7 @@ def test_equivalence_check_fails_on_a_different_layer():
 
 def test_batched_mm_is_left_out_where_its_weight_copies_exceed_the_budget():
     _, theirs, skipped, _ = bench_moe.contenders(TINY, "fp32", batched_mm_gb=0.0, quiet=lambda *a, **k: None)
-    assert len(skipped) == 2 and all("batched_mm: not run" in line for line in skipped)
+    assert len(skipped) == 2 and all("batched_mm fp32 h 32: not run" in line for line in skipped)
     assert "batched_mm" not in " ".join(c.name for c in theirs)
 
 
