@@ -269,35 +269,40 @@ def wait_shares(results: list[dict]) -> list[float]:
 
 
 def measure(args) -> dict:
-    """Layout name -> {"step": per-step seconds (slowest rank), "shares": per rank, "ranks": raw results}."""
-    runs = {name: {"step": [], "shares": [], "wait": [], "ranks": []} for name, _, _ in layouts(args.quick)}
+    """Layout name -> {"step": per-step seconds (slowest rank), "shares": per rank, "rounds": per round the
+    shares and the wait averaged over ranks, "ranks": raw results}."""
+    runs = {name: {"step": [], "shares": [], "rounds": [], "ranks": []} for name, _, _ in layouts(args.quick)}
     for _ in range(args.rounds):                    # rounds interleave layouts so machine noise hits all alike
         for name, ep, dispatcher in layouts(args.quick):
             results = spawn(ep, args.threads, profile_steps, args.shape, dispatcher, args.steps, args.warmup,
                             args.profiled)
             runs[name]["step"] += [max(r["step"][i] for r in results) for i in range(args.steps)]
-            runs[name]["shares"] += [shares(r) for r in results]
-            runs[name]["wait"] += wait_shares(results)
+            per_rank = [shares(r) for r in results]
+            runs[name]["shares"] += per_rank
+            mean = {c: statistics.mean(s[c] for s in per_rank) for c in CATEGORIES}
+            runs[name]["rounds"].append({**mean, "dispatch": sum(mean[c] for c in DISPATCH),
+                                         "wait": statistics.mean(wait_shares(results))})
             runs[name]["ranks"] += results
     return runs
 
 
 def table(runs: dict, args) -> tuple[list[str], dict]:
-    """The rows, and per layout (the mean dispatch share, the mean share of waiting inside it)."""
+    """The rows, and per layout (the dispatch share, the share of waiting inside it): medians over rounds."""
     rows = ["| layout | processes x threads | ms / step | profiled ms / step | dispatch share | of which waiting "
-            "for other ranks | counts | exchange | permutation | experts | router | rest | dispatch share, "
-            "min-max over ranks |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "for other ranks | counts | exchange | permutation | experts | router | rest | dispatch share per "
+            "round | dispatch share, min-max over ranks |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     figures = {}
     for name, ep, _ in layouts(args.quick):
         run = runs[name]
-        mean = {c: statistics.mean(s[c] for s in run["shares"]) for c in CATEGORIES}
-        figures[name] = (sum(mean[c] for c in DISPATCH), statistics.mean(run["wait"]))
-        profiled = statistics.mean(r["seconds"]["step"] / r["profiled"] for r in run["ranks"]) * 1000
+        med = {key: statistics.median(r[key] for r in run["rounds"]) for key in run["rounds"][0]}
+        figures[name] = (med["dispatch"], med["wait"])
+        profiled = statistics.median(r["seconds"]["step"] / r["profiled"] for r in run["ranks"]) * 1000
         per_rank = [sum(s[c] for c in DISPATCH) for s in run["shares"]]
+        rounds = " / ".join(f"{r['dispatch']:.1%}" for r in run["rounds"])
         rows.append(f"| {name} | {ep} x {args.threads} | {statistics.median(run['step']) * 1000:.0f} | "
-                    f"{profiled:.0f} | **{figures[name][0]:.1%}** | {figures[name][1]:.1%} | {mean['counts']:.1%} | "
-                    f"{mean['exchange']:.1%} | {mean['permutation']:.1%} | {mean['experts']:.1%} | "
-                    f"{mean['router']:.1%} | {mean['rest']:.1%} | {min(per_rank):.1%}-{max(per_rank):.1%} |")
+                    f"{profiled:.0f} | **{med['dispatch']:.1%}** | {med['wait']:.1%} | {med['counts']:.1%} | "
+                    f"{med['exchange']:.1%} | {med['permutation']:.1%} | {med['experts']:.1%} | "
+                    f"{med['router']:.1%} | {med['rest']:.1%} | {rounds} | {min(per_rank):.1%}-{max(per_rank):.1%} |")
     return rows, figures
 
 
@@ -312,11 +317,12 @@ def describe(args, runs: dict, load_before: float) -> str:
         f"{os.cpu_count()} cores: EP=4 oversubscribes them, so its absolute times are the scheduler's as much as "
         f"the model's; compare shares. Per layout, {args.rounds} round(s) of {args.warmup} warm-up, {args.steps} "
         f"timed and {args.profiled} profiled steps (torch.profiler, CPU). Shares are of the profiled step, "
-        f"averaged over ranks; dispatch = counts + exchange + permutation (module docstring of "
+        f"averaged over ranks, medians over rounds (so a row need not add up to 100%); dispatch = counts + exchange + permutation (module docstring of "
         f"bench/bench_moe_dispatch.py: forward by record_function ranges, backward by the autograd node's "
         f"forward op). Counts and exchange include the wait for the slower rank; the waiting column is, per "
         f"collective, a rank's time in it less the least any rank spent in it (the last rank to arrive waits "
-        f"least), summed. Load average {load_before:.1f} at the start. record_function without a profiler: "
+        f"least), summed. Load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} (start -> end; the benchmark's "
+        f"own ranks add up to {max(ep for _, ep, _ in layouts(args.quick))}). record_function without a profiler: "
         f"{cost * 1e6:.2f} us per range, {ranges:.0f} ranges per EP=1 step = "
         f"{cost * ranges / statistics.median(reference['step']):.4%} of its step.")
 
