@@ -4,7 +4,7 @@
 # vocabulary, 4096-token sequences) on 8 nodes x 8 GPUs = 64 GPUs, launched with plain torchrun, one
 # command per node:
 #   TP=2 with sequence parallelism x PP=4 (8 layers per stage) x DP=8 for attention and embeddings;
-#   the experts split EP=8 (one whole expert per rank of each stage's 16) x expert-TP=TP=2;
+#   the experts split EP=8 x expert-TP 2 (= TP): each of a stage's 16 ranks holds half of one expert;
 #   bf16, the distributed optimizer (ZeRO-1) with overlapped gradient reduction and parameter gather,
 #   grouped expert GEMMs, the all-to-all token dispatcher, load-balancing loss 1e-2.
 # Run the same command on every node, changing only NODE_RANK:
@@ -61,7 +61,7 @@ AUX_LOSS=${AUX_LOSS:-1e-2}
 # ---- parallelism ----------------------------------------------------------------------------------
 TP=${TP:-2}                     # attention split in 2 inside a node; 8 KV groups / 2 = 4 per rank
 PP=${PP:-4}                     # 8 layers per stage
-EP=${EP:-8}                     # one expert per rank: a stage's TP x DP = 16 ranks hold 8 experts x ETP 2
+EP=${EP:-8}                     # a stage's TP x DP = 16 ranks hold 8 experts x ETP 2 halves
 ETP=${ETP:-}                    # each expert's tensor-parallel size; empty: the same as TP
 RECOMPUTE=${RECOMPUTE:-selective}   # selective | full | none
 
