@@ -133,6 +133,9 @@ def startup_notes(argv: list[str]) -> list[str]:
                      f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}")
     if "--tokenizer-type" not in argv and args.vocab_file and args.merge_file:
         notes.append("no --tokenizer-type: --vocab-file and --merge-file are read as GPT2BPETokenizer")
+    unused = [f for f, v in (("--no-load-optim", args.no_load_optim), ("--no-load-rng", args.no_load_rng)) if v]
+    if unused and not args.load:         # Megatron's example scripts pass them with --load commented out
+        notes.append(f"{' '.join(unused)}: no --load, so nothing is loaded; they apply once --load DIR is given")
     if args.tiktoken_pattern is not None and args.tokenizer_type != "TikTokenizer":
         notes.append(f"--tiktoken-pattern {args.tiktoken_pattern}: only Megatron's TikTokenizer uses it; "
                      f"--tokenizer-type {args.tokenizer_type} does not")

@@ -373,10 +373,8 @@ def _check_data(d: DataConfig) -> None:
 def _check_checkpointing(t: TrainingConfig) -> None:
     if t.save_interval is not None and not t.save:
         raise UserError("--save-interval needs --save DIR (where to write the checkpoints)")
-    for flag, value in (("--finetune", t.finetune), ("--no-load-optim", t.no_load_optim),
-                        ("--no-load-rng", t.no_load_rng)):
-        if value and not t.load:
-            raise UserError(f"{flag} needs --load DIR (the checkpoint to start from)")
+    if t.finetune and not t.load:       # --no-load-optim / --no-load-rng alone only get a note (megatron_cli.py)
+        raise UserError("--finetune needs --load DIR (the checkpoint to start from)")
 
 
 def _check_logging(t: TrainingConfig) -> None:

@@ -275,8 +275,6 @@ def test_llama3_8b_flags_train_save_and_resume_on_cpu(tmp_path):
     assert os.path.isdir(tmp_path / "ckpt" / "iter_0000012")
 
 
-@pytest.mark.xfail(strict=True, reason="config/validate.py refuses --no-load-optim / --no-load-rng without --load, "
-                                       "which Megatron ignores and its Mixtral script passes")
 def test_mixtral_8x7b_flags_train_at_ep2_on_cpu():
     """Megatron's Mixtral script on its own 2 ranks: EP=2 (one of the 2 experts per rank, tokens
     exchanged all-to-all), data parallel 2 for the rest with the distributed optimizer and overlapped

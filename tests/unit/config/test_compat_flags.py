@@ -32,3 +32,11 @@ def test_no_position_embedding_changes_nothing_as_in_megatron_core_models():
     assert parse_args(argv, world_size=1) == parse_args(TINY_LLAMA_ARGS, world_size=1)
     assert startup_notes(argv) == ["accepted with no effect (megalite chooses its kernels itself): "
                                    "--no-position-embedding"]
+
+
+def test_no_load_flags_without_load_are_a_note_not_an_error():
+    """Megatron's example scripts keep --no-load-optim / --no-load-rng with their --load line commented out."""
+    argv = TINY_LLAMA_ARGS + ["--no-load-optim", "--no-load-rng"]
+    parse_args(argv, world_size=1)
+    assert startup_notes(argv) == ["--no-load-optim --no-load-rng: no --load, so nothing is loaded; they apply once "
+                                   "--load DIR is given"]

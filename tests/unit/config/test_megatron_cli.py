@@ -124,7 +124,6 @@ def test_bad_combinations_give_one_line_naming_the_flag(overrides, message):
 @pytest.mark.parametrize("overrides, message", [
     ({"save_interval": 5}, "--save-interval needs --save"),
     ({"finetune": True}, "--finetune needs --load"),
-    ({"no_load_optim": True}, "--no-load-optim needs --load"),
     ({"use_checkpoint_args": True}, "--use-checkpoint-args needs --load"),
     ({"load": "/nonexistent/ckpt", "use_checkpoint_args": True}, "--load /nonexistent/ckpt: no such directory"),
 ])
