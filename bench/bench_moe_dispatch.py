@@ -20,12 +20,14 @@ Forward time is each range's own time (less the ranges inside it). Backward time
 the autograd graph: every backward node the engine evaluates carries the sequence number of the forward
 op that created it, so a node's time goes to the range that forward op ran in (the backward of an
 all-to-all to "exchange", of the row gather to "permutation", and so on). Dispatch = counts + exchange +
-permutation. Shares are of the profiled step's wall time, per rank, averaged over ranks; step times are
-the unprofiled steps' median (per step, the slowest rank).
+permutation. Shares are of the profiled step's wall time, per rank, averaged over ranks, then the
+median over rounds; step times are the unprofiled steps' median (per step, the slowest rank).
 
 Ranks wait inside the count exchange and the exchanges for slower ranks (uneven routing and attention
 times, and the scheduler: EP=4 runs 4 ranks on however many cores there are), so those shares include
-that wait; the rank that arrives last waits least, hence the table's min-max of the dispatch share.
+that wait. Every rank runs the same collectives in the same order, and the rank that arrives last at one
+waits least, so a rank's wait is, summed over collectives, its time in each less the least time any rank
+spent in it (``wait_shares``); the table gives it beside the dispatch share.
 
     python bench/bench_moe_dispatch.py                 # writes the "MoE dispatch overhead" section
     python bench/bench_moe_dispatch.py --quick         # smoke test: tiny model, EP=1 and EP=2
