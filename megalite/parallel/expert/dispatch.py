@@ -197,15 +197,22 @@ def dispatch_alltoall(routed: Routed, run_experts, num_experts: int, ep: ExpertP
     rank's experts, rows grouped by local expert. Returns the MoE output [T, h]: per token the weighted
     sum of its experts' outputs."""
     token, expert, weight = _sorted_assignments(routed)
-    rows = routed.tokens[token]
+    rows = routed.tokens.index_select(0, token)          # its backward is an index_add
     per_expert = torch.bincount(expert, minlength=num_experts)
+    if ep.ep_group is None and ep.etp_group is None:     # every expert here, whole: rows are in expert order
+        with record_function("moe/experts"):
+            out = run_experts(rows, per_expert.tolist())
+        return combine(out, token, weight, routed.tokens.shape[0])
     local = num_experts // ep.ep_size
     with record_function("moe/dispatch/counts"):
         recv_counts = exchange_counts(per_expert.view(ep.ep_size, local), ep.ep_group, ep.ep_size)   # [src, local]
         etp_counts = gather_counts(recv_counts.reshape(-1), ep.etp_group, ep.etp_size).view(ep.etp_size, ep.ep_size,
                                                                                              local)
-        host = etp_counts.tolist()          # the one host read: split sizes of the exchanges below
-        send = per_expert.view(ep.ep_size, local).sum(1).tolist()
+        # the one host read: the split sizes of the exchanges below (what arrives, then what this rank sends)
+        host = torch.cat([etp_counts.reshape(-1), per_expert.view(ep.ep_size, local).sum(1)]).tolist()
+    send = host[-ep.ep_size:]
+    host = [[host[(t * ep.ep_size + s) * local:(t * ep.ep_size + s + 1) * local] for s in range(ep.ep_size)]
+            for t in range(ep.etp_size)]
     recv = [sum(c) for c in host[ep.etp_rank]]
     sizes = [sum(sum(c) for c in block) for block in host]
     with record_function("moe/dispatch/exchange"):
@@ -239,7 +246,7 @@ def dispatch_allgather(routed: Routed, run_experts, num_experts: int, ep: Expert
     selected = (expert >= mine.start) & (expert < mine.stop)
     token, expert, weight = token[selected], expert[selected], weight[selected]
     counts = torch.bincount(expert - mine.start, minlength=len(mine)).tolist()
-    rows = tokens[token]
+    rows = tokens.index_select(0, token)
     with record_function("moe/experts"):
         rows = run_experts(rows, counts)
     out = combine(rows, token, weight, tokens.shape[0])
