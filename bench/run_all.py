@@ -50,6 +50,9 @@ BENCHES = (
                               "bench_memory_activations", "bench_memory_cross_entropy"),
           "Memory per rank: ZeRO stages vs theory, ZeRO-3 vs FSDP2, checkpoints, activations"),
     Bench("gpu_mfu.py", ("gpu_mfu",), "GPU MFU: ~1B Llama, bf16, one GPU, megalite vs transformers"),
+    Bench("bench_moe.py", ("bench_moe",), "MoE layer vs transformers"),
+    Bench("bench_moe_dispatch.py", ("bench_moe_dispatch",), "MoE dispatch overhead"),
+    Bench("moe_load_balance.py", ("moe_load_balance",), "MoE load balance"),
 )
 
 
