@@ -265,11 +265,13 @@ class _ExpertMLP(torch.autograd.Function):
 
 def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, counts: list) -> torch.Tensor:
     """rows [N, in] grouped by expert x weight [E, out, in] per expert -> [N, out] (no autograd of its own:
-    _ExpertMLP differentiates it). On a GPU torch._grouped_mm, one kernel for every expert, where its
-    layout rule holds (every row stride a multiple of 16 bytes); elsewhere one matmul per expert written
-    into its slice of the output."""
+    _ExpertMLP differentiates it). On a GPU in bf16 torch._grouped_mm, one kernel for every expert, where
+    its layout rule holds (every row stride a multiple of 16 bytes); elsewhere one matmul per expert
+    written into its slice of the output."""
     width = rows.element_size()
-    if (rows.device.type != "cpu" and rows.shape[1] * width % 16 == 0 and weight.shape[1] * width % 16 == 0
+    # CUDA's grouped GEMM kernel takes bf16 operands (fp32 and fp16 take the loop below)
+    if (rows.device.type == "cuda" and rows.dtype == torch.bfloat16 and rows.shape[1] * width % 16 == 0
+            and weight.shape[1] * width % 16 == 0
             and hasattr(torch, "_grouped_mm")):         # probe: torch's private grouped GEMM, absent before 2.8
         offsets = torch.tensor(counts, dtype=torch.int32, device=rows.device).cumsum(0, dtype=torch.int32)
         return torch._grouped_mm(rows, weight.transpose(-1, -2), offs=offsets)
