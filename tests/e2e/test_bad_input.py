@@ -147,6 +147,16 @@ CASES = [
     Case("layers-not-divisible-by-pp", pretrain(num_layers=3, pipeline_model_parallel_size=2),
          ("--num-layers 3", "--pipeline-model-parallel-size 2"), env={"WORLD_SIZE": "2"}),
     Case("world-size-zero", pretrain(), ("WORLD_SIZE='0'",), env={"WORLD_SIZE": "0"}),
+    # Mixture of Experts
+    Case("ep-not-dividing-experts", pretrain(num_experts=8, expert_model_parallel_size=3, global_batch_size=6),
+         ("--expert-model-parallel-size 3 does not divide --num-experts 8",), env={"WORLD_SIZE": "3"}),
+    Case("ep-etp-pp-not-dividing-world", pretrain(num_experts=8, expert_model_parallel_size=4,
+                                                  pipeline_model_parallel_size=2, global_batch_size=4),
+         ("--expert-model-parallel-size 4", "must divide the 2 ranks of each pipeline stage"), env={"WORLD_SIZE": "4"}),
+    Case("topk-above-experts", pretrain(num_experts=4, moe_router_topk=5),
+         ("--moe-router-topk 5 exceeds --num-experts 4",)),
+    Case("capacity-factor-not-positive", pretrain(num_experts=4, moe_expert_capacity_factor=0),
+         ("--moe-expert-capacity-factor must be > 0",)),
     Case("train-samples-below-one-batch", pretrain(train_iters=None, train_samples=2),
          ("--train-samples 2 is less than one global batch",)),
     # model shape
