@@ -5,12 +5,14 @@
     python tools/plot_metrics.py runs/a/metrics.jsonl runs/b/metrics.jsonl --labels a b --output-dir cmp
 
 Writes one PNG per panel (loss.png with the validation loss, lr.png, grad_norm.png, throughput.png with
-tokens/s and MFU when known, memory.png) and overview.png with all of them; several files are drawn as
+tokens/s and MFU when known, memory.png; for an MoE model moe_loss.png with its auxiliary losses and
+moe_load.png with each layer's max/mean tokens per expert) and overview.png with all of them; several files are drawn as
 labelled curves on the same axes. A resumed run appends to its metrics file, so an iteration logged
 twice (before a crash and after the restart) keeps its last record.
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import sys
@@ -21,7 +23,8 @@ sys.path.insert(0, ROOT)
 from megalite.config.cli import OneLineArgumentParser  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
-# panel file name -> (title, y label, [(metric key, curve label)], log scale)
+# panel file name -> (title, y label, [(metric key, curve label)], log scale); a key with "*" draws every
+# metric it matches (fnmatch), labelled by its key
 PANELS = {
     "loss": ("Loss", "lm loss", [("lm loss", "train"), ("validation lm loss", "validation")], False),
     "lr": ("Learning rate", "learning rate", [("learning rate", "")], False),
@@ -30,6 +33,10 @@ PANELS = {
     "mfu": ("Model FLOPs utilisation", "MFU", [("MFU", "")], False),
     "memory": ("Peak memory (largest rank)", "MB", [("memory max allocated (MB)", "CUDA max allocated"),
                                                      ("memory max rss (MB)", "max RSS")], False),
+    "moe_loss": ("MoE auxiliary losses", "loss", [("load_balancing_loss", "load balancing"),
+                                                  ("seq_load_balancing_loss", "sequence load balancing"),
+                                                  ("z_loss", "z-loss")], True),
+    "moe_load": ("MoE load: max/mean tokens per expert", "max / mean", [("moe/layer*/load_max_over_mean", "")], False),
 }
 
 
@@ -61,7 +68,9 @@ def draw_panel(ax, panel: str, runs: list[tuple[str, dict]]) -> bool:
     title, ylabel, curves, log_scale = PANELS[panel]
     drawn = False
     for run_label, metrics in runs:
-        for key, curve_label in curves:
+        expanded = [(k, label or (k if "*" in key else "")) for key, label in curves
+                    for k in (sorted(fnmatch.filter(metrics, key)) if "*" in key else [key])]
+        for key, curve_label in expanded:
             points = metrics.get(key)
             if not points:
                 continue

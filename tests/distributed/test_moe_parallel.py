@@ -143,3 +143,26 @@ def test_capacity_at_ep2_data_parallel_equals_serial(dispatcher, capacity):
     micro-batches, as the single process does, so the same assignments drop."""
     base = with_flags(ARGV, moe_expert_capacity_factor="1.0", moe_token_dispatcher_type=dispatcher, **capacity)
     assert_equal_runs(train(1, {}, base=base), train(2, dict(expert_model_parallel_size=2), base=base))
+
+
+def test_what_the_user_sees_at_ep2_with_default_loader_workers(serial, tmp_path):
+    """pretrain_gpt.py as a user runs it (loader worker processes included): the log line carries the MoE
+    figures, the JSONL has them per iteration, and tools/plot_metrics.py draws them."""
+    import json
+    import subprocess
+    import sys
+    from harness import ROOT
+    metrics = tmp_path / "metrics.jsonl"
+    proc = run_pretrain(2, with_flags(ARGV, num_workers=None, expert_model_parallel_size=2, metrics_file=str(metrics)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_equal_runs(serial, logged(proc.stdout))
+    last = [line for line in proc.stdout.splitlines() if "iteration        4/" in line][0]
+    assert "load_balancing_loss:" in last and "max/mean tokens per expert:" in last
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert all({"load_balancing_loss", "moe/layer0/load_max_over_mean", "moe/layer3/load_max_over_mean"} <= set(r)
+               for r in records if "lm loss" in r)
+    plots = tmp_path / "plots"
+    done = subprocess.run([sys.executable, f"{ROOT}/tools/plot_metrics.py", str(metrics), "--output-dir", str(plots)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (plots / "moe_loss.png").stat().st_size > 0 and (plots / "moe_load.png").stat().st_size > 0
