@@ -17,7 +17,7 @@ import bench_moe_dispatch as bench  # noqa: E402
 
 SHAPE = bench.QUICK
 MICRO_BATCHES = SHAPE.gbs // (SHAPE.mbs * 2)                 # per rank at EP = DP = 2
-EXCHANGE_NODES = {"_AllToAllBackward", "_GatherEqualBackward", "_ReduceScatterEqualBackward"}
+EXCHANGE_NODES = {"_AllToAllBackward", "_MappingBackward"}     # _Mapping: tensor/mappings.py's gather, reduce-scatter
 
 
 class _Sleeps(torch.autograd.Function):
@@ -79,8 +79,7 @@ def _check_rank(result: dict, dispatcher: str) -> None:
         expected = {("exchange", "_AllToAllBackward"): 2 * layer_mb}
         ranges = 6                               # router, dispatch, counts, 2 x exchange, experts
     else:                                        # tokens and weights gathered (expert ids carry no gradient)
-        expected = {("exchange", "_GatherEqualBackward"): 2 * layer_mb,
-                    ("exchange", "_ReduceScatterEqualBackward"): layer_mb}
+        expected = {("exchange", "_MappingBackward"): 3 * layer_mb}        # and the output reduce-scattered
         ranges = 5                               # router, dispatch, 2 x exchange, experts
     expected[("experts", "_ExpertMLPBackward")] = layer_mb
     assert dict(nodes) == expected

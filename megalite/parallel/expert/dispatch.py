@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from megalite.parallel import collectives
+from megalite.parallel.tensor.mappings import all_gather, gather_from_sp_region, reduce_scatter_to_sp_region
 
 
 @dataclass
@@ -107,7 +107,7 @@ def gather_rows(x: torch.Tensor, sizes: list, group) -> torch.Tensor:
         return x
     n = x.shape[0]
     return _AllToAll.apply(x.repeat(len(sizes), *([1] * (x.dim() - 1))), [n] * len(sizes), sizes, group) \
-        if len(set(sizes)) > 1 else _GatherEqual.apply(x, group, len(sizes))
+        if len(set(sizes)) > 1 else gather_from_sp_region(x, group)
 
 
 def scatter_rows(y: torch.Tensor, sizes: list, rank: int, group) -> torch.Tensor:
@@ -115,42 +115,12 @@ def scatter_rows(y: torch.Tensor, sizes: list, rank: int, group) -> torch.Tensor
     if group is None:
         return y
     if len(set(sizes)) == 1:
-        return _ReduceScatterEqual.apply(y, group, len(sizes))
+        return reduce_scatter_to_sp_region(y, group)
     received = _AllToAll.apply(y, sizes, [sizes[rank]] * len(sizes), group)
     return received.view(len(sizes), sizes[rank], *y.shape[1:]).sum(0)
 
 
-class _GatherEqual(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, size: int):
-        ctx.group, ctx.size = group, size
-        out = x.new_empty(size * x.shape[0], *x.shape[1:])
-        collectives.all_gather_single(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty(grad.shape[0] // ctx.size, *grad.shape[1:])
-        collectives.reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
-        return out, None, None
-
-
-class _ReduceScatterEqual(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group, size: int):
-        ctx.group, ctx.size = group, size
-        out = y.new_empty(y.shape[0] // size, *y.shape[1:])
-        collectives.reduce_scatter_single(out, y.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty(grad.shape[0] * ctx.size, *grad.shape[1:])
-        collectives.all_gather_single(out, grad.contiguous(), group=ctx.group)
-        return out, None, None
-
-
-def exchange_counts(counts: torch.Tensor, group, size: int) -> torch.Tensor:
+def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
     """[size, n] integer counts, row j for rank j -> [size, n], row j from rank j (no autograd)."""
     if group is None:
         return counts
@@ -159,13 +129,9 @@ def exchange_counts(counts: torch.Tensor, group, size: int) -> torch.Tensor:
     return out
 
 
-def gather_counts(counts: torch.Tensor, group, size: int) -> torch.Tensor:
-    """[n] counts of every rank of the group -> [size, n]."""
-    if group is None:
-        return counts[None]
-    out = counts.new_empty(size * counts.numel())
-    collectives.all_gather_single(out, counts.contiguous(), group=group)
-    return out.view(size, -1)
+def gather_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """[n] counts of every rank of the group -> [size, n] (no autograd)."""
+    return counts[None] if group is None else all_gather(counts[None], group, dim=0)
 
 
 # ---- the two dispatchers ------------------------------------------------------------------------------
@@ -205,9 +171,8 @@ def dispatch_alltoall(routed: Routed, run_experts, num_experts: int, ep: ExpertP
         return combine(out, token, weight, routed.tokens.shape[0])
     local = num_experts // ep.ep_size
     with record_function("moe/dispatch/counts"):
-        recv_counts = exchange_counts(per_expert.view(ep.ep_size, local), ep.ep_group, ep.ep_size)   # [src, local]
-        etp_counts = gather_counts(recv_counts.reshape(-1), ep.etp_group, ep.etp_size).view(ep.etp_size, ep.ep_size,
-                                                                                             local)
+        recv_counts = exchange_counts(per_expert.view(ep.ep_size, local), ep.ep_group)           # [src, local]
+        etp_counts = gather_counts(recv_counts.reshape(-1), ep.etp_group).view(ep.etp_size, ep.ep_size, local)
         # the one host read: the split sizes of the exchanges below (what arrives, then what this rank sends)
         host = torch.cat([etp_counts.reshape(-1), per_expert.view(ep.ep_size, local).sum(1)]).tolist()
     send = host[-ep.ep_size:]
