@@ -76,10 +76,11 @@ class Router(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(config.num_experts, device="cpu"))
         else:
             self.expert_bias = None
-        # this step's tokens per expert (bias update, load statistics) and the losses, summed over micro-batches
+        # this step's tokens per expert (bias update, load statistics), summed over micro-batches; this rank's
+        # auxiliary-loss shares and forwards since the log last read them (train/metrics.py's MoEStats)
         self.register_buffer("step_counts", torch.zeros(config.num_experts, device="cpu"), persistent=False)
-        self.register_buffer("step_losses", torch.zeros(3, device="cpu"), persistent=False)   # aux, z, forwards
-        self.last_load = self.last_losses = None                                 # of the last finished step
+        self.register_buffer("loss_sums", torch.zeros(3, device="cpu"), persistent=False)   # aux, z, forwards
+        self.last_load = None                                                    # of the last finished step
 
     def forward(self, x: torch.Tensor, seq_shape: tuple) -> tuple[Routed, torch.Tensor]:
         """x [T, h] (T = s x b, sequence-major) -> (the routing, the scalar auxiliary loss to attach)."""
@@ -135,7 +136,7 @@ class Router(nn.Module):
         return counts
 
     def balancing_loss(self, logits, scores, counts, seq_shape) -> torch.Tensor:
-        """This rank's share of the auxiliary losses (module docstring), also added to ``step_losses``."""
+        """This rank's share of the auxiliary losses (module docstring), also added to ``loss_sums``."""
         c, E, k = self.config, self.num_experts, self.topk
         total = logits.shape[0] * self.moe.sequence_split          # the micro-batch's tokens
         aux = logits.new_zeros(())
@@ -150,7 +151,7 @@ class Router(nn.Module):
             z = torch.logsumexp(logits, dim=-1).square().sum() * (c.moe_z_loss_coeff / total)
         if self.training:
             with torch.no_grad():
-                self.step_losses += torch.stack([aux.detach(), z.detach(), torch.ones_like(aux)]).float()
+                self.loss_sums += torch.stack([aux.detach(), z.detach(), torch.ones_like(aux)]).float()
         return aux + z
 
     def capacity(self, num_tokens: int) -> int:
@@ -172,14 +173,12 @@ class Router(nn.Module):
     @torch.no_grad()
     def finish_step(self, load: torch.Tensor) -> None:
         """Once per step, outside autograd, with ``load`` the step's tokens per expert over every rank of the
-        pipeline stage: bias_e += rate x sign(mean load - load_e); keep the load and this rank's summed
-        losses (``last_load``, ``last_losses``) for the log; start the next step's counts."""
+        pipeline stage: bias_e += rate x sign(mean load - load_e); keep the load for the log (``last_load``)
+        and start the next step's counts."""
         if self.expert_bias is not None:
             self.expert_bias += self.config.moe_router_bias_update_rate * torch.sign(load.mean() - load)
         self.last_load = load.clone()
-        self.last_losses = self.step_losses.clone()
         self.step_counts.zero_()
-        self.step_losses.zero_()
 
 
 def _stacked_weight(shape: tuple, full: tuple, dtype: torch.dtype, take_rows, take_cols=None) -> nn.Parameter:

@@ -149,8 +149,8 @@ def _evaluate(trainer, data_iterator, num_batches: int) -> float:
 # ---- the interval's log line ---------------------------------------------------------------------
 @dataclass
 class IntervalStats:
-    """Megatron logs the mean lm loss over the iterations since the last log line; ``moe`` sums the MoE
-    layers' auxiliary losses over the same iterations (on the device)."""
+    """Megatron logs the mean lm loss over the iterations since the last log line; ``moe`` reports the MoE
+    layers' auxiliary losses over the same iterations (their routers sum them on the device)."""
     iterations: int = 0
     loss_sum: float = 0.0
     last_grad_norm: float | None = None
@@ -165,8 +165,6 @@ class IntervalStats:
         self.last_batch_size = batch_size
         if result.grad_norm is not None:
             self.last_grad_norm = result.grad_norm
-        if self.moe is not None:
-            self.moe.add_step()
 
     def reset(self) -> None:
         self.iterations, self.loss_sum, self.last_grad_norm, self.samples = 0, 0.0, None, 0

@@ -182,8 +182,8 @@ class MoEStats:
     in the units they are added to the objective in (the coefficient included). For each MoE layer: the
     mean over the log interval's steps, their micro-batches and the data-parallel ranks of the layer's
     loss of one micro-batch, that of whole sequences (the sum of the shares of the ranks splitting them:
-    sequence and context parallel); then the mean over the model's MoE layers. Each router holds, after a
-    step, this rank's summed shares and its number of forwards (``last_losses``); per layer the sum of
+    sequence and context parallel); then the mean over the model's MoE layers. Each router sums this
+    rank's shares and its number of forwards until ``report`` reads them (``loss_sums``); per layer the sum of
     the shares over all ranks, divided by the forwards over all ranks and times the ranks splitting one
     sequence (``MoEContext.sequence_split``), is that mean. (A rank that holds whole sequences counts
     whole losses and its forwards alike: the same quotient.)
@@ -192,7 +192,7 @@ class MoEStats:
     log iteration's step (``last_load``, over the layer's pipeline stage; 1 is perfect balance) and, with
     --moe-router-enable-expert-bias, the bias's max - min.
 
-    Cost: the loss sums are added up on the device after every step (no host synchronisation); at a log
+    Cost: the routers add up their loss shares on the device (no host synchronisation); at a log
     iteration one all-reduce over all ranks of a [MoE layers, 5] table, each rank writing its own layers'
     rows: loss shares from every rank, the load and bias (the same on all ranks of a pipeline stage) from
     the first rank of each stage. Every rank calls ``report`` at the same iterations."""
@@ -214,7 +214,6 @@ class MoEStats:
             self.loss_names[0] = "seq_load_balancing_loss" if balancing == "seq_aux_loss" else "load_balancing_loss"
         if config.moe_z_loss_coeff:
             self.loss_names[1] = "z_loss"
-        self.loss_sums = torch.zeros(len(self.routers), 3, dtype=torch.float64, device=device)
 
     @classmethod
     def of(cls, trainer) -> MoEStats | None:
@@ -224,18 +223,14 @@ class MoEStats:
         return cls(trainer.chunks, trainer.config.model, trainer.parallel, trainer.device)
 
     @torch.no_grad()
-    def add_step(self) -> None:
-        """After each training step: add the routers' loss sums of the step, on the device."""
-        if self.routers and self.routers[0].last_losses is not None:
-            self.loss_sums += torch.stack([r.last_losses for r in self.routers]).to(self.loss_sums)
-
-    @torch.no_grad()
     def report(self) -> tuple[dict[str, float], dict[str, float]]:
         """(the interval's losses, the per-layer load figures), on every rank; starts the next interval.
         Collective: every rank calls it at the same log iterations."""
         table = torch.zeros(len(self.moe_layers), 5, dtype=torch.float64, device=self.device)
         if self.routers:
-            table[self.rows, :3] = self.loss_sums
+            table[self.rows, :3] = torch.stack([r.loss_sums for r in self.routers]).to(table)
+            for router in self.routers:
+                router.loss_sums.zero_()
             if self.first_of_stage and self.routers[0].last_load is not None:
                 loads = torch.stack([r.last_load for r in self.routers]).double()
                 table[self.rows, 3] = loads.amax(1) / loads.mean(1).clamp_min(1e-30)
@@ -244,7 +239,6 @@ class MoEStats:
                     table[self.rows, 4] = bias.amax(1) - bias.amin(1)
         if self.world_size > 1:
             torch.distributed.all_reduce(table)
-        self.loss_sums.zero_()
         rows = table.tolist()                # the one host synchronisation
         losses = {}
         for column, name in self.loss_names.items():

@@ -81,7 +81,7 @@ def test_aux_and_z_losses_follow_their_formulas_and_reach_the_router():
     x = torch.randn(8, 2, H)
     layer(x).sum().backward()
     with_losses = layer.router.weight.grad.clone()
-    aux, z, forwards = layer.router.step_losses.tolist()
+    aux, z, forwards = layer.router.loss_sums.tolist()
     logits = x.reshape(-1, H) @ layer.router.weight.detach().t()
     t = logits.shape[0]
     probs = torch.softmax(logits, -1)
@@ -116,7 +116,7 @@ def test_seq_aux_loss_is_the_mean_over_sequences():
         f = counts * E / (K * s)
         p = torch.softmax(logits[:, seq], -1).mean(0)
         expected += float((f * p).sum()) * 0.1 / b
-    assert layer.router.step_losses[0].item() == pytest.approx(expected, rel=1e-5)
+    assert layer.router.loss_sums[0].item() == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize("policy", ["probs", "position"])
