@@ -42,14 +42,15 @@ FAMILIES = ("mixtral", "qwen3_moe")
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")      # transformers' experts implementations that run on a CPU
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 # (relative error of the output, of the gradients) allowed: fp32 rounding, bf16 rounding over h or f terms
-TOLERANCE = {"fp32": (1e-5, 1e-4), "bf16": (2e-2, 5e-2)}
+TOLERANCE = {"fp32": (1e-5, 1e-4), "bf16": (1e-2, 2e-2)}
 # share of tokens whose top-k experts may differ: transformers computes bf16 router logits (megalite fp32),
-# which can swap two nearly tied experts
-ROUTING_TOLERANCE = {"fp32": 0.0, "bf16": 0.01}
-# the router's weight gradient: transformers rounds the logits' gradient to bf16 before its reduction over
-# the tokens, megalite reduces it in fp32
-ROUTER_GRAD_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-1}
+# which can swap two nearly tied experts (more often the more experts lie near the k-th logit: top-8 of 64)
+ROUTING_TOLERANCE = {"fp32": 0.0, "bf16": 0.05}
+# a differently routed token must be a near tie: each expert transformers picked has an fp32 logit within
+# this share of the token's largest |logit| of the k-th largest (two bf16 roundings are 2^-7 at most)
+TIE_MARGIN = 2.0 ** -6
 ROUTED_DIFFERENTLY = "tokens routed differently"
+NOT_TIED = "tokens routed differently without a near tie"
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,13 @@ class Shape:
     experts: int
     topk: int
     tokens: int
+    headline: bool = False          # its ratios go to the summary
 
     def describe(self) -> str:
         return f"hidden {self.hidden}, expert ffn {self.ffn}, {self.experts} experts top-{self.topk}, {self.tokens} tokens"
+
+    def label(self) -> str:
+        return f"h {self.hidden} f {self.ffn} E {self.experts} k {self.topk} T {self.tokens}"
 
     def flops(self) -> float:
         """Matmul FLOPs of one forward + backward: 3 x (2 x T k x 3 h f)."""
@@ -72,8 +77,11 @@ class Shape:
         return 2 * self.tokens * self.topk * 3 * self.hidden * self.ffn * element
 
 
-FULL = (Shape(512, 1024, 8, 2, 2048), Shape(1024, 1792, 8, 2, 4096))
-QUICK = (Shape(64, 96, 4, 2, 64),)
+# Mixtral's granularity (8 experts, top-2, expert ffn 3.5 h) at two sizes, and Qwen3-MoE's (128 experts,
+# top-8, expert ffn 0.375 h) with half its experts, so that both families' kinds of layer are measured
+FULL = (Shape(512, 1024, 8, 2, 2048), Shape(1024, 1792, 8, 2, 4096, headline=True),
+        Shape(1024, 384, 64, 8, 2048, headline=True))
+QUICK = (Shape(64, 96, 4, 2, 64, headline=True),)
 
 
 # ---- the layers, on shared weights ------------------------------------------------------------
@@ -139,11 +147,11 @@ class Contender:
         self.name, self.module, self.megalite = name, module, megalite
         self.tokens, self.grad = tokens, grad
 
-    def step(self, keep_grads: bool = False):
+    def step(self, keep_grads: bool = False, grad=None):
         x = self.tokens.clone().requires_grad_()
         shaped = x[:, None] if self.megalite else x[None]
         out = self.module(shaped).reshape(x.shape)
-        out.backward(self.grad)
+        out.backward(self.grad if grad is None else grad)
         result = (out.detach(), x.grad, weight_grads(self.module, self.megalite)) if keep_grads else None
         self.module.zero_grad(set_to_none=True)
         return result
@@ -158,7 +166,7 @@ class Contender:
 
 
 def worst(errors: dict) -> float:
-    return max(v for k, v in errors.items() if k != ROUTED_DIFFERENTLY)
+    return max(v for k, v in errors.items() if k not in (ROUTED_DIFFERENTLY, NOT_TIED))
 
 
 def relative_error(a, b) -> float:
@@ -166,30 +174,36 @@ def relative_error(a, b) -> float:
 
 
 def same_routing(reference: Contender, other: Contender):
-    """[T] True where transformers' block picks the same top-k experts as megalite's router (fp32 logits;
-    top-k of the logits is top-k of their softmax)."""
+    """([T] True where transformers' block picks the same top-k experts as megalite's router (fp32 logits;
+    top-k of the logits is top-k of their softmax), [T] True where it does or picks others only among near
+    ties of the k-th logit (TIE_MARGIN))."""
     import torch
     with torch.no_grad():
         router = reference.module.router
         logits = torch.nn.functional.linear(reference.tokens.float(), router.weight.float())
-        ours = torch.topk(logits, router.topk, dim=-1).indices.sort(-1).values
+        top = torch.topk(logits, router.topk, dim=-1)
         theirs = other.module.gate(reference.tokens)[2].sort(-1).values
-    return (ours == theirs).all(-1)
+        same = (top.indices.sort(-1).values == theirs).all(-1)
+        margin = TIE_MARGIN * logits.abs().amax(-1, keepdim=True)
+        tied = (logits.gather(-1, theirs) >= top.values[:, -1:] - margin).all(-1)
+    return same, same | tied
 
 
 def check_equivalence(reference: Contender, other: Contender, dtype_name: str) -> dict:
     """Output, input gradient and the three weight gradients of ``other`` against megalite's: their
     relative errors (Frobenius norm), each within TOLERANCE, and the share of tokens routed differently
-    within ROUTING_TOLERANCE (those tokens' outputs and input gradients left out), or AssertionError."""
+    within ROUTING_TOLERANCE, all of them near ties (those tokens are left out: their outputs, and their
+    output gradients, so that no gradient depends on them), or AssertionError."""
     out_tol, grad_tol = TOLERANCE[dtype_name]
-    ref_out, ref_dx, ref_dw = reference.step(keep_grads=True)
-    out, dx, dw = other.step(keep_grads=True)
-    same = same_routing(reference, other)
+    same, tied = same_routing(reference, other)
+    grad = reference.grad * same[:, None].to(reference.grad.dtype)
+    ref_out, ref_dx, ref_dw = reference.step(keep_grads=True, grad=grad)
+    out, dx, dw = other.step(keep_grads=True, grad=grad)
     errors = {"output": relative_error(out[same], ref_out[same]), "input grad": relative_error(dx[same], ref_dx[same])}
     errors.update({name: relative_error(a, b) for name, a, b in zip(("router grad", "fc1 grad", "fc2 grad"), dw, ref_dw)})
     errors[ROUTED_DIFFERENTLY] = 1 - same.float().mean().item()
-    limits = {"output": out_tol, ROUTED_DIFFERENTLY: ROUTING_TOLERANCE[dtype_name],
-              "router grad": ROUTER_GRAD_TOLERANCE[dtype_name]}
+    errors[NOT_TIED] = 1 - tied.float().mean().item()
+    limits = {"output": out_tol, ROUTED_DIFFERENTLY: ROUTING_TOLERANCE[dtype_name], NOT_TIED: 0.0}
     bad = {k: v for k, v in errors.items() if v > limits.get(k, grad_tol)}
     assert not bad, f"{other.name} ({dtype_name}) differs from megalite: relative errors {bad}"
     return errors
@@ -209,7 +223,7 @@ def contenders(shape: Shape, dtype_name: str, batched_mm_gb: float, quiet=print)
             name = f"{family} {implementation}"
             copies = shape.batched_mm_bytes(torch.empty((), dtype=dtype).element_size()) / 2 ** 30
             if implementation == "batched_mm" and copies > batched_mm_gb:
-                skipped.append(f"{name} {dtype_name} h {shape.hidden}: not run, its per-token weight copies and their "
+                skipped.append(f"{name} {dtype_name} {shape.label()}: not run, its per-token weight copies and their "
                                f"gradients would take "
                                f"{copies:.0f} GiB (over --batched-mm-gb {batched_mm_gb:g})")
                 continue
@@ -266,7 +280,7 @@ def compare(shape: Shape, dtype_name: str, args) -> dict:
             times[contender.name] += contender.run(1)
         peak = max(peak, matmul_peak_flops(dtype_name))
         history.append(ratios(times, theirs))
-        print(f"  {dtype_name} {shape.describe()} round {round_index + 1}: "
+        print(f"  {dtype_name} {shape.label()} round {round_index + 1}: "
               + ", ".join(f"{k} {v:.2f}x" for k, v in history[-1].items()), flush=True)
         if round_index + 1 >= args.rounds and stable(previous, history[-1], args.tolerance):
             break
@@ -286,21 +300,21 @@ def table_rows(r: dict) -> list[str]:
         error = "" if name.startswith("megalite") else (f"{worst(r['errors'][name]):.0e}; "
                                                           f"{100 * r['errors'][name][ROUTED_DIFFERENTLY]:.2f}%")
         share = shape.flops() / (ms / 1000) / r["peak"]
-        rows.append(f"| {shape.hidden} / {shape.ffn} / {shape.tokens} | {r['dtype']} | {name} | {ms:.1f} | {ratio} | "
+        rows.append(f"| {shape.hidden} / {shape.ffn} / {shape.experts} / {shape.topk} / {shape.tokens} | {r['dtype']} | {name} | {ms:.1f} | {ratio} | "
                     f"{100 * share:.0f}% | {error} |")
     return rows
 
 
 def headlines(results: list, command: str) -> list[Headline]:
-    """Per dtype, at the largest shape: megalite against Mixtral's eager block and against the fastest
+    """Per dtype and headline shape: megalite against each family's eager block and against the fastest
     transformers contender."""
-    out, largest = [], max(r["shape"].flops() for r in results)
-    for r in (r for r in results if r["shape"].flops() == largest):
+    out = []
+    for r in (r for r in results if r["shape"].headline):
         s, fastest = r["shape"], min(r["ratio"], key=lambda name: r["ms"][name])
-        for name in dict.fromkeys(["mixtral eager", fastest]):
+        for name in dict.fromkeys([f"{family} eager" for family in FAMILIES] + [fastest]):
             family, implementation = name.split()
             out.append(Headline(f"MoE layer forward+backward vs transformers {family} {implementation}, {r['dtype']}, "
-                                f"h {s.hidden} f {s.ffn} E {s.experts} k {s.topk} T {s.tokens}",
+                                f"{s.label()}",
                                 f"transformers {family} sparse MoE block, experts_implementation={implementation}"
                                 f"{' (its fastest here)' if name == fastest else ''}, same weights and tokens",
                                 f"{r['ratio'][name]:.2f}x (HF ms / megalite ms)", command))
@@ -342,10 +356,10 @@ def main(argv: list[str]) -> None:
             f"(at least {args.rounds}, at most {args.max_rounds}). Matmul share: the layer's matmul FLOPs "
             "(18 T k h f per step) per second over the best 2048^3 matmul rate in the same dtype and run.", "",
             *([f"Left out: {'; '.join(skipped)}.", ""] if skipped else []),
-            "| hidden / ffn / tokens | dtype | contender | ms / step (median) | vs megalite (median of HF / megalite "
+            "| hidden / ffn / experts / top-k / tokens | dtype | contender | ms / step (median) | vs megalite (median of HF / megalite "
             "step time, same round) | matmul share | worst relative error; tokens routed differently |",
             "|---|---|---|---|---|---|---|", *[row for r in results for row in table_rows(r)], "",
-            "Steps and rounds: " + "; ".join(f"{r['dtype']} h {r['shape'].hidden}: {r['steps']} steps in "
+            "Steps and rounds: " + "; ".join(f"{r['dtype']} {r['shape'].label()}: {r['steps']} steps in "
                                               f"{r['rounds']} rounds{'' if r['converged'] else ' (not stable)'}, "
                                               f"load {r['load'][0]:.1f} -> {r['load'][1]:.1f}" for r in results) + "."]
     publish(args, "bench_moe", "MoE layer vs transformers", command, headlines(results, command), body)

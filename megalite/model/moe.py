@@ -266,7 +266,7 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, counts: list) -> torch.
     """rows [N, in] grouped by expert x weight [E, out, in] per expert -> [N, out] (no autograd of its own:
     _ExpertMLP differentiates it). On a GPU in bf16 torch._grouped_mm, one kernel for every expert, where
     its layout rule holds (every row stride a multiple of 16 bytes); elsewhere one matmul per expert
-    written into its slice of the output."""
+    written into its slice of the output (torch._grouped_mm on a CPU runs the same loop inside)."""
     width = rows.element_size()
     # CUDA's grouped GEMM kernel takes bf16 operands (fp32 and fp16 take the loop below)
     if (rows.device.type == "cuda" and rows.dtype == torch.bfloat16 and rows.shape[1] * width % 16 == 0

@@ -14,11 +14,13 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import bench_moe  # noqa: E402
 
 TINY = bench_moe.Shape(hidden=32, ffn=48, experts=4, topk=2, tokens=24)
+FINE = bench_moe.Shape(hidden=32, ffn=16, experts=16, topk=4, tokens=24)        # Qwen3-MoE's granularity
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_transformers_blocks_match_megalite_on_shared_weights(dtype):
-    ours, theirs, skipped, errors = bench_moe.contenders(TINY, dtype, batched_mm_gb=1.0, quiet=lambda *a, **k: None)
+@pytest.mark.parametrize("shape", [TINY, FINE], ids=["coarse", "fine"])
+def test_transformers_blocks_match_megalite_on_shared_weights(dtype, shape):
+    ours, theirs, skipped, errors = bench_moe.contenders(shape, dtype, batched_mm_gb=1.0, quiet=lambda *a, **k: None)
     assert set(ours) == set(bench_moe.FAMILIES) and not skipped
     assert {c.name for c in theirs} == {f"{f} {i}" for f in bench_moe.FAMILIES for i in bench_moe.IMPLEMENTATIONS}
     assert all(max(e.values()) <= bench_moe.TOLERANCE[dtype][1] for e in errors.values())
@@ -32,9 +34,20 @@ def test_equivalence_check_fails_on_a_different_layer():
         bench_moe.check_equivalence(ours["mixtral"], theirs[0], "fp32")
 
 
+def test_routing_check_refuses_tokens_routed_differently_without_a_near_tie():
+    """In bf16 some near-tied tokens may route differently; a router that prefers another expert outright may not."""
+    ours, theirs, _, _ = bench_moe.contenders(FINE, "bf16", batched_mm_gb=0.0, quiet=lambda *a, **k: None)
+    with torch.no_grad():
+        weight = ours["qwen3_moe"].module.router.weight
+        weight[[0, 1]] = weight[[1, 0]].clone()                  # experts 0 and 1 swap their router rows
+    other = next(c for c in theirs if c.name == "qwen3_moe eager")
+    with pytest.raises(AssertionError, match="without a near tie"):
+        bench_moe.check_equivalence(ours["qwen3_moe"], other, "bf16")
+
+
 def test_batched_mm_is_left_out_where_its_weight_copies_exceed_the_budget():
     _, theirs, skipped, _ = bench_moe.contenders(TINY, "fp32", batched_mm_gb=0.0, quiet=lambda *a, **k: None)
-    assert len(skipped) == 2 and all("batched_mm fp32 h 32: not run" in line for line in skipped)
+    assert len(skipped) == 2 and all("batched_mm fp32 h 32 f 48 E 4 k 2 T 24: not run" in line for line in skipped)
     assert "batched_mm" not in " ".join(c.name for c in theirs)
 
 
