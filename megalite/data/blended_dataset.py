@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from megalite.data.gpt_dataset import INDEX_FORMAT_VERSION, IndexCache, log
+from megalite.data.gpt_dataset import INDEX_FORMAT_VERSION, CachedArrays, IndexCache, log
 from megalite.errors import UserError
 
 
@@ -51,7 +51,7 @@ def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndar
     return np.asarray(choice, dtype=np.int16), np.asarray(nth, dtype=np.int64)
 
 
-class BlendedDataset:
+class BlendedDataset(CachedArrays):
     """``size`` samples drawn from ``datasets`` in proportion to ``weights``."""
 
     ARRAYS = ("dataset_index", "dataset_sample_index")
@@ -73,7 +73,7 @@ class BlendedDataset:
         cache = IndexCache(os.path.join(cache_dir, "BlendedDataset_indices") if cache_dir else None,
                            description, f"BlendedDataset-{split_name}", verbose)
         t0 = time.time()
-        loaded = cache.load(self.ARRAYS)
+        loaded, saved = cache.load(self.ARRAYS), False
         if loaded is not None:
             self.dataset_index = loaded["dataset_index"]
             self.dataset_sample_index = loaded["dataset_sample_index"]
@@ -82,6 +82,8 @@ class BlendedDataset:
             self.dataset_index, self.dataset_sample_index = build_blending_indices(self.weights, self.size)
             saved = cache.save(dict(zip(self.ARRAYS, (self.dataset_index, self.dataset_sample_index))))
             source = f"built in {time.time() - t0:.2f} s" + (f", cached in {cache.dir}" if saved else "")
+        if loaded is not None or saved:
+            self.cache_paths = {a: cache.path(a) for a in self.ARRAYS}
         counts = np.bincount(self.dataset_index, minlength=len(self.datasets))
         for j, ds in enumerate(self.datasets):
             if counts[j] > len(ds):

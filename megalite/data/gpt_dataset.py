@@ -223,7 +223,28 @@ class IndexCache:
 
 
 # ---------------------------------------------------------------------------------------- dataset
-class GPTDataset:
+class CachedArrays:
+    """A dataset whose index arrays (its ``ARRAYS`` attributes) are memory-mapped from an IndexCache when
+    ``cache_paths`` names their files: it pickles (to a data-loader worker) by those paths, not the
+    arrays' contents, and the worker maps the same files again."""
+    ARRAYS: tuple = ()
+    cache_paths: Optional[dict] = None
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        if self.cache_paths:
+            for a in self.ARRAYS:
+                del state[a]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if self.cache_paths:
+            for a, p in self.cache_paths.items():
+                setattr(self, a, np.load(p, mmap_mode="r"))
+
+
+class GPTDataset(CachedArrays):
     """Samples of ``seq_length + 1`` tokens from documents ``[start, end)`` of an indexed dataset.
 
     ``len()`` is the number of samples the indices hold (at least ``num_samples``); item i is a
@@ -288,19 +309,6 @@ class GPTDataset:
         log(f" > {split_name}: {indexed.prefix} documents [{start}, {end}) = {tokens:,} tokens; "
             f"{len(self):,} samples of {self.seq_length} tokens, "
             f"{len(self.document_index) // max(1, end - start)} epoch(s); indices {source}", verbose)
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        if self.cache_paths:  # re-map the cached arrays instead of pickling them
-            for a in self.ARRAYS:
-                del state[a]
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        if self.cache_paths:
-            for a, p in self.cache_paths.items():
-                setattr(self, a, np.load(p, mmap_mode="r"))
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1

@@ -263,6 +263,11 @@ def count_model_parameters(trainer: Trainer) -> int:
 
 
 # ---- data ----------------------------------------------------------------------------------------
+# How loader workers start: from a fork server, a fresh interpreter that holds none of the rank's memory.
+# Workers forked from the rank itself would share its pages copy-on-write, and every page the rank writes
+# afterwards (each optimizer step writes all of its parameters and state) is copied while the workers keep
+# the old one: the workers end up holding a stale copy of the rank's whole state.
+WORKER_START = "forkserver"
 def build_data_iterators(trainer: Trainer, tokenizer):
     """(train, valid, test) iterators over this data-parallel rank's micro-batches, from the samples
     already consumed; None where the split is empty."""
@@ -280,6 +285,7 @@ def build_data_iterators(trainer: Trainer, tokenizer):
         sampler = MegatronPretrainingSampler(len(dataset), consumed, t.micro_batch_size,
                                              trainer.parallel.dp_rank, trainer.parallel.dp_size)
         loader = DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+                            multiprocessing_context=WORKER_START if workers > 0 else None,
                             pin_memory=trainer.device.type == "cuda",
                             persistent_workers=workers > 0, worker_init_fn=ignore_stop_signals)
         return shut_down_workers_at_exit(iter(loader)) if workers > 0 else iter(loader)

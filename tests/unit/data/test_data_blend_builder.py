@@ -3,6 +3,7 @@ token-range check."""
 from __future__ import annotations
 
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -102,6 +103,14 @@ def test_blended_dataset_items_come_from_components(two_prefixes, tmp_path):
     again = BlendedDataset([a, b], [1, 3], 240, cache_dir=str(tmp_path / "c"), verbose=False)
     np.testing.assert_array_equal(again.dataset_index, blend.dataset_index)
     assert isinstance(again.dataset_index, np.memmap)  # loaded from the cache
+    for built in (blend, again):       # to a loader worker by the cache's paths, mapped again there
+        blob = pickle.dumps(built)
+        assert len(blob) < len(pickle.dumps(built.datasets)) + 1000        # the components and two paths
+        clone = pickle.loads(blob)
+        assert isinstance(clone.dataset_index, np.memmap)
+        np.testing.assert_array_equal(clone.dataset_sample_index, blend.dataset_sample_index)
+    uncached = BlendedDataset([a, b], [1, 3], 240, cache_dir=False, verbose=False)
+    np.testing.assert_array_equal(pickle.loads(pickle.dumps(uncached)).dataset_index, blend.dataset_index)
     with pytest.raises(UserError, match="non-negative"):
         BlendedDataset([a, b], [1, -1], 10, verbose=False)
     with pytest.raises(UserError, match="blend needs"):  # a component too small for its share

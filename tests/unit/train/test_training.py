@@ -130,11 +130,12 @@ from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 from megalite.config.megatron_cli import parse_args
 from megalite.data.tokenizers import build_tokenizer
 from megalite.train.trainer import build_data_iterators, build_trainer
-config = parse_args(with_flags(TINY_LLAMA_ARGS, num_workers=2), world_size=1)
-trainer = build_trainer(config, print_fn=lambda *_: None)
-iterators = build_data_iterators(trainer, build_tokenizer(config.data))
-next(iterators[0])
-raise RuntimeError("boom")      # uncaught: the traceback keeps the iterators and their workers alive
+if __name__ == "__main__":       # the workers start from a fork server, which imports this script
+    config = parse_args(with_flags(TINY_LLAMA_ARGS, num_workers=2), world_size=1)
+    trainer = build_trainer(config, print_fn=lambda *_: None)
+    iterators = build_data_iterators(trainer, build_tokenizer(config.data))
+    next(iterators[0])
+    raise RuntimeError("boom")  # uncaught: the traceback keeps the iterators and their workers alive
 """
 
 
