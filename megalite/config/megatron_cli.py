@@ -20,7 +20,7 @@ from megalite.config.schema import (CONFIG_SECTIONS, FIELD_DEFAULT, FLAG, DataCo
                                     OptimizerConfig, ParallelConfig, TrainingConfig, default_ffn_hidden_size,
                                     default_kv_channels, padded_vocab_size)
 from megalite.errors import UserError
-from megalite.parallel.launch_env import read_launch_env
+from megalite.parallel.launch_env import fake_launch_env, read_launch_env
 
 SECTION_TITLES = {ModelConfig: "model", ParallelConfig: "parallelism", OptimizerConfig: "optimizer and learning rate",
                   DataConfig: "data", TrainingConfig: "training, checkpointing, logging and profiling"}
@@ -194,9 +194,11 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None,
                true_vocab_size: int | None = None) -> MegaliteConfig:
     """argv -> MegaliteConfig. ``true_vocab_size`` (the tokenizer's) sizes the padded vocabulary;
     without it the tokenizer named by the flags is built to find it."""
-    world_size = world_size if world_size is not None else world_size_from_env()
     parser = build_parser()
     args = parser.parse_args(argv)
+    if world_size is None:
+        world_size = (fake_launch_env(args.fake_world_size, args.fake_rank).world_size if args.fake_process_group
+                      else world_size_from_env())
     checkpoint_vocab_size = apply_checkpoint_args(args, parser)
     _check_inputs(args)
     model, parallel = _model_config(args), _parallel_config(args, world_size)

@@ -238,6 +238,12 @@ class ParallelConfig:
     expert_tensor_parallel_size: Optional[int] = flag(
         "--expert-tensor-parallel-size", positive_int, default=None,
         help="ETP: ranks each expert's hidden dimension is split over (default --tensor-model-parallel-size)")
+    fake_process_group: bool = flag("--fake-process-group", default=False, help=(
+        "dry run: this process plays one rank (--fake-rank, or RANK) of a world of --fake-world-size (or "
+        "WORLD_SIZE) ranks on torch's fake backend, whose collectives do nothing; it builds that rank's "
+        "grid, shards and schedule and trains on them, to measure its memory without the other ranks"))
+    fake_world_size: Optional[int] = flag("--fake-world-size", positive_int, default=None)
+    fake_rank: Optional[int] = flag("--fake-rank", non_negative_int, default=None)
     use_torch_fsdp2: bool = flag("--use-torch-fsdp2", default=False, help=(
         "PyTorch FSDP2 (fully_shard per layer) instead of megalite's own data parallelism; ZeRO-3 by default, "
         "--data-parallel-sharding-strategy optim_grads keeps parameters gathered from forward to backward"))

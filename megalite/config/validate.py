@@ -36,6 +36,20 @@ def validate(config: MegaliteConfig, world_size: int) -> None:
     _check_data(config.data)
     _check_checkpointing(config.training)
     _check_logging(config.training)
+    _check_dry_run(config)
+
+
+def _check_dry_run(config: MegaliteConfig) -> None:
+    """--fake-process-group plays one rank without its peers: what it computes is not a model."""
+    p = config.parallel
+    if not p.fake_process_group:
+        for flag, value in (("--fake-world-size", p.fake_world_size), ("--fake-rank", p.fake_rank)):
+            if value is not None:
+                raise UserError(f"{flag} names the rank a dry run plays; add --fake-process-group, or drop {flag}")
+        return
+    if config.training.save:
+        raise UserError("--fake-process-group trains one rank on values its absent peers never sent, so its "
+                        "checkpoint would be garbage; drop --save")
 
 
 # ---- the model ---------------------------------------------------------------------------------------

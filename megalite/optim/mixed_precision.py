@@ -163,18 +163,21 @@ class MixedPrecisionAdamW:
         with --decoupled-lr)."""
         grads = [p.grad for p in self.pieces]
         classes = self.norm_classes()
+        # a --fake-process-group dry run computes on what its absent peers never sent: its values mean
+        # nothing, and the update runs whatever they are, for the memory and time it takes
+        dry_run = self.parallel is not None and self.parallel.fake
         if self.loss_scaler is not None:
             for g in grads:
                 g.mul_(1.0 / self.loss_scaler.scale)
             found_inf = any_not_finite(grads, [group for _, groups in classes for group in groups])
             self.loss_scaler.update(found_inf)
-            if found_inf:
+            if found_inf and not dry_run:
                 return StepResult(False, None)
         if self.grad_norm_fn is not None:
             grad_norm = self.grad_norm_fn()
         else:
             grad_norm = norm_over_classes(grads, classes)
-        if not math.isfinite(grad_norm):     # the same value on every rank: all of them refuse the update
+        if not math.isfinite(grad_norm) and not dry_run:     # the same on every rank: all refuse the update
             return StepResult(False, grad_norm, nonfinite=True)
         clip_pieces(grads, self.config.clip_grad, grad_norm)
         group_lr = {False: lr, True: lr if decoupled_lr is None else decoupled_lr}

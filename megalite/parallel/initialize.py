@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from megalite.config.schema import ParallelConfig
-from megalite.parallel.launch_env import LaunchEnv, rank_error, read_launch_env, single_process_note
+from megalite.parallel.launch_env import (LaunchEnv, fake_launch_env, rank_error, read_launch_env,
+                                          single_process_note)
 from megalite.parallel.mesh import ParallelState
 from megalite.parallel.tensor.random import stage_seed
 
@@ -44,8 +45,13 @@ def device_for(local_rank: int) -> torch.device:
 
 def initialize_distributed(parallel: ParallelConfig, timeout_minutes: float = 10,
                            env: LaunchEnv | None = None, experts: bool = False) -> tuple[ParallelState, torch.device]:
-    """Start the process group (NCCL with CUDA, gloo otherwise) and build the rank grid (with the expert
-    grid's groups when ``experts``: the model has MoE layers)."""
+    """Start the process group (NCCL with CUDA, gloo otherwise; torch's fake backend for
+    --fake-process-group) and build the rank grid (with the expert grid's groups when ``experts``: the
+    model has MoE layers)."""
+    if parallel.fake_process_group:
+        env = fake_launch_env(parallel.fake_world_size, parallel.fake_rank)
+        if not dist.is_initialized():
+            start_fake_process_group(env)
     if env is None:
         env = read_launch_env()
         note = single_process_note(os.environ)
@@ -67,7 +73,15 @@ def initialize_distributed(parallel: ParallelConfig, timeout_minutes: float = 10
                                 parallel.context_parallel_size, parallel.pipeline_model_parallel_size,
                                 timeout=timedelta(minutes=timeout_minutes), ep=parallel.expert_model_parallel_size,
                                 etp=parallel.expert_tp_size, experts=experts)
+    state.fake = parallel.fake_process_group
     return state, device
+
+
+def start_fake_process_group(env: LaunchEnv) -> None:
+    """torch's fake backend: every collective and point-to-point call returns at once and leaves its
+    output as it was; groups are created as usual (no peers to meet)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore   # registers the "fake" backend
+    dist.init_process_group("fake", store=FakeStore(), rank=env.rank, world_size=env.world_size)
 
 
 def process_group_options(device: torch.device) -> dict:

@@ -61,6 +61,23 @@ def read_launch_env(env=None) -> LaunchEnv:
     return launch
 
 
+def fake_launch_env(world_size: int | None, rank: int | None, env=None) -> LaunchEnv:
+    """The rank a --fake-process-group dry run plays: --fake-world-size/--fake-rank, or else WORLD_SIZE and
+    RANK; one line for a world that is not given or a rank outside it."""
+    env = os.environ if env is None else env
+    if world_size is None and env.get("WORLD_SIZE", "").isdigit() and int(env["WORLD_SIZE"]) > 0:
+        world_size = int(env["WORLD_SIZE"])
+    if world_size is None:
+        raise UserError("--fake-process-group needs the world it plays a rank of: add --fake-world-size N "
+                        "(or set WORLD_SIZE)")
+    if rank is None:
+        rank = int(env["RANK"]) if env.get("RANK", "").isdigit() else 0
+    if rank >= world_size:
+        raise UserError(f"--fake-rank {rank} is outside a world of {world_size} ranks; give a rank in "
+                        f"0..{world_size - 1}")
+    return LaunchEnv(rank, world_size, 0, launched=True)
+
+
 def started_by_srun(env) -> bool:
     """Whether srun started this process as one task of a job step.
 

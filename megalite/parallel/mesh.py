@@ -61,6 +61,7 @@ class ParallelState:
     etp_size: int = 1
     groups: dict = field(default_factory=dict)   # name -> process group of this rank (None when size 1)
     timeout: timedelta | None = None              # of every group (new groups would get torch's 30 min)
+    fake: bool = False                            # --fake-process-group: this rank runs without its peers
 
     def new_group(self, members: list[int]):
         return dist.new_group(members, timeout=self.timeout)
@@ -110,8 +111,9 @@ class ParallelState:
     @property
     def is_logging_rank(self) -> bool:
         """Megatron prints the training line from the last rank. It holds the loss unless the schedule puts the
-        last virtual stage elsewhere (zbv: pipeline rank 0); train/step.py's reported_loss brings it there."""
-        return self.rank == self.world_size - 1
+        last virtual stage elsewhere (zbv: pipeline rank 0); train/step.py's reported_loss brings it there.
+        A --fake-process-group dry run logs from the one rank it plays."""
+        return self.fake or self.rank == self.world_size - 1
 
     def group(self, name: str):
         return self.groups.get(name)

@@ -47,7 +47,7 @@ def train(trainer, train_iter, valid_iter, log, sinks: MetricsSinks | None) -> N
                 gc.collect()
             interval.add(loss, result, batch_size)
             state.history.append(loss)
-            if result.nonfinite or not math.isfinite(loss):
+            if (result.nonfinite or not math.isfinite(loss)) and not trainer.parallel.fake:   # dry run: no meaning
                 state.nan_iterations += 1
                 handle_nonfinite_step(trainer, loss, result, log)
             elif not result.update_successful:

@@ -272,15 +272,14 @@ def gather_memory(ddp, optimizer) -> list[dict[str, int]]:
     return [dict(zip(keys, row)) for row in rows]
 
 
-def report_memory(ddp, optimizer, rank: int, print_fn=print) -> list[dict[str, int]]:
+def report_memory(ddp, optimizer, rank: int, print_fn=print, alone: bool = False) -> None:
     """Rank 0 prints the line of every rank (with MoE expert weights, then its expert and its dense
-    share); every rank returns all measurements."""
-    per_rank = gather_memory(ddp, optimizer)
-    moe = any(m["expert parameters"] for m in per_rank)
-    if rank == 0:
-        for r, m in enumerate(per_rank):
+    share). ``alone`` (a --fake-process-group dry run, whose peers do not exist): this rank prints its own."""
+    per_rank = {rank: measure(ddp, optimizer)} if alone else dict(enumerate(gather_memory(ddp, optimizer)))
+    moe = any(m["expert parameters"] for m in per_rank.values())
+    if rank == 0 or alone:
+        for r, m in per_rank.items():
             print_fn(format_memory_line(r, m))
             if moe:
                 print_fn(format_memory_line(r, m, "expert"))
                 print_fn(format_memory_line(r, m, "dense"))
-    return per_rank

@@ -154,7 +154,7 @@ class Trainer:
             restore_rng(rng, self.model.tp.rng)
         sinks = MetricsSinks(config.training, dataclasses.asdict(config)) if self.parallel.is_logging_rank else None
         report_parameters(self)
-        report_memory(self.ddp, self.optimizer, self.parallel.rank, self.print_fn)
+        report_memory(self.ddp, self.optimizer, self.parallel.rank, self.print_fn, alone=self.parallel.fake)
         try:
             loop.train(self, train_iter, valid_iter, self.log, sinks)
             self.ddp.wait_for_param_gather()
@@ -241,6 +241,11 @@ def pretrain(config: MegaliteConfig, print_fn=print_line) -> TrainState:
 
 
 def report_parameters(trainer: Trainer) -> None:
+    if trainer.parallel.fake:     # the whole model's count would need the other stages' counts
+        n = trainer.ddp.buffer.numel_unpadded
+        trainer.log(f" > dry run as rank {trainer.parallel.rank} of {trainer.parallel.world_size} "
+                    f"(--fake-process-group): {n} parameters ({n / 1e6:.2f}M) in this rank's model-parallel part")
+        return
     n = count_model_parameters(trainer)
     trainer.log(f" > number of parameters: {n} ({n / 1e6:.2f}M); global batch "
                 f"{trainer.config.training.global_batch_size} = {trainer.config.num_microbatches} micro-batches "

@@ -153,6 +153,13 @@ CASES = [
     Case("ep-etp-pp-not-dividing-world", pretrain(num_experts=8, expert_model_parallel_size=4,
                                                   pipeline_model_parallel_size=2, global_batch_size=4),
          ("--expert-model-parallel-size 4", "must divide the 2 ranks of each pipeline stage"), env={"WORLD_SIZE": "4"}),
+    # --fake-process-group dry runs
+    Case("fake-world-not-given", pretrain(fake_process_group=True), ("--fake-process-group", "--fake-world-size N")),
+    Case("fake-rank-outside-world", pretrain(fake_process_group=True, fake_world_size=2, fake_rank=2),
+         ("--fake-rank 2", "world of 2 ranks")),
+    Case("fake-rank-with-save", pretrain(fake_process_group=True, fake_world_size=2, save="ck"),
+         ("--fake-process-group", "drop --save")),
+    Case("fake-rank-without-dry-run", pretrain(fake_rank=1), ("--fake-rank", "add --fake-process-group")),
     Case("topk-above-experts", pretrain(num_experts=4, moe_router_topk=5),
          ("--moe-router-topk 5 exceeds --num-experts 4",)),
     Case("capacity-factor-not-positive", pretrain(num_experts=4, moe_expert_capacity_factor=0),

@@ -1,0 +1,82 @@
+"""--fake-process-group: one process plays rank R of a world it does not have, on torch's fake backend,
+and holds exactly what rank R of the real run holds.
+
+The real run (torchrun, gloo) prints every rank's state from rank 0 ("memory rank R: parameters ... |
+gradients ... | optimizer state ..."); each dry run prints its own rank's line, which must be the same
+bytes, and trains its --train-iters steps to the end (its values are meaningless: its peers' tensors
+never arrive, so no NaN check stops it). The default suite runs a 4-rank pipeline x ZeRO-3 layout with
+virtual stages; the slow tier an 8-rank TP x PP x EP MoE layout."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from harness import ROOT, run_pretrain
+from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
+
+BASE = with_flags(TINY_LLAMA_ARGS, num_layers=4, global_batch_size=8, train_iters=2)
+LAYOUTS = {
+    "pp2-vpp-dp2-zero3": (4, dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
+                                  data_parallel_sharding_strategy="optim_grads_params")),
+}
+SLOW_LAYOUTS = {
+    "tp2-pp2-ep2-moe-zero1": (8, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True,
+                                      num_experts=4, moe_router_topk=2, expert_model_parallel_size=2,
+                                      use_distributed_optimizer=True)),
+}
+MEMORY_LINE = re.compile(r"^memory rank (\d+)(?: \w+ weights)?: .*$", re.M)
+
+
+def memory_lines(stdout: str) -> dict[int, list[str]]:
+    lines = {}
+    for m in MEMORY_LINE.finditer(stdout):
+        lines.setdefault(int(m.group(1)), []).append(m.group(0))
+    return lines
+
+
+def environment(**extra) -> dict:
+    """This process's environment less any launcher's variables, plus ``extra``."""
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    return {**{k: v for k, v in os.environ.items() if k not in launcher}, "OMP_NUM_THREADS": "1",
+            "WANDB_MODE": "offline", **extra}
+
+
+def dry_run(argv: list[str], world: int, rank: int) -> str:
+    cmd = [sys.executable, f"{ROOT}/pretrain_gpt.py", *argv, "--fake-process-group", "--fake-world-size", str(world),
+           "--fake-rank", str(rank)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=environment())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def check_layout(world: int, flags: dict) -> None:
+    argv = with_flags(BASE, **flags)
+    real = run_pretrain(world, argv)
+    assert real.returncode == 0, real.stderr[-3000:]
+    expected = memory_lines(real.stdout)
+    assert sorted(expected) == list(range(world))
+    for rank in range(world):
+        out = dry_run(argv, world, rank)
+        assert memory_lines(out) == {rank: expected[rank]}, f"rank {rank}"
+        assert re.search(r"iteration\s+2/\s+2 \|", out), out[-2000:]            # it logs as the rank it plays
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_dry_run_holds_what_the_real_rank_holds(layout):
+    check_layout(*LAYOUTS[layout])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", SLOW_LAYOUTS)
+def test_a_dry_run_holds_what_the_real_rank_holds_moe(layout):
+    check_layout(*SLOW_LAYOUTS[layout])
+
+
+def test_the_world_comes_from_the_environment_too():
+    proc = subprocess.run([sys.executable, f"{ROOT}/pretrain_gpt.py", *with_flags(BASE, pipeline_model_parallel_size=2),
+                           "--fake-process-group"], capture_output=True, text=True, timeout=300,
+                          env=environment(WORLD_SIZE="4", RANK="3"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(memory_lines(proc.stdout)) == [3]
