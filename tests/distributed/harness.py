@@ -98,11 +98,16 @@ def _check_collective_logs(directory: str) -> None:
         raise RuntimeError("ranks issued different collectives (NCCL would hang or mix them up):\n" + "\n".join(problems))
 
 
-def run_pretrain(nproc: int, argv: list[str], timeout: int = 600, nccl: bool = False) -> subprocess.CompletedProcess:
-    """pretrain_gpt.py under torchrun (--standalone picks a free port), as a user launches it."""
+def pretrain_command(nproc: int, argv: list[str]) -> tuple[list[str], dict]:
+    """The command line and environment of pretrain_gpt.py under torchrun (--standalone picks a free port)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(ROOT, "pretrain_gpt.py"), *argv]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    return cmd, {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+
+
+def run_pretrain(nproc: int, argv: list[str], timeout: int = 600, nccl: bool = False) -> subprocess.CompletedProcess:
+    """pretrain_gpt.py under torchrun, as a user launches it."""
+    cmd, env = pretrain_command(nproc, argv)
     if not nccl:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     with tempfile.TemporaryDirectory() as log_dir:

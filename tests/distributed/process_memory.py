@@ -1,0 +1,96 @@
+"""Memory of a pretrain_gpt.py launch, process by process, read from /proc while it runs: each rank's peak
+RSS (VmHWM, the kernel's high-water mark) and the peak proportional set size (PSS: each page counted once
+over the processes that share it) of every process below the ranks: data-loader workers, a fork server."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from harness import pretrain_command
+
+
+@dataclass
+class MeasuredRun:
+    returncode: int
+    stdout: str
+    rank_peak_rss: dict          # rank -> bytes
+    helper_peak_pss: dict        # pid -> bytes, every process below a rank
+
+
+def _field(path: str, name: str) -> int | None:
+    """A "Name:  N kB" field of a /proc file, in bytes (None once the process is gone)."""
+    try:
+        with open(path) as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(name))
+    except (OSError, StopIteration):
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        return int(env[b"RANK"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def run_pretrain_measured(nproc: int, argv: list[str], timeout: float = 1800, every: float = 0.1) -> MeasuredRun:
+    """pretrain_gpt.py under torchrun, sampled every ``every`` seconds until it exits."""
+    cmd, env = pretrain_command(nproc, argv)
+    log = tempfile.TemporaryFile(mode="w+")                    # a pipe left unread would fill and stall the run
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    ranks, rss, pss, deadline = {}, {}, {}, time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        for pid in _children(proc.pid):                          # torchrun's children: the ranks
+            if pid not in ranks and (rank := _rank_of(pid)) is not None:
+                ranks[pid] = rank
+            if (hwm := _field(f"/proc/{pid}/status", "VmHWM:")) is not None and pid in ranks:
+                rss[ranks[pid]] = max(rss.get(ranks[pid], 0), hwm)
+            todo = _children(pid)
+            while todo:
+                helper = todo.pop()
+                todo += _children(helper)
+                if (size := _field(f"/proc/{helper}/smaps_rollup", "Pss:")) is not None:
+                    pss[helper] = max(pss.get(helper, 0), size)
+        time.sleep(every)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    with log:
+        log.seek(0)
+        return MeasuredRun(proc.returncode, log.read(), rss, pss)
+
+
+def bare_torch_pss() -> int:
+    """The PSS of an interpreter that has imported torch and nothing else."""
+    code = "import torch, sys; sys.stdout.write(open('/proc/self/smaps_rollup').read())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return next(int(line.split()[1]) * 1024 for line in out.splitlines() if line.startswith("Pss:"))
+
+
+WORKER_SLACK = 64 * 2 ** 20          # a loader worker's own allocations: the dataset, its batches, collate buffers
+
+
+def assert_workers_hold_no_rank_state(helper_peak_pss: dict, workers: int) -> None:
+    """At least ``workers`` processes ran below the ranks, and none peaked above a bare torch interpreter's
+    PSS + WORKER_SLACK: none held a share of a rank's model or optimizer pages."""
+    bound = bare_torch_pss() + WORKER_SLACK
+    assert len(helper_peak_pss) >= workers, helper_peak_pss
+    assert max(helper_peak_pss.values()) <= bound, {
+        "peak PSS MiB": sorted(s // 2 ** 20 for s in helper_peak_pss.values()), "bound MiB": bound // 2 ** 20}
