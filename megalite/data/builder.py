@@ -145,12 +145,14 @@ class _Builder:
                         "--train-data-path, or --mock-data")
 
 
-def build_train_valid_test_datasets(data: DataConfig, tokenizer, num_samples: tuple[int, int, int], seed: int):
+def build_train_valid_test_datasets(data: DataConfig, tokenizer, num_samples: tuple[int, int, int], seed: int,
+                                    alone: bool = False):
     """(train, valid, test): datasets of ``make_sample`` dicts, or None for an empty split / 0 samples.
 
     ``num_samples``: samples each split must provide (the datasets may hold more). With
     torch.distributed initialised, rank 0 builds the index caches first and the other ranks then
-    memory-map them.
+    memory-map them. ``alone``: this rank builds them itself (a --fake-process-group dry run, whose
+    rank 0 does not exist).
     """
     num_samples = tuple(int(n) for n in num_samples)
     if len(num_samples) != 3:
@@ -159,7 +161,7 @@ def build_train_valid_test_datasets(data: DataConfig, tokenizer, num_samples: tu
         return tuple(MockGPTDataset(n, data.seq_length, tokenizer.eod, tokenizer.vocab_size, seed + i,
                                     data.eod_mask_loss) if n > 0 else None
                      for i, n in enumerate(num_samples))
-    rank, world, dist = _rank_and_world()
+    rank, world, dist = (0, 1, None) if alone else _rank_and_world()
     result, error = None, None
     if rank == 0:
         try:

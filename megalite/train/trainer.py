@@ -281,7 +281,8 @@ def build_data_iterators(trainer: Trainer, tokenizer):
     num_samples = (t.train_iters * t.global_batch_size,
                    evaluations * t.eval_iters * t.global_batch_size,
                    t.eval_iters * t.global_batch_size)
-    train, valid, test = build_train_valid_test_datasets(cfg.data, tokenizer, num_samples, t.seed)
+    train, valid, test = build_train_valid_test_datasets(cfg.data, tokenizer, num_samples, t.seed,
+                                                         alone=trainer.parallel.fake)
     workers = cfg.data.num_workers
 
     def iterator(dataset, consumed: int):

@@ -80,3 +80,17 @@ def test_the_world_comes_from_the_environment_too():
                           env=environment(WORLD_SIZE="4", RANK="3"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list(memory_lines(proc.stdout)) == [3]
+
+
+def test_a_dry_run_reads_a_real_dataset_as_a_later_rank(tmp_path):
+    """Rank 0 builds the index caches that the other ranks map; a dry run has no rank 0, so it builds them."""
+    import numpy as np
+    from megalite.data.indexed_dataset import IndexedDatasetBuilder
+    builder = IndexedDatasetBuilder(str(tmp_path / "corpus"), np.uint16)
+    for d in range(200):
+        builder.add_document(np.append(np.arange(1, 40) % 150 + d % 7, 199))
+    builder.finalize()
+    argv = with_flags(BASE, mock_data=None, data_path=str(tmp_path / "corpus"), split="98,2,0",
+                      pipeline_model_parallel_size=2)
+    out = dry_run(argv, 4, 3)
+    assert list(memory_lines(out)) == [3] and os.path.isdir(tmp_path / "cache")
