@@ -121,15 +121,15 @@ class ParallelState:
     @classmethod
     def build(cls, world_size: int, rank: int, tp: int = 1, cp: int = 1, pp: int = 1,
               timeout: timedelta | None = None, ep: int = 1, etp: int | None = None,
-              experts: bool = False) -> "ParallelState":
+              experts: bool = False, fake: bool = False) -> "ParallelState":
         """Create every process group (collectively: all ranks must call this in the same order).
         ``etp`` None: the tensor-parallel size (Megatron's default). ``experts``: the model has MoE
-        layers, so the expert grid's groups are created too."""
+        layers, so the expert grid's groups are created too. ``fake``: a --fake-process-group dry run."""
         etp = tp if etp is None else etp
         check_world_size(world_size, ParallelConfig(world_size=world_size, tensor_model_parallel_size=tp,
                                                     pipeline_model_parallel_size=pp, context_parallel_size=cp,
                                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp))
-        state = cls(world_size, rank, tp, cp, pp, ep, etp, timeout=timeout)
+        state = cls(world_size, rank, tp, cp, pp, ep, etp, timeout=timeout, fake=fake)
         started = dist.is_initialized() and dist.get_world_size() == world_size
         if not started:          # a plain single process (or a 1-process reference inside a larger run)
             return state

@@ -268,11 +268,15 @@ def count_model_parameters(trainer: Trainer) -> int:
 
 
 # ---- data ----------------------------------------------------------------------------------------
-# How loader workers start: from a fork server, a fresh interpreter that holds none of the rank's memory.
-# Workers forked from the rank itself would share its pages copy-on-write, and every page the rank writes
+# How loader workers start: spawned, each a fresh interpreter that holds none of the rank's memory.
+# Workers forked from the rank would share its pages copy-on-write, and every page the rank writes
 # afterwards (each optimizer step writes all of its parameters and state) is copied while the workers keep
-# the old one: the workers end up holding a stale copy of the rank's whole state.
-WORKER_START = "forkserver"
+# the old one: the workers end up holding a stale copy of the rank's whole state. Not from a fork server:
+# its workers are its children, and torch's workers exit when their parent goes, so a SIGTERM to every
+# process of a job step (Slurm's time limit) would kill the fork server and the rank's data with it.
+WORKER_START = "spawn"
+
+
 def build_data_iterators(trainer: Trainer, tokenizer):
     """(train, valid, test) iterators over this data-parallel rank's micro-batches, from the samples
     already consumed; None where the split is empty."""

@@ -1,6 +1,6 @@
 """Memory of a pretrain_gpt.py launch, process by process, read from /proc while it runs: each rank's peak
 RSS (VmHWM, the kernel's high-water mark) and the peak proportional set size (PSS: each page counted once
-over the processes that share it) of every process below the ranks: data-loader workers, a fork server."""
+over the processes that share it) of every process below the ranks: data-loader workers, multiprocessing's resource tracker."""
 from __future__ import annotations
 
 import os
@@ -50,12 +50,17 @@ def _rank_of(pid: int) -> int | None:
         return None
 
 
+SETTLE = 0.5     # seconds: a process started by fork + exec shares its parent's pages until the exec
+
+
 def run_pretrain_measured(nproc: int, argv: list[str], timeout: float = 1800, every: float = 0.1) -> MeasuredRun:
-    """pretrain_gpt.py under torchrun, sampled every ``every`` seconds until it exits."""
+    """pretrain_gpt.py under torchrun, sampled every ``every`` seconds until it exits. A process below a
+    rank is sampled from SETTLE seconds after it is first seen (a spawned worker is a copy of its rank
+    until it execs a fresh interpreter); a forked one stays a copy, and is measured as one."""
     cmd, env = pretrain_command(nproc, argv)
     log = tempfile.TemporaryFile(mode="w+")                    # a pipe left unread would fill and stall the run
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-    ranks, rss, pss, deadline = {}, {}, {}, time.monotonic() + timeout
+    ranks, rss, pss, seen, deadline = {}, {}, {}, {}, time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
         for pid in _children(proc.pid):                          # torchrun's children: the ranks
             if pid not in ranks and (rank := _rank_of(pid)) is not None:
@@ -66,7 +71,8 @@ def run_pretrain_measured(nproc: int, argv: list[str], timeout: float = 1800, ev
             while todo:
                 helper = todo.pop()
                 todo += _children(helper)
-                if (size := _field(f"/proc/{helper}/smaps_rollup", "Pss:")) is not None:
+                settled = time.monotonic() - seen.setdefault(helper, time.monotonic()) >= SETTLE
+                if settled and (size := _field(f"/proc/{helper}/smaps_rollup", "Pss:")) is not None:
                     pss[helper] = max(pss.get(helper, 0), size)
         time.sleep(every)
     if proc.poll() is None:

@@ -130,7 +130,7 @@ from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 from megalite.config.megatron_cli import parse_args
 from megalite.data.tokenizers import build_tokenizer
 from megalite.train.trainer import build_data_iterators, build_trainer
-if __name__ == "__main__":       # the workers start from a fork server, which imports this script
+if __name__ == "__main__":       # spawned loader workers import this script
     config = parse_args(with_flags(TINY_LLAMA_ARGS, num_workers=2), world_size=1)
     trainer = build_trainer(config, print_fn=lambda *_: None)
     iterators = build_data_iterators(trainer, build_tokenizer(config.data))
