@@ -17,14 +17,15 @@ from harness import ROOT, run_pretrain
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 
 BASE = with_flags(TINY_LLAMA_ARGS, num_layers=4, global_batch_size=8, train_iters=2)
+# name -> (world, flags, the ranks dry-run: the default suite's two cover both stages and both DP shards)
 LAYOUTS = {
     "pp2-vpp-dp2-zero3": (4, dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
-                                  data_parallel_sharding_strategy="optim_grads_params")),
+                                  data_parallel_sharding_strategy="optim_grads_params"), (1, 2)),
 }
 SLOW_LAYOUTS = {
     "tp2-pp2-ep2-moe-zero1": (8, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True,
                                       num_experts=4, moe_router_topk=2, expert_model_parallel_size=2,
-                                      use_distributed_optimizer=True)),
+                                      use_distributed_optimizer=True), range(8)),
 }
 MEMORY_LINE = re.compile(r"^memory rank (\d+)(?: \w+ weights)?: .*$", re.M)
 
@@ -51,13 +52,13 @@ def dry_run(argv: list[str], world: int, rank: int) -> str:
     return proc.stdout
 
 
-def check_layout(world: int, flags: dict) -> None:
+def check_layout(world: int, flags: dict, ranks) -> None:
     argv = with_flags(BASE, **flags)
     real = run_pretrain(world, argv)
     assert real.returncode == 0, real.stderr[-3000:]
     expected = memory_lines(real.stdout)
     assert sorted(expected) == list(range(world))
-    for rank in range(world):
+    for rank in ranks:
         out = dry_run(argv, world, rank)
         assert memory_lines(out) == {rank: expected[rank]}, f"rank {rank}"
         assert re.search(r"iteration\s+2/\s+2 \|", out), out[-2000:]            # it logs as the rank it plays
@@ -74,16 +75,9 @@ def test_a_dry_run_holds_what_the_real_rank_holds_moe(layout):
     check_layout(*SLOW_LAYOUTS[layout])
 
 
-def test_the_world_comes_from_the_environment_too():
-    proc = subprocess.run([sys.executable, f"{ROOT}/pretrain_gpt.py", *with_flags(BASE, pipeline_model_parallel_size=2),
-                           "--fake-process-group"], capture_output=True, text=True, timeout=300,
-                          env=environment(WORLD_SIZE="4", RANK="3"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert list(memory_lines(proc.stdout)) == [3]
-
-
-def test_a_dry_run_reads_a_real_dataset_as_a_later_rank(tmp_path):
-    """Rank 0 builds the index caches that the other ranks map; a dry run has no rank 0, so it builds them."""
+def test_a_dry_run_reads_a_real_dataset_as_a_later_rank_from_the_environment(tmp_path):
+    """The rank and world from RANK/WORLD_SIZE; rank 0 builds the index caches that the other ranks map,
+    and a dry run has no rank 0, so it builds them."""
     import numpy as np
     from megalite.data.indexed_dataset import IndexedDatasetBuilder
     builder = IndexedDatasetBuilder(str(tmp_path / "corpus"), np.uint16)
@@ -92,5 +86,7 @@ def test_a_dry_run_reads_a_real_dataset_as_a_later_rank(tmp_path):
     builder.finalize()
     argv = with_flags(BASE, mock_data=None, data_path=str(tmp_path / "corpus"), split="98,2,0",
                       pipeline_model_parallel_size=2)
-    out = dry_run(argv, 4, 3)
-    assert list(memory_lines(out)) == [3] and os.path.isdir(tmp_path / "cache")
+    proc = subprocess.run([sys.executable, f"{ROOT}/pretrain_gpt.py", *argv, "--fake-process-group"],
+                          capture_output=True, text=True, timeout=300, env=environment(WORLD_SIZE="4", RANK="3"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(memory_lines(proc.stdout)) == [3] and os.path.isdir(tmp_path / "cache")
