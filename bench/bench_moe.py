@@ -300,8 +300,8 @@ def table_rows(r: dict) -> list[str]:
         error = "" if name.startswith("megalite") else (f"{worst(r['errors'][name]):.0e}; "
                                                           f"{100 * r['errors'][name][ROUTED_DIFFERENTLY]:.2f}%")
         share = shape.flops() / (ms / 1000) / r["peak"]
-        rows.append(f"| {shape.hidden} / {shape.ffn} / {shape.experts} / {shape.topk} / {shape.tokens} | {r['dtype']} | {name} | {ms:.1f} | {ratio} | "
-                    f"{100 * share:.0f}% | {error} |")
+        rows.append(f"| {shape.hidden} / {shape.ffn} / {shape.experts} / {shape.topk} / {shape.tokens} | "
+                    f"{r['dtype']} | {name} | {ms:.1f} | {ratio} | {100 * share:.0f}% | {error} |")
     return rows
 
 
@@ -356,7 +356,8 @@ def main(argv: list[str]) -> None:
             f"(at least {args.rounds}, at most {args.max_rounds}). Matmul share: the layer's matmul FLOPs "
             "(18 T k h f per step) per second over the best 2048^3 matmul rate in the same dtype and run.", "",
             *([f"Left out: {'; '.join(skipped)}.", ""] if skipped else []),
-            "| hidden / ffn / experts / top-k / tokens | dtype | contender | ms / step (median) | vs megalite (median of HF / megalite "
+            "| hidden / ffn / experts / top-k / tokens | dtype | contender | ms / step (median) | "
+            "vs megalite (median of HF / megalite "
             "step time, same round) | matmul share | worst relative error; tokens routed differently |",
             "|---|---|---|---|---|---|---|", *[row for r in results for row in table_rows(r)], "",
             "Steps and rounds: " + "; ".join(f"{r['dtype']} {r['shape'].label()}: {r['steps']} steps in "

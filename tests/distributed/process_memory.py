@@ -1,6 +1,7 @@
 """Memory of a pretrain_gpt.py launch, process by process, read from /proc while it runs: each rank's peak
 RSS (VmHWM, the kernel's high-water mark) and the peak proportional set size (PSS: each page counted once
-over the processes that share it) of every process below the ranks: data-loader workers, multiprocessing's resource tracker."""
+over the processes that share it) of every process below the ranks: data-loader workers,
+multiprocessing's resource tracker. ``children`` and ``descendants`` read the process tree."""
 from __future__ import annotations
 
 import os
@@ -9,8 +10,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-
-from harness import pretrain_command
 
 
 @dataclass
@@ -30,15 +29,24 @@ def _field(path: str, name: str) -> int | None:
         return None
 
 
-def _children(pid: int) -> list[int]:
-    out = []
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started (none once it is gone)."""
+    found = []
     try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(c) for c in f.read().split()]
+        tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        pass
-    return out
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except OSError:                     # the thread or process just ended
+            pass
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    return [p for child in children(pid) for p in [child, *descendants(child)]]
 
 
 def _rank_of(pid: int) -> int | None:
@@ -57,20 +65,18 @@ def run_pretrain_measured(nproc: int, argv: list[str], timeout: float = 1800, ev
     """pretrain_gpt.py under torchrun, sampled every ``every`` seconds until it exits. A process below a
     rank is sampled from SETTLE seconds after it is first seen (a spawned worker is a copy of its rank
     until it execs a fresh interpreter); a forked one stays a copy, and is measured as one."""
+    from harness import pretrain_command
     cmd, env = pretrain_command(nproc, argv)
     log = tempfile.TemporaryFile(mode="w+")                    # a pipe left unread would fill and stall the run
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     ranks, rss, pss, seen, deadline = {}, {}, {}, {}, time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
-        for pid in _children(proc.pid):                          # torchrun's children: the ranks
+        for pid in children(proc.pid):                           # torchrun's children: the ranks
             if pid not in ranks and (rank := _rank_of(pid)) is not None:
                 ranks[pid] = rank
             if (hwm := _field(f"/proc/{pid}/status", "VmHWM:")) is not None and pid in ranks:
                 rss[ranks[pid]] = max(rss.get(ranks[pid], 0), hwm)
-            todo = _children(pid)
-            while todo:
-                helper = todo.pop()
-                todo += _children(helper)
+            for helper in descendants(pid):
                 settled = time.monotonic() - seen.setdefault(helper, time.monotonic()) >= SETTLE
                 if settled and (size := _field(f"/proc/{helper}/smaps_rollup", "Pss:")) is not None:
                     pss[helper] = max(pss.get(helper, 0), size)

@@ -23,9 +23,9 @@ LAYOUTS = {
                                   data_parallel_sharding_strategy="optim_grads_params"), (1, 2)),
 }
 SLOW_LAYOUTS = {
-    "tp2-pp2-ep2-moe-zero1": (8, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True,
-                                      num_experts=4, moe_router_topk=2, expert_model_parallel_size=2,
-                                      use_distributed_optimizer=True), range(8)),
+    "tp2-pp2-ep2-moe-zero1": (8, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                      sequence_parallel=True, num_experts=4, moe_router_topk=2,
+                                      expert_model_parallel_size=2, use_distributed_optimizer=True), range(8)),
 }
 MEMORY_LINE = re.compile(r"^memory rank (\d+)(?: \w+ weights)?: .*$", re.M)
 

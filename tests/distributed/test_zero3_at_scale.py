@@ -3,9 +3,10 @@ and resumes at DP=2, every rank's peak RSS (start-up, steps, save, load) within 
 
 The slow test is the issue's ~0.7B bf16 Llama (12 layers, hidden 2048, GQA, vocab 32000); 18Ψ = 12 GB of
 state unsharded, more than fits next to the other ranks here; it runs pretrain_gpt.py as a user does,
-with the default loader workers, and bounds each rank's absolute peak RSS. The default suite runs the same flow on a ~78M-parameter model, bounding what each rank adds above its RSS
-before start-up by the same formula, and what start-up adds by the rank's share of the state + 128 MiB
-of runtime (a rank that materialised the full fp32 model, 312 MiB, would exceed it).
+with the default loader workers, and bounds each rank's absolute peak RSS. The default suite runs the
+same flow on a ~78M-parameter model, bounding what each rank adds above its RSS before start-up by the
+same formula, and what start-up adds by the rank's share of the state + 128 MiB of runtime (a rank that
+materialised the full fp32 model, 312 MiB, would exceed it).
 """
 import os
 import re

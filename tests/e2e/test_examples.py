@@ -28,6 +28,7 @@ import pytest
 
 from harness import free_port, logged_losses
 from megalite_test_utils import ROOT
+from process_memory import children, descendants
 
 transformers = pytest.importorskip("transformers")
 
@@ -263,21 +264,6 @@ def test_llama2_70b_slurm_two_nodes_under_fake_srun(tmp_path, slurm_job):
     assert_trained(proc.stdout)
     assert_checkpoint(env["CHECKPOINT_PATH"], 2)
     assert_metrics(os.path.join(env["CHECKPOINT_PATH"], "metrics.jsonl"))
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                found += [int(c) for c in f.read().split()]
-        except FileNotFoundError:           # the thread or process just ended
-            pass
-    return found
-
-
-def descendants(pid: int) -> list[int]:
-    return [p for child in children(pid) for p in [child, *descendants(child)]]
 
 
 @pytest.mark.skipif(not os.path.exists(f"/proc/self/task/{os.getpid()}/children"), reason="needs Linux /proc")
