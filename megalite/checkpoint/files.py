@@ -1,18 +1,21 @@
-"""megalite's checkpoint directory: safetensors files plus metadata.json with an index of every tensor.
+"""megalite's checkpoint directory: safetensors files, metadata.json and an index of every tensor.
 
     SAVE_DIR/
       latest_checkpointed_iteration.txt      "10"  (Megatron's tracker file, replaced atomically)
       iter_0000010/
         metadata.json                        iteration, model config, run arguments, train state,
-                                             scheduler, loss scaler, and the tensor index
+                                             scheduler, loss scaler, how the index is sharded
+        index-rank00000.json                 one shard of the tensor index per rank (index.py)
         model-pp000[-tp001][-dp00002].safetensors       the parts of the weights one rank owns
         optimizer-pp000[-tp001][-dp00002].safetensors   its parts of the fp32 master weights and Adam moments
         rng-rank00000.safetensors            each rank's generator states (same-layout resume)
 
 Every tensor has a global name and its full shape (the vocabulary trimmed to the tokenizer's true
 size), so the checkpoint does not depend on the layout that wrote it. A training save is written in
-shards: each rank writes the parts it owns (sharded.py), and the index in metadata.json says
-where each part of each tensor is:
+shards: each rank writes the parts it owns (sharded.py), and the index says where each part of each
+tensor is. A single writer (tools/convert_checkpoint.py, ``write_checkpoint``) puts the whole index in
+metadata.json, with the sizes of the files ("files") and the RNG files' records ("rng_files"); a
+training save shards it over index files (index.py), whose entries have the same form:
 
     "tensors": {"decoder.layers.0.mlp.linear_fc1.weight": {"shape": [352, 64], "dtype": "F32",
                  "pieces": [{"file": "model-pp000-tp000.safetensors", "key": "...weight[0:176,0:64]",
@@ -42,11 +45,12 @@ import zlib
 
 import torch
 
+from megalite.checkpoint.index import IndexShards, as_2d, check_filename, checked_entries, files_of
 from megalite.config.schema import DataConfig, ModelConfig, padded_vocab_size
 from megalite.errors import UserError
 
 FORMAT = "megalite-checkpoint"
-VERSION = 2                  # 2: tensors stored as pieces (any layout writes its shards); 1: whole tensors
+VERSION = 3                  # 3: the index may be sharded (index.py); 2: tensors as pieces; 1: whole tensors
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
 DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
@@ -104,25 +108,6 @@ def _byte_blocks(tensor: torch.Tensor):
 
 def _as_bytes(tensor: torch.Tensor):
     return tensor.contiguous().view(-1).view(torch.uint8).numpy()
-
-
-def pieces_of(name: str, entry: dict) -> list[dict]:
-    """An index entry's pieces; a whole-tensor record (format 1, conversion tools, RNG states) is one
-    piece: the whole tensor, stored under its own name."""
-    if "pieces" in entry:
-        return entry["pieces"]
-    rows, cols = as_2d(entry["shape"])
-    return [{"file": entry["file"], "key": name, "box": [[0, rows], [0, cols]], "crc32": entry["crc32"]}]
-
-
-def as_2d(shape) -> tuple[int, int]:
-    """[rows, columns] of a tensor of ``shape`` viewed 2-D (1-D tensors are one column)."""
-    return shape[0], math.prod(shape[1:])
-
-
-def files_of(index: dict) -> set:
-    """The files an index (tensors, or one rank's RNG states) refers to."""
-    return {piece["file"] for name, entry in index.items() for piece in pieces_of(name, entry)}
 
 
 def write_metadata(directory: str, metadata: dict) -> None:
@@ -231,7 +216,12 @@ def resolve_checkpoint_dir(path: str) -> str:
 
 class CheckpointReader:
     """Reads one iter_N directory: metadata, and tensors by global name (whole, or only the parts a
-    rank holds), each stored piece checked against the index."""
+    rank holds), each stored piece checked against the index.
+
+    The index is the whole one in metadata.json (single-writer checkpoints: conversion tools, earlier
+    formats), or a training save's sharded one (index.py), of which only the files holding the tensors
+    asked for are read. A data file's size is checked against the index before it is first read (a
+    whole index's files all at once)."""
 
     def __init__(self, path: str):
         self.directory = resolve_checkpoint_dir(path)
@@ -247,89 +237,90 @@ class CheckpointReader:
         if self.metadata.get("version", 0) > VERSION:
             raise UserError(f"checkpoint {meta_path} has format version {self.metadata['version']}, newer than this "
                             f"megalite ({VERSION}); upgrade megalite")
-        self.index = self._checked_index(self.metadata.get("tensors", {}), meta_path)
-        self.rng_index = {filename: self._checked_index(entries, meta_path)
-                          for filename, entries in self.metadata.get("rng_files", {}).items()}
-        self._check_file_sizes()
         self._open: dict[str, object] = {}
+        self.shards = None
+        if "index" in self.metadata:
+            self.shards = IndexShards(self.directory, self.metadata["index"], TORCH_DTYPES)
+            self.sizes = self.shards.sizes
+            return
+        self.index = checked_entries(self.metadata.get("tensors", {}), meta_path, TORCH_DTYPES)
+        self.rng_index = {filename: checked_entries(entries, meta_path, TORCH_DTYPES)
+                          for filename, entries in self.metadata.get("rng_files", {}).items()}
+        self.sizes = self.metadata.get("files", {})
+        self._check_file_sizes()
 
     @property
     def iteration(self) -> int:
         return int(self.metadata["iteration"])
 
-    @staticmethod
-    def _checked_index(raw: dict, meta_path: str) -> dict[str, dict]:
-        """Every entry as {shape, dtype, pieces}, its pieces inside the tensor and covering all of it."""
-        index = {}
-        for name, entry in raw.items():
-            try:
-                shape = [int(n) for n in entry["shape"]]
-                rows, cols = as_2d(shape)
-                pieces, covered = pieces_of(name, entry), 0
-                for piece in pieces:
-                    (r0, r1), (c0, c1) = piece["box"]
-                    numbers = (r0, r1, c0, c1, piece["crc32"])
-                    if not (all(type(n) is int for n in numbers) and 0 <= r0 < r1 <= rows and 0 <= c0 < c1 <= cols
-                            and isinstance(piece["key"], str) and isinstance(piece["file"], str)):
-                        raise ValueError(name)
-                    covered += (r1 - r0) * (c1 - c0)
-                if covered < rows * cols or entry["dtype"] not in TORCH_DTYPES:
-                    raise ValueError(name)
-            except (KeyError, TypeError, ValueError, IndexError, AttributeError):
-                raise UserError(f"checkpoint {meta_path} is corrupt (bad index entry for {name!r}); "
-                                "load an earlier checkpoint") from None
-            index[name] = {"shape": shape, "dtype": entry["dtype"], "pieces": pieces}
-        return index
-
     def _check_file_sizes(self) -> None:
-        files = self.metadata.get("files", {})
-        named = files_of(self.index) | set(self.rng_index) | set(files)
+        named = files_of(self.index) | set(self.rng_index) | set(self.sizes)
         for entries in self.rng_index.values():
             named |= files_of(entries)
-        for name in named:     # a crafted metadata.json must not make us read files outside the checkpoint
-            if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
-                raise UserError(f"checkpoint {self.directory}/{METADATA} names the file {name!r} outside the "
-                                "checkpoint directory; refusing to read it")
-        for name, size in files.items():
-            path = os.path.join(self.directory, name)
-            if not os.path.isfile(path):
-                raise UserError(f"checkpoint file {path} is missing; the checkpoint is incomplete, load an earlier one")
-            actual = os.path.getsize(path)
-            if actual != size:
-                raise UserError(f"checkpoint file {path} is truncated or altered ({actual} bytes, {size} written); "
-                                "load an earlier checkpoint")
+        for name in named:
+            check_filename(self.directory, METADATA, name)
+        for name in self.sizes:
+            self._check_size(name)
+
+    def _check_size(self, name: str) -> None:
+        path = os.path.join(self.directory, name)
+        if not os.path.isfile(path):
+            raise UserError(f"checkpoint file {path} is missing; the checkpoint is incomplete, load an earlier one")
+        actual, size = os.path.getsize(path), self.sizes[name]
+        if actual != size:
+            raise UserError(f"checkpoint file {path} is truncated or altered ({actual} bytes, {size} written); "
+                            "load an earlier checkpoint")
+
+    def all_entries(self) -> dict[str, dict]:
+        """{name: {shape, dtype, pieces}} of every tensor; of a sharded index, every index file is read
+        (single-process tools and tests)."""
+        return self.shards.everything() if self.shards else self.index
 
     def has(self, name: str) -> bool:
-        return name in self.index
+        return (self.shards.entry(name) if self.shards else self.index.get(name)) is not None
 
     def names(self, prefix: str = "") -> list[str]:
-        return [n for n in self.index if n.startswith(prefix)]
+        return [n for n in self.all_entries() if n.startswith(prefix)]
 
     def shape(self, name: str) -> tuple:
         return tuple(self._entry(name)["shape"])
 
+    def dtype(self, name: str) -> torch.dtype:
+        return TORCH_DTYPES[self._entry(name)["dtype"]]
+
     def _entry(self, name: str) -> dict:
-        if name not in self.index:
+        """The tensor's entry: of a sharded index, its first band's (the shape and dtype, some pieces)."""
+        entry = self.shards.entry(name) if self.shards else self.index.get(name)
+        if entry is None:
             raise UserError(f"checkpoint {self.directory} has no tensor {name!r}; it was saved from a different "
                             "model (compare its metadata.json with your model flags, or use --use-checkpoint-args)")
-        return self.index[name]
+        return entry
+
+    def _pieces(self, name: str, row_ranges) -> list[dict]:
+        """The stored pieces of tensor ``name`` that may touch rows ``row_ranges``."""
+        entry = self._entry(name)
+        return self.shards.pieces(name, entry["shape"], row_ranges) if self.shards else entry["pieces"]
 
     def tensor(self, name: str) -> torch.Tensor:
         """The whole tensor ``name`` (CPU), assembled from its pieces (single-process consumers)."""
-        return self._whole(name, self._entry(name))
+        entry = self._entry(name)
+        rows, cols = as_2d(entry["shape"])
+        out = torch.empty(rows, cols, dtype=TORCH_DTYPES[entry["dtype"]])
+        self._fill(name, self._pieces(name, [(0, rows)]), [((0, rows, 0, cols), out)])
+        return out.view(entry["shape"])
 
     def rng_tensors(self, filename: str) -> dict[str, torch.Tensor] | None:
         """One rank's generator states, or None when the checkpoint has none for that file."""
-        entries = self.rng_index.get(filename)
+        entries = self.shards.rng(filename) if self.shards else self.rng_index.get(filename)
         if entries is None:
             return None
-        return {name: self._whole(name, entry) for name, entry in entries.items()}
-
-    def _whole(self, name: str, entry: dict) -> torch.Tensor:
-        rows, cols = as_2d(entry["shape"])
-        out = torch.empty(rows, cols, dtype=TORCH_DTYPES[entry["dtype"]])
-        self._fill(name, entry["pieces"], [((0, rows, 0, cols), out)])
-        return out.view(entry["shape"])
+        out = {}
+        for name, entry in entries.items():
+            rows, cols = as_2d(entry["shape"])
+            out[name] = torch.empty(rows, cols, dtype=TORCH_DTYPES[entry["dtype"]])
+            self._fill(name, entry["pieces"], [((0, rows, 0, cols), out[name])])
+            out[name] = out[name].view(entry["shape"])
+        return out
 
     def read_into(self, targets: list[tuple[str, Box, torch.Tensor]]) -> None:
         """For each target (name, box, out) copy the elements in ``box`` of the stored tensor ``name``
@@ -339,7 +330,7 @@ class CheckpointReader:
         for name, box, out in targets:
             wanted.setdefault(name, []).append((box, out))
         for name, boxes in wanted.items():
-            self._fill(name, self._entry(name)["pieces"], boxes)
+            self._fill(name, self._pieces(name, [(b[0], b[1]) for b, _ in boxes]), boxes)
 
     def _fill(self, name: str, pieces: list[dict], wanted: list[tuple[Box, torch.Tensor]]) -> None:
         copied = [0] * len(wanted)
@@ -390,6 +381,8 @@ class CheckpointReader:
 
     def _stored(self, path: str, key: str) -> "StoredTensor":
         if path not in self._open:
+            if self.shards:
+                self._check_size(os.path.basename(path))
             self._open[path] = read_safetensors_header(path)
         return StoredTensor(path, *self._open[path][key])
 

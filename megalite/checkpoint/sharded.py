@@ -121,21 +121,23 @@ def owned_parts(trainer) -> list[tuple[ParamEntry, int, int, dict[str, torch.Ten
 def writes(p, grads_sharded: bool, meta) -> bool:
     """Whether this rank writes its part of a parameter: every holder of a distinct part (TP shards,
     EP x ETP expert pieces, ZeRO chunks), and of replicas the first (data-parallel rank 0, TP rank 0
-    for a replicated dense parameter, expert-data-parallel rank 0 for an expert weight)."""
+    for a replicated dense parameter, expert-data-parallel rank 0 for an expert weight). With hybrid
+    sharding (--num-distributed-optimizer-instances) the instances hold the same chunks: the first writes."""
     if meta.expert:
-        return grads_sharded or p.edp_rank == 0
-    return (grads_sharded or p.dp_rank == 0 and p.cp_rank == 0) and (meta.tensor_model_parallel or p.tp_rank == 0)
+        return grads_sharded and p.edp_rank < p.edp_shard_size or p.edp_rank == 0
+    return (grads_sharded and p.instance == 0 or p.dp_rank == 0 and p.cp_rank == 0) and \
+        (meta.tensor_model_parallel or p.tp_rank == 0)
 
 
 def shard_filename(trainer, kind: str) -> str:
     """model-pp000[-tp001][-dp00002].safetensors: the coordinates of the writer, where there are several
     (an MoE model's experts are written by ranks of any data-parallel coordinate)."""
-    p, buffer = trainer.parallel, trainer.buffer
+    p = trainer.parallel
     name = f"{kind}-pp{p.pp_rank:03d}"
     if p.tp_size > 1:
         name += f"-tp{p.tp_rank:03d}"
-    if (trainer.optimizer.grads_sharded or trainer.config.model.num_experts) and buffer.dp_size > 1:
-        name += f"-dp{buffer.dp_rank:05d}"
+    if (trainer.optimizer.grads_sharded or trainer.config.model.num_experts) and p.dp_size * p.cp_size > 1:
+        name += f"-dp{p.dp_cp_rank:05d}"
     return name + ".safetensors"
 
 

@@ -51,6 +51,13 @@ def all_gather_single(output, input, group=None, async_op=False):
     return fn(output, input, group=group, async_op=async_op)
 
 
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    """``input`` cut by ``input_split_sizes`` (equal parts when None), part r sent to rank r; the parts
+    received land in ``output`` in rank order (cut by ``output_split_sizes``). dist.all_to_all_single."""
+    return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                  async_op=async_op)
+
+
 def bucket_list_form(group) -> bool:
     """Whether the data-parallel bucket collectives over ``group`` use gloo's list forms: a gloo group,
     unless MEGALITE_FORCE_NCCL_COLLECTIVE_PATH=1."""

@@ -199,10 +199,10 @@ def flip_a_byte_of(path, tensor):
 
 
 def drop_from_index(iteration_dir, tensor):
-    meta_path = iteration_dir / "metadata.json"
-    meta = json.loads(meta_path.read_text())
-    del meta["tensors"][tensor]
-    meta_path.write_text(json.dumps(meta))
+    index_path = iteration_dir / "index-rank00000.json"       # a serial save: one index file
+    index = json.loads(index_path.read_text())
+    del index["tensors"][f"{tensor}#0"]
+    index_path.write_text(json.dumps(index))
 
 
 TENSOR = "decoder.layers.1.mlp.linear_fc2.weight"

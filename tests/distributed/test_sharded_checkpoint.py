@@ -22,6 +22,7 @@ from dp_workloads import DP_ARGS, SyntheticTokens, layout_flags
 from harness import run_ranks
 from megalite.config.megatron_cli import parse_args
 from megalite.checkpoint.files import TORCH_DTYPES, CheckpointReader, as_2d, write_checkpoint
+from megalite.checkpoint.index import IndexShards, holder, index_filename
 from megalite.checkpoint.pieces import param_entries
 from megalite.checkpoint.sharded import load_checkpoint, save_checkpoint
 from megalite.data.samplers import MegatronPretrainingSampler
@@ -75,12 +76,13 @@ def _nbytes(value) -> int:
 
 @contextmanager
 def spies():
-    """Records every collective called through torch.distributed as (name, tensor bytes) and every
-    stored piece a CheckpointReader reads as (tensor name, bytes). all_gather_object is recorded by
-    name (its internal tensors are pickled metadata, not model data)."""
-    seen = {"collectives": [], "read": []}
+    """Records every collective called through torch.distributed as (name, tensor bytes), every stored
+    piece a CheckpointReader reads as (tensor name, elements), every index key it looks up and every
+    index file it opens. all_gather_object is recorded by name (its internal tensors are pickled
+    metadata, not model data)."""
+    seen = {"collectives": [], "read": [], "keys": [], "index_files": []}
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-    read_piece = CheckpointReader._read_piece
+    read_piece, entry, read_index = CheckpointReader._read_piece, IndexShards.entry, IndexShards._read
 
     def recording(name):
         def wrapper(*args, **kwargs):
@@ -90,19 +92,26 @@ def spies():
 
     def reading(reader, name, piece, wanted):
         (r0, r1), (c0, c1) = piece["box"]
-        itemsize = TORCH_DTYPES[reader.index[name]["dtype"] if name in reader.index else "U8"].itemsize
-        seen["read"].append((name, (r1 - r0) * (c1 - c0) * itemsize))
+        seen["read"].append((name, (r1 - r0) * (c1 - c0)))
         return read_piece(reader, name, piece, wanted)
+
+    def looking_up(shards, name, band=0):
+        seen["keys"].append((name, band))
+        return entry(shards, name, band)
+
+    def opening(shards, filename):
+        seen["index_files"].append(filename)
+        return read_index(shards, filename)
 
     try:
         for name in originals:
             setattr(dist, name, recording(name))
-        CheckpointReader._read_piece = reading
+        CheckpointReader._read_piece, IndexShards.entry, IndexShards._read = reading, looking_up, opening
         yield seen
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-        CheckpointReader._read_piece = read_piece
+        CheckpointReader._read_piece, IndexShards.entry, IndexShards._read = read_piece, entry, read_index
 
 
 def save_resume_reshard(rank: int, world: int, tmp: str) -> dict:
@@ -165,7 +174,7 @@ def bytes_by_writer(directory: str, writer: str) -> dict[str, int]:
     """Stored bytes per writing rank ("dp00001", "tp000"; from the file names) over every tensor."""
     reader = CheckpointReader(directory)
     written = {}
-    for entry in reader.index.values():
+    for entry in reader.all_entries().values():
         itemsize = TORCH_DTYPES[entry["dtype"]].itemsize
         for piece in entry["pieces"]:
             who = re.search(rf"-({writer}\d+)\.", piece["file"]).group(1)
@@ -191,17 +200,17 @@ def test_each_rank_writes_only_its_share(sharded):
     # ZeRO-3 (DP=2): each rank its chunk of every bucket, parameters cut between the ranks
     directory = os.path.join(tmp, "zero3", "iter_0000002")
     zero3 = CheckpointReader(directory)
-    assert all(areas(e) == torch.Size(e["shape"]).numel() for e in zero3.index.values())
+    assert all(areas(e) == torch.Size(e["shape"]).numel() for e in zero3.all_entries().values())
     written = bytes_by_writer(directory, "dp")
     assert sorted(written) == ["dp00000", "dp00001"]
     assert all(written[f"dp{r:05d}"] <= results[r]["owned_zero3"] * 3 * 4 for r in range(2)), written
-    assert any(len({p["file"] for p in e["pieces"]}) == 2 for e in zero3.index.values())
+    assert any(len({p["file"] for p in e["pieces"]}) == 2 for e in zero3.all_entries().values())
     # TP=2: no rank stores a whole TP-sharded tensor; replicated ones (norms) come from TP rank 0 only
     tp_sharded = results[0]["tp_sharded"]
     directory = os.path.join(tmp, "tp2", "iter_0000004")
     tp2 = CheckpointReader(directory)
-    assert tp_sharded and all(areas(e) == torch.Size(e["shape"]).numel() for e in tp2.index.values())
-    for name, entry in tp2.index.items():
+    assert tp_sharded and all(areas(e) == torch.Size(e["shape"]).numel() for e in tp2.all_entries().values())
+    for name, entry in tp2.all_entries().items():
         weight = name.split(".", 2)[-1] if name.startswith("optimizer.") else name
         if weight in tp_sharded:
             rows, cols = as_2d(entry["shape"])
@@ -214,25 +223,47 @@ def test_each_rank_writes_only_its_share(sharded):
     # CP=2 with ZeRO-1: the optimizer's chunks are spread over the CP ranks too, so both write
     directory = os.path.join(tmp, "cp2", "iter_0000004")
     cp2 = CheckpointReader(directory)
-    assert all(areas(e) == torch.Size(e["shape"]).numel() for e in cp2.index.values())
+    assert all(areas(e) == torch.Size(e["shape"]).numel() for e in cp2.all_entries().values())
     written = bytes_by_writer(directory, "dp")
     assert all(written[f"dp{r:05d}"] <= results[r]["owned_cp2"] * 3 * 4 for r in range(2)), written
     # bf16: the weights in bf16 and an fp32 master copy; a save of the loaded state stores the same tensors
     first, second = (CheckpointReader(os.path.join(tmp, d, "iter_0000001")) for d in ("bf16", "bf16_again"))
-    assert first.index["decoder.final_layernorm.weight"]["dtype"] == "BF16"
-    assert first.index["optimizer.master.decoder.final_layernorm.weight"]["dtype"] == "F32"
+    assert first.dtype("decoder.final_layernorm.weight") == torch.bfloat16
+    assert first.dtype("optimizer.master.decoder.final_layernorm.weight") == torch.float32
     assert sorted(first.names()) == sorted(second.names())
     assert all(torch.equal(first.tensor(n), second.tensor(n)) for n in first.names())
 
 
 def test_save_and_load_move_no_tensor_data_between_ranks(sharded):
+    """Beyond flags, the only bytes exchanged are a save's index entries (two all-to-alls: the counts,
+    then the entries of the rank's own pieces); a load exchanges nothing but a flag."""
     _, results = sharded
     for rank, out in enumerate(results):
         for phase in ("save_zero3", "load_same", "load_tp2", "save_tp2", "load_cp2", "save_cp2"):
             calls = out[phase]["collectives"]
             assert calls, phase
-            heavy = [(name, n) for name, n in calls if n > 8]
+            heavy = [(name, n) for name, n in calls if n > 8 and name != "all_to_all_single"]
             assert not heavy, (rank, phase, heavy)
+            index = [n for name, n in calls if name == "all_to_all_single"]
+            assert len(index) == (2 if phase.startswith("save") else 0), (rank, phase, index)
+            assert sum(index) < 64 << 10, (rank, phase, index)
+
+
+def test_loading_opens_only_the_index_files_of_the_tensors_it_needs(sharded):
+    """Each rank looks up only the tensors it holds (and its RNG file) and opens only their holders'
+    index files, each once; the index files of the other keys are never read."""
+    tmp, results = sharded
+    directory = os.path.join(tmp, "zero3", "iter_0000002")
+    assert sorted(f for f in os.listdir(directory) if f.startswith("index-")) == [index_filename(r) for r in range(2)]
+    for rank, out in enumerate(results):
+        seen = out["load_same"]
+        holders = {holder(f"{name}#{band}", 2) for name, band in seen["keys"]} | {
+            holder(f"rng-rank{rank:05d}.safetensors", 2)}
+        assert sorted(seen["index_files"]) == sorted(index_filename(r) for r in holders), (rank, seen["index_files"])
+    reader = CheckpointReader(directory)                      # one tensor: one index file
+    with spies() as seen:
+        reader.tensor("decoder.final_layernorm.weight")
+    assert seen["index_files"] == [index_filename(holder("decoder.final_layernorm.weight#0", 2))]
 
 
 def test_a_zero3_checkpoint_resumes_at_the_same_layout_at_tp2_and_serially(sharded):
@@ -262,7 +293,8 @@ def test_a_format_1_checkpoint_of_whole_tensors_still_loads(sharded, tmp_path):
     tensors = {n: reader.tensor(n) for n in reader.names()}
     files = {"model-pp000.safetensors": {n: t for n, t in tensors.items() if not n.startswith("optimizer.")},
              "optimizer-pp000.safetensors": {n: t for n, t in tensors.items() if n.startswith("optimizer.")}}
-    kept = {k: v for k, v in reader.metadata.items() if k not in ("format", "version", "tensors", "files", "rng_files")}
+    kept = {k: v for k, v in reader.metadata.items() if k not in ("format", "version", "tensors", "files", "rng_files",
+                                                                "index")}
     write_checkpoint(str(tmp_path / "v1"), BEFORE, files, kept)
     meta_path = tmp_path / "v1" / "iter_0000002" / "metadata.json"
     meta = json.loads(meta_path.read_text())
@@ -282,7 +314,8 @@ def test_loading_at_the_same_layout_reads_only_the_own_share(sharded):
     tmp, results = sharded
     directory = os.path.join(tmp, "zero3", "iter_0000002")
     written = bytes_by_writer(directory, "dp")
-    index = CheckpointReader(directory).index
+    index = CheckpointReader(directory).all_entries()
     for rank, out in enumerate(results):
-        read = sum(n for name, n in out["load_same"]["read"] if name in index)     # not the RNG states
+        read = sum(n * TORCH_DTYPES[index[name]["dtype"]].itemsize for name, n in out["load_same"]["read"]
+                   if name in index)                                                # not the RNG states
         assert read == written[f"dp{rank:05d}"], (rank, read, written)

@@ -3,7 +3,7 @@
 - megalite checkpoints are safetensors + JSON (megalite/checkpoint/files.py): nothing is unpickled;
 - a Hugging Face pytorch_model.bin is read with torch.load(weights_only=True), which refuses pickled code;
 - a Megatron-LM checkpoint (torch.save pickles under iter_N/mp_rank_XX/) is refused without opening it;
-- metadata.json cannot point the reader at files outside the checkpoint directory;
+- metadata.json and the index files cannot point the reader at files outside the checkpoint directory;
 - config.json / tokenizer_config.json ``auto_map`` entries (remote code) are never imported:
   trust_remote_code is never set.
 
@@ -158,35 +158,35 @@ def test_megalite_checkpoint_whose_tensor_file_is_a_pickle_is_refused(checkpoint
     iteration = ck / "iter_0000001"
     marker = tmp_path / "marker"
     malicious_torch_file(str(iteration / "model-pp000.safetensors"), str(marker))
-    meta = json.loads((iteration / "metadata.json").read_text())    # sizes made to match: only the format is wrong
-    meta["files"]["model-pp000.safetensors"] = (iteration / "model-pp000.safetensors").stat().st_size
-    (iteration / "metadata.json").write_text(json.dumps(meta))
+    index = json.loads((iteration / "index-rank00000.json").read_text())  # sizes match: only the format is wrong
+    index["files"]["model-pp000.safetensors"] = (iteration / "model-pp000.safetensors").stat().st_size
+    (iteration / "index-rank00000.json").write_text(json.dumps(index))
     one_line_error(run_tool("tools/generate.py", ["--load", ck, "--prompt", "1 2"], tmp_path), "model-pp000.safetensors")
     assert not marker.exists()
 
 
 @pytest.mark.parametrize("where", ["tensor", "files", "rng_files", "absolute"])
-def test_metadata_cannot_name_files_outside_the_checkpoint(checkpoint, tmp_path, where):
+def test_the_index_cannot_name_files_outside_the_checkpoint(checkpoint, tmp_path, where):
     ck = tmp_path / "deep" / "ck"
     shutil.copytree(checkpoint, ck)
     iteration = ck / "iter_0000001"
     secret = tmp_path / "secret"
     shutil.copy(iteration / "model-pp000.safetensors", secret)      # a readable target, to be sure it is not read
-    meta = json.loads((iteration / "metadata.json").read_text())
+    index = json.loads((iteration / "index-rank00000.json").read_text())    # a serial save: one index file
     escape = str(secret) if where == "absolute" else "../../../secret"
     if where in ("tensor", "absolute"):
-        for entry in meta["tensors"].values():
-            for piece in entry.get("pieces", [entry]):      # format 2: pieces; format 1: the entry itself
+        for entry in index["tensors"].values():
+            for piece in entry["pieces"]:
                 if piece["file"] == "model-pp000.safetensors":
                     piece["file"] = escape
-        meta["files"][escape] = meta["files"].pop("model-pp000.safetensors")
+        index["files"][escape] = index["files"].pop("model-pp000.safetensors")
     elif where == "files":
-        meta["files"][escape] = secret.stat().st_size
+        index["files"][escape] = secret.stat().st_size
     else:
-        meta["rng_files"][escape] = next(iter(meta["rng_files"].values()))
-    (iteration / "metadata.json").write_text(json.dumps(meta))
+        index["rng"][escape] = next(iter(index["rng"].values()))
+    (iteration / "index-rank00000.json").write_text(json.dumps(index))
     with pytest.raises(UserError, match="outside the checkpoint directory") as err:
-        CheckpointReader(str(ck))
+        CheckpointReader(str(ck)).has("decoder.final_layernorm.weight")      # the index is read on demand
     assert "\n" not in str(err.value)
     if where == "tensor":          # and through a real command line
         proc = run_tool("pretrain_gpt.py", with_flags(TINY_LLAMA_ARGS, load=ck), tmp_path)
