@@ -22,8 +22,9 @@ pretrain_gpt.py flags to run them.
     # evaluate one layout: pin any of --tensor-model-parallel-size, --pipeline-model-parallel-size,
     # --num-layers-per-virtual-pipeline-stage, --micro-batch-size, --recompute-granularity,
     # --data-parallel-sharding-strategy / --use-distributed-optimizer, --expert-model-parallel-size,
-    # --expert-tensor-parallel-size
+    # --expert-tensor-parallel-size, --num-distributed-optimizer-instances
 
+K is --num-distributed-optimizer-instances (hybrid sharding: ZeRO within DP/K ranks, all-reduce across K).
 It tries every layout megalite accepts (TP within a node with sequence parallelism, PP dividing the
 layers, interleaved virtual stages, DP the rest, every micro-batch size, recomputation none /
 selective / full, ZeRO sharding no_shard / optim / optim_grads / optim_grads_params; for an MoE model EP
@@ -127,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=positive_int, help="default 1 (context parallelism is not searched)")
     g.add_argument("--expert-model-parallel-size", type=positive_int)
     g.add_argument("--expert-tensor-parallel-size", type=positive_int, help="searched: 1 or the TP size")
+    g.add_argument("--num-distributed-optimizer-instances", type=positive_int,
+                   help="hybrid sharding; searched: 1, and where the data-parallel ranks span nodes the fewest "
+                        "instances whose ZeRO shard group fits in one node")
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, help="default 1f1b (interleaved with virtual stages)")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=positive_int)
     g.add_argument("--decoder-first-pipeline-num-layers", type=positive_int)
@@ -221,7 +225,7 @@ def planner_inputs(args):
                          "optim" if args.use_distributed_optimizer else args.data_parallel_sharding_strategy,
                          args.context_parallel_size, args.pipeline_schedule, args.num_virtual_stages_per_pipeline_rank,
                          split if pinned_split else None, args.expert_model_parallel_size,
-                         args.expert_tensor_parallel_size)
+                         args.expert_tensor_parallel_size, args.num_distributed_optimizer_instances)
     return workload, hardware, pins
 
 
@@ -243,7 +247,7 @@ def describe_model(workload) -> str:
 
 def format_table(estimates, workload, hardware) -> list[str]:
     GiB = inputs.GiB
-    header = (f"{'#':>3} {'TP':>3} {'CP':>3} {'PP':>3} {'VPP':>3} {'DP':>4} {'EP':>3} {'ETP':>3} {'MBS':>3} {'m':>4}  "
+    header = (f"{'#':>3} {'TP':>3} {'CP':>3} {'PP':>3} {'VPP':>3} {'DP':>4} {'K':>2} {'EP':>3} {'ETP':>3} {'MBS':>3} {'m':>4}  "
               f"{'schedule':13} "
               f"{'split':17} {'recompute':9}  {'sharding':18} "
               f"{'weights':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'total':>6} GB  {'step s':>7} {'MFU':>4} "
@@ -254,7 +258,7 @@ def format_table(estimates, workload, hardware) -> list[str]:
         m = lay.num_microbatches(workload.global_batch_size)
         comm = t.communication
         lines.append(
-            f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.vpp if lay.vpp > 1 else '-':>3} {lay.dp:>4} "
+            f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.vpp if lay.vpp > 1 else '-':>3} {lay.dp:>4} {lay.instances:>2} "
             f"{lay.ep:>3} {lay.expert_tp:>3} {lay.micro_batch_size:>3} {m:>4}  {lay.schedule:13} "
             f"{inputs.split_name(lay.split)[:17]:17} "
             f"{lay.recompute:9}  {lay.sharding:18} {mem.weights / GiB:7.1f} {mem.grads / GiB:6.1f} "

@@ -225,6 +225,11 @@ class ParallelConfig:
         "--data-parallel-sharding-strategy", default="no_shard", choices=SHARDING_STRATEGIES, cli_default=None,
         help="ZeRO stage: optim = 1 (= --use-distributed-optimizer), optim_grads = 2, optim_grads_params = 3; "
              "default no_shard")
+    num_distributed_optimizer_instances: int = flag(
+        "--num-distributed-optimizer-instances", positive_int, default=1, help=(
+            "hybrid sharding (HSDP): split the data-parallel (x context-parallel) ranks into this many instances "
+            "of consecutive ranks; ZeRO shards optimizer state (and gradients / parameters) within an instance and "
+            "all-reduces each gradient shard across instances (default 1: shard over all of them)"))
     ddp_bucket_size: Optional[int] = flag("--ddp-bucket-size", positive_int, default=None, help=(
         "elements per data-parallel gradient bucket (default max(40M, 1M x data-parallel size) with "
         "--overlap-grad-reduce, else one bucket)"))

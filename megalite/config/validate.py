@@ -130,6 +130,7 @@ def check_layout(config: MegaliteConfig) -> int:
     check_zero_bubble(config.parallel, config.model)
     if config.parallel.use_torch_fsdp2:
         _check_torch_fsdp2(config.parallel)
+    check_optimizer_instances(config.parallel, config.model)
     chunks = 1
     for batch in sorted({t.global_batch_size, *(b for _, b in t.batch_size_schedule)}):
         chunks = check_pipeline_split(config.model.num_layers, config.parallel, batch // (t.micro_batch_size * dp))
@@ -333,6 +334,27 @@ def _check_torch_fsdp2(p: ParallelConfig) -> None:
         raise UserError(f"--use-torch-fsdp2 works with --pipeline-schedule 1f1b or gpipe, not "
                         f"{p.pipeline_schedule} (FSDP2 reduces a layer's gradients when its whole backward has "
                         "run and keeps one copy of the weights)")
+
+
+def check_optimizer_instances(p: ParallelConfig, m: ModelConfig) -> None:
+    """--num-distributed-optimizer-instances K (hybrid sharding): K replicas of a ZeRO shard group of
+    DP x CP / K consecutive ranks, over megalite's own data parallelism. MoE experts split their own
+    expert-data-parallel group the same way, so K must divide it too."""
+    k = p.num_distributed_optimizer_instances
+    if k == 1:
+        return
+    flag = f"--num-distributed-optimizer-instances {k}"
+    if p.data_parallel_sharding_strategy == "no_shard":
+        raise UserError(f"{flag} splits the sharded optimizer state into instances: add --use-distributed-optimizer "
+                        "(or --data-parallel-sharding-strategy optim_grads/optim_grads_params), or drop it")
+    if p.use_torch_fsdp2:
+        raise UserError(f"{flag} applies to megalite's own ZeRO, not --use-torch-fsdp2; drop one of them")
+    shards = p.data_parallel_size * p.context_parallel_size
+    if shards % k:
+        raise UserError(f"{flag} must divide the {shards} data-parallel x context-parallel ranks; choose a divisor")
+    if m.num_experts and p.expert_data_parallel_size % k:
+        raise UserError(f"{flag} must divide the {p.expert_data_parallel_size} expert-data-parallel ranks "
+                        "(world / (expert TP x EP x PP)) too; choose a divisor of both")
 
 
 def _check_data_parallel(p: ParallelConfig) -> None:

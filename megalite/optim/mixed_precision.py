@@ -110,7 +110,7 @@ class MixedPrecisionAdamW:
         if self.parallel is not None and self.parallel.tp_size * self.parallel.pp_size > 1:
             groups.append(self.parallel.group("mp"))
         if self.grads_sharded and self.ddp is not None and self.ddp.group is not None:
-            groups.append(self.ddp.group)
+            groups.append(self.ddp.shard_group)         # replicas (hybrid sharding) hold the same shards
         return groups
 
     def _expert_reduction_groups(self) -> list:
@@ -120,7 +120,7 @@ class MixedPrecisionAdamW:
             return []
         groups = [p.group("expert_mp")] if p.ep_size * p.etp_size * p.pp_size > 1 else []
         if self.grads_sharded and p.edp_size > 1:
-            groups.append(p.group("edp"))
+            groups.append(p.group("edp_shard" if p.instances > 1 else "edp"))
         return groups
 
     def norm_classes(self) -> list[tuple[list, list]]:

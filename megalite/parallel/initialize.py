@@ -72,7 +72,8 @@ def initialize_distributed(parallel: ParallelConfig, timeout_minutes: float = 10
     state = ParallelState.build(env.world_size, env.rank, parallel.tensor_model_parallel_size,
                                 parallel.context_parallel_size, parallel.pipeline_model_parallel_size,
                                 timeout=timedelta(minutes=timeout_minutes), ep=parallel.expert_model_parallel_size,
-                                etp=parallel.expert_tp_size, experts=experts, fake=parallel.fake_process_group)
+                                etp=parallel.expert_tp_size, experts=experts, fake=parallel.fake_process_group,
+                                instances=parallel.num_distributed_optimizer_instances)
     return state, device
 
 

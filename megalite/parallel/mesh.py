@@ -6,6 +6,13 @@ then expert-data-parallel (edp = world / (etp x ep x pp)). Expert weights are sp
 experts) and etp (each expert's hidden dimension) and replicated over edp, whose ranks reduce their
 gradients (and shard them under ZeRO).
 
+Hybrid sharding (``--num-distributed-optimizer-instances K``, Megatron's distributed-optimizer instances,
+PyTorch's HSDP): the data-parallel x context-parallel group of D ranks is cut into K instances of D/K
+consecutive ranks ("dp_cp_shard": ZeRO shards within it, and consecutive ranks stay inside a node) and
+the ranks at the same place in every instance form a replica group of K ("dp_cp_replica": the shards'
+gradients are all-reduced across it). The expert-data-parallel group splits the same way ("edp_shard",
+"edp_replica"). With K = 1 neither exists: the shard group is the whole group.
+
 ``ParallelState`` is built once from the world size and the model-parallel sizes and passed
 explicitly to whatever needs a rank or a group; there are no module-level globals. With every size 1
 and no process group started (plain ``python pretrain_gpt.py``) it describes a single process and holds no
@@ -50,6 +57,15 @@ def grid_groups(sizes: dict, order: str, varying: str) -> list[list[int]]:
     return sorted(groups)
 
 
+def hybrid_groups(members: list[int], instances: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(shard groups, replica groups) of one data-parallel group's ``members`` (in group-rank order) split into
+    ``instances``: each shard group is a run of len / instances consecutive members, each replica group
+    the members at the same place in every shard group."""
+    size = len(members) // instances
+    shards = [members[i * size:(i + 1) * size] for i in range(instances)]
+    return shards, [members[j::size] for j in range(size)]
+
+
 @dataclass
 class ParallelState:
     world_size: int = 1
@@ -62,6 +78,7 @@ class ParallelState:
     groups: dict = field(default_factory=dict)   # name -> process group of this rank (None when size 1)
     timeout: timedelta | None = None              # of every group (new groups would get torch's 30 min)
     fake: bool = False                            # --fake-process-group: this rank runs without its peers
+    instances: int = 1                            # --num-distributed-optimizer-instances (module docstring)
 
     def new_group(self, members: list[int]):
         return dist.new_group(members, timeout=self.timeout)
@@ -85,6 +102,34 @@ class ParallelState:
     @property
     def pp_rank(self) -> int:
         return self.rank // (self.tp_size * self.cp_size * self.dp_size)
+
+    # ---- hybrid sharding (module docstring) ----
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place in its data-parallel x context-parallel group (cp varies fastest)."""
+        return self.cp_rank + self.cp_size * self.dp_rank
+
+    @property
+    def dp_shard_size(self) -> int:
+        """Ranks the dense weights' ZeRO state is sharded over: DP x CP / instances."""
+        return self.dp_size * self.cp_size // self.instances
+
+    @property
+    def dp_shard_rank(self) -> int:
+        return self.dp_cp_rank % self.dp_shard_size
+
+    @property
+    def instance(self) -> int:
+        """Which distributed-optimizer instance this rank belongs to (0 when there is one)."""
+        return self.dp_cp_rank // self.dp_shard_size
+
+    @property
+    def edp_shard_size(self) -> int:
+        return self.edp_size // self.instances
+
+    @property
+    def edp_shard_rank(self) -> int:
+        return self.edp_rank % self.edp_shard_size
 
     # ---- the expert grid (module docstring) ----
     @property
@@ -121,15 +166,16 @@ class ParallelState:
     @classmethod
     def build(cls, world_size: int, rank: int, tp: int = 1, cp: int = 1, pp: int = 1,
               timeout: timedelta | None = None, ep: int = 1, etp: int | None = None,
-              experts: bool = False, fake: bool = False) -> "ParallelState":
+              experts: bool = False, fake: bool = False, instances: int = 1) -> "ParallelState":
         """Create every process group (collectively: all ranks must call this in the same order).
         ``etp`` None: the tensor-parallel size (Megatron's default). ``experts``: the model has MoE
-        layers, so the expert grid's groups are created too. ``fake``: a --fake-process-group dry run."""
+        layers, so the expert grid's groups are created too. ``fake``: a --fake-process-group dry run.
+        ``instances``: distributed-optimizer instances (hybrid sharding, module docstring)."""
         etp = tp if etp is None else etp
         check_world_size(world_size, ParallelConfig(world_size=world_size, tensor_model_parallel_size=tp,
                                                     pipeline_model_parallel_size=pp, context_parallel_size=cp,
                                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp))
-        state = cls(world_size, rank, tp, cp, pp, ep, etp, timeout=timeout, fake=fake)
+        state = cls(world_size, rank, tp, cp, pp, ep, etp, timeout=timeout, fake=fake, instances=instances)
         started = dist.is_initialized() and dist.get_world_size() == world_size
         if not started:          # a plain single process (or a 1-process reference inside a larger run)
             return state
@@ -145,6 +191,7 @@ class ParallelState:
             group = state.new_group(ends)
             if rank in ends:
                 state.groups["embedding"] = group
+        state.build_hybrid_groups("dp_cp", rank_grid_groups(world_size, tp, cp, pp, "cd"))
         if experts:
             state.build_expert_groups()
         return state
@@ -162,3 +209,16 @@ class ParallelState:
                 group = self.new_group(members)
                 if self.rank in members:
                     self.groups[name] = group
+        self.build_hybrid_groups("edp", grid_groups(sizes, "tedp", "d"))
+
+    def build_hybrid_groups(self, name: str, groups: list[list[int]]) -> None:
+        """``{name}_shard`` and ``{name}_replica`` of each of ``groups`` (the data-parallel groups whose members
+        are sorted in group-rank order) with more than one instance."""
+        if self.instances == 1:
+            return
+        for members in groups:
+            for kind, split in zip(("shard", "replica"), hybrid_groups(members, self.instances)):
+                for part in split:
+                    group = self.new_group(part)
+                    if self.rank in part:
+                        self.groups[f"{name}_{kind}"] = group

@@ -24,7 +24,8 @@ def parallel_config(workload: Workload, layout: Layout) -> ParallelConfig:
         account_for_loss_in_pipeline_split=split.account_for_loss, pipeline_model_parallel_layout=split.layout,
         sequence_parallel=layout.sp, pipeline_schedule=layout.schedule,
         use_distributed_optimizer=layout.sharding != "no_shard", data_parallel_sharding_strategy=layout.sharding,
-        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
+        num_distributed_optimizer_instances=layout.instances)
 
 
 def split_flags(workload: Workload, layout: Layout) -> SplitFlags:
@@ -72,6 +73,8 @@ def pretrain_flags(workload: Workload, layout: Layout) -> list[str]:
         flags.append("--use-distributed-optimizer")
     elif layout.sharding != "no_shard":
         flags += ["--data-parallel-sharding-strategy", layout.sharding]
+    if layout.instances > 1:
+        flags += ["--num-distributed-optimizer-instances", str(layout.instances)]
     if layout.shards > 1 and layout.overlap_grad_reduce:
         flags.append("--overlap-grad-reduce")
     if layout.shards > 1 and layout.sharding != "no_shard" and layout.overlap_param_gather:
@@ -119,7 +122,8 @@ def workload_and_layout(config: MegaliteConfig) -> tuple[Workload, Layout]:
                     overlap_param_gather=par.overlap_param_gather or dp * par.context_parallel_size == 1
                     or sharding == "no_shard",
                     cp=par.context_parallel_size, schedule=par.pipeline_schedule, split=split,
-                    ep=par.expert_model_parallel_size, etp=None if etp == par.tensor_model_parallel_size else etp)
+                    ep=par.expert_model_parallel_size, etp=None if etp == par.tensor_model_parallel_size else etp,
+                    instances=par.num_distributed_optimizer_instances)
     return workload, layout
 
 

@@ -68,6 +68,7 @@ class Layout:
     split: SplitFlags = SplitFlags() # uneven stages (first/last counts, account-for flags, a layout string)
     ep: int = 1                      # expert parallel: whole experts of each MoE layer split over ep ranks
     etp: int | None = None           # expert tensor parallel: each expert's hidden dimension; None = tp
+    instances: int = 1               # --num-distributed-optimizer-instances: ZeRO within shards / instances ranks
 
     @property
     def num_gpus(self) -> int:
@@ -89,6 +90,17 @@ class Layout:
         return self.dp * self.cp
 
     @property
+    def zero_shards(self) -> int:
+        """Ranks ZeRO splits the dense state over: DP x CP, or with hybrid sharding one instance's
+        DP x CP / instances (the rest hold replicas of the same shards)."""
+        return self.shards // self.instances
+
+    @property
+    def expert_zero_shards(self) -> int:
+        """The same for MoE experts: EDP / instances."""
+        return self.expert_shards // self.instances
+
+    @property
     def sp(self) -> bool:
         return self.sequence_parallel and self.tp > 1
 
@@ -102,6 +114,7 @@ class Layout:
         vpp += f" split={split_name(self.split)}" if self.split != SplitFlags() else ""
         vpp += f" EP={self.ep}" if self.ep > 1 else ""
         vpp += f" ETP={self.etp}" if self.etp is not None else ""
+        vpp += f" instances={self.instances}" if self.instances > 1 else ""
         off = [name for name, on in (("grad reduce", self.overlap_grad_reduce),
                                      ("param gather", self.overlap_param_gather)) if not on and self.dp > 1]
         overlap = f" (no overlapped {' or '.join(off)})" if off else ""

@@ -4,7 +4,9 @@
   strategy (the ZeRO paper's 16, 4 + 12/d, 2 + 14/d, 16/d bytes with 2-byte gradients). megalite keeps
   fp32 gradients for every precision (grad_buffer.py, like Megatron's distributed optimizer), so bf16
   costs 2 + 4 + 12 = 18 B/param, 6 + 12/d with the distributed optimizer. d is DP x CP for the dense
-  parameters and EDP (Layout.expert_shards) for MoE experts, which only those ranks hold alike.
+  parameters and EDP (Layout.expert_shards) for MoE experts, which only those ranks hold alike; with
+  hybrid sharding (--num-distributed-optimizer-instances K) d is one instance's share of them, d / K
+  (Layout.zero_shards, expert_zero_shards).
 - activations: what autograd keeps for backward, per layer and micro-batch, times the micro-batches
   a pipeline rank holds at once (1F1B: p - rank; interleaved: 2(p-1-rank) + (v-1)p + 1 model chunks),
   plus the temporaries of backward's fullest moment: through a layer's MLP (``layer_backward_bytes``)
@@ -345,8 +347,8 @@ def data_parallel_transients(workload: Workload, layout: Layout, pp_rank: int, k
     MoE experts' buckets (never mixed with dense weights) are counted at the dense d too; their own EDP
     group's reductions differ only in the 1/d output chunks and gloo's (d-1)/d copies.
     """
-    d, e = layout.shards, workload.dtype_bytes
-    if d == 1 or (moment == "step" and layout.sharding == "optim_grads_params"):
+    d, e = layout.zero_shards, workload.dtype_bytes       # hybrid sharding: collectives within an instance
+    if layout.shards == 1 or (moment == "step" and layout.sharding == "optim_grads_params"):
         return Transients()
     copies = kernels.collective_copies
     model, params = workload.model, stage_parameters(workload, layout, pp_rank)
@@ -444,9 +446,10 @@ def rank_memory(workload: Workload, layout: Layout, pp_rank: int, kernels: Kerne
 
 def state_bytes(workload: Workload, layout: Layout, params) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes of a rank's parameters (``StageParameters``): the dense
-    ones sharded over DP x CP, the experts over EDP (ZeRO over the expert-data-parallel group)."""
-    dense = state_bytes_per_parameter(workload.dtype_bytes, layout.sharding, layout.shards)
-    experts = state_bytes_per_parameter(workload.dtype_bytes, layout.sharding, layout.expert_shards)
+    ones sharded over DP x CP, the experts over EDP (ZeRO over the expert-data-parallel group); with
+    hybrid sharding over one instance's share of them."""
+    dense = state_bytes_per_parameter(workload.dtype_bytes, layout.sharding, layout.zero_shards)
+    experts = state_bytes_per_parameter(workload.dtype_bytes, layout.sharding, layout.expert_zero_shards)
     return tuple(params.dense * a + params.experts * b for a, b in zip(dense, experts))
 
 

@@ -91,6 +91,7 @@ class Pins:
     split: SplitFlags | None = None             # first/last counts, account-for flags or a layout string
     ep: int | None = pin("--expert-model-parallel-size")
     etp: int | None = pin("--expert-tensor-parallel-size")
+    instances: int | None = pin("--num-distributed-optimizer-instances")
 
     def allow(self, layout: Layout, num_layers: int) -> bool:
         extra = int(layout.split.account_for_embedding) + int(layout.split.account_for_loss)
@@ -100,7 +101,7 @@ class Pins:
             (self.micro_batch_size, layout.micro_batch_size), (self.recompute, layout.recompute),
             (self.sharding, layout.sharding), (self.cp, layout.cp), (self.schedule, layout.schedule),
             (self.virtual_stages, layout.vpp), (self.split, layout.split), (self.ep, layout.ep),
-            (self.etp, layout.expert_tp)))
+            (self.etp, layout.expert_tp), (self.instances, layout.instances)))
 
     def describe(self) -> str:
         values = dataclasses.asdict(self)
@@ -149,18 +150,34 @@ def expert_grids(workload: Workload, stage_ranks: int, tp: int, pins: Pins) -> l
     return grids
 
 
-def layouts_of(workload: Workload, num_gpus: int, pins: Pins = Pins()) -> Iterator[Layout]:
+def instance_counts(tp: int, shards: int, sharding: str, pins: Pins, gpus_per_node: int) -> list[int]:
+    """Distributed-optimizer instances to try (hybrid sharding): the pinned count; else 1 and, for a sharded
+    layout whose tp x DP x CP ranks span nodes, the fewest instances whose shard group fits in one node
+    (ZeRO's reduce-scatters and all-gathers then stay on NVLink; only the all-reduce of each 1/(DP/K)
+    gradient shard crosses nodes, for K times the optimizer state of K = 1)."""
+    if pins.instances is not None:
+        return [pins.instances]
+    if sharding == "no_shard" or tp * shards <= gpus_per_node:
+        return [1]
+    within_node = [k for k in divisors(shards) if k > 1 and tp * shards // k <= gpus_per_node]
+    return [1] + within_node[:1]
+
+
+def layouts_of(workload: Workload, num_gpus: int, pins: Pins = Pins(), gpus_per_node: int = 8) -> Iterator[Layout]:
     """Every TP x CP x PP x DP split of ``num_gpus`` (CP as pinned, else 1), every split of the layers
     (``candidate_splits``, or the pinned one) with every virtual-stage count it allows, micro-batch size
-    dividing GBS/DP, recomputation and sharding, an MoE model's expert grids (``expert_grids``); sequence
-    parallel on; the pinned schedule, else 1F1B."""
+    dividing GBS/DP, recomputation and sharding, an MoE model's expert grids (``expert_grids``), the
+    distributed-optimizer instances of ``instance_counts``; sequence parallel on; the pinned schedule,
+    else 1F1B."""
     layers, gbs = workload.model.num_layers, workload.global_batch_size
     cp = pins.cp or 1
     schedule = pins.schedule or "1f1b"
     for tp in divisors(num_gpus):
-        if (num_gpus // tp) % cp:
+        if (num_gpus // tp) % cp or pins.tp not in (None, tp):
             continue
         for pp in divisors(num_gpus // (tp * cp)):
+            if pins.pp not in (None, pp):        # (a pinned split is for the pinned pipeline size only)
+                continue
             dp = num_gpus // (tp * cp * pp)
             if pins.split is not None:
                 splits = [(pins.split, [len(virtual_stage_layers(layers, pp, pins.split)) // pp] if pins.split.layout
@@ -179,17 +196,18 @@ def layouts_of(workload: Workload, num_gpus: int, pins: Pins = Pins()) -> Iterat
                         for recompute in RECOMPUTE:
                             for sharding in SHARDING_STRATEGIES:
                                 for ep, etp in grids:
-                                    yield Layout(tp, pp, dp, vpp, mbs, recompute, sharding, cp=cp,
-                                                 schedule=schedule, split=split, ep=ep, etp=etp,
-                                                 overlap_param_gather=schedule not in ASYNC_SCHEDULES
-                                                 or sharding == "no_shard" or dp * cp == 1)
+                                    for k in instance_counts(tp, dp * cp, sharding, pins, gpus_per_node):
+                                        yield Layout(tp, pp, dp, vpp, mbs, recompute, sharding, cp=cp,
+                                                     schedule=schedule, split=split, ep=ep, etp=etp,
+                                                     overlap_param_gather=schedule not in ASYNC_SCHEDULES
+                                                     or sharding == "no_shard" or dp * cp == 1, instances=k)
 
 
 def candidate_layouts(workload: Workload, hardware: Hardware, pins: Pins = Pins()) -> list[Layout]:
     """The layouts megalite accepts on ``hardware``, within ``pins``; a one-line UserError naming
     why when there is none."""
     try:
-        pinned = [lay for lay in layouts_of(workload, hardware.num_gpus, pins)
+        pinned = [lay for lay in layouts_of(workload, hardware.num_gpus, pins, hardware.gpus_per_node)
                   if pins.allow(lay, workload.model.num_layers)]
     except UserError as error:              # a pinned split that does not fit the model
         raise UserError(f"no layout of {hardware.num_gpus} GPUs suits this model: {error}") from None

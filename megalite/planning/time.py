@@ -202,17 +202,33 @@ def exposed_data_parallel_time(workload: Workload, layout: Layout, hardware: Har
     micro-batch; ZeRO-3 gathers parameters in forward and backward of every micro-batch. With
     --overlap-grad-reduce (recommended) the reduction runs during the last micro-batch's compute, or
     during every micro-batch's for ZeRO-2/3, which communicate each one. MoE experts are reduced (and
-    sharded) over their EDP group instead, of the same span."""
+    sharded) over their EDP group instead, of the same span. Hybrid sharding (K instances): those
+    collectives run within an instance of s = d/K consecutive ranks (its own, often intra-node, span),
+    and every reduce-scatter's 1/s shard is then all-reduced across the K instances over the whole span
+    (``replica_all_reduce_bytes``)."""
     m = layout.num_microbatches(workload.global_batch_size)
     params = [stage_parameters(workload, layout, r) for r in memory_ranks(workload, layout)]
     seconds = 0.0
-    for psi, d in ((max(p.dense for p in params), layout.shards), (max(p.experts for p in params), layout.expert_shards)):
-        sent = data_parallel_bytes(workload, layout.sharding, psi, d, m)
-        seconds += sent / link_bandwidth(hardware, layout.tp * layout.shards)  # (spans the stage's tp x cp x dp)
+    span = layout.tp * layout.shards                 # the stage's tp x cp x dp ranks
+    for psi, s in ((max(p.dense for p in params), layout.zero_shards),
+                   (max(p.experts for p in params), layout.expert_zero_shards)):
+        sent = data_parallel_bytes(workload, layout.sharding, psi, s, m)
+        seconds += sent / link_bandwidth(hardware, span // layout.instances)
+        seconds += replica_all_reduce_bytes(layout.sharding, psi, s, layout.instances, m) / link_bandwidth(hardware, span)
     if seconds == 0.0:
         return 0.0
     overlap_window = compute if layout.sharding in ("optim_grads", "optim_grads_params") else compute / m
     return max(0.0, seconds - overlap_window)
+
+
+def replica_all_reduce_bytes(sharding: str, psi: int, s: int, instances: int, m: int) -> float:
+    """Bytes a rank sends in one step to all-reduce its reduced gradient shards (4 psi / s bytes per
+    reduction) across ``instances`` (hybrid sharding); one reduction per step, per micro-batch under
+    ZeRO-2/3."""
+    if instances == 1 or psi == 0:
+        return 0.0
+    reductions = m if sharding in ("optim_grads", "optim_grads_params") else 1
+    return reductions * ring_bytes("all_reduce", GRAD_BYTES * psi / s, instances)
 
 
 def data_parallel_bytes(workload: Workload, sharding: str, psi: int, d: int, m: int) -> float:

@@ -208,7 +208,7 @@ def measure(ddp, optimizer) -> dict[str, int]:
     (``expert ...``); the theoretical figure shards the expert weights' state over the
     expert-data-parallel ranks, the dense weights' over the data-parallel ones."""
     buf = ddp.buffer
-    shards = ddp.dp_size if ddp.shard_optimizer else 1
+    shards = buf.dp_size if ddp.shard_optimizer else 1       # the shard group's size (hybrid sharding: DP/K)
     measured = {"parameters": buf.param_bytes(), "gradients": buf.grad_bytes(), "optimizer": optimizer.state_bytes(),
                 "theoretical": theoretical_optimizer_bytes(buf.numel_unpadded, buf.param_dtype, shards)}
     experts = expert_share(ddp, optimizer) if any(param_meta(p).expert for p in buf.params) else None
@@ -235,7 +235,7 @@ def expert_share(ddp, optimizer) -> dict[str, int]:
     pieces = [(piece.start, piece.end) for piece in optimizer.pieces]
     updated = sum(end - start for start, end in pieces)
     numel = sum(end - start for start, end in experts)
-    edp = optimizer.parallel.edp_size if optimizer.parallel is not None else 1
+    edp = optimizer.parallel.edp_shard_size if optimizer.parallel is not None else 1
     return {"parameters": overlap(whole if buf.param_data is not None else sharded, experts)
             * buf.param_dtype.itemsize,
             "gradients": overlap(whole if buf.grad_data is not None else sharded, experts) * grads.element_size(),

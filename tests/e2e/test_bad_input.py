@@ -147,6 +147,11 @@ CASES = [
     Case("layers-not-divisible-by-pp", pretrain(num_layers=3, pipeline_model_parallel_size=2),
          ("--num-layers 3", "--pipeline-model-parallel-size 2"), env={"WORLD_SIZE": "2"}),
     Case("world-size-zero", pretrain(), ("WORLD_SIZE='0'",), env={"WORLD_SIZE": "0"}),
+    # hybrid sharding (--num-distributed-optimizer-instances)
+    Case("instances-without-sharding", pretrain(num_distributed_optimizer_instances=2),
+         ("--num-distributed-optimizer-instances 2", "add --use-distributed-optimizer"), env={"WORLD_SIZE": "2"}),
+    Case("instances-not-dividing-dp", pretrain(use_distributed_optimizer=True, num_distributed_optimizer_instances=3),
+         ("--num-distributed-optimizer-instances 3 must divide the 2 data-parallel",), env={"WORLD_SIZE": "2"}),
     # Mixture of Experts
     Case("ep-not-dividing-experts", pretrain(num_experts=8, expert_model_parallel_size=3, global_batch_size=6),
          ("--expert-model-parallel-size 3 does not divide --num-experts 8",), env={"WORLD_SIZE": "3"}),

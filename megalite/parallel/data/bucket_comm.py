@@ -1,7 +1,11 @@
 """The data-parallel bucket collectives: how a bucket is reduced and gathered over the data-parallel group.
 
 ``Comm`` calls the collectives (gloo: list forms in bounded slices, ``GlooSlices``; NCCL: single-tensor
-forms); ``GradReduction`` carries one ZeRO-2/3 bucket's gradients of one micro-batch from the first
+forms). With hybrid sharding (``--num-distributed-optimizer-instances`` K > 1) a Comm's group is this rank's
+instance (the shard group of DP/K ranks) and ``replica`` the K ranks holding the same shard in the other
+instances: a gradient reduction is the reduce-scatter within the instance followed by the all-reduce of
+the reduced shard across the replicas (``ThenAllReduce``), which sums over all DP ranks; parameters are
+gathered within the instance only. ``GradReduction`` carries one ZeRO-2/3 bucket's gradients of one micro-batch from the first
 gradient to this rank's gradient shard.
 """
 from __future__ import annotations
@@ -27,19 +31,25 @@ class Comm:
     unless MEGALITE_FORCE_NCCL_COLLECTIVE_PATH=1 (collectives.bucket_list_form); otherwise the
     single-tensor forms, as on NCCL."""
 
-    def __init__(self, group, size: int, reduce_dtype: torch.dtype | None):
+    def __init__(self, group, size: int, reduce_dtype: torch.dtype | None, replica=None):
         self.group, self.size, self.reduce_dtype = group, size, reduce_dtype
+        self.replica = replica             # hybrid sharding: the group the reduced shard is all-reduced over
         self.list_form = collectives.bucket_list_form(group)
 
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, chunks: list, async_op: bool):
-        """Sum ``flat`` over the group, this rank keeping its chunk in ``out``. gloo: list input (faster
-        than its single-tensor form on CPU, same bytes on the wire), in slices (see GlooSlices)."""
+        """Sum ``flat`` over the group, this rank keeping its chunk in ``out`` (and, with a replica group,
+        then sum ``out`` over it). gloo: list input (faster than its single-tensor form on CPU, same bytes
+        on the wire), in slices (see GlooSlices)."""
         if self.list_form:
-            return GlooSlices(out.numel(), lambda lo, hi: dist.reduce_scatter(
+            work = GlooSlices(out.numel(), lambda lo, hi: dist.reduce_scatter(
                 out[lo:hi], [c[lo:hi] for c in chunks], op=dist.ReduceOp.SUM, group=self.group, async_op=True),
                 async_op)
-        return collectives.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group,
-                                                 async_op=async_op)
+        else:
+            work = collectives.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group,
+                                                     async_op=async_op)
+        if self.replica is None:
+            return work
+        return ThenAllReduce(work, out, self.replica, async_op)
 
     def all_gather(self, out: torch.Tensor, local: torch.Tensor, async_op: bool):
         if self.list_form:
@@ -47,6 +57,28 @@ class Comm:
             return GlooSlices(local.numel(), lambda lo, hi: dist.all_gather(
                 [c[lo:hi] for c in chunks], local[lo:hi], group=self.group, async_op=True), async_op)
         return collectives.all_gather_single(out, local, group=self.group, async_op=async_op)
+
+
+def shard_comms(parallel, dp: tuple, reduce_dtype) -> tuple[Comm, Comm, tuple, tuple | None]:
+    """(dense Comm, expert Comm, (rank, size) of the dense shard group, of the expert one or None) for the
+    data-parallel group ``dp`` = (group, size, rank): with hybrid sharding the instance's shard groups
+    and their replica groups (module docstring), else the whole data-parallel and expert-data-parallel
+    groups."""
+    group, size, rank = dp
+    hybrid = group is not None and parallel.instances > 1
+    if hybrid:
+        shard = (rank % (size // parallel.instances), size // parallel.instances)
+        comm = Comm(parallel.group("dp_cp_shard"), shard[1], reduce_dtype, parallel.group("dp_cp_replica"))
+    else:
+        shard, comm = (rank, size), Comm(group, size, reduce_dtype)
+    if parallel.group("edp") is None:
+        return comm, comm, shard, None
+    if hybrid:
+        expert = (parallel.edp_shard_rank, parallel.edp_shard_size)
+        return comm, Comm(parallel.group("edp_shard"), expert[1], reduce_dtype, parallel.group("edp_replica")), \
+            shard, expert
+    return comm, Comm(parallel.group("edp"), parallel.edp_size, reduce_dtype), shard, (parallel.edp_rank,
+                                                                                      parallel.edp_size)
 
 
 GLOO_SLICE = 1 << 21          # elements per rank's chunk in one gloo collective
@@ -69,6 +101,28 @@ class GlooSlices:
         while self._work is not None:
             self._work.wait()
             self._work = self._start(*self._slices.pop(0)) if self._slices else None
+
+
+class ThenAllReduce:
+    """A reduce-scatter within the instance, then the all-reduce (SUM) of its output across the replica
+    group. The all-reduce is posted once the reduce-scatter has completed (``wait``, or at once when
+    synchronous), so every rank posts the two on their groups in the same order; its input is complete
+    then on every backend without stream synchronisation."""
+
+    def __init__(self, first, out: torch.Tensor, replica, async_op: bool):
+        self._first, self._out, self._replica = first, out, replica
+        self._done = False
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._first is not None:
+            self._first.wait()
+        self._first = None
+        dist.all_reduce(self._out, op=dist.ReduceOp.SUM, group=self._replica)
+        self._done = True
 
 
 class GradReduction:

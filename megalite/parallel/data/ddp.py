@@ -41,6 +41,14 @@ the bucketed reductions, the memory report and the tensor-/pipeline-parallel gra
 one numerics for all four strategies (ZeRO-3 equals DP=1 to fp32 rounding) and composes with TP, SP
 and interleaved PP as is.
 
+Hybrid sharding (``--num-distributed-optimizer-instances`` K, Megatron's distributed-optimizer instances,
+PyTorch's HSDP): everything above happens within this rank's instance, a shard group of DP/K consecutive
+data-parallel ranks (the buffer's chunks are cut over DP/K, so the optimizer's shard is 1/(DP/K)); after
+each bucket's reduce-scatter the reduced chunk is all-reduced over the K ranks holding the same chunk in
+the other instances (bucket_comm.ThenAllReduce), so it sums all DP ranks' gradients and is divided by DP
+like any other. Parameters are all-gathered within the instance only. Expert weights split their
+expert-data-parallel group the same way (parallel/mesh.py).
+
 MoE expert weights: their buckets are reduced, sharded and gathered over the expert-data-parallel group
 (``comm_of``), and divided by the data-parallel (x CP) size like the rest: an expert's gradient already
 sums every token routed to it from its EP peers, so over EDP it sums all the stage's tokens.
@@ -53,7 +61,8 @@ Bytes moved per step per rank (ring algorithms: an all-reduce moves 2(d-1)/d of 
 reduce-scatter or all-gather (d-1)/d), Ψ parameters, d data-parallel ranks:
 no_shard all-reduce 2(d-1)/d·4Ψ; optim/optim_grads reduce-scatter (d-1)/d·4Ψ (ZeRO-2: per
 micro-batch) + all-gather (d-1)/d·Ψ·bytes(param dtype); ZeRO-3 adds the parameter all-gathers of
-forward and backward instead of the one after the step.
+forward and backward instead of the one after the step. Hybrid sharding: the same with s = d/K ranks in
+place of d, plus the all-reduce of each reduced 4Ψ/s shard over K ranks, 2(K-1)/K·4Ψ/s.
 """
 from __future__ import annotations
 
@@ -64,7 +73,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config.schema import SHARDING_STRATEGIES, ParallelConfig
-from megalite.parallel.data.bucket_comm import DONE, Comm, GradReduction
+from megalite.parallel.data.bucket_comm import DONE, Comm, GradReduction, shard_comms
 from megalite.parallel.data.grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.parallel.data.protocol import DataParallel
 from megalite.parallel.data.units import Unit, model_units, tensors_in
@@ -123,18 +132,19 @@ class DistributedDataParallel(DataParallel):
         self.num_microbatches = num_microbatches
         self.parallel = parallel
         self.group, self.dp_size, self.dp_rank = data_parallel_group(parallel)
+        if self.strategy == "no_shard" and parallel.instances > 1:
+            raise ValueError("distributed-optimizer instances need a sharding strategy other than no_shard")
         reduce_dtype = torch.bfloat16 if config.grad_reduce_in_bf16 else None
-        self.comm = Comm(self.group, self.dp_size, reduce_dtype)
-        expert_group = parallel.group("edp")           # MoE expert weights' data-parallel group
-        self.expert_comm = self.comm if expert_group is None else Comm(expert_group, parallel.edp_size, reduce_dtype)
-        expert_dp = None if expert_group is None else (parallel.edp_rank, parallel.edp_size)
+        # the dense and MoE expert weights' shard groups; the buffer's chunks are cut over them
+        self.comm, self.expert_comm, (shard_rank, shard_size), expert_dp = shard_comms(
+            parallel, (self.group, self.dp_size, self.dp_rank), reduce_dtype)
         self.shard_optimizer = self.strategy != "no_shard"
         self.shard_grads = self.strategy in ("optim_grads", "optim_grads_params")
         self.shard_params = self.strategy == "optim_grads_params"
 
         named, unit_of, self.units = self._collect_units()
         bucket_size = config.ddp_bucket_size or default_bucket_size(self.dp_size, self.overlap_grad_reduce)
-        self.buffer = ParamAndGradBuffer(named, bucket_size, self.dp_rank, self.dp_size, self.shard_grads,
+        self.buffer = ParamAndGradBuffer(named, bucket_size, shard_rank, shard_size, self.shard_grads,
                                          self.shard_params, units=unit_of if self.shard_grads else None,
                                          device=device, staging_dtype=self.comm.reduce_dtype or torch.float32,
                                          expert_dp=expert_dp)
@@ -173,6 +183,11 @@ class DistributedDataParallel(DataParallel):
                     lambda module, args, unit=unit: self._wait_param_gather(unit.buckets)))
 
     # ---- structure -------------------------------------------------------------------------------
+    @property
+    def shard_group(self):
+        """The dense weights' shard group (this rank's instance with hybrid sharding)."""
+        return self.comm.group
+
     def comm_of(self, bucket: Bucket) -> Comm:
         """The group a bucket is reduced and gathered over: expert-data-parallel for expert weights."""
         return self.expert_comm if bucket.expert else self.comm

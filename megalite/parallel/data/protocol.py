@@ -138,6 +138,13 @@ class DataParallel(abc.ABC):
         ``group`` hold the same pieces of these parameters (they share a layout), so the pieces line up."""
         all_reduce_held_grads(selection, group, self.grad_views)
 
+    @property
+    def shard_group(self):
+        """The group over which the dense weights' gradients and optimizer state are split into distinct
+        shards (the gradient norm sums over it): the data-parallel group, or with hybrid sharding
+        (ddp.py) this rank's instance."""
+        return self.group
+
     def average_over_dp(self, value: float) -> float:
         """The mean of ``value`` over the data-parallel (x context-parallel) ranks, e.g. the loss."""
         if self.group is None:
