@@ -8,6 +8,14 @@ Layouts: world 8 TP2 x PP2 x DP2; 1,024 TP8 x PP16 x DP8 (GPT-3 175B's published
 PP16 x CP4 x DP32 (Llama-3.1 405B's); and 16,384 with an MoE expert grid (TP8 x PP16 x DP128, EP8 x
 ETP1), each in a fresh process on torch's fake backend (its groups need no peers).
 
+The checkpoint index: the bytes one rank sends on save for the tensor index (its own pieces' entries,
+to their holders; checkpoint/index.py), and what the busiest holder then holds, at worlds 8, 1,024 and
+16,384 (the dense layouts, the dry run's model, distributed optimizer). What a rank sends is exact
+(sharded.index_payloads on the played rank, CRCs and sizes at their widest); what a holder holds is
+the sum over the writers of its keys, estimated from the played rank's entries times the number of
+ranks that write the same tensor alike (TP x data-parallel shards), and measured exactly at world 8 by
+playing all 8 ranks. Before, every rank received and held the whole index: the world's entries.
+
     python bench/bench_fake_world.py          # writes bench/RESULTS.md
 """
 from __future__ import annotations
@@ -53,6 +61,61 @@ DRY_RUN = ["--num-layers", "16", "--hidden-size", "128", "--ffn-hidden-size", "2
            "--fake-process-group", "--fake-world-size", "16384", "--fake-rank", "1234"]
 
 
+INDEX = """
+import json, sys
+from megalite.checkpoint.pieces import param_entries
+from megalite.checkpoint.sharded import index_payloads
+from megalite.config.megatron_cli import parse_args
+from megalite.parallel.param_meta import param_meta
+from megalite.train.trainer import build_trainer
+trainer = build_trainer(parse_args(json.loads(sys.argv[1])))
+p = trainer.parallel
+payloads = index_payloads(trainer)
+tp_sharded = {e.global_name: param_meta(e.param).tensor_model_parallel for e in param_entries(trainer.chunks)}
+shards = p.dp_size * p.cp_size if trainer.optimizer.grads_sharded else 1
+keys = {}
+for holder, part in enumerate(payloads):
+    for key, entry in (json.loads(part)["tensors"].items() if part else ()):
+        name = entry["name"].split(".", 2)[-1] if entry["name"].startswith("optimizer.") else entry["name"]
+        writers = shards * (p.tp_size if tp_sharded[name] else 1)
+        keys[key] = [holder, len(json.dumps(entry, separators=(",", ":"))), writers]
+print(json.dumps({"sent": sum(len(x) for r, x in enumerate(payloads) if r != p.rank), "keys": keys,
+                  "parts": [len(x) for x in payloads], "pp": p.pp_size}))
+"""
+INDEX_MODEL = DRY_RUN[:DRY_RUN.index("--tensor-model-parallel-size")] + ["--use-distributed-optimizer"]
+# world -> (layout flags, the rank played)
+INDEX_LAYOUTS = {
+    8: (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 5),
+    1024: (["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16", "--sequence-parallel"], 517),
+    16384: (["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16", "--context-parallel-size",
+             "4", "--sequence-parallel"], 1234),
+}
+
+
+def index_probe(world: int, rank: int) -> dict:
+    flags, _ = INDEX_LAYOUTS[world]
+    argv = INDEX_MODEL + flags + ["--fake-process-group", "--fake-world-size", str(world), "--fake-rank", str(rank)]
+    out = subprocess.run([sys.executable, "-c", INDEX, json.dumps(argv)], capture_output=True, text=True, check=True,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def index_bytes(world: int) -> dict:
+    """sent: the played rank's index bytes to other ranks; held: the busiest holder's (estimate; exact at
+    world 8, all ranks played); before: the whole index, which every rank received and held."""
+    probe = index_probe(world, INDEX_LAYOUTS[world][1])
+    per_holder: dict[int, int] = {}
+    for holder, size, writers in probe["keys"].values():
+        per_holder[holder] = per_holder.get(holder, 0) + size * writers
+    stage_total = sum(size * writers for _, size, writers in probe["keys"].values())
+    out = {"sent": probe["sent"], "held": max(per_holder.values()), "before": stage_total * probe["pp"]}
+    if world == 8:
+        parts = [index_probe(world, r)["parts"] for r in range(world)]
+        received = [sum(parts[s][r] for s in range(world)) for r in range(world)]
+        out.update(held_exact=max(received), before=sum(received), sent_max=max(sum(p) for p in parts))
+    return out
+
+
 def grid(layout: tuple) -> dict:
     out = subprocess.run([sys.executable, "-c", GRID, json.dumps(list(layout))], capture_output=True, text=True,
                          check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
@@ -72,6 +135,14 @@ def dry_run() -> dict:
             "memory": re.search(r"^memory rank 1234: .*$", proc.stdout, re.M).group(0)}
 
 
+def _layout_name(world: int) -> list[str]:
+    flags = dict(zip(INDEX_LAYOUTS[world][0][::2], INDEX_LAYOUTS[world][0][1::2]))
+    sizes = {"TP": flags.get("--tensor-model-parallel-size", "1"), "PP": flags.get("--pipeline-model-parallel-size"),
+             "CP": flags.get("--context-parallel-size", "1")}
+    dp = world // (int(sizes["TP"]) * int(sizes["PP"]) * int(sizes["CP"]))
+    return [f"{k}{v}" for k, v in sizes.items() if v != "1"] + [f"DP{dp}"]
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
@@ -79,6 +150,7 @@ def main(argv: list[str]) -> None:
     command = command_line("bench_fake_world.py", argv)
     grids = {name: grid(layout) for name, layout in LAYOUTS.items()}
     run = dry_run()
+    index = {world: index_bytes(world) for world in INDEX_LAYOUTS}
     rows = [f"| {name} | {LAYOUTS[name][1]:,} | {g['groups']} | {g['seconds']:.3f} |" for name, g in grids.items()]
     largest = max(g["seconds"] for name, g in grids.items() if name.startswith("16,384"))
     headlines = [Headline("rank-grid construction at world 16,384 (fake backend), slowest layout",
@@ -90,6 +162,20 @@ def main(argv: list[str]) -> None:
             f"(TP8 x PP16 x CP4 x DP32, a 16-layer hidden-128 model, 2 iterations, 2 micro-batches each): "
             f"{run['wall']:.1f} s from start to exit, {run['step_ms']:.1f} ms per iteration, peak RSS "
             f"{run['peak_mb']:.0f} MB; its state: `{run['memory']}`."]
+    exact = index[8]
+    body += ["", "Checkpoint index, bytes per rank (the dry run's model with --use-distributed-optimizer; the "
+             "played rank in brackets; held: the busiest index holder; before: the whole index, which every rank "
+             "received and held):", "", "| world: layout (rank) | sent on save | held by the busiest holder | "
+             "before: received and held by every rank |", "|---|---|---|---|",
+             *[f"| {w:,}: {' x '.join(_layout_name(w))} ({INDEX_LAYOUTS[w][1]:,}) | {v['sent']:,} | "
+               f"{v.get('held_exact', v['held']):,}{'' if w == 8 else ' (estimate)'} | {v['before']:,}"
+               f"{'' if w == 8 else ' (estimate)'} |" for w, v in index.items()], "",
+             f"At world 8 every rank was played: the most any rank sent was {exact['sent_max']:,} bytes; the "
+             f"per-key estimate of the busiest holder there was {exact['held']:,} bytes (measured "
+             f"{exact['held_exact']:,})."]
+    headlines.append(Headline("checkpoint index bytes one rank sends on save at world 16,384 (fake backend)",
+                              "the whole index to every rank (all_gather_object)", f"{index[16384]['sent']:,} B",
+                              command))
     publish(args, "bench_fake_world", "Thousands of ranks: grid construction and a dry run", command, headlines, body)
 
 
