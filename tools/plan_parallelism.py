@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite.checkpoint.hf_config import read_hf_config_file  # noqa: E402
 from megalite.parallel.pipeline.split import SplitFlags  # noqa: E402
 from megalite.planning import flags as plan_flags  # noqa: E402
-from megalite.planning import inputs, search  # noqa: E402
+from megalite.planning import inputs, search, verify  # noqa: E402
 from megalite.config.cli import OneLineArgumentParser, moe_layer_pattern, positive_float, positive_int  # noqa: E402
 from megalite.config import validate as checks  # noqa: E402
 from megalite.config.schema import PIPELINE_SCHEDULES, SHARDING_STRATEGIES  # noqa: E402
@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-layout", help="Megatron's layout string (pins --pipeline-model-parallel-size "
                                                             "too: give it)")
     g.add_argument("--top", type=positive_int, default=5, help="how many layouts to print (default 5)")
+    g.add_argument("--verify", action="store_true", help=(
+        "run pretrain_gpt.py's dry run (--fake-process-group --no-storage) for one rank of each distinct role of "
+        "every printed layout, and print its measured memory beside the estimate"))
     return p
 
 
@@ -268,9 +271,18 @@ def format_table(estimates, workload, hardware) -> list[str]:
     return lines
 
 
-def run(args) -> list[str]:
+def plan(args):
+    """(workload, hardware, the fastest --top layouts' estimates)."""
     workload, hardware, pins = planner_inputs(args)
-    estimates = search.plan(workload, hardware, pins, top=args.top)
+    try:
+        return workload, hardware, search.plan(workload, hardware, pins, top=args.top)
+    except UserError as e:
+        if args.verify:
+            raise UserError(f"--verify dry-runs the layouts the planner accepts, and it accepts none: {e}") from None
+        raise
+
+
+def describe(workload, hardware, estimates) -> list[str]:
     lines = [f"model: {describe_model(workload)}",
              f"training: seq {workload.model.seq_length}, global batch {workload.global_batch_size}, {workload.precision}; "
              f"{hardware.num_gpus} x {hardware.gpu_memory_gb:g} GB ({hardware.gpus_per_node} per node, "
@@ -283,14 +295,29 @@ def run(args) -> list[str]:
     return lines
 
 
+def verify_layouts(workload, hardware, estimates) -> int:
+    """--verify: each printed layout's roles dry-run beside the estimate; 1 when an estimate is off."""
+    off = 0
+    for i, e in enumerate(estimates, 1):
+        print(f"\nlayout #{i} verified by dry runs (peak memory per role, GB = 2^30 bytes):", flush=True)
+        checks = verify.verify(workload, e.layout, log=lambda line: print(line, flush=True))
+        print("\n".join(verify.format_checks(checks, hardware.usable_bytes)), flush=True)
+        off += sum(c.off for c in checks)
+    if off:
+        print(f"\n{off} role(s) where the estimate is off by more than {100 * verify.TOLERANCE:.0f}% of the dry run",
+              flush=True)
+    return 1 if off else 0
+
+
 def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
-        lines = run(build_parser().parse_args(argv))
+        planned = plan(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
-    print("\n".join(lines), flush=True)
-    return 0
+    print("\n".join(describe(*planned)), flush=True)
+    return verify_layouts(*planned) if args.verify else 0
 
 
 if __name__ == "__main__":

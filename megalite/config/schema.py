@@ -249,6 +249,9 @@ class ParallelConfig:
         "grid, shards and schedule and trains on them, to measure its memory without the other ranks"))
     fake_world_size: Optional[int] = flag("--fake-world-size", positive_int, default=None)
     fake_rank: Optional[int] = flag("--fake-rank", non_negative_int, default=None)
+    no_storage: bool = flag("--no-storage", default=False, help=(
+        "with --fake-process-group: tensors have shapes and no storage (the meta device), so a rank too large "
+        "for this machine dry-runs in seconds; its memory is accounted by category, peak included"))
     use_torch_fsdp2: bool = flag("--use-torch-fsdp2", default=False, help=(
         "PyTorch FSDP2 (fully_shard per layer) instead of megalite's own data parallelism; ZeRO-3 by default, "
         "--data-parallel-sharding-strategy optim_grads keeps parameters gathered from forward to backward"))
@@ -348,6 +351,10 @@ class TrainingConfig:
     eval_interval: int = flag("--eval-interval", positive_int, default=1000)
     eval_iters: int = flag("--eval-iters", non_negative_int, default=100)
     log_throughput: bool = flag("--log-throughput", default=False)
+    log_memory_breakdown: bool = flag("--log-memory-breakdown", default=False, help=(
+        "every rank prints the bytes of its first training step by category (parameters, gradients, "
+        "optimizer state, activations by layer, data-parallel buffers) at the step's peak; "
+        "--fake-process-group dry runs always do"))
     timing_log_level: int = flag("--timing-log-level", integer, default=0, choices=(0, 1, 2))
     tensorboard_dir: Optional[str] = flag("--tensorboard-dir", default=None)
     wandb_project: Optional[str] = flag("--wandb-project", default=None)

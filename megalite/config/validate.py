@@ -46,6 +46,8 @@ def _check_dry_run(config: MegaliteConfig) -> None:
         for flag, value in (("--fake-world-size", p.fake_world_size), ("--fake-rank", p.fake_rank)):
             if value is not None:
                 raise UserError(f"{flag} names the rank a dry run plays; add --fake-process-group, or drop {flag}")
+        if p.no_storage:
+            raise UserError("--no-storage is a dry run's mode; add --fake-process-group, or drop --no-storage")
         return
     if config.training.save:
         raise UserError("--fake-process-group trains one rank on values its absent peers never sent, so its "

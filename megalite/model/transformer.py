@@ -250,6 +250,12 @@ class SelfAttention(nn.Module):
             v = v.repeat_interleave(self.heads_per_group, dim=1)
             gqa = False
         # attention heads are sharded over TP: their dropout draws from this rank's own stream
+        if q.device.type == "meta" and dropout == 0.0:
+            # no storage (a --no-storage dry run): SDPA would take its math path, which keeps the s x s
+            # scores; the fused kernel a real device runs keeps the output and the log-sum-exp
+            out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, total == s,
+                                                                             attn_mask=mask)[0]
+            return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
         with self.tp.rng.fork() if dropout > 0 and self.tp.rng is not None else nullcontext():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=total == s, dropout_p=dropout,
                                                  enable_gqa=gqa)
@@ -282,7 +288,8 @@ class SelfAttention(nn.Module):
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    """By the storage object, not its address: meta tensors (no storage) all have address 0."""
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
 
 
 def sdpa_runs_gqa_fused(q, k, v, mask, dropout: float, causal: bool) -> bool:
@@ -292,7 +299,7 @@ def sdpa_runs_gqa_fused(q, k, v, mask, dropout: float, causal: bool) -> bool:
     which expands K/V itself either way). On CUDA only the flash kernel does (fp16/bf16, no mask): the
     memory-efficient and cuDNN kernels need as many K/V heads as query heads, so a call they would
     serve falls back to the math kernel, which keeps the s x s scores; there, expand K/V first."""
-    if q.device.type == "cpu":
+    if q.device.type in ("cpu", "meta"):         # meta: core_attention runs the CPU flash kernel's shapes
         return True
     try:
         params = torch.backends.cuda.SDPAParams(q, k, v, mask, dropout, causal, True)

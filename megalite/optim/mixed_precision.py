@@ -147,14 +147,15 @@ class MixedPrecisionAdamW:
         else:
             self.buffer.zero_grad()
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What state_bytes counts: Adam's tensors and the fp32 master copy (when it is not the weights)."""
+        tensors = [t for state in self.adam.state.values() for t in state.values() if torch.is_tensor(t)]
+        return tensors + ([self._master_flat] if self._master_flat is not None else [])
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds: Adam's moments (+ step counters) and the fp32
         master copy when it is not the model's own fp32 weights."""
-        total = sum(t.untyped_storage().nbytes() for state in self.adam.state.values()
-                    for t in state.values() if torch.is_tensor(t))
-        if self._master_flat is not None:
-            total += self._master_flat.untyped_storage().nbytes()
-        return total
+        return sum(t.untyped_storage().nbytes() for t in self.state_tensors())
 
     # ---- the step --------------------------------------------------------------------------------
     @torch.no_grad()

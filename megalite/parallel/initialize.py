@@ -57,7 +57,7 @@ def initialize_distributed(parallel: ParallelConfig, timeout_minutes: float = 10
         note = single_process_note(os.environ)
         if note:
             print(note, flush=True)
-    device = device_for(env.local_rank)
+    device = torch.device("meta") if parallel.no_storage else device_for(env.local_rank)
     if (env.launched or env.world_size > 1) and not dist.is_initialized():   # torchrun/srun, even with one
         # process: size-1 groups take the same collective code paths as larger ones, so one GPU exercises
         # every collective
@@ -79,9 +79,11 @@ def initialize_distributed(parallel: ParallelConfig, timeout_minutes: float = 10
 
 def start_fake_process_group(env: LaunchEnv) -> None:
     """torch's fake backend: every collective and point-to-point call returns at once and leaves its
-    output as it was; groups are created as usual (no peers to meet)."""
+    output as it was; groups are created as usual (no peers to meet). It serves meta tensors too
+    (--no-storage)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore   # registers the "fake" backend
-    dist.init_process_group("fake", store=FakeStore(), rank=env.rank, world_size=env.world_size)
+    dist.init_process_group("cpu:fake,cuda:fake,meta:fake", store=FakeStore(), rank=env.rank,
+                            world_size=env.world_size)
 
 
 def process_group_options(device: torch.device) -> dict:

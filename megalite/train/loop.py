@@ -16,6 +16,7 @@ import torch
 from megalite.optim.clip_grads import norm_over_classes
 from megalite.train.faults import (Activity, ExitConditions, TrainingFault, collective_phase, nonfinite_message,
                                    ranks_with_nonfinite_loss)
+from megalite.train.memory_account import MemoryAccount, format_breakdown
 from megalite.train.metrics import (MetricsSinks, MoEStats, format_timers, format_training_line,
                                     format_validation_lines, worst_load)
 from megalite.train.performance import Throughput, flops_per_iteration, memory_usage, peak_flops_per_device
@@ -34,12 +35,14 @@ def train(trainer, train_iter, valid_iter, log, sinks: MetricsSinks | None) -> N
     if t.manual_gc:      # Python collects only where we say: the same iterations on every rank (Megatron)
         gc.disable()
         gc.collect()
+    first = state.iteration
     try:
         while state.iteration < t.train_iters:
             batch_size = cfg.global_batch_size_at(state.consumed_train_samples)
             profiler.before_step(state.iteration)
             Activity.iteration, Activity.phase = state.iteration + 1, "the training step"
-            loss, result = train_step(trainer, train_iter)
+            accounted = state.iteration == first and (trainer.parallel.fake or t.log_memory_breakdown)
+            loss, result = accounted_step(trainer, train_iter) if accounted else train_step(trainer, train_iter)
             state.iteration += 1
             state.consumed_train_samples += batch_size
             profiler.after_step(state.iteration)
@@ -65,6 +68,15 @@ def train(trainer, train_iter, valid_iter, log, sinks: MetricsSinks | None) -> N
         profiler.close()
         if t.manual_gc:
             gc.enable()
+
+
+def accounted_step(trainer, train_iter):
+    """train_step with every byte of it accounted (memory_account.py); each rank prints its breakdown."""
+    with MemoryAccount(trainer) as account:
+        out = train_step(trainer, train_iter)
+    for line in format_breakdown(trainer.parallel.rank, account.breakdown):
+        trainer.print_fn(line)
+    return out
 
 
 def start_throughput(trainer, log) -> Throughput:

@@ -18,6 +18,7 @@ from megalite.parallel.pipeline.schedules import StageMap, forward_backward_no_p
 from megalite.parallel.finalize_grads import finalize_model_grads
 from megalite.parallel.pipeline.stages import chunk_forward
 from megalite.train.faults import collective_phase
+from megalite.train.memory_account import memory_label
 
 
 def make_loss_fn(model: torch.nn.Module, device: torch.device, weights: dict | None = None):
@@ -86,12 +87,13 @@ def train_step(trainer, data_iterator) -> tuple[float, object]:
         release_cached_memory(trainer.device)
     timeout = t.distributed_timeout_minutes
     with collective_phase("the gradient finishing (data-parallel reduction, tensor/pipeline-parallel fix-ups)",
-                          timeout):
+                          timeout), memory_label("gradient reduction"):
         finalize_model_grads(trainer.chunks, trainer.parallel, trainer.ddp, trainer.timers)
     with collective_phase("the optimizer step (norm all-reduce, parameter all-gather)", timeout):
         trainer.timers.start("optimizer", level=1)
         def update():
-            return trainer.optimizer.step(trainer.scheduler.lr, trainer.scheduler.decoupled_lr)
+            with memory_label("optimizer step"):
+                return trainer.optimizer.step(trainer.scheduler.lr, trainer.scheduler.decoupled_lr)
         result = update() if trainer.async_pipeline is None else \
             trainer.async_pipeline.optimizer_step(trainer.state.iteration, update)   # on the newest weight version
         trainer.timers.stop("optimizer")

@@ -12,6 +12,7 @@ tools use: the built Trainer, and a whole run returning its TrainState.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import math
 import os
@@ -48,6 +49,7 @@ from megalite.parallel.tensor.setup import build_tensor_parallel
 from megalite.train import loop
 from megalite.train.compile import compile_layers
 from megalite.train.faults import collective_phase
+from megalite.train.memory_account import MetaStandIns
 from megalite.train.metrics import MetricsSinks, Timers, format_validation_lines
 from megalite.train.performance import report_memory
 
@@ -156,7 +158,8 @@ class Trainer:
         report_parameters(self)
         report_memory(self.ddp, self.optimizer, self.parallel.rank, self.print_fn, alone=self.parallel.fake)
         try:
-            loop.train(self, train_iter, valid_iter, self.log, sinks)
+            with MetaStandIns() if self.device.type == "meta" else contextlib.nullcontext():
+                loop.train(self, train_iter, valid_iter, self.log, sinks)
             self.ddp.wait_for_param_gather()
             if not self.state.exit_reason:       # on an early exit: saved already, no final evaluation
                 self._finish(valid_iter, test_iter)

@@ -2,8 +2,10 @@
 and holds exactly what rank R of the real run holds.
 
 The real run (torchrun, gloo) prints every rank's state from rank 0 ("memory rank R: parameters ... |
-gradients ... | optimizer state ..."); each dry run prints its own rank's line, which must be the same
-bytes, and trains its --train-iters steps to the end (its values are meaningless: its peers' tensors
+gradients ... | optimizer state ...") and, with --log-memory-breakdown, each rank its first step's peak
+by category and its activations by layer; each dry run prints its own rank's lines, which must be the
+same bytes (without storage: the same but for the inputs' copies to the device), and trains its
+--train-iters steps to the end (its values are meaningless: its peers' tensors
 never arrive, so no NaN check stops it). The default suite runs a 4-rank pipeline x ZeRO-3 layout with
 virtual stages; the slow tier an 8-rank TP x PP x EP MoE layout."""
 import os
@@ -14,9 +16,11 @@ import sys
 import pytest
 
 from harness import ROOT, run_pretrain
+from megalite.train.memory_account import CATEGORIES, parse_breakdowns
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 
 BASE = with_flags(TINY_LLAMA_ARGS, num_layers=4, global_batch_size=8, train_iters=2)
+BATCH_TOKENS = 2 * 32                   # a micro-batch's: --micro-batch-size x --seq-length
 # name -> (world, flags, the ranks dry-run: the default suite's two cover both stages and both DP shards)
 LAYOUTS = {
     "pp2-vpp-dp2-zero3": (4, dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
@@ -47,21 +51,36 @@ def environment(**extra) -> dict:
 def dry_run(argv: list[str], world: int, rank: int) -> str:
     cmd = [sys.executable, f"{ROOT}/pretrain_gpt.py", *argv, "--fake-process-group", "--fake-world-size", str(world),
            "--fake-rank", str(rank)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=environment())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=environment())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
 def check_layout(world: int, flags: dict, ranks) -> None:
+    """Each dry run holds the real rank's state, and accounts its first step's bytes exactly as the real
+    rank does (--log-memory-breakdown); without storage, within the inputs' host-to-device copies."""
     argv = with_flags(BASE, **flags)
-    real = run_pretrain(world, argv)
+    real = run_pretrain(world, argv + ["--log-memory-breakdown"])
     assert real.returncode == 0, real.stderr[-3000:]
-    expected = memory_lines(real.stdout)
-    assert sorted(expected) == list(range(world))
+    expected, breakdowns = memory_lines(real.stdout), parse_breakdowns(real.stdout)
+    assert sorted(expected) == sorted(breakdowns) == list(range(world))
     for rank in ranks:
         out = dry_run(argv, world, rank)
         assert memory_lines(out) == {rank: expected[rank]}, f"rank {rank}"
+        assert parse_breakdowns(out) == {rank: breakdowns[rank]}, f"rank {rank}"
         assert re.search(r"iteration\s+2/\s+2 \|", out), out[-2000:]            # it logs as the rank it plays
+        check_no_storage(dry_run(argv + ["--no-storage"], world, rank), rank, breakdowns[rank])
+
+
+def check_no_storage(out: str, rank: int, real: dict) -> None:
+    """The same bytes by category, but for the inputs a real device receives from the host (on a CPU
+    the micro-batches' tensors are used in place, on the meta device they are copies)."""
+    (measured,) = parse_breakdowns(out).values()
+    inputs = 4 * 8 * BATCH_TOKENS                        # tokens, labels, position ids, loss mask per micro-batch
+    assert real["peak"] <= measured["peak"] <= real["peak"] + inputs, (rank, measured, real)
+    for category in CATEGORIES:
+        slack = inputs if category == "activations" else 0
+        assert real[category] <= measured[category] <= real[category] + slack, (rank, category, measured, real)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -90,3 +109,29 @@ def test_a_dry_run_reads_a_real_dataset_as_a_later_rank_from_the_environment(tmp
                           capture_output=True, text=True, timeout=300, env=environment(WORLD_SIZE="4", RANK="3"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list(memory_lines(proc.stdout)) == [3] and os.path.isdir(tmp_path / "cache")
+
+
+# the ~0.7B bf16 Llama of test_zero3_at_scale.py at TP2 x PP2 x DP2 (ZeRO-3: eight ranks fit this machine),
+# with 512-token sequences so that activations weigh beside the state
+MODEL_0_7B = dict(num_layers=12, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16, num_query_groups=4,
+                  vocab_size=31999, seq_length=512, max_position_embeddings=512)
+LAYOUT_0_7B = dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2,
+                   data_parallel_sharding_strategy="optim_grads_params", bf16=True, micro_batch_size=1,
+                   global_batch_size=8, train_iters=1)
+
+
+@pytest.mark.slow
+def test_a_0_7b_layout_agrees_in_a_real_run_and_both_dry_runs():
+    """The real 8-process run and the dry runs with and without storage agree on each role's peak within
+    3% (the first and the last pipeline stage: every TP and DP rank of a stage holds the same)."""
+    argv = with_flags(TINY_LLAMA_ARGS, **MODEL_0_7B, **LAYOUT_0_7B)
+    real = run_pretrain(8, argv + ["--log-memory-breakdown"], timeout=1200)
+    assert real.returncode == 0, real.stderr[-3000:]
+    measured = parse_breakdowns(real.stdout)
+    assert sorted(measured) == list(range(8))
+    for rank in (0, 7):
+        with_storage = parse_breakdowns(dry_run(argv, 8, rank))[rank]
+        without = parse_breakdowns(dry_run(argv + ["--no-storage"], 8, rank))[rank]
+        for peak in (with_storage["peak"], without["peak"]):
+            assert abs(peak / measured[rank]["peak"] - 1) <= 0.03, (rank, peak, measured[rank])
+        assert with_storage == measured[rank]

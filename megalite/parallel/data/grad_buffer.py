@@ -145,7 +145,7 @@ class ParamAndGradBuffer(FlatLayout):
         self.compute_dtype = self.param_dtype          # forward and backward run in the parameters' dtype
         self.params = [p for _, p in named_params]
         self.device = device or self.params[0].device
-        if self.device.type == "meta":
+        if device is None and self.device.type == "meta":
             raise ValueError("parameters are on the meta device: pass the device their storage goes to")
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.expert_dp = expert_dp or (dp_rank, dp_size)
@@ -362,6 +362,21 @@ class ParamAndGradBuffer(FlatLayout):
         return fused
 
     # ---- accounting ------------------------------------------------------------------------------
+    def state_tensors(self, kind: str) -> list[torch.Tensor]:
+        """The flat storage this rank keeps for its parameters or its gradients (``kind``)."""
+        flat = (self.param_data, self.param_shard) if kind == "parameters" else (self.grad_data, self.grad_shard)
+        return [t for t in flat if t is not None]
+
+    def transients(self) -> list[tuple[str, Transient]]:
+        """The buffers that hold storage only while in use, each with what it holds: ZeRO-3's gathered
+        buckets ("gathered parameters"), ZeRO-2/3's gradient staging and reduced chunks ("gradient
+        reduction")."""
+        found = []
+        for b in self.buckets:
+            found += [("gathered parameters", b.unsharded)] if b.unsharded is not None else []
+            found += [("gradient reduction", t) for t in (b.staging, b.reduced) if t is not None]
+        return found
+
     def param_bytes(self) -> int:
         """Bytes of parameter storage this rank holds now (ZeRO-3: its shard plus gathered buckets)."""
         if self.param_data is not None:
@@ -377,7 +392,10 @@ class ParamAndGradBuffer(FlatLayout):
 
 def _fill(target: torch.Tensor, param: nn.Parameter, start: int, end: int) -> None:
     """target (1-D, end - start elements) <- elements [start, end) of ``param``: its current values, or for
-    a storage-less (meta) parameter its ``init_values``, generated a bounded chunk at a time."""
+    a storage-less (meta) parameter its ``init_values``, generated a bounded chunk at a time. A target
+    without storage (a --no-storage dry run's) takes no values."""
+    if target.device.type == "meta":
+        return
     if param.device.type != "meta":
         target.copy_(param.detach().reshape(-1)[start:end])
         return

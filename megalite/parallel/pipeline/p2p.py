@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megalite.train.memory_account import memory_label
+
 
 @dataclass
 class PendingReceive:
@@ -51,7 +53,8 @@ class PipelineComm:
 
     def post_recv(self, src: int) -> PendingReceive:
         """Post a receive from global rank ``src`` into a fresh buffer; ``wait`` it when needed."""
-        tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        with memory_label("activations: received"):
+            tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         return PendingReceive(dist.irecv(tensor, src, group=self.group), tensor)
 
     @staticmethod

@@ -96,7 +96,7 @@ def build_rng_tracker(seed: int, tp_rank: int, device: torch.device) -> RNGTrack
     if device.type == "cuda":
         torch.cuda.manual_seed(seed)
     torch.manual_seed(seed)
-    tracker = RNGTracker(device)
+    tracker = RNGTracker(torch.device("cpu") if device.type == "meta" else device)   # meta: no generator
     tracker.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank)
     return tracker
 
