@@ -12,6 +12,7 @@ import pytest
 from dp_workloads import equivalence_and_eval, layout_flags, train_losses
 from harness import logged_losses, run_pretrain, run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
+from test_data_parallel_pretrain import MEMORY_LINE
 
 K2 = {"num_distributed_optimizer_instances": 2}
 
@@ -179,6 +180,14 @@ def test_a_checkpoint_resumes_at_another_instance_count(tmp_path, uninterrupted,
     assert sorted(losses) == [4, 5, 6]
     for it in losses:
         assert losses[it] == pytest.approx(uninterrupted[it], rel=1e-5), f"iteration {it}"
+    # the start-up memory lines: at K=2 every rank holds twice K=1's ZeRO-3 share (1/2 instead of 1/4)
+    lines = {k: MEMORY_LINE.findall(proc.stdout) for k, proc in ((first, part), (second, resumed))}
+    assert [int(m[0]) for m in lines[2]] == [int(m[0]) for m in lines[1]] == [0, 1, 2, 3]
+    for one, two in zip(lines[1], lines[2]):
+        params, grads, opt, theory = (int(x) for x in two[1:])
+        assert opt == pytest.approx(theory, rel=0.02)
+        for k2, k1 in zip((params, grads, opt), (int(x) for x in one[1:4])):
+            assert k2 == pytest.approx(2 * k1, rel=0.02)
 
 
 # ---- NCCL semantics ------------------------------------------------------------------------------------
@@ -189,3 +198,15 @@ def test_hybrid_sharding_passes_the_nccl_semantics_tier(reference):
     for rank, results in enumerate(run_ranks(4, equivalence_and_eval, layouts, nccl=True)):
         for got in results:
             _matches(reference, got, f"NCCL tier rank {rank}")
+
+
+# ---- MoE: expert weights split their expert-data-parallel group the same way ----------------------------
+@pytest.mark.slow
+def test_moe_experts_shard_within_their_instance_and_equal_serial():
+    """At world 4: EP=1 (EDP 4: experts shard over 2, replicated over 2 instances) with ZeRO-1, and EP=2
+    (EDP 2: one expert shard per rank, all-reduced across 2 instances) with ZeRO-3 under the NCCL tier."""
+    from test_moe_parallel import assert_equal_runs, train
+    serial = train(1, {})
+    assert_equal_runs(serial, train(4, dict(use_distributed_optimizer=True, overlap_grad_reduce=True, **K2)))
+    assert_equal_runs(serial, train(4, dict(expert_model_parallel_size=2, overlap_grad_reduce=True,
+                                            data_parallel_sharding_strategy="optim_grads_params", **K2), nccl=True))
