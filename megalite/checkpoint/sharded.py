@@ -3,7 +3,9 @@
 A checkpoint holds every tensor at its full shape under its global name (files.py), so a checkpoint
 written at one layout loads at any other; yet no rank ever builds a full tensor, and no tensor data
 crosses ranks: each rank writes the parts it owns into files of its own, and reads back only the parts
-it holds. Only the index (all_gather_object) and an error flag are exchanged.
+it holds. Only the index and an error flag are exchanged: each rank sends the index entries of its own
+pieces to the ranks that hold those tensors' index shards (index.py), and on load reads only the
+shards of the tensors it needs, so no rank sends, holds or reads an index that grows with the world.
 
 What a rank owns is the range of the flat parameter buffer its optimizer updates (``optimizer.pieces``:
 the whole buffer, or under ZeRO this data-parallel rank's chunk of every bucket), for four kinds of
@@ -32,6 +34,7 @@ from torch import nn
 from megalite.checkpoint.files import (DTYPE_NAMES, Box, CheckpointReader, as_2d, model_config_from_metadata,
                                        model_metadata, prepare_temporary_dir, publish, temporary_dir,
                                        tokenizer_metadata, write_metadata, write_tensor_file, TRACKER, METADATA)
+from megalite.checkpoint.index import BAND_ELEMENTS, encode, exchange, merge, outgoing, write_index_file
 from megalite.checkpoint.pieces import (OPTIMIZER_STATES, ParamEntry, Placement, box_view, boxes, held_params,
                                         optimizer_ranges, pad_vocabulary, param_entries, placement, stored_shape)
 from megalite.config.schema import ModelConfig
@@ -84,18 +87,29 @@ def layout_of(trainer) -> dict:
 
 
 # ---- save ----------------------------------------------------------------------------------------
+MESSAGE_BYTES = 1024        # the longest error message one rank passes to the others
+
+
 def _agree(ok: bool, message: str, device) -> None:
-    """Every rank learns whether any rank failed (so none waits in a collective for a failed one)."""
+    """Every rank learns whether any rank failed (so none waits in a collective for a failed one), and
+    all raise the message of the lowest failing rank: one all-reduce of a rank number, and only after a
+    failure a broadcast of that rank's message (bounded bytes, whatever the world)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if not ok:
             raise UserError(message)
         return
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    messages = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if ok else message)
-    if int(flag):
-        raise UserError(next(m for m in messages if m))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    first = torch.tensor([world if ok else rank], dtype=torch.int64, device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    source = int(first)
+    if source == world:
+        return
+    text = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8, device=device)
+    if rank == source and message:
+        data = message.encode()[:MESSAGE_BYTES]
+        text[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    dist.broadcast(text, src=source)
+    raise UserError(bytes(text.cpu().tolist()).rstrip(b"\0").decode(errors="ignore"))
 
 
 def owned_parts(trainer) -> list[tuple[ParamEntry, int, int, dict[str, torch.Tensor]]]:
@@ -148,15 +162,16 @@ def router_buffers(trainer) -> list[tuple[str, torch.Tensor]]:
             for name, buffer in chunk.named_buffers() if name.endswith("router.expert_bias")]
 
 
-def write_shards(trainer, directory: str) -> dict[str, dict]:
-    """Write this rank's parts of every stored tensor, one piece per box; returns its part of the
-    tensor index. A box that is the whole tensor is stored under the tensor's own name and shape."""
+def planned_shards(trainer) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict]]:
+    """What this rank writes, one piece per box: {file: {key: tensor}}, and its part of the tensor index
+    (without the CRCs, known once written). A box that is the whole tensor is stored under the
+    tensor's own name and shape."""
     vocab = trainer.config.model.vocab_size
-    files = {"model": {}, "optimizer": {}}
+    files = {shard_filename(trainer, "model"): {}, shard_filename(trainer, "optimizer"): {}}
     index: dict[str, dict] = {}
     if trainer.parallel.stage_rank == 0:
         for name, tensor in router_buffers(trainer):
-            files["model"][name] = tensor
+            files[shard_filename(trainer, "model")][name] = tensor
             index[name] = {"shape": list(tensor.shape), "dtype": DTYPE_NAMES[tensor.dtype], "pieces": [
                 {"file": shard_filename(trainer, "model"), "key": name, "box": [[0, tensor.numel()], [0, 1]]}]}
     for entry, lo, hi, sources in owned_parts(trainer):
@@ -166,22 +181,44 @@ def write_shards(trainer, directory: str) -> dict[str, dict]:
             r0, r1, c0, c1 = box
             whole = box == (0, rows, 0, cols)
             for name, flat in sources.items():
-                kind = "optimizer" if name.startswith("optimizer.") else "model"
+                file = shard_filename(trainer, "optimizer" if name.startswith("optimizer.") else "model")
                 key = name if whole else f"{name}[{r0}:{r1},{c0}:{c1}]"
                 data = box_view(flat, offset - lo, box)
-                files[kind][key] = data.view(shape) if whole else data
+                files[file][key] = data.view(shape) if whole else data
                 stored = index.setdefault(name, {"shape": list(shape), "dtype": DTYPE_NAMES[flat.dtype],
                                                  "pieces": []})
-                stored["pieces"].append({"file": shard_filename(trainer, kind), "key": key,
-                                         "box": [[r0, r1], [c0, c1]]})
+                stored["pieces"].append({"file": file, "key": key, "box": [[r0, r1], [c0, c1]]})
+    return {file: tensors for file, tensors in files.items() if tensors}, index
+
+
+def write_shards(trainer, directory: str) -> dict[int, dict]:
+    """Write this rank's parts of every stored tensor and its RNG states; returns what it sends to
+    each index holder (index.py)."""
+    files, index = planned_shards(trainer)
     records = {}            # model and optimizer keys differ ("optimizer." prefix): one dict holds both
-    for kind, tensors in files.items():
-        if tensors:
-            records.update(write_tensor_file(directory, shard_filename(trainer, kind), tensors))
+    for filename, tensors in files.items():
+        records.update(write_tensor_file(directory, filename, tensors))
     for stored in index.values():
         for piece in stored["pieces"]:
             piece["crc32"] = records[piece["key"]]["crc32"]
-    return index
+    rng_file = f"rng-rank{trainer.parallel.rank:05d}.safetensors"
+    rng = {rng_file: write_tensor_file(directory, rng_file, rng_tensors(trainer.model.tp.rng))}
+    sizes = {name: os.path.getsize(os.path.join(directory, name)) for name in [*files, rng_file]}
+    return outgoing(index, rng, sizes, trainer.parallel.world_size)
+
+
+def index_payloads(trainer) -> list[bytes]:
+    """The bytes this rank sends each index holder on save, computed without writing anything: every
+    CRC and file size at its widest, so an upper bound (measurement, dry runs)."""
+    files, index = planned_shards(trainer)
+    for stored in index.values():
+        for piece in stored["pieces"]:
+            piece["crc32"] = 0xFFFFFFFF
+    rng_file = f"rng-rank{trainer.parallel.rank:05d}.safetensors"
+    rng = {rng_file: {name: {"file": rng_file, "shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype],
+                             "crc32": 0xFFFFFFFF} for name, t in rng_tensors(trainer.model.tp.rng).items()}}
+    world = trainer.parallel.world_size
+    return encode(outgoing(index, rng, {name: 10 ** 12 - 1 for name in [*files, rng_file]}, world), world)
 
 
 def save_checkpoint(trainer, root: str) -> str:
@@ -195,42 +232,33 @@ def save_checkpoint(trainer, root: str) -> str:
         except UserError as e:
             error = str(e)
     _agree(error is None, error or "", trainer.device)
-    if distributed:
-        dist.barrier()
     tmp = temporary_dir(root, iteration)
+    full = (f"--save {root}: cannot write the checkpoint ({{}}); free some space or choose another directory")
 
     trainer.ddp.wait_for_param_gather()          # no asynchronous gather may still write into the parameters
-    index, rng_crcs, error = {}, {}, None
+    parts, error = {}, None
     try:                                         # every rank writes: a full disk on one must stop them all
-        index = write_shards(trainer, tmp)
-        rng_file = f"rng-rank{p.rank:05d}.safetensors"
-        rng_crcs = {rng_file: write_tensor_file(tmp, rng_file, rng_tensors(trainer.model.tp.rng))}
+        parts = write_shards(trainer, tmp)
     except OSError as e:
-        error = (f"--save {root}: cannot write the checkpoint ({e.strerror or e}); free some space or choose "
-                 "another directory")
+        error = full.format(e.strerror or e)
     _agree(error is None, error or "", trainer.device)
-    if distributed:
-        gathered = [None] * p.world_size
-        dist.all_gather_object(gathered, (index, rng_crcs))
-    else:
-        gathered = [(index, rng_crcs)]
-    if p.rank == 0:
-        tensors, rng = {}, {}
-        for part, rng_part in gathered:
-            for name, entry in part.items():
-                tensors.setdefault(name, {**entry, "pieces": []})["pieces"].extend(entry["pieces"])
-            rng.update(rng_part)
-        step = float(next(iter(trainer.optimizer.adam.state.values()))["step"])
-        write_metadata(tmp, training_metadata(trainer, tensors, rng, step))
-    if distributed:
-        dist.barrier()
+    payloads = encode(parts, p.world_size)
+    held = merge(exchange(payloads, trainer.device) if distributed else payloads)
+    try:
+        write_index_file(tmp, p.rank, held)
+        if p.rank == 0:
+            step = float(next(iter(trainer.optimizer.adam.state.values()))["step"])
+            write_metadata(tmp, training_metadata(trainer, step))
+    except OSError as e:
+        error = full.format(e.strerror or e)
+    _agree(error is None, error or "", trainer.device)      # every index file is written before the rename
     final = publish(root, iteration) if p.rank == 0 else None
     if distributed:
         dist.barrier()
     return final or os.path.join(root, f"iter_{iteration:07d}")
 
 
-def training_metadata(trainer, tensors: dict, rng: dict, adam_step: float) -> dict:
+def training_metadata(trainer, adam_step: float) -> dict:
     cfg, state = trainer.config, trainer.state
     scaler = trainer.optimizer.loss_scaler
     return {
@@ -246,8 +274,8 @@ def training_metadata(trainer, tensors: dict, rng: dict, adam_step: float) -> di
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
         "optimizer": {"step": adam_step, "has_master": trainer.buffer.param_dtype != torch.float32},
         "source": trainer.checkpoint_source,      # where the weights first came from (e.g. a converted HF model)
-        "tensors": tensors,
-        "rng_files": rng,
+        "index": {"shards": trainer.parallel.world_size, "band_elements": BAND_ELEMENTS,
+                  "holder": "crc32(key) % shards"},
     }
 
 
