@@ -54,6 +54,7 @@ BENCHES = (
     Bench("bench_moe_dispatch.py", ("bench_moe_dispatch",), "MoE dispatch overhead"),
     Bench("moe_load_balance.py", ("moe_load_balance",), "MoE load balance"),
     Bench("bench_fake_world.py", ("bench_fake_world",), "Thousands of ranks: grid construction and a dry run"),
+    Bench("bench_layouts.py", ("bench_layouts",), "Layouts at scale: dry runs beside the planner"),
 )
 
 

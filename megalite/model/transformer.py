@@ -250,10 +250,11 @@ class SelfAttention(nn.Module):
             v = v.repeat_interleave(self.heads_per_group, dim=1)
             gqa = False
         # attention heads are sharded over TP: their dropout draws from this rank's own stream
-        if q.device.type == "meta" and dropout == 0.0:
+        if q.device.type == "meta":
             # no storage (a --no-storage dry run): SDPA would take its math path, which keeps the s x s
-            # scores; the fused kernel a real device runs keeps the output and the log-sum-exp
-            out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, total == s,
+            # scores; the fused kernel a GPU runs (with or without dropout) keeps the output and the
+            # log-sum-exp, as this one does
+            out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout, total == s,
                                                                              attn_mask=mask)[0]
             return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
         with self.tp.rng.fork() if dropout > 0 and self.tp.rng is not None else nullcontext():

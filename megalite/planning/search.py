@@ -64,7 +64,8 @@ def candidate_config(workload: Workload, layout: Layout) -> MegaliteConfig:
     recompute = None if layout.recompute == "none" else layout.recompute
     overlap = layout.overlap_param_gather and layout.sharding != "no_shard" and layout.shards > 1
     return MegaliteConfig(
-        model=dataclasses.replace(workload.model, recompute_granularity=recompute),
+        model=dataclasses.replace(workload.model, recompute_granularity=recompute,   # padded as pretrain_gpt.py pads
+                                  padded_vocab_size=workload.padded_vocab(layout.tp)),
         parallel=dataclasses.replace(parallel_config(workload, layout), overlap_param_gather=overlap),
         optimizer=OptimizerConfig(lr=1e-4), data=DataConfig(),
         training=TrainingConfig(micro_batch_size=layout.micro_batch_size,

@@ -7,7 +7,9 @@ by category and its activations by layer; each dry run prints its own rank's lin
 same bytes (without storage: the same but for the inputs' copies to the device), and trains its
 --train-iters steps to the end (its values are meaningless: its peers' tensors
 never arrive, so no NaN check stops it). The default suite runs a 4-rank pipeline x ZeRO-3 layout with
-virtual stages; the slow tier an 8-rank TP x PP x EP MoE layout."""
+virtual stages; the slow tier an 8-rank TP x PP x EP MoE layout, routed evenly
+(--moe-router-force-load-balancing: every rank routes alike, which is what a dry run assumes of the
+peers whose token counts it never receives, and without storage of its own router too)."""
 import os
 import re
 import subprocess
@@ -29,7 +31,8 @@ LAYOUTS = {
 SLOW_LAYOUTS = {
     "tp2-pp2-ep2-moe-zero1": (8, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                       sequence_parallel=True, num_experts=4, moe_router_topk=2,
-                                      expert_model_parallel_size=2, use_distributed_optimizer=True), range(8)),
+                                      expert_model_parallel_size=2, use_distributed_optimizer=True,
+                                      moe_router_force_load_balancing=True), range(8)),
 }
 MEMORY_LINE = re.compile(r"^memory rank (\d+)(?: \w+ weights)?: .*$", re.M)
 

@@ -43,6 +43,7 @@ class ExpertParallel:
     etp_size: int = 1
     ep_etp_group: object = None
     dispatcher: str = "alltoall"
+    fake: bool = False           # a --fake-process-group dry run: counts from absent peers are stand-ins
 
     def local_experts(self, num_experts: int) -> range:
         per_rank = num_experts // self.ep_size
@@ -71,7 +72,7 @@ def build_moe_context(state, dispatcher: str, sequence_parallel: bool) -> MoECon
         return state.group(name) if size > 1 else None
     ep = ExpertParallel(group("ep", state.ep_size), state.ep_rank, state.ep_size,
                         group("etp", state.etp_size), state.etp_rank, state.etp_size,
-                        group("ep_etp", state.ep_size * state.etp_size), dispatcher)
+                        group("ep_etp", state.ep_size * state.etp_size), dispatcher, state.fake)
     split = (state.tp_size if sequence_parallel else 1) * state.cp_size
     stage = state.tp_size * state.cp_size * state.dp_size
     return MoEContext(ep, group("tp_cp", split), split, group("stage", stage), state.cp_size)
@@ -120,18 +121,36 @@ def scatter_rows(y: torch.Tensor, sizes: list, rank: int, group) -> torch.Tensor
     return received.view(len(sizes), sizes[rank], *y.shape[1:]).sum(0)
 
 
-def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
-    """[size, n] integer counts, row j for rank j -> [size, n], row j from rank j (no autograd)."""
+def exchange_counts(counts: torch.Tensor, group, mirror: int | None = None) -> torch.Tensor:
+    """[size, n] integer counts, row j for rank j -> [size, n], row j from rank j (no autograd).
+    ``mirror`` (a dry run, this rank's place in the group): the absent peers send what this rank sends
+    itself, as if they routed alike."""
     if group is None:
         return counts
+    if mirror is not None:
+        return counts[mirror].expand_as(counts).clone()
     out = torch.empty_like(counts)
     dist.all_to_all_single(out, counts.contiguous(), group=group)
     return out
 
 
-def gather_counts(counts: torch.Tensor, group) -> torch.Tensor:
-    """[n] counts of every rank of the group -> [size, n] (no autograd)."""
-    return counts[None] if group is None else all_gather(counts[None], group, dim=0)
+def gather_counts(counts: torch.Tensor, group, mirror: bool = False) -> torch.Tensor:
+    """[n] counts of every rank of the group -> [size, n] (no autograd); ``mirror`` (a dry run): every
+    absent peer's are this rank's."""
+    if group is None:
+        return counts[None]
+    if mirror:
+        return counts[None].expand(dist.get_world_size(group), -1).clone()
+    return all_gather(counts[None], group, dim=0)
+
+
+def expert_counts(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert [num_experts] of ``expert`` (expert ids). Without storage (a --no-storage
+    dry run) the router's choices have no values: a balanced router's counts stand in, on the host."""
+    if expert.device.type == "meta":
+        base, extra = divmod(expert.numel(), num_experts)
+        return torch.tensor([base + (e < extra) for e in range(num_experts)])
+    return torch.bincount(expert, minlength=num_experts)
 
 
 # ---- the two dispatchers ------------------------------------------------------------------------------
@@ -151,7 +170,7 @@ def _sorted_assignments(routed: Routed):
     (token index per row, expert per row, weight per row)."""
     experts, weights = routed.experts.reshape(-1), routed.weights.reshape(-1)
     token = torch.arange(routed.tokens.shape[0], device=experts.device).repeat_interleave(routed.experts.shape[1])
-    if routed.keep is not None:
+    if routed.keep is not None and experts.device.type != "meta":   # (meta: a balanced router drops nothing)
         keep = routed.keep.reshape(-1)
         experts, weights, token = experts[keep], weights[keep], token[keep]
     order = torch.argsort(experts, stable=True)
@@ -164,15 +183,17 @@ def dispatch_alltoall(routed: Routed, run_experts, num_experts: int, ep: ExpertP
     sum of its experts' outputs."""
     token, expert, weight = _sorted_assignments(routed)
     rows = routed.tokens.index_select(0, token)          # its backward is an index_add
-    per_expert = torch.bincount(expert, minlength=num_experts)
+    per_expert = expert_counts(expert, num_experts)
     if ep.ep_group is None and ep.etp_group is None:     # every expert here, whole: rows are in expert order
         with record_function("moe/experts"):
             out = run_experts(rows, per_expert.tolist())
         return combine(out, token, weight, routed.tokens.shape[0])
     local = num_experts // ep.ep_size
     with record_function("moe/dispatch/counts"):
-        recv_counts = exchange_counts(per_expert.view(ep.ep_size, local), ep.ep_group)           # [src, local]
-        etp_counts = gather_counts(recv_counts.reshape(-1), ep.etp_group).view(ep.etp_size, ep.ep_size, local)
+        recv_counts = exchange_counts(per_expert.view(ep.ep_size, local), ep.ep_group,
+                                      ep.ep_rank if ep.fake else None)                       # [src, local]
+        etp_counts = gather_counts(recv_counts.reshape(-1), ep.etp_group, ep.fake).view(ep.etp_size, ep.ep_size,
+                                                                                        local)
         # the one host read: the split sizes of the exchanges below (what arrives, then what this rank sends)
         host = torch.cat([etp_counts.reshape(-1), per_expert.view(ep.ep_size, local).sum(1)]).tolist()
     send = host[-ep.ep_size:]
@@ -184,7 +205,7 @@ def dispatch_alltoall(routed: Routed, run_experts, num_experts: int, ep: ExpertP
         received = all_to_all(rows, send, recv, ep.ep_group)                  # ordered (source, local expert)
         gathered = gather_rows(received, sizes, ep.etp_group)                 # ordered (etp, source, expert)
     row_expert = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep.etp_size * ep.ep_size),
-                                         etp_counts.reshape(-1).to(rows.device))
+                                         etp_counts.reshape(-1).to(rows.device), output_size=gathered.shape[0])
     order = torch.argsort(row_expert, stable=True)
     counts = etp_counts.sum((0, 1)).tolist()
     grouped = gathered[order]
@@ -208,9 +229,10 @@ def dispatch_allgather(routed: Routed, run_experts, num_experts: int, ep: Expert
         keep = None if routed.keep is None else gather_rows(routed.keep, sizes, ep.ep_etp_group)
     token, expert, weight = _sorted_assignments(Routed(tokens, experts, weights, keep))
     mine = ep.local_experts(num_experts)
-    selected = (expert >= mine.start) & (expert < mine.stop)
-    token, expert, weight = token[selected], expert[selected], weight[selected]
-    counts = torch.bincount(expert - mine.start, minlength=len(mine)).tolist()
+    counts = expert_counts(expert, num_experts).tolist()        # sorted by expert: this rank's are one range
+    start = sum(counts[:mine.start])
+    stop = start + sum(counts[mine.start:mine.stop])
+    token, weight, counts = token[start:stop], weight[start:stop], counts[mine.start:mine.stop]
     rows = tokens.index_select(0, token)
     with record_function("moe/experts"):
         rows = run_experts(rows, counts)
