@@ -8,15 +8,16 @@ Layouts: world 8 TP2 x PP2 x DP2; 1,024 TP8 x PP16 x DP8 (GPT-3 175B's published
 PP16 x CP4 x DP32 (Llama-3.1 405B's); and 16,384 with an MoE expert grid (TP8 x PP16 x DP128, EP8 x
 ETP1), each in a fresh process on torch's fake backend (its groups need no peers).
 
-The checkpoint index: the bytes one rank sends on save for the tensor index (its own pieces' entries,
-to their holders; checkpoint/index.py), and what the busiest holder then holds, at worlds 8, 1,024 and
-16,384 (the dense layouts, the dry run's model, distributed optimizer). What a rank sends is exact
-(sharded.index_payloads on the played rank, CRCs and sizes at their widest); what a holder holds is
-the sum over the writers of its keys, estimated from the played rank's entries times the number of
-ranks that write the same tensor alike (TP x data-parallel shards), and measured exactly at world 8 by
-playing all 8 ranks. Before, every rank received and held the whole index: the world's entries.
+The checkpoint index: the bytes ranks send on save for the tensor index (their own pieces' entries, to
+their holders; checkpoint/index.py), and what the busiest holder then holds, at worlds 8, 1,024 and
+16,384 (the dense layouts, the dry run's model, distributed optimizer), measured over every rank: one
+trainer is built per TP x PP coordinate (in one process, on the fake backend), and what each
+data-parallel x CP rank of that coordinate sends is computed from the bucket chunks it owns
+(sharded.index_payloads with data_rank; CRCs and sizes at their widest). Each holder's bytes are the sum
+of what every rank sends it.
 
-    python bench/bench_fake_world.py          # writes bench/RESULTS.md
+    python bench/bench_fake_world.py                # writes bench/RESULTS.md
+    python bench/bench_fake_world.py --index-only   # prints the checkpoint index table only
 """
 from __future__ import annotations
 
@@ -63,24 +64,26 @@ DRY_RUN = ["--num-layers", "16", "--hidden-size", "128", "--ffn-hidden-size", "2
 
 INDEX = """
 import json, sys
-from megalite.checkpoint.pieces import param_entries
+import torch.distributed as dist
 from megalite.checkpoint.sharded import index_payloads
 from megalite.config.megatron_cli import parse_args
-from megalite.parallel.param_meta import param_meta
 from megalite.train.trainer import build_trainer
-trainer = build_trainer(parse_args(json.loads(sys.argv[1])))
-p = trainer.parallel
-payloads = index_payloads(trainer)
-tp_sharded = {e.global_name: param_meta(e.param).tensor_model_parallel for e in param_entries(trainer.chunks)}
-shards = p.dp_size * p.cp_size if trainer.optimizer.grads_sharded else 1
-keys = {}
-for holder, part in enumerate(payloads):
-    for key, entry in (json.loads(part)["tensors"].items() if part else ()):
-        name = entry["name"].split(".", 2)[-1] if entry["name"].startswith("optimizer.") else entry["name"]
-        writers = shards * (p.tp_size if tp_sharded[name] else 1)
-        keys[key] = [holder, len(json.dumps(entry, separators=(",", ":"))), writers]
-print(json.dumps({"sent": sum(len(x) for r, x in enumerate(payloads) if r != p.rank), "keys": keys,
-                  "parts": [len(x) for x in payloads], "pp": p.pp_size}))
+argv, world, played, tp, pp = json.loads(sys.argv[1])
+held, sent = {}, {}
+for coordinate in range(tp * pp):                    # every TP x PP coordinate, at data-parallel x CP rank 0
+    t, stage = coordinate % tp, coordinate // tp
+    rank = t + tp * (world // (tp * pp)) * stage
+    trainer = build_trainer(parse_args(argv + ["--fake-world-size", str(world), "--fake-rank", str(rank)]))
+    p = trainer.parallel
+    for data_rank in range(p.dp_size * p.cp_size):
+        me = p.tp_rank + p.tp_size * (data_rank + p.cp_size * p.dp_size * p.pp_rank)
+        payloads = index_payloads(trainer, data_rank)
+        for holder, payload in payloads.items():
+            held[holder] = held.get(holder, 0) + len(payload)
+        sent[me] = sum(len(x) for holder, x in payloads.items() if holder != me)
+    dist.destroy_process_group()
+print(json.dumps({"held": max(held.values()), "held_mean": sum(held.values()) / world, "sent": sent[played],
+                  "sent_max": max(sent.values()), "ranks": len(sent), "total": sum(held.values())}))
 """
 INDEX_MODEL = DRY_RUN[:DRY_RUN.index("--tensor-model-parallel-size")] + ["--use-distributed-optimizer"]
 # world -> (layout flags, the rank played)
@@ -92,28 +95,19 @@ INDEX_LAYOUTS = {
 }
 
 
-def index_probe(world: int, rank: int) -> dict:
-    flags, _ = INDEX_LAYOUTS[world]
-    argv = INDEX_MODEL + flags + ["--fake-process-group", "--fake-world-size", str(world), "--fake-rank", str(rank)]
-    out = subprocess.run([sys.executable, "-c", INDEX, json.dumps(argv)], capture_output=True, text=True, check=True,
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def index_bytes(world: int) -> dict:
-    """sent: the played rank's index bytes to other ranks; held: the busiest holder's (estimate; exact at
-    world 8, all ranks played); before: the whole index, which every rank received and held."""
-    probe = index_probe(world, INDEX_LAYOUTS[world][1])
-    per_holder: dict[int, int] = {}
-    for holder, size, writers in probe["keys"].values():
-        per_holder[holder] = per_holder.get(holder, 0) + size * writers
-    stage_total = sum(size * writers for _, size, writers in probe["keys"].values())
-    out = {"sent": probe["sent"], "held": max(per_holder.values()), "before": stage_total * probe["pp"]}
-    if world == 8:
-        parts = [index_probe(world, r)["parts"] for r in range(world)]
-        received = [sum(parts[s][r] for s in range(world)) for r in range(world)]
-        out.update(held_exact=max(received), before=sum(received), sent_max=max(sum(p) for p in parts))
-    return out
+    """Every rank's index payloads at ``world``: the played rank's and the most any rank sends to other
+    ranks, the busiest holder's and the mean holder's bytes, and the whole index (what every rank
+    received and held when rank 0 gathered it)."""
+    flags, rank = INDEX_LAYOUTS[world]
+    sizes = dict(zip(flags[::2], flags[1::2]))          # the bare switch (--sequence-parallel) comes last
+    tp, pp = int(sizes["--tensor-model-parallel-size"]), int(sizes["--pipeline-model-parallel-size"])
+    argv = INDEX_MODEL + flags + ["--fake-process-group"]
+    out = subprocess.run([sys.executable, "-c", INDEX, json.dumps([argv, world, rank, tp, pp])], capture_output=True,
+                         text=True, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["ranks"] == world, result
+    return result
 
 
 def grid(layout: tuple) -> dict:
@@ -143,10 +137,25 @@ def _layout_name(world: int) -> list[str]:
     return [f"{k}{v}" for k, v in sizes.items() if v != "1"] + [f"DP{dp}"]
 
 
+def index_table(index: dict) -> list[str]:
+    return ["Checkpoint index, bytes per rank (the dry run's model with --use-distributed-optimizer; every rank "
+            "of each world measured, the played rank in brackets; held: what a holder receives and writes as its "
+            "index file; whole index: what every rank received and held when rank 0 gathered it):", "",
+            "| world: layout (rank) | sent on save | most any rank sends | held by the busiest holder | "
+            "mean holder | whole index |", "|---|---|---|---|---|---|",
+            *[f"| {w:,}: {' x '.join(_layout_name(w))} ({INDEX_LAYOUTS[w][1]:,}) | {v['sent']:,} | "
+              f"{v['sent_max']:,} | {v['held']:,} | {v['held_mean']:,.0f} | {v['total']:,} |"
+              for w, v in index.items()]]
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
+    parser.add_argument("--index-only", action="store_true", help="print the checkpoint index table; write nothing")
     args = parser.parse_args(argv)
+    if args.index_only:
+        print("\n".join(index_table({world: index_bytes(world) for world in INDEX_LAYOUTS})))
+        return
     command = command_line("bench_fake_world.py", argv)
     grids = {name: grid(layout) for name, layout in LAYOUTS.items()}
     run = dry_run()
@@ -161,21 +170,12 @@ def main(argv: list[str]) -> None:
             f"Whole dry run, `pretrain_gpt.py --fake-process-group --fake-world-size 16384 --fake-rank 1234` "
             f"(TP8 x PP16 x CP4 x DP32, a 16-layer hidden-128 model, 2 iterations, 2 micro-batches each): "
             f"{run['wall']:.1f} s from start to exit, {run['step_ms']:.1f} ms per iteration, peak RSS "
-            f"{run['peak_mb']:.0f} MB; its state: `{run['memory']}`."]
-    exact = index[8]
-    body += ["", "Checkpoint index, bytes per rank (the dry run's model with --use-distributed-optimizer; the "
-             "played rank in brackets; held: the busiest index holder; before: the whole index, which every rank "
-             "received and held):", "", "| world: layout (rank) | sent on save | held by the busiest holder | "
-             "before: received and held by every rank |", "|---|---|---|---|",
-             *[f"| {w:,}: {' x '.join(_layout_name(w))} ({INDEX_LAYOUTS[w][1]:,}) | {v['sent']:,} | "
-               f"{v.get('held_exact', v['held']):,}{'' if w == 8 else ' (estimate)'} | {v['before']:,}"
-               f"{'' if w == 8 else ' (estimate)'} |" for w, v in index.items()], "",
-             f"At world 8 every rank was played: the most any rank sent was {exact['sent_max']:,} bytes; the "
-             f"per-key estimate of the busiest holder there was {exact['held']:,} bytes (measured "
-             f"{exact['held_exact']:,})."]
+            f"{run['peak_mb']:.0f} MB; its state: `{run['memory']}`.", "", *index_table(index)]
     headlines.append(Headline("checkpoint index bytes one rank sends on save at world 16,384 (fake backend)",
                               "the whole index to every rank (all_gather_object)", f"{index[16384]['sent']:,} B",
                               command))
+    headlines.append(Headline("checkpoint index bytes the busiest holder holds at world 16,384 (fake backend)",
+                              "the whole index on every rank", f"{index[16384]['held']:,} B", command))
     publish(args, "bench_fake_world", "Thousands of ranks: grid construction and a dry run", command, headlines, body)
 
 

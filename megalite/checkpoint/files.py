@@ -50,7 +50,8 @@ from megalite.config.schema import DataConfig, ModelConfig, padded_vocab_size
 from megalite.errors import UserError
 
 FORMAT = "megalite-checkpoint"
-VERSION = 3                  # 3: the index may be sharded (index.py); 2: tensors as pieces; 1: whole tensors
+VERSION = 4                  # 4: per-tensor index bands (index.py); 3: the index may be sharded; 2: tensors as
+                             # pieces; 1: whole tensors
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
 DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
@@ -277,7 +278,7 @@ class CheckpointReader:
         return self.shards.everything() if self.shards else self.index
 
     def has(self, name: str) -> bool:
-        return (self.shards.entry(name) if self.shards else self.index.get(name)) is not None
+        return (self.shards.header(name) if self.shards else self.index.get(name)) is not None
 
     def names(self, prefix: str = "") -> list[str]:
         return [n for n in self.all_entries() if n.startswith(prefix)]
@@ -289,8 +290,8 @@ class CheckpointReader:
         return TORCH_DTYPES[self._entry(name)["dtype"]]
 
     def _entry(self, name: str) -> dict:
-        """The tensor's entry: of a sharded index, its first band's (the shape and dtype, some pieces)."""
-        entry = self.shards.entry(name) if self.shards else self.index.get(name)
+        """The tensor's entry: of a sharded index, its header (the shape and dtype, no pieces)."""
+        entry = self.shards.header(name) if self.shards else self.index.get(name)
         if entry is None:
             raise UserError(f"checkpoint {self.directory} has no tensor {name!r}; it was saved from a different "
                             "model (compare its metadata.json with your model flags, or use --use-checkpoint-args)")
@@ -299,7 +300,7 @@ class CheckpointReader:
     def _pieces(self, name: str, row_ranges) -> list[dict]:
         """The stored pieces of tensor ``name`` that may touch rows ``row_ranges``."""
         entry = self._entry(name)
-        return self.shards.pieces(name, entry["shape"], row_ranges) if self.shards else entry["pieces"]
+        return self.shards.pieces(name, row_ranges) if self.shards else entry["pieces"]
 
     def tensor(self, name: str) -> torch.Tensor:
         """The whole tensor ``name`` (CPU), assembled from its pieces (single-process consumers)."""

@@ -1,22 +1,29 @@
 """A training checkpoint's tensor index, sharded so that no rank sends, holds or reads the whole of it.
 
 The index says where each piece of each stored tensor is (files.py describes a piece). A piece is
-listed under a key: the tensor's global name and a band of its rows, ``name#band`` (a band is whole rows
-holding BAND_ELEMENTS elements, so a small tensor is one band; a piece is listed under every band it
-spans). A key's entry lives in the index file of its holder, rank ``crc32(key) % shards``:
+listed under a key: the tensor's global name and a band of its rows, ``name#band``, and under every band
+it spans. A band is ``band_rows`` whole rows, chosen per tensor from the save's layout (``band_rows``):
+about the rows one writer wrote at a time, so that a band lists a few pieces of each column block and a
+piece spans a few bands, however many ranks wrote the tensor. The tensor's header, keyed by its bare
+name, records its shape, dtype and band rows; the writer of its element (0, 0) sends it. A key's entry
+lives in the index file of its holder: rank ``crc32(name) % shards`` for a header, the next ranks in
+turn for band 0, 1, ... (``band_holder``), so a tensor's bands spread evenly. Index files are
 ``index-rankNNNNN.json``, one per rank of the saving run, written by that rank (possibly empty, so a
 missing file is an incomplete checkpoint rather than an absent tensor). The CRC records of each rank's
-RNG file are keyed the same way, by the file's name. metadata.json holds the number of shards and the
-band size, not the pieces.
+RNG file are held by ``crc32(file name) % shards``. metadata.json holds the number of shards, not the
+pieces. An index of format 3 (bands of a fixed BAND_ELEMENTS elements, each held by ``crc32(key) %
+shards``, no headers) is read too.
 
 Saving (``outgoing``, ``exchange``, ``merge``): each rank sends the entries of the pieces it wrote to
 their holders, with two all-to-alls (the byte counts, then the bytes), so a rank sends what its own
-pieces take and holds what its keys take. Loading (``IndexShards``): a rank computes the keys of the
-boxes it needs and reads their holders' files, each once; a data file's size is checked against the
-one the index file that names it records.
+pieces take and holds what its keys take. Loading (``IndexShards``): a rank reads the header of each
+tensor it needs, computes the keys of the boxes it needs and reads their holders' files, each once; a
+data file's size is checked against the one the index file that names it records.
 
     {"tensors": {"decoder.final_layernorm.weight#0": {"name": "decoder.final_layernorm.weight",
-                   "shape": [64], "dtype": "F32", "pieces": [{"file", "key", "box", "crc32"}, ...]}},
+                   "shape": [64], "dtype": "F32", "band_rows": 64,
+                   "pieces": [{"file", "key", "box", "crc32"}, ...]}},
+     "headers": {"decoder.final_layernorm.weight": {"shape": [64], "dtype": "F32", "band_rows": 64}},
      "rng": {"rng-rank00003.safetensors": {"cpu": {"file", "shape", "dtype", "crc32"}}},
      "files": {"model-pp000.safetensors": 123456, ...}}
 """
@@ -32,8 +39,9 @@ import torch
 from megalite.errors import UserError
 from megalite.parallel import collectives
 
-BAND_ELEMENTS = 1 << 24
+BAND_ELEMENTS = 1 << 24      # the most elements a band holds
 SEPARATOR = "#"
+BANDS = "per tensor"         # metadata.json's index description: each tensor's header has its band rows
 
 
 def as_2d(shape) -> tuple[int, int]:
@@ -55,14 +63,20 @@ def files_of(index: dict) -> set:
     return {piece["file"] for name, entry in index.items() for piece in pieces_of(name, entry)}
 
 
-def band_rows(shape) -> int:
+def band_rows(shape, writer_rows: int) -> int:
+    """Rows per band of a tensor of ``shape`` of which each writer wrote at most ``writer_rows`` rows at a
+    time (the same number on every writer of it), at most BAND_ELEMENTS elements a band."""
     rows, cols = as_2d(shape)
-    return max(1, BAND_ELEMENTS // max(cols, 1))
+    return max(1, min(writer_rows, rows, BAND_ELEMENTS // max(cols, 1)))
 
 
-def bands(shape, r0: int, r1: int) -> range:
-    """The bands that rows [r0, r1) of a tensor of ``shape`` touch."""
-    step = band_rows(shape)
+def fixed_band_rows(shape) -> int:
+    """Band rows of a format 3 index: BAND_ELEMENTS elements for every tensor."""
+    return max(1, BAND_ELEMENTS // max(as_2d(shape)[1], 1))
+
+
+def bands(step: int, r0: int, r1: int) -> range:
+    """The bands of ``step`` rows that rows [r0, r1) touch."""
     return range(r0 // step, (r1 - 1) // step + 1)
 
 
@@ -72,6 +86,12 @@ def key_of(name: str, band: int) -> str:
 
 def holder(key: str, shards: int) -> int:
     return zlib.crc32(key.encode()) % shards
+
+
+def band_holder(name: str, band: int, shards: int) -> int:
+    """The holder of band ``band`` of tensor ``name``: consecutive bands on consecutive ranks, so a
+    tensor's bands spread evenly whatever their number."""
+    return (holder(name, shards) + band) % shards
 
 
 def index_filename(rank: int) -> str:
@@ -87,7 +107,7 @@ def check_filename(directory: str, source: str, name) -> None:
 
 def checked_entries(raw: dict, where: str, dtypes, bands_of: dict | None = None) -> dict[str, dict]:
     """Every entry as {shape, dtype, pieces}, its pieces inside the tensor and covering all of it (or,
-    where ``bands_of`` gives an entry's band, all of that band's rows)."""
+    where ``bands_of`` gives an entry's (band, band rows), all of that band's rows)."""
     index = {}
     for name, entry in raw.items():
         try:
@@ -95,8 +115,10 @@ def checked_entries(raw: dict, where: str, dtypes, bands_of: dict | None = None)
             rows, cols = as_2d(shape)
             lo, hi = 0, rows
             if bands_of is not None:
-                step = band_rows(shape)
-                lo, hi = bands_of[name] * step, min(rows, (bands_of[name] + 1) * step)
+                band, step = bands_of[name]
+                if type(step) is not int or step < 1:
+                    raise ValueError(name)
+                lo, hi = band * step, min(rows, (band + 1) * step)
             pieces, covered = pieces_of(name, entry), 0
             for piece in pieces:
                 (r0, r1), (c0, c1) = piece["box"]
@@ -114,34 +136,55 @@ def checked_entries(raw: dict, where: str, dtypes, bands_of: dict | None = None)
     return index
 
 
+def checked_headers(raw: dict, where: str, dtypes) -> dict[str, dict]:
+    """Every tensor header as {shape, dtype, band_rows}, each field of the right type."""
+    try:
+        headers = {name: {"shape": [int(n) for n in h["shape"]], "dtype": h["dtype"], "band_rows": h["band_rows"]}
+                   for name, h in raw.items()}
+        if not all(h["dtype"] in dtypes and type(h["band_rows"]) is int and h["band_rows"] >= 1
+                   and min(h["shape"], default=0) >= 0 for h in headers.values()):
+            raise ValueError("header")
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise UserError(f"checkpoint {where} is corrupt (bad tensor header); load an earlier checkpoint") from None
+    return headers
+
+
 # ---- saving --------------------------------------------------------------------------------------
 def outgoing(index: dict[str, dict], rng: dict[str, dict], sizes: dict[str, int], shards: int) -> dict[int, dict]:
     """What this rank sends to each holder: the entries of its pieces (``index``, as write_shards
-    returns it), its RNG records, and the sizes of the files they are in."""
+    returns it: {name: {shape, dtype, band_rows, pieces}}), the header of each tensor whose element
+    (0, 0) it wrote, its RNG records, and the sizes of the files they are in."""
     out: dict[int, dict] = {}
 
-    def part(key: str) -> dict:
-        return out.setdefault(holder(key, shards), {"tensors": {}, "rng": {}, "files": {}})
+    def part(rank: int) -> dict:
+        return out.setdefault(rank, {"tensors": {}, "headers": {}, "rng": {}, "files": {}})
 
     for name, entry in index.items():
+        step = entry["band_rows"]
+        header = {"shape": entry["shape"], "dtype": entry["dtype"], "band_rows": step}
         for piece in entry["pieces"]:
-            (r0, r1), _ = piece["box"]
-            for band in bands(entry["shape"], r0, r1):
+            (r0, r1), (c0, _) = piece["box"]
+            if r0 == 0 and c0 == 0:               # exactly one piece holds element (0, 0)
+                part(holder(name, shards))["headers"][name] = header
+            for band in bands(step, r0, r1):
                 key = key_of(name, band)
-                target = part(key)
-                target["tensors"].setdefault(key, {"name": name, "shape": entry["shape"], "dtype": entry["dtype"],
-                                                   "pieces": []})["pieces"].append(piece)
+                target = part(band_holder(name, band, shards))
+                target["tensors"].setdefault(key, {"name": name, **header, "pieces": []})["pieces"].append(piece)
                 target["files"][piece["file"]] = sizes[piece["file"]]
     for filename, records in rng.items():
-        target = part(filename)
+        target = part(holder(filename, shards))
         target["rng"][filename] = records
         target["files"][filename] = sizes[filename]
     return out
 
 
+def encode_part(part: dict) -> bytes:
+    return json.dumps(part, separators=(",", ":")).encode()
+
+
 def encode(parts: dict[int, dict], world: int) -> list[bytes]:
     """The bytes this rank sends to each rank (empty where it sends nothing)."""
-    return [json.dumps(parts[r], separators=(",", ":")).encode() if r in parts else b"" for r in range(world)]
+    return [encode_part(parts[r]) if r in parts else b"" for r in range(world)]
 
 
 def exchange(payloads: list[bytes], device) -> list[bytes]:
@@ -165,14 +208,20 @@ def exchange(payloads: list[bytes], device) -> list[bytes]:
 
 
 def merge(received: list[bytes]) -> dict:
-    """One holder's index file from the parts every rank sent it."""
-    held = {"tensors": {}, "rng": {}, "files": {}}
+    """One holder's index file from the parts every rank sent it. The writers of a tensor size its bands
+    alike (sharded.py); a band entry that differs in them is refused rather than written."""
+    held = {"tensors": {}, "headers": {}, "rng": {}, "files": {}}
     for data in received:
         if not data:
             continue
         part = json.loads(data)
         for key, entry in part["tensors"].items():
-            held["tensors"].setdefault(key, {**entry, "pieces": []})["pieces"].extend(entry["pieces"])
+            merged = held["tensors"].setdefault(key, {**entry, "pieces": []})
+            if any(merged[field] != entry[field] for field in ("shape", "dtype", "band_rows")):
+                raise UserError(f"checkpoint index: the writers of {entry['name']!r} disagree on its bands "
+                                f"({merged['band_rows']} and {entry['band_rows']} rows); this is a megalite bug")
+            merged["pieces"].extend(entry["pieces"])
+        held["headers"].update(part["headers"])
         held["rng"].update(part["rng"])
         held["files"].update(part["files"])
     return held
@@ -193,13 +242,16 @@ class IndexShards:
     def __init__(self, directory: str, sharding: dict, dtypes):
         self.directory, self.dtypes = directory, dtypes
         try:
-            self.shards, band = int(sharding["shards"]), int(sharding["band_elements"])
-        except (KeyError, TypeError, ValueError):
+            self.shards, bands_of = int(sharding["shards"]), sharding.get("bands")
+            self.fixed = bands_of is None               # format 3: fixed bands, no headers
+            band = int(sharding["band_elements"]) if self.fixed else BAND_ELEMENTS
+        except (KeyError, TypeError, ValueError, AttributeError):
             raise UserError(f"checkpoint {directory}/metadata.json is corrupt (bad index description); "
                             "load an earlier checkpoint") from None
-        if self.shards < 1 or band != BAND_ELEMENTS:
+        if self.shards < 1 or band != BAND_ELEMENTS or bands_of not in (None, BANDS):
             raise UserError(f"checkpoint {directory}/metadata.json describes an index of {self.shards} shards in bands "
-                            f"of {band} elements; this megalite reads bands of {BAND_ELEMENTS}: upgrade megalite")
+                            f"of {bands_of or band}; this megalite reads bands {BANDS} (or of {BAND_ELEMENTS} "
+                            "elements): upgrade megalite")
         self.loaded: dict[int, dict] = {}          # rank -> its parsed index file
         self.sizes: dict[str, int] = {}            # data file -> its size, as the index files read so far record
 
@@ -214,9 +266,12 @@ class IndexShards:
             with open(path) as f:
                 raw = json.load(f)
             tensors, rng, files = raw["tensors"], raw["rng"], raw["files"]
+            headers = {} if self.fixed else raw["headers"]
             keyed = {key: entry["name"] for key, entry in tensors.items()}
-            band_of = {key: int(key.rpartition(SEPARATOR)[2]) for key in tensors}
-            if any(key_of(name, band_of[key]) != key for key, name in keyed.items()):
+            bands_of = {key: (int(key.rpartition(SEPARATOR)[2]),
+                              fixed_band_rows(entry["shape"]) if self.fixed else entry["band_rows"])
+                        for key, entry in tensors.items()}
+            if any(key_of(name, bands_of[key][0]) != key for key, name in keyed.items()):
                 raise ValueError("key")
             if not all(type(n) is int and n >= 0 for n in files.values()):
                 raise ValueError("size")
@@ -225,7 +280,7 @@ class IndexShards:
                             "load an earlier one") from None
         except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError):
             raise UserError(f"checkpoint {path} is corrupt; load an earlier checkpoint") from None
-        entries = checked_entries(tensors, path, self.dtypes, band_of)
+        entries = checked_entries(tensors, path, self.dtypes, bands_of)
         records = {name: checked_entries(r, path, self.dtypes) for name, r in rng.items()}
         for name in set(files) | files_of(entries) | set(records) | {f for r in records.values() for f in files_of(r)}:
             check_filename(self.directory, filename, name)
@@ -233,19 +288,33 @@ class IndexShards:
                 raise UserError(f"checkpoint {path} is corrupt (no size for {name}); load an earlier checkpoint")
             if self.sizes.setdefault(name, files[name]) != files[name]:
                 raise UserError(f"checkpoint {path} is corrupt (two sizes for {name}); load an earlier checkpoint")
-        return {"tensors": {key: {**entry, "name": keyed[key]} for key, entry in entries.items()}, "rng": records}
+        return {"tensors": {key: {**entry, "name": keyed[key], "band_rows": bands_of[key][1]}
+                            for key, entry in entries.items()},
+                "headers": checked_headers(headers, path, self.dtypes), "rng": records}
 
-    def entry(self, name: str, band: int = 0) -> dict | None:
+    def header(self, name: str) -> dict | None:
+        """Tensor ``name``'s {shape, dtype, band_rows}, or None when the checkpoint lacks it."""
+        if self.fixed:
+            entry = self.entry(name, 0)
+            return entry and {"shape": entry["shape"], "dtype": entry["dtype"], "band_rows": entry["band_rows"]}
+        return self._file(holder(name, self.shards))["headers"].get(name)
+
+    def entry(self, name: str, band: int) -> dict | None:
         """The entry of one band of tensor ``name`` (its pieces that touch the band), or None."""
         key = key_of(name, band)
-        return self._file(holder(key, self.shards))["tensors"].get(key)
+        rank = holder(key, self.shards) if self.fixed else band_holder(name, band, self.shards)
+        return self._file(rank)["tensors"].get(key)
 
-    def pieces(self, name: str, shape, row_ranges) -> list[dict]:
+    def pieces(self, name: str, row_ranges) -> list[dict]:
         """The pieces of tensor ``name`` that touch any of ``row_ranges`` ([r0, r1) pairs), each once."""
-        needed = sorted({b for r0, r1 in row_ranges for b in bands(shape, r0, r1)})
+        header = self.header(name)
+        needed = sorted({b for r0, r1 in row_ranges for b in bands(header["band_rows"], r0, r1)})
         found, seen = [], set()
         for band in needed:
             entry = self.entry(name, band)
+            if entry and any(entry[field] != header[field] for field in ("shape", "dtype", "band_rows")):
+                raise UserError(f"checkpoint {self.directory} is corrupt (band {band} of {name!r} does not match "
+                                "its header); load an earlier checkpoint")
             for piece in entry["pieces"] if entry else ():
                 ident = (piece["file"], piece["key"])
                 if ident not in seen:

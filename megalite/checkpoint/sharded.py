@@ -4,8 +4,9 @@ A checkpoint holds every tensor at its full shape under its global name (files.p
 written at one layout loads at any other; yet no rank ever builds a full tensor, and no tensor data
 crosses ranks: each rank writes the parts it owns into files of its own, and reads back only the parts
 it holds. Only the index and an error flag are exchanged: each rank sends the index entries of its own
-pieces to the ranks that hold those tensors' index shards (index.py), and on load reads only the
-shards of the tensors it needs, so no rank sends, holds or reads an index that grows with the world.
+pieces to the ranks that hold those tensors' index shards (index.py; a tensor's bands are about the
+rows one writer writes, ``writer_rows``), and on load reads only the shards of the tensors it needs,
+so no rank sends, holds or reads an index that grows with the world.
 
 What a rank owns is the range of the flat parameter buffer its optimizer updates (``optimizer.pieces``:
 the whole buffer, or under ZeRO this data-parallel rank's chunk of every bucket), for four kinds of
@@ -18,7 +19,8 @@ that a later pipeline stage holds for tied output weights is not written (it loa
 Where a part goes in the full tensor is pieces.py's: a flat range of a TP-local parameter is a few
 boxes of the stored tensor, each box one stored piece. Loading cuts every range a rank holds (its
 parameters; its optimizer ranges) into boxes the same way and copies in the intersecting pieces.
-PipeDream's stashed weight versions are stored like the weights, so any layout reads what it needs.
+PipeDream's stashed weight versions are stored like the weights (stashed.py), so any layout reads what
+it needs.
 
 RNG states are per rank and restored only at the same layout.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -34,12 +37,15 @@ from torch import nn
 from megalite.checkpoint.files import (DTYPE_NAMES, Box, CheckpointReader, as_2d, model_config_from_metadata,
                                        model_metadata, prepare_temporary_dir, publish, temporary_dir,
                                        tokenizer_metadata, write_metadata, write_tensor_file, TRACKER, METADATA)
-from megalite.checkpoint.index import BAND_ELEMENTS, encode, exchange, merge, outgoing, write_index_file
+from megalite.checkpoint.index import (BANDS, band_rows, encode, encode_part, exchange, merge, outgoing,
+                                      write_index_file)
 from megalite.checkpoint.pieces import (OPTIMIZER_STATES, ParamEntry, Placement, box_view, boxes, held_params,
-                                        optimizer_ranges, pad_vocabulary, param_entries, placement, stored_shape)
+                                        optimizer_ranges, overlap, pad_vocabulary, param_entries, placement,
+                                        stored_shape)
+from megalite.checkpoint.stashed import load_stashed_versions, stashed_sources
 from megalite.config.schema import ModelConfig
 from megalite.errors import UserError
-from megalite.parallel.pipeline.pipedream import stashed_name
+from megalite.parallel.data.grad_buffer import Bucket
 from megalite.parallel.param_meta import full_shape, param_meta
 
 
@@ -112,9 +118,10 @@ def _agree(ok: bool, message: str, device) -> None:
     raise UserError(bytes(text.cpu().tolist()).rstrip(b"\0").decode(errors="ignore"))
 
 
-def owned_parts(trainer) -> list[tuple[ParamEntry, int, int, dict[str, torch.Tensor]]]:
+def owned_parts(trainer, data_rank: int | None = None) -> list[tuple[ParamEntry, int, int, dict[str, torch.Tensor]]]:
     """What this rank writes: per parameter, the local flat range [lo, hi) it owns and, per stored
-    tensor name, a flat tensor holding that range (element 0 is local element lo)."""
+    tensor name, a flat tensor holding that range (element 0 is local element lo). ``data_rank``: what
+    the rank of this TP x PP coordinate at that data-parallel x CP place writes instead (chunk_ranges)."""
     p, buffer, optimizer = trainer.parallel, trainer.buffer, trainer.optimizer
     master_is_weights = buffer.param_dtype == torch.float32
     parts = []
@@ -122,7 +129,8 @@ def owned_parts(trainer) -> list[tuple[ParamEntry, int, int, dict[str, torch.Ten
         if not entry.stored_here or not writes(p, optimizer.grads_sharded, param_meta(entry.param)):
             continue
         slot, g = buffer.slots[entry.buffer_name], entry.global_name
-        for start, end, piece, master, state, cut in optimizer_ranges(optimizer, slot):
+        ranges = optimizer_ranges(optimizer, slot) if data_rank is None else chunk_ranges(trainer, slot, data_rank)
+        for start, end, piece, master, state, cut in ranges:
             sources = {g: piece.param[cut]}
             if not master_is_weights:
                 sources[f"optimizer.master.{g}"] = master[cut]
@@ -130,6 +138,36 @@ def owned_parts(trainer) -> list[tuple[ParamEntry, int, int, dict[str, torch.Ten
             sources.update(stashed_sources(trainer, g, start, end))     # PipeDream's older weight versions
             parts.append((entry, start - slot.start, end - slot.start, sources))
     return parts
+
+
+def chunk_ranges(trainer, slot, data_rank: int):
+    """optimizer_ranges as the rank at data-parallel x CP place ``data_rank`` (of the first instance) of a
+    dense ZeRO layout has them: its chunk of each bucket, as storage-less tensors (where it writes, not
+    what), so that one built rank describes what all of its data-parallel group write."""
+    buffer = trainer.buffer
+    if not trainer.optimizer.grads_sharded or trainer.config.model.num_experts:
+        raise ValueError("chunk_ranges describes dense ZeRO layouts only")
+    for bucket in buffer.buckets:
+        start, end = overlap(slot.start, slot.end, *bucket.chunk(data_rank, bucket.shard_size))
+        if start < end:
+            weights = torch.empty(end - start, dtype=buffer.param_dtype, device="meta")
+            master = torch.empty(end - start, dtype=torch.float32, device="meta")
+            yield (start, end, SimpleNamespace(param=weights), master,
+                   {k: master for k in OPTIMIZER_STATES}, slice(0, end - start))
+
+
+def writer_rows(trainer, entry: ParamEntry, place: Placement) -> int:
+    """Rows of a parameter's stored tensor that one writer writes at most at a time, the same number on
+    every writer of it (index.band_rows sizes the tensor's index bands by it): under ZeRO its chunk of
+    the parameter's bucket (every rank's chunk of a bucket has the same size), under FSDP2 its share of
+    the rows, else the whole TP-local parameter; over the local row width."""
+    buffer = trainer.buffer
+    slot = buffer.slots[entry.buffer_name]
+    numel = slot.end - slot.start
+    if trainer.optimizer.grads_sharded:
+        bucket = next((b for b in buffer.buckets if isinstance(b, Bucket) and b.start <= slot.start < b.end), None)
+        numel = min(numel, bucket.chunk_numel) if bucket else -(-numel // buffer.dp_size)
+    return -(-numel // place.width)
 
 
 def writes(p, grads_sharded: bool, meta) -> bool:
@@ -143,7 +181,7 @@ def writes(p, grads_sharded: bool, meta) -> bool:
         (meta.tensor_model_parallel or p.tp_rank == 0)
 
 
-def shard_filename(trainer, kind: str) -> str:
+def shard_filename(trainer, kind: str, data_rank: int | None = None) -> str:
     """model-pp000[-tp001][-dp00002].safetensors: the coordinates of the writer, where there are several
     (an MoE model's experts are written by ranks of any data-parallel coordinate)."""
     p = trainer.parallel
@@ -151,7 +189,7 @@ def shard_filename(trainer, kind: str) -> str:
     if p.tp_size > 1:
         name += f"-tp{p.tp_rank:03d}"
     if (trainer.optimizer.grads_sharded or trainer.config.model.num_experts) and p.dp_size * p.cp_size > 1:
-        name += f"-dp{p.dp_cp_rank:05d}"
+        name += f"-dp{p.dp_cp_rank if data_rank is None else data_rank:05d}"
     return name + ".safetensors"
 
 
@@ -162,31 +200,35 @@ def router_buffers(trainer) -> list[tuple[str, torch.Tensor]]:
             for name, buffer in chunk.named_buffers() if name.endswith("router.expert_bias")]
 
 
-def planned_shards(trainer) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict]]:
-    """What this rank writes, one piece per box: {file: {key: tensor}}, and its part of the tensor index
-    (without the CRCs, known once written). A box that is the whole tensor is stored under the
-    tensor's own name and shape."""
+def planned_shards(trainer, data_rank: int | None = None) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict]]:
+    """What this rank (or, given ``data_rank``, chunk_ranges' rank) writes, one piece per box: {file:
+    {key: tensor}}, and its part of the tensor index (without the CRCs, known once written). A box that
+    is the whole tensor is stored under the tensor's own name and shape."""
     vocab = trainer.config.model.vocab_size
-    files = {shard_filename(trainer, "model"): {}, shard_filename(trainer, "optimizer"): {}}
+    model, optimizer = shard_filename(trainer, "model", data_rank), shard_filename(trainer, "optimizer", data_rank)
+    files = {model: {}, optimizer: {}}
     index: dict[str, dict] = {}
     if trainer.parallel.stage_rank == 0:
         for name, tensor in router_buffers(trainer):
-            files[shard_filename(trainer, "model")][name] = tensor
-            index[name] = {"shape": list(tensor.shape), "dtype": DTYPE_NAMES[tensor.dtype], "pieces": [
-                {"file": shard_filename(trainer, "model"), "key": name, "box": [[0, tensor.numel()], [0, 1]]}]}
-    for entry, lo, hi, sources in owned_parts(trainer):
+            files[model][name] = tensor
+            index[name] = {"shape": list(tensor.shape), "dtype": DTYPE_NAMES[tensor.dtype],
+                           "band_rows": band_rows(tensor.shape, tensor.numel()),
+                           "pieces": [{"file": model, "key": name, "box": [[0, tensor.numel()], [0, 1]]}]}
+    for entry, lo, hi, sources in owned_parts(trainer, data_rank):
         shape = stored_shape(entry.global_name, full_shape(entry.param), vocab)
         rows, cols = as_2d(shape)
-        for offset, box in boxes(placement(entry.param, entry.global_name, vocab), lo, hi):
+        place = placement(entry.param, entry.global_name, vocab)
+        step = band_rows(shape, writer_rows(trainer, entry, place))
+        for offset, box in boxes(place, lo, hi):
             r0, r1, c0, c1 = box
             whole = box == (0, rows, 0, cols)
             for name, flat in sources.items():
-                file = shard_filename(trainer, "optimizer" if name.startswith("optimizer.") else "model")
+                file = optimizer if name.startswith("optimizer.") else model
                 key = name if whole else f"{name}[{r0}:{r1},{c0}:{c1}]"
                 data = box_view(flat, offset - lo, box)
                 files[file][key] = data.view(shape) if whole else data
                 stored = index.setdefault(name, {"shape": list(shape), "dtype": DTYPE_NAMES[flat.dtype],
-                                                 "pieces": []})
+                                                 "band_rows": step, "pieces": []})
                 stored["pieces"].append({"file": file, "key": key, "box": [[r0, r1], [c0, c1]]})
     return {file: tensors for file, tensors in files.items() if tensors}, index
 
@@ -207,18 +249,21 @@ def write_shards(trainer, directory: str) -> dict[int, dict]:
     return outgoing(index, rng, sizes, trainer.parallel.world_size)
 
 
-def index_payloads(trainer) -> list[bytes]:
-    """The bytes this rank sends each index holder on save, computed without writing anything: every
-    CRC and file size at its widest, so an upper bound (measurement, dry runs)."""
-    files, index = planned_shards(trainer)
+def index_payloads(trainer, data_rank: int | None = None) -> dict[int, bytes]:
+    """{holder: the bytes this rank sends it} on save, computed without writing anything: every CRC and
+    file size at its widest, so an upper bound (measurement, dry runs). ``data_rank``: those of the rank
+    at that data-parallel x CP place of this rank's TP x PP coordinate (chunk_ranges)."""
+    p = trainer.parallel
+    files, index = planned_shards(trainer, data_rank)
     for stored in index.values():
         for piece in stored["pieces"]:
             piece["crc32"] = 0xFFFFFFFF
-    rng_file = f"rng-rank{trainer.parallel.rank:05d}.safetensors"
+    rank = p.rank if data_rank is None else p.tp_rank + p.tp_size * (data_rank + p.cp_size * p.dp_size * p.pp_rank)
+    rng_file = f"rng-rank{rank:05d}.safetensors"
     rng = {rng_file: {name: {"file": rng_file, "shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype],
                              "crc32": 0xFFFFFFFF} for name, t in rng_tensors(trainer.model.tp.rng).items()}}
-    world = trainer.parallel.world_size
-    return encode(outgoing(index, rng, {name: 10 ** 12 - 1 for name in [*files, rng_file]}, world), world)
+    parts = outgoing(index, rng, {name: 10 ** 12 - 1 for name in [*files, rng_file]}, p.world_size)
+    return {holder: encode_part(part) for holder, part in parts.items()}
 
 
 def save_checkpoint(trainer, root: str) -> str:
@@ -243,14 +288,16 @@ def save_checkpoint(trainer, root: str) -> str:
         error = full.format(e.strerror or e)
     _agree(error is None, error or "", trainer.device)
     payloads = encode(parts, p.world_size)
-    held = merge(exchange(payloads, trainer.device) if distributed else payloads)
+    received = exchange(payloads, trainer.device) if distributed else payloads
     try:
-        write_index_file(tmp, p.rank, held)
+        write_index_file(tmp, p.rank, merge(received))
         if p.rank == 0:
             step = float(next(iter(trainer.optimizer.adam.state.values()))["step"])
             write_metadata(tmp, training_metadata(trainer, step))
     except OSError as e:
         error = full.format(e.strerror or e)
+    except UserError as e:                                  # merge: the writers of a tensor disagree
+        error = str(e)
     _agree(error is None, error or "", trainer.device)      # every index file is written before the rename
     final = publish(root, iteration) if p.rank == 0 else None
     if distributed:
@@ -274,8 +321,7 @@ def training_metadata(trainer, adam_step: float) -> dict:
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
         "optimizer": {"step": adam_step, "has_master": trainer.buffer.param_dtype != torch.float32},
         "source": trainer.checkpoint_source,      # where the weights first came from (e.g. a converted HF model)
-        "index": {"shards": trainer.parallel.world_size, "band_elements": BAND_ELEMENTS,
-                  "holder": "crc32(key) % shards"},
+        "index": {"shards": trainer.parallel.world_size, "bands": BANDS, "holder": "crc32(key) % shards"},
     }
 
 
@@ -440,53 +486,3 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
     model.checkpoint_metadata = reader.metadata
     model.checkpoint_dir = reader.directory
     return model.to(device).eval()
-
-
-# ---- PipeDream's stashed weight versions, stored like the weights (any layout reads what it needs) ------
-def stashed_sources(trainer, global_name: str, start: int, end: int) -> dict[str, torch.Tensor]:
-    """For owned_parts: the flat range [start, end) of each stashed older version (pipedream.py)."""
-    runner = trainer.async_pipeline
-    if runner is None:
-        return {}
-    return {stashed_name(k, global_name): flat[start:end] for k, flat in runner.stashed().items()}
-
-
-@torch.no_grad()
-def load_stashed_versions(trainer, reader, load_optimizer: bool, log=print) -> None:
-    """After the weights are loaded: restart the stream at the checkpoint's iteration with the older
-    versions it needs, read from the checkpoint. Without them (--no-load-optim, or a checkpoint of a
-    synchronous schedule) they start as copies of the loaded weights; a checkpoint of the same schedule
-    that lacks some was saved at a pipeline layout that kept fewer versions: one line."""
-    runner = trainer.async_pipeline
-    if runner is None:
-        return
-    runner.restart_at(int(reader.metadata.get("train_state", {}).get("iteration", reader.iteration)))
-    needed = runner.needed_behind()
-    if not needed:
-        return
-    versions = runner.versions
-    entries = param_entries(trainer.chunks)
-    names = [stashed_name(k, e.global_name) for k in needed for e in entries]
-    if not load_optimizer or not all(reader.has(n) for n in names):
-        saved = (reader.metadata.get("args") or {}).get("parallel", {})
-        if load_optimizer and saved.get("pipeline_schedule") == runner.schedule:
-            raise UserError(f"checkpoint {reader.directory} lacks weight versions that --pipeline-schedule "
-                            f"{runner.schedule} needs at this pipeline layout (saved at --pipeline-model-parallel-size "
-                            f"{saved.get('pipeline_model_parallel_size')}); resume at that size or add --no-load-optim")
-        for k in needed:
-            versions.stash[versions.newest - k] = versions.flat.clone()
-        log(f" > {runner.schedule}: no stashed weight versions in the checkpoint; the older versions start as "
-            "copies of the loaded weights")
-        return
-    buffer, vocab, targets = trainer.buffer, trainer.config.model.vocab_size, []
-    for k in needed:
-        flat = torch.zeros_like(versions.flat)       # vocabulary padding rows are not stored: they stay zero
-        versions.stash[versions.newest - k] = flat
-        for entry in entries:
-            slot = buffer.slots[entry.buffer_name]
-            place = placement(entry.param, entry.global_name, vocab)
-            for start, end, _ in held_params(buffer, slot.start, slot.end):
-                lo = start - slot.start
-                targets += [(stashed_name(k, entry.global_name), box, box_view(flat[start:end], offset - lo, box))
-                            for offset, box in boxes(place, lo, end - slot.start)]
-    reader.read_into(targets)

@@ -201,7 +201,8 @@ def flip_a_byte_of(path, tensor):
 def drop_from_index(iteration_dir, tensor):
     index_path = iteration_dir / "index-rank00000.json"       # a serial save: one index file
     index = json.loads(index_path.read_text())
-    del index["tensors"][f"{tensor}#0"]
+    del index["headers"][tensor]
+    index["tensors"] = {key: entry for key, entry in index["tensors"].items() if entry["name"] != tensor}
     index_path.write_text(json.dumps(index))
 
 
