@@ -10,7 +10,9 @@ pretrain_gpt.py --fake-process-group --no-storage, its first step's peak by cate
 - Mixtral 8x22B on 256 GPUs with EP8: the planner's fastest layout with 8 expert-parallel ranks.
 
 Baselines: the planner's estimate of the same rank (the ratio is its error on the peak), and 80 GB
-devices (the figure's share of them). The seconds are the dry runs' wall time on this machine.
+devices (the figure's share of them). The seconds are the dry runs' wall time on this machine. And on a
+layout that fits this machine (a ~0.7B model at TP2 x PP2 x DP2), each role's peak in a real 8-process
+run beside its dry runs with and without storage.
 
     python bench/bench_layouts.py             # writes bench/RESULTS.md
     python bench/bench_layouts.py --quick     # the 70B layout only
@@ -61,6 +63,42 @@ LAYOUTS = {
 }
 
 
+# Agreement on a layout that fits this machine: the ~0.7B bf16 Llama (12 layers, hidden 2048, GQA 16/4,
+# vocab 31999) at TP2 x PP2 x DP2 with ZeRO-3 (so that eight ranks fit), 512-token sequences
+AGREEMENT_ARGS = [
+    "--num-layers", "12", "--hidden-size", "2048", "--ffn-hidden-size", "5632", "--num-attention-heads", "16",
+    "--group-query-attention", "--num-query-groups", "4", "--seq-length", "512", "--max-position-embeddings", "512",
+    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights", "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--bf16",
+    "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+    "--data-parallel-sharding-strategy", "optim_grads_params", "--micro-batch-size", "1", "--global-batch-size", "8",
+    "--train-iters", "1", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "31999",
+    "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0"]
+AGREEMENT_RANKS = (0, 7)           # the first and the last pipeline stage
+
+
+def agreement() -> dict:
+    """Each role's peak in a real 8-process run (--log-memory-breakdown), and in its dry runs with and
+    without storage."""
+    import subprocess
+    from megalite.train.memory_account import parse_breakdowns
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}, "OMP_NUM_THREADS": "1",
+           "WANDB_MODE": "offline"}
+    script = os.path.join(ROOT, "pretrain_gpt.py")
+
+    def peaks(cmd: list[str]) -> dict:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
+        if proc.returncode:
+            raise RuntimeError(proc.stderr[-2000:])
+        return {rank: b["peak"] for rank, b in parse_breakdowns(proc.stdout).items()}
+    real = peaks([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8", script,
+                  *AGREEMENT_ARGS, "--log-memory-breakdown"])
+    dry = {mode: {rank: peaks([sys.executable, script, *AGREEMENT_ARGS, "--fake-process-group", "--fake-world-size",
+                               "8", "--fake-rank", str(rank), *extra])[rank] for rank in AGREEMENT_RANKS}
+           for mode, extra in (("real tensors", []), ("no storage", ["--no-storage"]))}
+    return {"real": real, **dry}
+
+
 def measure(name: str) -> dict:
     """The planner's top layout for ``name`` and its roles' checks (megalite.planning.verify)."""
     import plan_parallelism
@@ -101,6 +139,15 @@ def main(argv: list[str]) -> None:
     for name, result in results.items():
         body += ["", f"**{name}** (`{result['flags']}`): {len(result['checks'])} roles dry-run in "
                  f"{result['seconds']:.0f} s", "", *table(result)]
+    if not args.quick:
+        agree = agreement()
+        body += ["", "**Agreement on a layout that fits this machine**: the ~0.7B bf16 Llama at TP2 x PP2 x DP2 "
+                 "(ZeRO-3, 512-token sequences), each role's peak in bytes in a real 8-process run (torchrun, gloo, "
+                 "`--log-memory-breakdown`) and in its dry runs:", "",
+                 "| rank | real run | dry run, real tensors | dry run, no storage | no storage / real run |",
+                 "|---|---|---|---|---|",
+                 *[f"| {r} | {agree['real'][r]:,} | {agree['real tensors'][r]:,} | {agree['no storage'][r]:,} | "
+                   f"{agree['no storage'][r] / agree['real'][r]:.4f} |" for r in AGREEMENT_RANKS]]
     worst = max((abs(c.error), name) for name, r in results.items() for c in r["checks"])
     headlines = [Headline("planner's peak estimate vs dry run, worst role of the published layouts",
                           f"the dry run ({worst[1]})", f"{100 * worst[0]:.1f}% off (goal: at most 10%)", command)]

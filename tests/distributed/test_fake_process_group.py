@@ -21,6 +21,9 @@ from harness import ROOT, run_pretrain
 from megalite.train.memory_account import CATEGORIES, parse_breakdowns
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from bench_layouts import AGREEMENT_ARGS, AGREEMENT_RANKS  # noqa: E402
+
 BASE = with_flags(TINY_LLAMA_ARGS, num_layers=4, global_batch_size=8, train_iters=2)
 BATCH_TOKENS = 2 * 32                   # a micro-batch's: --micro-batch-size x --seq-length
 # name -> (world, flags, the ranks dry-run: the default suite's two cover both stages and both DP shards)
@@ -114,27 +117,18 @@ def test_a_dry_run_reads_a_real_dataset_as_a_later_rank_from_the_environment(tmp
     assert list(memory_lines(proc.stdout)) == [3] and os.path.isdir(tmp_path / "cache")
 
 
-# the ~0.7B bf16 Llama of test_zero3_at_scale.py at TP2 x PP2 x DP2 (ZeRO-3: eight ranks fit this machine),
-# with 512-token sequences so that activations weigh beside the state
-MODEL_0_7B = dict(num_layers=12, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16, num_query_groups=4,
-                  vocab_size=31999, seq_length=512, max_position_embeddings=512)
-LAYOUT_0_7B = dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2,
-                   data_parallel_sharding_strategy="optim_grads_params", bf16=True, micro_batch_size=1,
-                   global_batch_size=8, train_iters=1)
-
-
 @pytest.mark.slow
 def test_a_0_7b_layout_agrees_in_a_real_run_and_both_dry_runs():
-    """The real 8-process run and the dry runs with and without storage agree on each role's peak within
-    3% (the first and the last pipeline stage: every TP and DP rank of a stage holds the same)."""
-    argv = with_flags(TINY_LLAMA_ARGS, **MODEL_0_7B, **LAYOUT_0_7B)
-    real = run_pretrain(8, argv + ["--log-memory-breakdown"], timeout=1200)
+    """bench/bench_layouts.py's agreement layout (the ~0.7B bf16 Llama at TP2 x PP2 x DP2, ZeRO-3): the real
+    8-process run and the dry runs with and without storage agree on each role's peak within 3% (the first
+    and the last pipeline stage: every TP and DP rank of a stage holds the same); with storage, exactly."""
+    real = run_pretrain(8, AGREEMENT_ARGS + ["--log-memory-breakdown"], timeout=1200)
     assert real.returncode == 0, real.stderr[-3000:]
     measured = parse_breakdowns(real.stdout)
     assert sorted(measured) == list(range(8))
-    for rank in (0, 7):
-        with_storage = parse_breakdowns(dry_run(argv, 8, rank))[rank]
-        without = parse_breakdowns(dry_run(argv + ["--no-storage"], 8, rank))[rank]
+    for rank in AGREEMENT_RANKS:
+        with_storage = parse_breakdowns(dry_run(AGREEMENT_ARGS, 8, rank))[rank]
+        without = parse_breakdowns(dry_run(AGREEMENT_ARGS + ["--no-storage"], 8, rank))[rank]
         for peak in (with_storage["peak"], without["peak"]):
             assert abs(peak / measured[rank]["peak"] - 1) <= 0.03, (rank, peak, measured[rank])
         assert with_storage == measured[rank]

@@ -165,6 +165,7 @@ CASES = [
     Case("fake-rank-with-save", pretrain(fake_process_group=True, fake_world_size=2, save="ck"),
          ("--fake-process-group", "drop --save")),
     Case("fake-rank-without-dry-run", pretrain(fake_rank=1), ("--fake-rank", "add --fake-process-group")),
+    Case("no-storage-without-dry-run", pretrain(no_storage=True), ("--no-storage", "add --fake-process-group")),
     Case("topk-above-experts", pretrain(num_experts=4, moe_router_topk=5),
          ("--moe-router-topk 5 exceeds --num-experts 4",)),
     Case("capacity-factor-not-positive", pretrain(num_experts=4, moe_expert_capacity_factor=0),
