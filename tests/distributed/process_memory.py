@@ -29,6 +29,14 @@ def _field(path: str, name: str) -> int | None:
         return None
 
 
+def _cmdline(pid: int) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 def children(pid: int) -> list[int]:
     """The processes ``pid`` started (none once it is gone)."""
     found = []
@@ -58,13 +66,16 @@ def _rank_of(pid: int) -> int | None:
         return None
 
 
-SETTLE = 0.5     # seconds: a process started by fork + exec shares its parent's pages until the exec
+# A process started by fork + exec (a spawned worker) is a copy of its rank until the exec, which can take
+# seconds on a loaded machine: it is sampled once its command line is no longer the rank's. One that never
+# execs (a forked worker) stays a copy, and is sampled from SETTLE seconds after it is first seen.
+SETTLE = 5.0
 
 
 def run_pretrain_measured(nproc: int, argv: list[str], timeout: float = 1800, every: float = 0.1) -> MeasuredRun:
     """pretrain_gpt.py under torchrun, sampled every ``every`` seconds until it exits. A process below a
-    rank is sampled from SETTLE seconds after it is first seen (a spawned worker is a copy of its rank
-    until it execs a fresh interpreter); a forked one stays a copy, and is measured as one."""
+    rank is sampled once it has exec'd (a spawned worker is a copy of its rank until it execs a fresh
+    interpreter), or SETTLE seconds after it is first seen: a forked one stays a copy, and is measured as one."""
     from harness import pretrain_command
     cmd, env = pretrain_command(nproc, argv)
     log = tempfile.TemporaryFile(mode="w+")                    # a pipe left unread would fill and stall the run
@@ -77,7 +88,8 @@ def run_pretrain_measured(nproc: int, argv: list[str], timeout: float = 1800, ev
             if (hwm := _field(f"/proc/{pid}/status", "VmHWM:")) is not None and pid in ranks:
                 rss[ranks[pid]] = max(rss.get(ranks[pid], 0), hwm)
             for helper in descendants(pid):
-                settled = time.monotonic() - seen.setdefault(helper, time.monotonic()) >= SETTLE
+                settled = (time.monotonic() - seen.setdefault(helper, time.monotonic()) >= SETTLE
+                           or _cmdline(helper) not in (None, _cmdline(pid)))
                 if settled and (size := _field(f"/proc/{helper}/smaps_rollup", "Pss:")) is not None:
                     pss[helper] = max(pss.get(helper, 0), size)
         time.sleep(every)
