@@ -110,7 +110,7 @@ def format_timers(values: dict[str, float]) -> str:
 class MetricsSinks:
     """JSONL file, wandb and tensorboard; each enabled by its flags. Only the logging rank creates one."""
 
-    def __init__(self, config: TrainingConfig, run_config: dict):
+    def __init__(self, config: TrainingConfig, run_config: dict, log=print):
         self.jsonl = None
         self.wandb_run = None
         self.tensorboard = None
@@ -121,7 +121,7 @@ class MetricsSinks:
         if config.wandb_project:
             self.wandb_run = _start_wandb(config, run_config)
         if config.tensorboard_dir:
-            self.tensorboard = _start_tensorboard(config.tensorboard_dir)
+            self.tensorboard = _start_tensorboard(config.tensorboard_dir, log)
 
     def log(self, iteration: int, metrics: dict) -> None:
         if self.jsonl:
@@ -164,11 +164,16 @@ def _start_wandb(config: TrainingConfig, run_config: dict):
                       config=run_config)
 
 
-def _start_tensorboard(directory: str):
+def _start_tensorboard(directory: str, log):
+    """A SummaryWriter, or None with one line when the tensorboard package is missing. As Megatron, the run
+    goes on without it (the metrics still reach the JSONL file and wandb): Megatron's example scripts pass
+    --tensorboard-dir, and a run is not worth stopping for its plots."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise UserError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from None
+        log(f" > warning: --tensorboard-dir {directory}: the tensorboard package is not installed, so no "
+            "tensorboard logs are written (pip install tensorboard); the metrics still go to the JSONL file")
+        return None
     return SummaryWriter(log_dir=directory)
 
 

@@ -154,7 +154,8 @@ class Trainer:
         train_iter, valid_iter, test_iter = build_data_iterators(self, tokenizer)
         if rng is not None:      # after the data loaders, which draw from the generator when created
             restore_rng(rng, self.model.tp.rng)
-        sinks = MetricsSinks(config.training, dataclasses.asdict(config)) if self.parallel.is_logging_rank else None
+        sinks = (MetricsSinks(config.training, dataclasses.asdict(config), self.log) if self.parallel.is_logging_rank
+                 else None)
         report_parameters(self)
         report_memory(self.ddp, self.optimizer, self.parallel.rank, self.print_fn, alone=self.parallel.fake)
         try:

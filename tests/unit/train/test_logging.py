@@ -3,6 +3,7 @@ import glob
 import json
 import os
 import re
+import sys
 
 import pytest
 
@@ -88,3 +89,18 @@ def test_run_logs_lines_jsonl_wandb_and_tensorboard(tmp_path, capsys):
     for key in ("lm loss", "MFU", "tokens per second", "memory max rss (MB)", "time forward-backward (ms)"):
         assert [e.step for e in scalars.Scalars(key)] == [2, 4, 6], key
     assert [e.value for e in scalars.Scalars("MFU")] == pytest.approx([r["MFU"] for r in records], rel=1e-6)
+
+
+def test_a_missing_tensorboard_package_is_one_warning_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
+    """--tensorboard-dir without the package (Megatron's scripts pass it): as Megatron, a warning, and the
+    metrics still reach the JSONL file."""
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)         # import fails as if absent
+    argv = with_flags(TINY_LLAMA_ARGS, train_iters=2, tensorboard_dir=str(tmp_path / "tb"))
+    state = pretrain(parse_args(argv, world_size=1))
+    out = capsys.readouterr().out
+    assert state.iteration == 2
+    assert [l for l in out.splitlines() if "tensorboard package is not installed" in l] == [
+        f" > warning: --tensorboard-dir {tmp_path / 'tb'}: the tensorboard package is not installed, so no "
+        "tensorboard logs are written (pip install tensorboard); the metrics still go to the JSONL file"]
+    assert len(open(tmp_path / "tb" / "metrics.jsonl").read().splitlines()) == 2
+    assert not [f for f in os.listdir(tmp_path / "tb") if f.startswith("events.")]
