@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.config.schema import ParallelConfig
-from megalite.parallel.launch_env import (LaunchEnv, fake_launch_env, rank_error, read_launch_env,
+from megalite.parallel.launch_env import (LaunchEnv, exit_with_launcher, fake_launch_env, rank_error, read_launch_env,
                                           single_process_note)
 from megalite.parallel.mesh import ParallelState
 from megalite.parallel.tensor.random import stage_seed
@@ -57,6 +57,8 @@ def initialize_distributed(parallel: ParallelConfig, timeout_minutes: float = 10
         note = single_process_note(os.environ)
         if note:
             print(note, flush=True)
+        if env.launched:
+            exit_with_launcher(env.rank)
     device = torch.device("meta") if parallel.no_storage else device_for(env.local_rank)
     if (env.launched or env.world_size > 1) and not dist.is_initialized():   # torchrun/srun, even with one
         # process: size-1 groups take the same collective code paths as larger ones, so one GPU exercises

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+import threading
+import time
 from dataclasses import dataclass
 
 from megalite.errors import UserError
@@ -123,3 +126,33 @@ def rank_error(message: str) -> UserError:
     """A start-up error only this rank may see (its environment, its rendezvous): every rank that hits
     one reports it, not only rank 0 (``local``, as train/entry.py's report() reads it)."""
     return UserError(message, local=True)
+
+
+LAUNCHER_POLL = 0.2              # seconds between a rank's checks that its launcher is alive
+LAUNCHER_GONE_EXIT = 75          # the exit status of a rank whose launcher died
+
+
+def exit_with_launcher(rank: int, parent: int | None = None) -> threading.Thread:
+    """A rank started by a launcher (torchrun's agent, slurmstepd) ends when the launcher does. When the
+    launcher is SIGKILLed (the OOM killer, a lost node agent) its ranks are re-parented and would train
+    on, writing checkpoints into a directory that a relaunch then shares with them. A daemon thread checks
+    the parent every LAUNCHER_POLL seconds; once it is gone it prints one line and ends the process at once
+    (os._exit: whatever the main thread is blocked in, a collective or a write). A save cut short leaves
+    only its temporary directory, never a published checkpoint (files.publish renames it whole). A
+    process started by hand has no launcher to outlive: the caller starts this only for launched ranks."""
+    parent = os.getppid() if parent is None else parent
+    for thread in threading.enumerate():           # one watch a process (a test may start several runs)
+        if thread.name == "launcher-watch":
+            return thread
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(LAUNCHER_POLL)
+        sys.stderr.write(f"rank {rank}: its launcher (pid {parent}) is gone; stopping now, without writing "
+                         f"anything more (exit status {LAUNCHER_GONE_EXIT})\n")
+        sys.stderr.flush()
+        os._exit(LAUNCHER_GONE_EXIT)
+
+    thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
+    thread.start()
+    return thread
