@@ -2,12 +2,13 @@
 NCCL's stream and matching rules imposed on gloo, and every rank of a group issuing the same collectives.
 The synchronous schedules must equal one process; the asynchronous ones their own delayed reference
 (test_pipedream.py runs them under the tier). A fast slice runs in the default suite, the whole matrix
-(pp 2 and 4 with TP, DP, ZeRO-1/2/3, FSDP2 and CP) in the slow tier."""
+(pp 2 and 4 with TP, DP, ZeRO-1/2/3, FSDP2 and CP) in the slow tier, with a sharded checkpoint's save
+and resume."""
 import functools
 
 import pytest
 
-from harness import run_ranks
+from harness import logged_losses, run_pretrain, run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 from megalite.config.megatron_cli import parse_args
 
@@ -81,3 +82,18 @@ MATRIX = [_argv(s, pp) for s in SCHEDULES for pp in (2, 4)] + \
 @pytest.mark.slow
 def test_every_schedule_and_layout_under_the_tier():
     check_under_the_tier(MATRIX)
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_saves_and_resumes_under_the_tier(tmp_path):
+    """Saving exchanges the tensor index (two all-to-alls: byte counts, then bytes) and agrees on errors;
+    loading reads only its own index files. Under the tier, a PP2 x ZeRO-1 run saved at iteration 2 resumes
+    to iteration 3 with the uninterrupted run's history."""
+    argv = with_flags(_argv("1f1b", 2, "zero1"), save=str(tmp_path / "ck"), save_interval=2)
+    whole = run_pretrain(4, argv, nccl=True)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = run_pretrain(4, with_flags(argv, save=str(tmp_path / "ck2"), train_iters=2), nccl=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_pretrain(4, with_flags(argv, save=str(tmp_path / "ck2"), load=str(tmp_path / "ck2")), nccl=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert logged_losses(resumed.stdout)[3] == logged_losses(whole.stdout)[3]
