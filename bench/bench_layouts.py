@@ -103,12 +103,13 @@ def measure(name: str) -> dict:
     """The planner's top layout for ``name`` and its roles' checks (megalite.planning.verify)."""
     import plan_parallelism
     from megalite.planning import verify
+    from megalite.planning.flags import pretrain_flags
     args = plan_parallelism.build_parser().parse_args(LAYOUTS[name] + ["--gpu-memory-gb", str(GPU_MEMORY_GB),
                                                                          "--top", "1"])
     workload, hardware, (estimate,) = plan_parallelism.plan(args)
     start = time.perf_counter()
     checks = verify.verify(workload, estimate.layout, log=lambda line: print(f"{name}: {line.strip()}", flush=True))
-    return {"layout": estimate.layout, "flags": " ".join(verify.pretrain_flags(workload, estimate.layout)),
+    return {"layout": estimate.layout, "flags": " ".join(pretrain_flags(workload, estimate.layout)),
             "checks": checks, "seconds": time.perf_counter() - start, "usable": hardware.usable_bytes}
 
 

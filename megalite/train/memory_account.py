@@ -54,11 +54,9 @@ def memory_label(label: str):
 
 @dataclass
 class Breakdown:
-    """The step's peak and its labels' bytes at that moment (``at_peak``), and each label's own
-    largest value during the step (``largest``)."""
+    """The step's peak and its labels' bytes at that moment (``at_peak``)."""
     peak: int = 0
     at_peak: dict[str, int] = field(default_factory=dict)
-    largest: dict[str, int] = field(default_factory=dict)
 
     def category(self, name: str) -> int:
         """Bytes at the peak of one of CATEGORIES (every activation label under "activations")."""
@@ -89,7 +87,6 @@ class MemoryAccount(TorchDispatchMode):
         self.live: dict[str, int] = {}
         self.total = 0
         self.breakdown = Breakdown()
-        self._phase = "activations: other"
         self._hooks: list = []
         self._resize = torch.UntypedStorage.resize_
 
@@ -124,11 +121,8 @@ class MemoryAccount(TorchDispatchMode):
             return
         self.live[label] = self.live.get(label, 0) + delta
         self.total += delta
-        b = self.breakdown
-        if self.live[label] > b.largest.get(label, 0):
-            b.largest[label] = self.live[label]
-        if self.total > b.peak:
-            b.peak, b.at_peak = self.total, {k: v for k, v in self.live.items() if v}
+        if self.total > self.breakdown.peak:
+            self.breakdown = Breakdown(self.total, {k: v for k, v in self.live.items() if v})
 
     # ---- labels ---------------------------------------------------------------------------------
     def _current_label(self) -> str:
@@ -136,7 +130,7 @@ class MemoryAccount(TorchDispatchMode):
             return _LABELS[-1]
         if torch._C._current_autograd_node() is not None:
             return "backward temporaries"
-        return self._phase
+        return "activations: other"
 
     def _hook_modules(self) -> None:
         """Forward hooks that label each chunk's, embedding's and layer's forward."""
@@ -163,12 +157,11 @@ class MemoryAccount(TorchDispatchMode):
         account = self
 
         def resize_(storage, size):
-            before = storage.nbytes()
             account._resize(storage, size)
             entry = account._label_of.get(storage)
             if entry is None:
                 account._add(storage, account._current_label())
-            elif storage.nbytes() != before:
+            elif storage.nbytes() != entry[1]:
                 account._change(entry[0], storage.nbytes() - entry[1])
                 entry[1] = storage.nbytes()
         torch.UntypedStorage.resize_ = resize_
