@@ -271,7 +271,8 @@ def bench_fsdp2(args):
 def _checkpoint_run(rank, world, argv, shape, directory):
     import torch
     from megalite.config.megatron_cli import parse_args
-    from megalite.checkpoint.sharded import load_checkpoint, save_checkpoint
+    from megalite.checkpoint.save import save_checkpoint
+    from megalite.checkpoint.sharded import load_checkpoint
     from megalite.train.trainer import build_trainer
     from megalite.train.step import train_step
     trainer = build_trainer(parse_args(argv, world_size=world))

@@ -40,12 +40,13 @@ import json
 import math
 import os
 import shutil
-import struct
 import zlib
 
 import torch
 
 from megalite.checkpoint.index import IndexShards, as_2d, check_filename, checked_entries, files_of
+from megalite.checkpoint.tensor_file import (STAGING_BYTES, TORCH_DTYPES, StoredTensor, as_bytes,
+                                             read_safetensors_header, write_tensor_file)
 from megalite.config.schema import DataConfig, ModelConfig, padded_vocab_size
 from megalite.errors import UserError
 
@@ -54,11 +55,6 @@ VERSION = 4                  # 4: per-tensor index bands (index.py); 3: the inde
                              # pieces; 1: whole tensors
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
-DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-               torch.uint8: "U8", torch.int32: "I32"}
-TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
-STAGING_BYTES = 64 << 20     # host memory a tensor passes through at a time, when written or read
-
 Box = tuple[int, int, int, int]   # rows [r0, r1) x columns [c0, c1) of a tensor viewed 2-D
 
 
@@ -71,46 +67,6 @@ def temporary_dir(root: str, iteration: int) -> str:
 
 
 # ---- writing -------------------------------------------------------------------------------------
-def write_tensor_file(directory: str, filename: str, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
-    """Write ``tensors`` (contiguous, on any device) to directory/filename in the safetensors format;
-    returns their index records ``{key: {file, shape, dtype, crc32}}``.
-
-    Written by hand rather than with safetensors.torch.save_file so that a tensor passes through host
-    memory in blocks of STAGING_BYTES (save_file needs every tensor on the CPU at once), and its CRC-32
-    is computed in the same pass."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        header[key] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)          # the data starts 8-byte aligned, as safetensors writes it
-    records = {}
-    with open(os.path.join(directory, filename), "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-        for key, t in tensors.items():
-            crc = 0
-            for block in _byte_blocks(t):
-                f.write(block)
-                crc = zlib.crc32(block, crc)
-            records[key] = {"file": filename, "shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype], "crc32": crc}
-        f.flush()
-        os.fsync(f.fileno())
-    return records
-
-
-def _byte_blocks(tensor: torch.Tensor):
-    """The tensor's bytes, at most STAGING_BYTES at a time, as CPU uint8 arrays."""
-    flat = tensor.detach().contiguous().view(-1)
-    step = max(1, STAGING_BYTES // flat.element_size())
-    for start in range(0, flat.numel(), step):
-        yield flat[start:start + step].cpu().view(torch.uint8).numpy()
-
-
-def _as_bytes(tensor: torch.Tensor):
-    return tensor.contiguous().view(-1).view(torch.uint8).numpy()
-
-
 def write_metadata(directory: str, metadata: dict) -> None:
     metadata = {"format": FORMAT, "version": VERSION, **metadata}
     files = files_of(metadata.get("tensors", {})) | set(metadata.get("rng_files", {}))
@@ -369,7 +325,7 @@ class CheckpointReader:
                 block = stored.rows(a - r0, b - r0)
             except (OSError, RuntimeError, ValueError) as e:
                 raise self._unreadable(name, path, e) from None
-            crc = zlib.crc32(_as_bytes(block), crc)
+            crc = zlib.crc32(as_bytes(block), crc)
             block = block.reshape(b - a, cols)
             for i, ((t0, t1, u0, u1), out) in enumerate(wanted):
                 lo, hi, left, right = max(a, t0), min(b, t1), max(c0, u0), min(c1, u1)
@@ -396,46 +352,6 @@ class CheckpointReader:
     def _corrupt(name: str, path: str) -> UserError:
         return UserError(f"checkpoint tensor {name!r} in {path} is corrupt (checksum mismatch); "
                          "load an earlier checkpoint")
-
-
-def read_safetensors_header(path: str) -> dict[str, tuple]:
-    """{key: (dtype, shape, first byte, end byte)} of a safetensors file, offsets from the file's start.
-
-    Tensors are then read with plain reads into a staging block, not through a memory map: mapped file
-    pages count in the process's RSS for as long as the file stays mapped, so reading a rank's share of a
-    checkpoint through mmap would hold that share a second time."""
-    with open(path, "rb") as f:
-        size = struct.unpack("<Q", f.read(8))[0]
-        if size > 100 << 20:
-            raise ValueError(f"header of {size} bytes")
-        header = json.loads(f.read(size))
-    base, total, tensors = 8 + size, os.path.getsize(path), {}
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        dtype = TORCH_DTYPES[entry["dtype"]]
-        shape = [int(n) for n in entry["shape"]]
-        if not 0 <= begin <= end or base + end > total or end - begin != math.prod(shape) * dtype.itemsize:
-            raise ValueError(f"tensor {key!r} has inconsistent offsets")
-        tensors[key] = (dtype, shape, base + begin, base + end)
-    return tensors
-
-
-class StoredTensor:
-    """One tensor of a safetensors file, read a block of rows at a time."""
-
-    def __init__(self, path: str, dtype: torch.dtype, shape: list[int], begin: int, end: int):
-        self.path, self.dtype, self.shape, self.begin, self.end = path, dtype, shape, begin, end
-
-    def rows(self, a: int, b: int) -> torch.Tensor:
-        row_bytes = (self.end - self.begin) // max(self.shape[0], 1)
-        with open(self.path, "rb") as f:
-            f.seek(self.begin + a * row_bytes)
-            data = bytearray(f.read((b - a) * row_bytes))
-        if len(data) != (b - a) * row_bytes:
-            raise ValueError("file ends early")
-        return torch.frombuffer(data, dtype=self.dtype).view(b - a, *self.shape[1:])
 
 
 # ---- the model's description ---------------------------------------------------------------------

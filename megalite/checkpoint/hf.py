@@ -42,7 +42,7 @@ import shutil
 import torch
 
 from megalite.checkpoint.files import (ARCHITECTURE_FIELDS, METADATA, TRACKER, CheckpointReader, prepare_temporary_dir,
-                                       publish, with_architecture_defaults, write_metadata, write_tensor_file)
+                                       publish, with_architecture_defaults, write_metadata)
 from megalite.checkpoint.hf_config import (EXTRA_FIELDS, QKV_BIAS_MODEL_TYPES, SUPPORTED_MODEL_TYPES,
                                            build_hf_config, check_convertible, check_representable, config_token_ids,
                                            default_model_type, dtype_name, extra_defaults, model_fields,
@@ -50,6 +50,7 @@ from megalite.checkpoint.hf_config import (EXTRA_FIELDS, QKV_BIAS_MODEL_TYPES, S
 from megalite.checkpoint.hf_moe import (MOE_TRAINING_KEYS, is_sparse, megalite_to_moe, moe_to_megalite,
                                         moe_training_settings)
 from megalite.checkpoint.hf_weights import HFWeights
+from megalite.checkpoint.tensor_file import write_tensor_file
 from megalite.errors import UserError
 
 MODEL_FILE = "model-00000.safetensors"          # the one tensor file of a converted megalite checkpoint

@@ -187,18 +187,18 @@ def encode(parts: dict[int, dict], world: int) -> list[bytes]:
     return [encode_part(parts[r]) if r in parts else b"" for r in range(world)]
 
 
-def exchange(payloads: list[bytes], device) -> list[bytes]:
-    """All-to-all of byte strings over the default group: payloads[r] goes to rank r; returns what each
-    rank sent here. First the byte counts, then the bytes with uneven splits, both on ``device`` (NCCL
-    needs the group's device) and posted in the same order on every rank."""
+def exchange(payloads: list[bytes], device, group=None) -> list[bytes]:
+    """All-to-all of byte strings over ``group`` (the default group: all ranks): payloads[r] goes to rank r;
+    returns what each rank sent here. First the byte counts, then the bytes with uneven splits, both on
+    ``device`` (NCCL needs the group's device) and posted in the same order on every rank."""
     counts = torch.tensor([len(p) for p in payloads], dtype=torch.int64, device=device)
     incoming = torch.empty_like(counts)
-    collectives.all_to_all_single(incoming, counts)
+    collectives.all_to_all_single(incoming, counts, group=group)
     send, recv = [len(p) for p in payloads], incoming.tolist()
     joined = b"".join(payloads)
     data = (torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8))
     out = torch.empty(sum(recv), dtype=torch.uint8, device=device)
-    collectives.all_to_all_single(out, data.to(device), recv, send)
+    collectives.all_to_all_single(out, data.to(device), recv, send, group=group)
     received, start = out.cpu().numpy().tobytes(), 0
     parts = []
     for n in recv:

@@ -1,4 +1,5 @@
-"""Save and load training checkpoints at any TP x PP x DP x ZeRO x CP layout, and load_model for inference.
+"""What each rank of any TP x PP x DP x ZeRO x CP layout saves (save.py writes it) and loads of a training
+checkpoint, and load_model for inference.
 
 A checkpoint holds every tensor at its full shape under its global name (files.py), so a checkpoint
 written at one layout loads at any other; yet no rank ever builds a full tensor, and no tensor data
@@ -34,15 +35,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.checkpoint.files import (DTYPE_NAMES, Box, CheckpointReader, as_2d, model_config_from_metadata,
-                                       model_metadata, prepare_temporary_dir, publish, temporary_dir,
-                                       tokenizer_metadata, write_metadata, write_tensor_file, TRACKER, METADATA)
-from megalite.checkpoint.index import (BANDS, band_rows, encode, encode_part, exchange, merge, outgoing,
-                                      write_index_file)
+from megalite.checkpoint.files import Box, CheckpointReader, as_2d, model_config_from_metadata, TRACKER, METADATA
+from megalite.checkpoint.index import band_rows, encode_part, outgoing
 from megalite.checkpoint.pieces import (OPTIMIZER_STATES, ParamEntry, Placement, box_view, boxes, held_params,
                                         optimizer_ranges, overlap, pad_vocabulary, param_entries, placement,
                                         stored_shape)
 from megalite.checkpoint.stashed import load_stashed_versions, stashed_sources
+from megalite.checkpoint.tensor_file import DTYPE_NAMES
 from megalite.config.schema import ModelConfig
 from megalite.errors import UserError
 from megalite.parallel.data.grad_buffer import Bucket
@@ -96,17 +95,18 @@ def layout_of(trainer) -> dict:
 MESSAGE_BYTES = 1024        # the longest error message one rank passes to the others
 
 
-def _agree(ok: bool, message: str, device) -> None:
-    """Every rank learns whether any rank failed (so none waits in a collective for a failed one), and
-    all raise the message of the lowest failing rank: one all-reduce of a rank number, and only after a
-    failure a broadcast of that rank's message (bounded bytes, whatever the world)."""
+def agree(ok: bool, message: str, device, group=None) -> None:
+    """Every rank of ``group`` (default: all) learns whether any rank failed (so none waits in a collective
+    for a failed one), and all raise the message of the lowest failing rank: one all-reduce of a rank
+    number, and only after a failure a broadcast of that rank's message (bounded bytes, whatever the world).
+    ``group`` spans every rank (a checkpoint's own group), so its ranks are the global ones."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if not ok:
             raise UserError(message)
         return
     world, rank = dist.get_world_size(), dist.get_rank()
     first = torch.tensor([world if ok else rank], dtype=torch.int64, device=device)
-    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
     source = int(first)
     if source == world:
         return
@@ -114,7 +114,7 @@ def _agree(ok: bool, message: str, device) -> None:
     if rank == source and message:
         data = message.encode()[:MESSAGE_BYTES]
         text[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    dist.broadcast(text, src=source)
+    dist.broadcast(text, src=source, group=group)
     raise UserError(bytes(text.cpu().tolist()).rstrip(b"\0").decode(errors="ignore"))
 
 
@@ -233,22 +233,6 @@ def planned_shards(trainer, data_rank: int | None = None) -> tuple[dict[str, dic
     return {file: tensors for file, tensors in files.items() if tensors}, index
 
 
-def write_shards(trainer, directory: str) -> dict[int, dict]:
-    """Write this rank's parts of every stored tensor and its RNG states; returns what it sends to
-    each index holder (index.py)."""
-    files, index = planned_shards(trainer)
-    records = {}            # model and optimizer keys differ ("optimizer." prefix): one dict holds both
-    for filename, tensors in files.items():
-        records.update(write_tensor_file(directory, filename, tensors))
-    for stored in index.values():
-        for piece in stored["pieces"]:
-            piece["crc32"] = records[piece["key"]]["crc32"]
-    rng_file = f"rng-rank{trainer.parallel.rank:05d}.safetensors"
-    rng = {rng_file: write_tensor_file(directory, rng_file, rng_tensors(trainer.model.tp.rng))}
-    sizes = {name: os.path.getsize(os.path.join(directory, name)) for name in [*files, rng_file]}
-    return outgoing(index, rng, sizes, trainer.parallel.world_size)
-
-
 def index_payloads(trainer, data_rank: int | None = None) -> dict[int, bytes]:
     """{holder: the bytes this rank sends it} on save, computed without writing anything: every CRC and
     file size at its widest, so an upper bound (measurement, dry runs). ``data_rank``: those of the rank
@@ -264,65 +248,6 @@ def index_payloads(trainer, data_rank: int | None = None) -> dict[int, bytes]:
                              "crc32": 0xFFFFFFFF} for name, t in rng_tensors(trainer.model.tp.rng).items()}}
     parts = outgoing(index, rng, {name: 10 ** 12 - 1 for name in [*files, rng_file]}, p.world_size)
     return {holder: encode_part(part) for holder, part in parts.items()}
-
-
-def save_checkpoint(trainer, root: str) -> str:
-    """Collective: every rank calls it. Writes iter_N.tmp, then rank 0 publishes it as iter_N."""
-    p, iteration = trainer.parallel, trainer.state.iteration
-    distributed = dist.is_initialized() and p.world_size > 1
-    error = None
-    if p.rank == 0:
-        try:
-            prepare_temporary_dir(root, iteration)
-        except UserError as e:
-            error = str(e)
-    _agree(error is None, error or "", trainer.device)
-    tmp = temporary_dir(root, iteration)
-    full = (f"--save {root}: cannot write the checkpoint ({{}}); free some space or choose another directory")
-
-    trainer.ddp.wait_for_param_gather()          # no asynchronous gather may still write into the parameters
-    parts, error = {}, None
-    try:                                         # every rank writes: a full disk on one must stop them all
-        parts = write_shards(trainer, tmp)
-    except OSError as e:
-        error = full.format(e.strerror or e)
-    _agree(error is None, error or "", trainer.device)
-    payloads = encode(parts, p.world_size)
-    received = exchange(payloads, trainer.device) if distributed else payloads
-    try:
-        write_index_file(tmp, p.rank, merge(received))
-        if p.rank == 0:
-            step = float(next(iter(trainer.optimizer.adam.state.values()))["step"])
-            write_metadata(tmp, training_metadata(trainer, step))
-    except OSError as e:
-        error = full.format(e.strerror or e)
-    except UserError as e:                                  # merge: the writers of a tensor disagree
-        error = str(e)
-    _agree(error is None, error or "", trainer.device)      # every index file is written before the rename
-    final = publish(root, iteration) if p.rank == 0 else None
-    if distributed:
-        dist.barrier()
-    return final or os.path.join(root, f"iter_{iteration:07d}")
-
-
-def training_metadata(trainer, adam_step: float) -> dict:
-    cfg, state = trainer.config, trainer.state
-    scaler = trainer.optimizer.loss_scaler
-    return {
-        "iteration": state.iteration,
-        "model": model_metadata(cfg.model),
-        "tokenizer": tokenizer_metadata(cfg.data),
-        "args": dataclasses.asdict(cfg),
-        "layout": layout_of(trainer),
-        "train_state": {"iteration": state.iteration, "consumed_train_samples": state.consumed_train_samples,
-                        "consumed_valid_samples": state.consumed_valid_samples,
-                        "skipped_iterations": state.skipped_iterations, "nan_iterations": state.nan_iterations},
-        "scheduler": trainer.scheduler.state_dict(),
-        "loss_scaler": scaler.state_dict() if scaler is not None else None,
-        "optimizer": {"step": adam_step, "has_master": trainer.buffer.param_dtype != torch.float32},
-        "source": trainer.checkpoint_source,      # where the weights first came from (e.g. a converted HF model)
-        "index": {"shards": trainer.parallel.world_size, "bands": BANDS, "holder": "crc32(key) % shards"},
-    }
 
 
 # ---- load ----------------------------------------------------------------------------------------
@@ -441,7 +366,7 @@ def load_checkpoint(trainer, path: str, load_optimizer: bool = True, load_rng: b
             rng, rng_skipped = saved_rng(reader, trainer)
     except UserError as e:
         error = str(e)
-    _agree(error is None, error or "", trainer.device)
+    agree(error is None, error or "", trainer.device)
     trainer.checkpoint_source = meta.get("source")
     if finetune:
         log(f" > loaded weights from {reader.directory} (iteration {reader.iteration}); --finetune: starting at "

@@ -380,6 +380,10 @@ class TrainingConfig:
         "known GPUs; MFU is left out on CPUs without it"))
     skip_nan_iterations: bool = flag("--skip-nan-iterations", default=False, help=(
         "a NaN/Inf loss or gradient norm skips that update and training goes on (default: stop)"))
+    async_save: bool = flag("--async-save", default=False, help=(
+        "write checkpoints while training goes on: each rank's shard is snapshotted (a copy-on-write fork on CPU, "
+        "reusable pinned host memory on GPU) and written in the background; a save is published only once every "
+        "rank's files are on disk, the next save waits for the previous one, and so does the end of the run"))
     distributed_timeout_minutes: float = flag("--distributed-timeout-minutes", positive_float, default=10, help=(
         "a collective waiting longer than this (a rank died or hung) ends the run with an error"))
     # [(consumed samples from which it applies, global batch size), ...] ascending; empty: global_batch_size

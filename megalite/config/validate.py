@@ -411,6 +411,8 @@ def _check_data(d: DataConfig) -> None:
 def _check_checkpointing(t: TrainingConfig) -> None:
     if t.save_interval is not None and not t.save:
         raise UserError("--save-interval needs --save DIR (where to write the checkpoints)")
+    if t.async_save and not t.save:
+        raise UserError("--async-save needs --save DIR (where to write the checkpoints)")
     if t.finetune and not t.load:       # --no-load-optim / --no-load-rng alone only get a note (megatron_cli.py)
         raise UserError("--finetune needs --load DIR (the checkpoint to start from)")
 

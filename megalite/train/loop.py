@@ -59,6 +59,7 @@ def train(trainer, train_iter, valid_iter, log, sinks: MetricsSinks | None) -> N
                                              log, sinks)
             state.exit_reason = exits.check(state.iteration)
             if state.exit_reason:
+            trainer.poll_saves()
                 if t.save and trainer.last_saved_iteration != state.iteration:
                     trainer.save()
                 log(f" > exiting at iteration {state.iteration}: {state.exit_reason}")

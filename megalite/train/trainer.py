@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.data import DataLoader
 
+from megalite.checkpoint.background import BackgroundSaves
 from megalite.checkpoint.files import CheckpointReader, check_writable
-from megalite.checkpoint.sharded import (full_shape, has_checkpoint, load_checkpoint, param_entries, restore_rng,
-                                         save_checkpoint)
+from megalite.checkpoint.save import save_checkpoint
+from megalite.checkpoint.sharded import full_shape, has_checkpoint, load_checkpoint, param_entries, restore_rng
 from megalite.config import validate as rules
 from megalite.config.schema import MegaliteConfig
 from megalite.data.builder import build_train_valid_test_datasets
@@ -84,8 +85,8 @@ class Trainer:
     ``chunks`` (this rank's pipeline stages), ``ddp`` (data-parallel gradient sync / ZeRO sharding),
     ``buffer``, ``optimizer``, ``scheduler``, ``timers``, ``state``, ``pipeline`` (stage-to-stage exchange
     when pp > 1), ``async_pipeline`` (--pipeline-schedule pipedream / pipedream-2bw),
-    ``last_saved_iteration`` (of the checkpoint last saved or loaded) and ``checkpoint_source``
-    (metadata["source"] of the loaded checkpoint, kept on save).
+    ``last_saved_iteration`` (of the checkpoint last saved or loaded), ``checkpoint_source``
+    (metadata["source"] of the loaded checkpoint, kept on save) and ``background_saves`` (--async-save).
 
     ``print_fn`` prints a line; ``log`` is print_fn on the logging rank and silent elsewhere."""
 
@@ -110,6 +111,7 @@ class Trainer:
         self.async_pipeline = build_async_pipeline(config, self.parallel, self.ddp, self.pipeline,
                                                    chunk_forward(self.chunks, self.device))
         self.timers = Timers(config.training.timing_log_level, self.device)
+        self.background_saves = BackgroundSaves(config.training.save, self.log) if config.training.async_save else None
 
     def _build_model(self) -> None:
         """This rank's model chunks inside the data-parallel wrapper (``chunks``, ``model``, ``ddp``,
@@ -164,6 +166,7 @@ class Trainer:
             self.ddp.wait_for_param_gather()
             if not self.state.exit_reason:       # on an early exit: saved already, no final evaluation
                 self._finish(valid_iter, test_iter)
+            self.poll_saves(wait=True)
         finally:
             if sinks is not None:
                 sinks.close()
@@ -194,13 +197,25 @@ class Trainer:
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def save(self) -> None:
-        """Save to --save (every rank: a collective)."""
+        """Save to --save (every rank: a collective); with --async-save, start saving in the background."""
         start = time.perf_counter()
         with collective_phase("saving a checkpoint", self.config.training.distributed_timeout_minutes):
+            if self.background_saves is not None:
+                self.background_saves.save(self)
+                self.last_saved_iteration = self.state.iteration
+                return
             path = save_checkpoint(self, self.config.training.save)
         self.last_saved_iteration = self.state.iteration
         self.log(f" > saved checkpoint at iteration {self.state.iteration} to {path} "
                  f"({time.perf_counter() - start:.2f} s)")
+
+    def poll_saves(self, wait: bool = False) -> None:
+        """Report a background save that has finished (no collective), or with ``wait`` block until none is
+        in flight (every way the run ends); raise the error of one that failed."""
+        if self.background_saves is None:
+            return
+        with collective_phase("saving a checkpoint in the background", self.config.training.distributed_timeout_minutes):
+            self.background_saves.wait() if wait else self.background_saves.poll()
 
     def load(self):
         """--load: weights, optimizer and position of a previous run; returns the RNG states, restored

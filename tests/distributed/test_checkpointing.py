@@ -124,7 +124,7 @@ def test_load_model_gives_the_same_logits_from_a_sharded_and_a_serial_checkpoint
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import megalite.checkpoint.sharded as ckpt
+import megalite.checkpoint.save as ckpt
 saves = {{"n": 0}}
 rank = int(os.environ.get("RANK", "0"))
 def die_in(module, name, on_rank, nth):

@@ -21,10 +21,12 @@ from torch.utils.data import DataLoader
 from dp_workloads import DP_ARGS, SyntheticTokens, layout_flags
 from harness import run_ranks
 from megalite.config.megatron_cli import parse_args
-from megalite.checkpoint.files import TORCH_DTYPES, CheckpointReader, as_2d, write_checkpoint
+from megalite.checkpoint.files import CheckpointReader, as_2d, write_checkpoint
+from megalite.checkpoint.tensor_file import TORCH_DTYPES
 from megalite.checkpoint.index import IndexShards, holder, index_filename
 from megalite.checkpoint.pieces import param_entries
-from megalite.checkpoint.sharded import load_checkpoint, save_checkpoint
+from megalite.checkpoint.save import save_checkpoint
+from megalite.checkpoint.sharded import load_checkpoint
 from megalite.data.samplers import MegatronPretrainingSampler
 from megalite.errors import UserError
 from megalite.parallel.param_meta import param_meta

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megalite.checkpoint import index as index_module
-from megalite.checkpoint.files import DTYPE_NAMES, CheckpointReader, write_metadata, write_tensor_file
+from megalite.checkpoint.files import CheckpointReader, write_metadata
+from megalite.checkpoint.tensor_file import DTYPE_NAMES, write_tensor_file
 from megalite.checkpoint.index import (BANDS, IndexShards, band_holder, band_rows, encode, holder, index_filename,
                                        key_of, merge, outgoing, write_index_file)
 from megalite.errors import UserError
