@@ -2,7 +2,7 @@
 
 A save stalls training only for as long as it takes to fix what is saved:
 
-- the plan (sharded.plan_save: the tensors this rank owns, its RNG states, rank 0's metadata), as the
+- the plan (save.plan_save: the tensors this rank owns, its RNG states, the publisher's metadata), as the
   synchronous save makes it, after the previous background save has finished;
 - a snapshot of those tensors that later steps cannot change. On a GPU they are copied into host memory
   that is pinned once and reused (one shard's bytes), then written by a thread. On the CPU the rank
@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint.save import SavePlan, plan_save, publish_plan, write_files
+from megalite.checkpoint.save import Destination, SavePlan, plan_save, publish_plan, write_files
 from megalite.checkpoint.tensor_file import HostArray
 
 _LIBC = ctypes.CDLL(None, use_errno=True)      # opened before any fork: the child must not call dlopen
@@ -141,17 +141,17 @@ class BackgroundSaves:
     no collective) reports one that has finished, ``wait`` blocks until none is in flight. Building it is
     collective (its gloo group)."""
 
-    def __init__(self, root: str, log):
-        self.root, self.log = root, log
+    def __init__(self, log):
+        self.log = log
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.group = dist.new_group(backend="gloo") if distributed else None
         self.pinned = PinnedSnapshot()
         self.pending: Pending | None = None
 
-    def save(self, trainer) -> None:
+    def save(self, trainer, destination: Destination) -> None:
         start = time.perf_counter()
         self.wait()                                # the next save waits for the previous one
-        plan = plan_save(trainer, self.root)
+        plan = plan_save(trainer, destination)
         if trainer.device.type == "cpu":
             wait_for_files = fork_writer(plan)
         else:

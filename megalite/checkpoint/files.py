@@ -77,29 +77,52 @@ def write_metadata(directory: str, metadata: dict) -> None:
     _fsync(path)
 
 
-def check_writable(root: str) -> None:
-    """--save must be a directory we can write, known before any training time is spent."""
+def check_writable(root: str, flag: str = "--save") -> None:
+    """--save (or ``flag``) must be a directory we can write, known before any training time is spent."""
     try:
         os.makedirs(root, exist_ok=True)
         probe = os.path.join(root, f".writable-{os.getpid()}")
         open(probe, "w").close()
         os.remove(probe)
     except OSError as e:
-        raise UserError(f"--save {root}: cannot write there ({e.strerror}); choose a writable directory") from None
+        raise UserError(f"{flag} {root}: cannot write there ({e.strerror}); choose a writable directory") from None
 
 
-def prepare_temporary_dir(root: str, iteration: int) -> str:
-    """A fresh, empty iter_N.tmp under ``root``; leftovers of saves that were killed are removed."""
-    check_writable(root)
+def remove_leftovers(root: str, flag: str = "--save") -> None:
+    """Remove the iter_N.tmp directories of saves that were killed."""
+    check_writable(root, flag)
     try:
         for name in os.listdir(root):
             if name.startswith("iter_") and name.endswith(".tmp"):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        tmp = temporary_dir(root, iteration)
-        os.makedirs(tmp)
     except OSError as e:
-        raise UserError(f"--save {root}: cannot write there ({e.strerror}); choose a writable directory") from None
+        raise UserError(f"{flag} {root}: cannot write there ({e.strerror}); choose a writable directory") from None
+
+
+def prepare_temporary_dir(root: str, iteration: int, flag: str = "--save", exist_ok: bool = False) -> str:
+    """A fresh, empty iter_N.tmp under ``root`` (``exist_ok``: or the one another rank just made);
+    leftovers of saves that were killed are removed first, unless ``exist_ok`` (then already done)."""
+    if not exist_ok:
+        remove_leftovers(root, flag)
+    tmp = temporary_dir(root, iteration)
+    try:
+        os.makedirs(tmp, exist_ok=exist_ok)
+    except OSError as e:
+        raise UserError(f"{flag} {root}: cannot write there ({e.strerror}); choose a writable directory") from None
     return tmp
+
+
+def published_iterations(root: str) -> list[int]:
+    """The iterations of the complete (published) iter_N directories under ``root``, ascending."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(int(n[5:]) for n in names if n.startswith("iter_") and n[5:].isdigit()
+                  and os.path.isfile(os.path.join(root, n, METADATA)))
+
+
+def prune(root: str, keep: int) -> None:
+    """Remove all but the newest ``keep`` published checkpoints under ``root`` (non-persistent ones)."""
+    for iteration in published_iterations(root)[:-keep]:
+        shutil.rmtree(iteration_dir(root, iteration), ignore_errors=True)
 
 
 def publish(root: str, iteration: int) -> str:

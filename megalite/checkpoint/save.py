@@ -10,20 +10,32 @@ import os
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint.files import (iteration_dir, model_metadata, prepare_temporary_dir, publish, temporary_dir,
-                                       tokenizer_metadata, write_metadata)
+from megalite.checkpoint.files import (iteration_dir, model_metadata, prepare_temporary_dir, prune, publish,
+                                       remove_leftovers, temporary_dir, tokenizer_metadata, write_metadata)
 from megalite.checkpoint.index import BANDS, encode, exchange, merge, outgoing, write_index_file
 from megalite.checkpoint.sharded import agree, layout_of, planned_shards, rng_tensors
 from megalite.checkpoint.tensor_file import write_tensor_file
 from megalite.errors import UserError
 
 
+@dataclasses.dataclass(frozen=True)
+class Destination:
+    """Where a save goes. ``root`` is shared by every rank (--save, a global non-persistent directory:
+    rank 0 prepares and publishes it) or, ``node_local``, a directory of each node's own
+    (--non-persistent-local-ckpt-dir: in each distinct directory the lowest rank of local rank 0 that sees
+    it does). ``keep``: how many published checkpoints it keeps (None: all)."""
+    root: str
+    flag: str = "--save"
+    node_local: bool = False
+    keep: int | None = None
+
+
 @dataclasses.dataclass
 class SavePlan:
     """One rank's part of a save, fixed at the iteration it is taken: the tensors it writes ({file: {key:
     tensor}}, views of the live state until written or snapshotted; its RNG file among them), its index
-    entries (without the CRCs, known once written) and rank 0's metadata."""
-    root: str
+    entries (without the CRCs, known once written) and, where it publishes the directory, the metadata."""
+    destination: Destination
     iteration: int
     directory: str                       # iter_N.tmp, published as iter_N
     files: dict[str, dict]
@@ -33,31 +45,61 @@ class SavePlan:
     rank: int
     world: int
 
+    @property
+    def root(self) -> str:
+        return self.destination.root
+
     def full_disk(self, error: OSError) -> str:
-        return (f"--save {self.root}: cannot write the checkpoint ({error.strerror or error}); free some space or "
-                "choose another directory")
+        return (f"{self.destination.flag} {self.root}: cannot write the checkpoint ({error.strerror or error}); free "
+                "some space or choose another directory")
 
 
-def plan_save(trainer, root: str) -> SavePlan:
-    """Collective: rank 0 prepares a fresh iter_N.tmp and every rank learns whether it could; then this
-    rank's plan, once no asynchronous parameter gather can still write into what it saves."""
+def plan_save(trainer, destination: Destination) -> SavePlan:
+    """Collective: a fresh iter_N.tmp in every directory the ranks write to, every rank learning whether it
+    could; then this rank's plan, once no asynchronous parameter gather can still write into what it saves."""
     p, iteration = trainer.parallel, trainer.state.iteration
-    error = None
-    if p.rank == 0:
-        try:
-            prepare_temporary_dir(root, iteration)
-        except UserError as e:
-            error = str(e)
-    agree(error is None, error or "", trainer.device)
+    publisher = prepare(destination, iteration, p.rank, trainer.device)
     trainer.ddp.wait_for_param_gather()
     files, index = planned_shards(trainer)
     rng_file = f"rng-rank{p.rank:05d}.safetensors"
     files[rng_file] = rng_tensors(trainer.model.tp.rng)
     metadata = None
-    if p.rank == 0:
+    if publisher:
         metadata = training_metadata(trainer, float(next(iter(trainer.optimizer.adam.state.values()))["step"]))
     world = p.world_size if dist.is_initialized() else 1
-    return SavePlan(root, iteration, temporary_dir(root, iteration), files, index, rng_file, metadata, p.rank, world)
+    return SavePlan(destination, iteration, temporary_dir(destination.root, iteration), files, index, rng_file,
+                    metadata, p.rank, world)
+
+
+def prepare(destination: Destination, iteration: int, rank: int, device) -> bool:
+    """Collective: prepares iter_N.tmp; returns whether this rank publishes it. A node-local directory is
+    prepared by each node's local rank 0 in two agreed steps (remove leftovers, then create and sign), so
+    that ranks that turn out to share one (a shared filesystem) neither delete each other's work nor both
+    publish: the lowest signer publishes."""
+    root, flag = destination.root, destination.flag
+    if not destination.node_local:
+        agree(*attempt(rank == 0, lambda: prepare_temporary_dir(root, iteration, flag)), device)
+        return rank == 0
+    leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    agree(*attempt(leader, lambda: remove_leftovers(root, flag)), device)
+    signature = f".publisher-rank{rank:05d}"
+
+    def create_and_sign() -> None:
+        tmp = prepare_temporary_dir(root, iteration, flag, exist_ok=True)
+        open(os.path.join(tmp, signature), "w").close()
+    agree(*attempt(leader, create_and_sign), device)
+    tmp = temporary_dir(root, iteration)
+    return leader and min(n for n in os.listdir(tmp) if n.startswith(".publisher-rank")) == signature
+
+
+def attempt(here: bool, action) -> tuple[bool, str]:
+    """(ok, message) of ``action`` where ``here``, for ``agree``."""
+    if here:
+        try:
+            action()
+        except UserError as e:
+            return False, str(e)
+    return True, ""
 
 
 def write_files(plan: SavePlan, files: dict[str, dict]) -> tuple[dict[str, dict] | None, str | None]:
@@ -92,15 +134,18 @@ def publish_plan(plan: SavePlan, records: dict | None, error: str | None, device
     except UserError as e:                                  # merge: the writers of a tensor disagree
         error = str(e)
     agree(error is None, error or "", device, group)       # every index file is written before the rename
-    final = publish(plan.root, plan.iteration) if plan.rank == 0 else None
+    if plan.metadata is not None:                           # this rank publishes the directory
+        publish(plan.root, plan.iteration)
+        if plan.destination.keep:
+            prune(plan.root, plan.destination.keep)
     if plan.world > 1:
         dist.barrier(group=group)
-    return final or iteration_dir(plan.root, plan.iteration)
+    return iteration_dir(plan.root, plan.iteration)
 
 
-def save_checkpoint(trainer, root: str) -> str:
+def save_checkpoint(trainer, root: str | Destination) -> str:
     """Collective: every rank calls it. Writes iter_N.tmp, then rank 0 publishes it as iter_N."""
-    plan = plan_save(trainer, root)
+    plan = plan_save(trainer, root if isinstance(root, Destination) else Destination(root))
     records, error = write_files(plan, plan.files)      # every rank writes: a full disk on one stops them all
     return publish_plan(plan, records, error, trainer.device)
 

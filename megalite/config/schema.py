@@ -384,6 +384,25 @@ class TrainingConfig:
         "write checkpoints while training goes on: each rank's shard is snapshotted (a copy-on-write fork on CPU, "
         "reusable pinned host memory on GPU) and written in the background; a save is published only once every "
         "rank's files are on disk, the next save waits for the previous one, and so does the end of the run"))
+    non_persistent_save_interval: Optional[int] = flag("--non-persistent-save-interval", positive_int, default=None,
+                                                       help=(
+        "also save a cheap checkpoint every this many iterations (--non-persistent-ckpt-type), keeping the newest "
+        "two; --load resumes from the newest complete checkpoint, persistent or not"))
+    non_persistent_ckpt_type: Optional[str] = flag("--non-persistent-ckpt-type", default=None,
+                                                   choices=("global", "local"), help=(
+        "global: in --non-persistent-global-ckpt-dir, shared by all ranks; local: in --non-persistent-local-ckpt-dir, "
+        "a directory of each node's own"))
+    non_persistent_global_ckpt_dir: Optional[str] = flag("--non-persistent-global-ckpt-dir", default=None,
+                                                         help="default: SAVE/non_persistent")
+    non_persistent_local_ckpt_dir: Optional[str] = flag("--non-persistent-local-ckpt-dir", default=None, help=(
+        "a node-local directory (fast local disk) for --non-persistent-ckpt-type local"))
+    non_persistent_local_ckpt_algo: str = flag("--non-persistent-local-ckpt-algo", default="fully_parallel",
+                                               choices=("fully_parallel", "atomic"), help=(
+        "accepted for Megatron's scripts: every rank writes its own files either way"))
+    async_save: bool = flag("--async-save", default=False, help=(
+        "write checkpoints while training goes on: each rank's shard is snapshotted (a copy-on-write fork on CPU, "
+        "reusable pinned host memory on GPU) and written in the background; a save is published only once every "
+        "rank's files are on disk, the next save waits for the previous one, and so does the end of the run"))
     distributed_timeout_minutes: float = flag("--distributed-timeout-minutes", positive_float, default=10, help=(
         "a collective waiting longer than this (a rank died or hung) ends the run with an error"))
     # [(consumed samples from which it applies, global batch size), ...] ascending; empty: global_batch_size

@@ -413,6 +413,13 @@ def _check_checkpointing(t: TrainingConfig) -> None:
         raise UserError("--save-interval needs --save DIR (where to write the checkpoints)")
     if t.async_save and not t.save:
         raise UserError("--async-save needs --save DIR (where to write the checkpoints)")
+    if t.non_persistent_save_interval is not None and t.non_persistent_ckpt_type is None:
+        raise UserError("--non-persistent-save-interval needs --non-persistent-ckpt-type global or local")
+    if t.non_persistent_ckpt_type == "local" and not t.non_persistent_local_ckpt_dir:
+        raise UserError("--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir DIR (a node-local "
+                        "directory)")
+    if t.non_persistent_ckpt_type is not None and not t.save:
+        raise UserError("--non-persistent-ckpt-type needs --save DIR (the persistent checkpoints)")
     if t.finetune and not t.load:       # --no-load-optim / --no-load-rng alone only get a note (megatron_cli.py)
         raise UserError("--finetune needs --load DIR (the checkpoint to start from)")
 
@@ -437,7 +444,9 @@ def _check_output_paths(t: TrainingConfig) -> None:
     spent: a path through an existing file, or below a folder we may not write, is refused. Nothing is
     created here."""
     for flag, path in (("--save", t.save), ("--tensorboard-dir", t.tensorboard_dir),
-                       ("--wandb-save-dir", t.wandb_save_dir), ("--metrics-file", t.metrics_file)):
+                       ("--wandb-save-dir", t.wandb_save_dir), ("--metrics-file", t.metrics_file),
+                       ("--non-persistent-global-ckpt-dir", t.non_persistent_global_ckpt_dir),
+                       ("--non-persistent-local-ckpt-dir", t.non_persistent_local_ckpt_dir)):
         if not path:
             continue
         if flag == "--metrics-file":

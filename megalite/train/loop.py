@@ -130,6 +130,10 @@ def after_iteration(trainer, interval, interval_start: float, throughput: Throug
     return interval_start
 
 
+    elif (t.non_persistent_save_interval and state.iteration % t.non_persistent_save_interval == 0
+          and state.iteration < t.train_iters):                 # the end of the run saves persistently
+        trainer.save(non_persistent=True)
+        interval_start = time.perf_counter()
 # ---- evaluation ----------------------------------------------------------------------------------
 def evaluate(trainer, data_iterator, num_batches: int) -> float:
     """The mean loss over ``num_batches`` full global batches (per token with --calculate-per-token-loss),

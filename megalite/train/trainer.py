@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.data import DataLoader
 
+from megalite.checkpoint import locations
 from megalite.checkpoint.background import BackgroundSaves
 from megalite.checkpoint.files import CheckpointReader, check_writable
 from megalite.checkpoint.save import save_checkpoint
-from megalite.checkpoint.sharded import full_shape, has_checkpoint, load_checkpoint, param_entries, restore_rng
+from megalite.checkpoint.sharded import full_shape, load_checkpoint, param_entries, restore_rng
 from megalite.config import validate as rules
 from megalite.config.schema import MegaliteConfig
 from megalite.data.builder import build_train_valid_test_datasets
@@ -111,7 +112,7 @@ class Trainer:
         self.async_pipeline = build_async_pipeline(config, self.parallel, self.ddp, self.pipeline,
                                                    chunk_forward(self.chunks, self.device))
         self.timers = Timers(config.training.timing_log_level, self.device)
-        self.background_saves = BackgroundSaves(config.training.save, self.log) if config.training.async_save else None
+        self.background_saves = BackgroundSaves(self.log) if config.training.async_save else None
 
     def _build_model(self) -> None:
         """This rank's model chunks inside the data-parallel wrapper (``chunks``, ``model``, ``ddp``,
@@ -196,18 +197,20 @@ class Trainer:
         self.ddp.close()
 
     # ---- checkpoints -----------------------------------------------------------------------------
-    def save(self) -> None:
-        """Save to --save (every rank: a collective); with --async-save, start saving in the background."""
-        start = time.perf_counter()
-        with collective_phase("saving a checkpoint", self.config.training.distributed_timeout_minutes):
+    def save(self, non_persistent: bool = False) -> None:
+        """Save to --save, or the non-persistent directory (every rank: a collective); with --async-save,
+        start saving in the background."""
+        start, t = time.perf_counter(), self.config.training
+        destination = locations.non_persistent(t) if non_persistent else locations.persistent(t)
+        with collective_phase("saving a checkpoint", t.distributed_timeout_minutes):
             if self.background_saves is not None:
-                self.background_saves.save(self)
-                self.last_saved_iteration = self.state.iteration
-                return
-            path = save_checkpoint(self, self.config.training.save)
-        self.last_saved_iteration = self.state.iteration
-        self.log(f" > saved checkpoint at iteration {self.state.iteration} to {path} "
-                 f"({time.perf_counter() - start:.2f} s)")
+                self.background_saves.save(self, destination)          # says when it is taken and published
+            else:
+                path = save_checkpoint(self, destination)
+                self.log(f" > saved checkpoint at iteration {self.state.iteration} to {path} "
+                         f"({time.perf_counter() - start:.2f} s)")
+        if not non_persistent:
+            self.last_saved_iteration = self.state.iteration
 
     def poll_saves(self, wait: bool = False) -> None:
         """Report a background save that has finished (no collective), or with ``wait`` block until none is
@@ -218,25 +221,28 @@ class Trainer:
             self.background_saves.wait() if wait else self.background_saves.poll()
 
     def load(self):
-        """--load: weights, optimizer and position of a previous run; returns the RNG states, restored
-        later. A --load directory without a checkpoint yet is a fresh start when it is also the --save
-        directory (the usual "--save X --load X" job script re-run after a crash); anywhere else it is a
-        mistake."""
+        """--load: weights, optimizer and position of a previous run (the newest complete checkpoint,
+        persistent or not: locations.py); returns the RNG states, restored later. A --load directory
+        without a checkpoint yet is a fresh start when it is also the --save directory (the usual "--save X
+        --load X" job script re-run after a crash); anywhere else it is a mistake."""
         t = self.config.training
         if not t.load:
             return None
-        if not has_checkpoint(t.load) and t.save and os.path.abspath(t.load) == os.path.abspath(t.save):
-            self.log(f" > no checkpoint in {t.load} yet: starting from scratch")
-            return None
         with collective_phase("loading a checkpoint", t.distributed_timeout_minutes):
-            rng = load_checkpoint(self, t.load, load_optimizer=not t.no_load_optim, load_rng=not t.no_load_rng,
+            path = locations.resume_directory(t, self.device, self.log)
+            if path is None and t.save and os.path.abspath(t.load) == os.path.abspath(t.save):
+                self.log(f" > no checkpoint in {t.load} yet: starting from scratch")
+                return None
+            path = path or t.load              # load_checkpoint says what is wrong with it
+            rng = load_checkpoint(self, path, load_optimizer=not t.no_load_optim, load_rng=not t.no_load_rng,
                                   finetune=t.finetune, log=self.log)
-        self.last_saved_iteration = self.state.iteration
+        if not locations.is_non_persistent(t, path):       # else the final save must still be made
+            self.last_saved_iteration = self.state.iteration
         if t.batch_size_schedule and not t.finetune:
-            self._restore_lr_position()
+            self._restore_lr_position(path)
         return rng
 
-    def _restore_lr_position(self) -> None:
+    def _restore_lr_position(self, path: str) -> None:
         """Under a batch-size schedule the LR position is fractional (step.advance_lr_schedule); the
         scheduler's own loader keeps whole steps, so take the exact value from the checkpoint, or without
         its optimizer state (--no-load-optim) from the samples consumed."""
@@ -244,7 +250,7 @@ class Trainer:
         if t.no_load_optim:
             self.scheduler.num_steps = self.state.consumed_train_samples / t.global_batch_size
             return
-        saved = CheckpointReader(t.load).metadata.get("scheduler") or {}
+        saved = CheckpointReader(path).metadata.get("scheduler") or {}
         if "num_steps" in saved:
             self.scheduler.num_steps = float(saved["num_steps"])
 

@@ -8,20 +8,17 @@ import json
 import os
 import signal
 import random
-import subprocess
-import sys
 import time
 
 import pytest
 
-from harness import ROOT, free_port, logged_losses, run_pretrain
+from harness import logged_losses, run_pretrain
+from jobs import Job, read_until
 from megalite.checkpoint.files import TRACKER, CheckpointReader
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 
 ZERO = with_flags(TINY_LLAMA_ARGS, train_iters=6, hidden_dropout=0.1) + ["--use-distributed-optimizer",
                                                                          "--save-interval", "2"]
-PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
-ENV = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def tree_bytes(directory: str) -> dict[str, bytes]:
@@ -63,40 +60,6 @@ def read_every_tensor(save_dir: str) -> None:
     reader = CheckpointReader(save_dir)
     for name in reader.names():
         reader.tensor(name)
-
-
-class Job:
-    """Two ranks in one new process group, as one node's job step: one killpg reaches every process of
-    it (the ranks and their writers); both ranks write into one pipe, ``stdout``."""
-
-    def __init__(self, argv: list[str]):
-        port, read, write = free_port(), *os.pipe()
-        self.ranks = []
-        for rank in range(2):
-            env = {**ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            group = self.ranks[0].pid if self.ranks else 0          # rank 0 leads a new group
-            self.ranks.append(subprocess.Popen([sys.executable, PRETRAIN, *argv], stdout=write,
-                                               stderr=subprocess.STDOUT, env=env, process_group=group))
-        os.close(write)
-        self.stdout = os.fdopen(read, "r")
-
-    def signal(self, signum: int) -> None:
-        os.killpg(self.ranks[0].pid, signum)
-
-    def finish(self, timeout: float = 120) -> tuple[list[int], str]:
-        """(each rank's exit code, the rest of the output)."""
-        rest = self.stdout.read()
-        return [rank.wait(timeout) for rank in self.ranks], rest
-
-
-def read_until(job: Job, text: str) -> str:
-    read = []
-    for line in job.stdout:
-        read.append(line)
-        if text in line:
-            return "".join(read)
-    raise AssertionError(f"the run ended before {text!r}:\n{''.join(read)[-3000:]}")
 
 
 def kill_during_saves(tmp_path, save_iterations: list[int], train_iters: int, seed: int = 0) -> int:
