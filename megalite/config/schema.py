@@ -356,6 +356,21 @@ class TrainingConfig:
         "optimizer state, activations by layer, data-parallel buffers) at the step's peak; "
         "--fake-process-group dry runs always do"))
     timing_log_level: int = flag("--timing-log-level", integer, default=0, choices=(0, 1, 2))
+    # --log-straggler: train/straggler.py
+    log_straggler: bool = flag("--log-straggler", default=False, help=(
+        "at each --log-interval name the ranks whose compute time per iteration (step time minus time blocked on "
+        "communication) exceeds --straggler-factor x the median rank's, else the slowest and fastest ranks "
+        "(one small all-gather per log interval)"))
+    straggler_minmax_count: int = flag("--straggler-minmax-count", positive_int, default=1,
+                                       help="with --log-straggler: how many slowest (and fastest) ranks to report")
+    straggler_factor: float = flag("--straggler-factor", positive_float, default=1.3, help=(
+        "with --log-straggler: a rank is named when its compute time exceeds this x the median rank's (a megalite "
+        "flag)"))
+    disable_straggler_on_startup: bool = flag("--disable-straggler-on-startup", default=False, help=(
+        "with --log-straggler: start with the report off, until turned on through --straggler-ctrlr-port"))
+    straggler_ctrlr_port: int = flag("--straggler-ctrlr-port", non_negative_int, default=65535, help=(
+        "with --log-straggler: rank 0 listens on this port; each HTTP request (curl HOST:PORT) turns the report "
+        "on or off at the next log interval (0: no controller)"))
     tensorboard_dir: Optional[str] = flag("--tensorboard-dir", default=None)
     wandb_project: Optional[str] = flag("--wandb-project", default=None)
     wandb_exp_name: Optional[str] = flag("--wandb-exp-name", default=None)
@@ -365,21 +380,6 @@ class TrainingConfig:
     save: Optional[str] = flag("--save", default=None)
     load: Optional[str] = flag("--load", default=None)
     save_interval: Optional[int] = flag("--save-interval", positive_int, default=None)
-    no_load_optim: bool = flag("--no-load-optim", default=False)
-    no_load_rng: bool = flag("--no-load-rng", default=False)
-    finetune: bool = flag("--finetune", default=False)
-    use_checkpoint_args: bool = flag("--use-checkpoint-args", default=False)
-    exit_signal_handler: bool = flag("--exit-signal-handler", default=False, help=(
-        "on SIGTERM/SIGINT finish the iteration, save a checkpoint (with --save) and exit 0"))
-    exit_duration_in_mins: Optional[float] = flag("--exit-duration-in-mins", positive_float, default=None, help=(
-        "stop (saving a checkpoint with --save) once training has run this long"))
-    exit_interval: Optional[int] = flag("--exit-interval", positive_int, default=None, help=(
-        "stop (saving a checkpoint with --save) at the first iteration that is a multiple of this"))
-    peak_flops: Optional[float] = flag("--peak-flops", positive_float, default=None, help=(
-        "one device's peak FLOP/s (e.g. 989e12 for an H100 in bf16), for the MFU in the log; default: a table of "
-        "known GPUs; MFU is left out on CPUs without it"))
-    skip_nan_iterations: bool = flag("--skip-nan-iterations", default=False, help=(
-        "a NaN/Inf loss or gradient norm skips that update and training goes on (default: stop)"))
     async_save: bool = flag("--async-save", default=False, help=(
         "write checkpoints while training goes on: each rank's shard is snapshotted (a copy-on-write fork on CPU, "
         "reusable pinned host memory on GPU) and written in the background; a save is published only once every "
@@ -399,10 +399,21 @@ class TrainingConfig:
     non_persistent_local_ckpt_algo: str = flag("--non-persistent-local-ckpt-algo", default="fully_parallel",
                                                choices=("fully_parallel", "atomic"), help=(
         "accepted for Megatron's scripts: every rank writes its own files either way"))
-    async_save: bool = flag("--async-save", default=False, help=(
-        "write checkpoints while training goes on: each rank's shard is snapshotted (a copy-on-write fork on CPU, "
-        "reusable pinned host memory on GPU) and written in the background; a save is published only once every "
-        "rank's files are on disk, the next save waits for the previous one, and so does the end of the run"))
+    no_load_optim: bool = flag("--no-load-optim", default=False)
+    no_load_rng: bool = flag("--no-load-rng", default=False)
+    finetune: bool = flag("--finetune", default=False)
+    use_checkpoint_args: bool = flag("--use-checkpoint-args", default=False)
+    exit_signal_handler: bool = flag("--exit-signal-handler", default=False, help=(
+        "on SIGTERM/SIGINT finish the iteration, save a checkpoint (with --save) and exit 0"))
+    exit_duration_in_mins: Optional[float] = flag("--exit-duration-in-mins", positive_float, default=None, help=(
+        "stop (saving a checkpoint with --save) once training has run this long"))
+    exit_interval: Optional[int] = flag("--exit-interval", positive_int, default=None, help=(
+        "stop (saving a checkpoint with --save) at the first iteration that is a multiple of this"))
+    peak_flops: Optional[float] = flag("--peak-flops", positive_float, default=None, help=(
+        "one device's peak FLOP/s (e.g. 989e12 for an H100 in bf16), for the MFU in the log; default: a table of "
+        "known GPUs; MFU is left out on CPUs without it"))
+    skip_nan_iterations: bool = flag("--skip-nan-iterations", default=False, help=(
+        "a NaN/Inf loss or gradient norm skips that update and training goes on (default: stop)"))
     distributed_timeout_minutes: float = flag("--distributed-timeout-minutes", positive_float, default=10, help=(
         "a collective waiting longer than this (a rank died or hung) ends the run with an error"))
     # [(consumed samples from which it applies, global batch size), ...] ascending; empty: global_batch_size

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel.param_meta import param_meta
+from megalite.train.straggler import waiting
 
 
 @torch.no_grad()
@@ -98,8 +99,9 @@ def squared_norm(grads: list[torch.Tensor], segments: list[list[tuple[int, int, 
     for w, norms in by_weight.items():
         squared = squared + torch.stack(norms).square().sum() * w
     squared = squared.reshape(1)
-    for group in groups:
-        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=group)
+    with waiting():
+        for group in groups:
+            dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=group)
     return squared
 
 
@@ -123,6 +125,7 @@ def any_not_finite(grads: list[torch.Tensor], groups: list) -> bool:
     flag = torch.zeros(1, device=grads[0].device if grads else "cpu")
     for g in grads:
         flag = torch.maximum(flag, (~torch.isfinite(g)).any().float().reshape(1))
-    for group in groups:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    with waiting():
+        for group in groups:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item() > 0)

@@ -24,6 +24,7 @@ from megalite.optim.clip_grads import (any_not_finite, clip_pieces, expert_norm_
                                        norm_over_classes, norm_weights)
 from megalite.parallel.param_meta import param_meta
 from megalite.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from megalite.train.straggler import waiting
 
 
 def uses_weight_decay(name: str, param: nn.Parameter) -> bool:
@@ -196,7 +197,8 @@ class MixedPrecisionAdamW:
             master.grad = None
             if master is not piece.param:
                 piece.param.copy_(master)
-        self._after_step()
+        with waiting():                 # ZeRO: the parameter all-gather
+            self._after_step()
         return StepResult(True, grad_norm)
 
     def _after_step(self) -> None:

@@ -22,12 +22,13 @@ from megalite.train.metrics import (MetricsSinks, MoEStats, format_timers, forma
 from megalite.train.performance import Throughput, flops_per_iteration, memory_usage, peak_flops_per_device
 from megalite.train.profiler import StepProfiler
 from megalite.train.step import forward_only_losses, mean_loss, release_cached_memory, reported_loss, train_step
+from megalite.train.straggler import StragglerDetector
 
 
 def train(trainer, train_iter, valid_iter, log, sinks: MetricsSinks | None) -> None:
     """Train from ``trainer.state.iteration`` to --train-iters, or until an exit condition (then save)."""
     cfg, t, state = trainer.config, trainer.config.training, trainer.state
-    interval = IntervalStats(moe=MoEStats.of(trainer))
+    interval = IntervalStats(moe=MoEStats.of(trainer), stragglers=StragglerDetector.of(trainer, log))
     throughput = start_throughput(trainer, log)
     interval_start = time.perf_counter()
     exits = ExitConditions(t.exit_signal_handler, t.exit_duration_in_mins, t.exit_interval, trainer.device)
@@ -42,7 +43,8 @@ def train(trainer, train_iter, valid_iter, log, sinks: MetricsSinks | None) -> N
             profiler.before_step(state.iteration)
             Activity.iteration, Activity.phase = state.iteration + 1, "the training step"
             accounted = state.iteration == first and (trainer.parallel.fake or t.log_memory_breakdown)
-            loss, result = accounted_step(trainer, train_iter) if accounted else train_step(trainer, train_iter)
+            with interval.stragglers.step():
+                loss, result = accounted_step(trainer, train_iter) if accounted else train_step(trainer, train_iter)
             state.iteration += 1
             state.consumed_train_samples += batch_size
             profiler.after_step(state.iteration)
@@ -57,9 +59,9 @@ def train(trainer, train_iter, valid_iter, log, sinks: MetricsSinks | None) -> N
                 state.skipped_iterations += 1      # fp16 overflow: the loss scaler backs off
             interval_start = after_iteration(trainer, interval, interval_start, throughput, valid_iter,
                                              log, sinks)
+            trainer.poll_saves()
             state.exit_reason = exits.check(state.iteration)
             if state.exit_reason:
-            trainer.poll_saves()
                 if t.save and trainer.last_saved_iteration != state.iteration:
                     trainer.save()
                 log(f" > exiting at iteration {state.iteration}: {state.exit_reason}")
@@ -67,6 +69,7 @@ def train(trainer, train_iter, valid_iter, log, sinks: MetricsSinks | None) -> N
     finally:
         exits.close()
         profiler.close()
+        interval.stragglers.close()
         if t.manual_gc:
             gc.enable()
 
@@ -127,13 +130,13 @@ def after_iteration(trainer, interval, interval_start: float, throughput: Throug
     if t.save and t.save_interval and state.iteration % t.save_interval == 0:
         trainer.save()
         interval_start = time.perf_counter()
-    return interval_start
-
-
     elif (t.non_persistent_save_interval and state.iteration % t.non_persistent_save_interval == 0
           and state.iteration < t.train_iters):                 # the end of the run saves persistently
         trainer.save(non_persistent=True)
         interval_start = time.perf_counter()
+    return interval_start
+
+
 # ---- evaluation ----------------------------------------------------------------------------------
 def evaluate(trainer, data_iterator, num_batches: int) -> float:
     """The mean loss over ``num_batches`` full global batches (per token with --calculate-per-token-loss),
@@ -167,13 +170,15 @@ def _evaluate(trainer, data_iterator, num_batches: int) -> float:
 @dataclass
 class IntervalStats:
     """Megatron logs the mean lm loss over the iterations since the last log line; ``moe`` reports the MoE
-    layers' auxiliary losses over the same iterations (their routers sum them on the device)."""
+    layers' auxiliary losses over the same iterations (their routers sum them on the device); ``stragglers``
+    each rank's compute and waiting over them (--log-straggler)."""
     iterations: int = 0
     loss_sum: float = 0.0
     last_grad_norm: float | None = None
     samples: int = 0                     # over the interval (the batch may grow: --rampup-batch-size)
     last_batch_size: int = 0
     moe: MoEStats | None = None
+    stragglers: StragglerDetector | None = None
 
     def add(self, loss: float, result, batch_size: int = 0) -> None:
         self.iterations += 1
@@ -212,12 +217,13 @@ def log_iteration(trainer, interval: IntervalStats, seconds_per_iter: float, thr
     timing = trainer.timers.report(interval.iterations)
     if timing:
         log(format_timers(timing))
+    stragglers = interval.stragglers.report() if interval.stragglers is not None else {}   # on every rank
     metrics = {**losses, **moe_loads, "learning rate": trainer.scheduler.lr, "grad norm": interval.last_grad_norm,
                "loss scale": trainer.optimizer.loss_scale, "consumed samples": state.consumed_train_samples,
                "global batch size": batch_size, "elapsed time per iteration (ms)": 1000.0 * seconds_per_iter,
                "skipped iterations": state.skipped_iterations, "nan iterations": state.nan_iterations, **norms,
                **rates, **{f"memory {key} (MB)": mb for key, mb in memory.items()},
-               **{f"time {name} (ms)": ms for name, ms in timing.items()}}
+               **{f"time {name} (ms)": ms for name, ms in timing.items()}, **stragglers}
     if t.log_timers_to_tensorboard:
         metrics["iteration-time"] = seconds_per_iter        # Megatron's tensorboard key, in seconds
     return metrics

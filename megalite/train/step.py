@@ -19,6 +19,7 @@ from megalite.parallel.finalize_grads import finalize_model_grads
 from megalite.parallel.pipeline.stages import chunk_forward
 from megalite.train.faults import collective_phase
 from megalite.train.memory_account import memory_label
+from megalite.train.straggler import waiting
 
 
 def make_loss_fn(model: torch.nn.Module, device: torch.device, weights: dict | None = None):
@@ -63,7 +64,8 @@ def per_token_loss_weights(trainer, batches: list) -> dict | None:
     dp = trainer.parallel.dp_size
     if dp > 1:
         total = total.to(trainer.device)
-        torch.distributed.all_reduce(total, group=trainer.parallel.group("dp"))
+        with waiting():
+            torch.distributed.all_reduce(total, group=trainer.parallel.group("dp"))
     scale = len(batches) * dp / max(float(total), 1.0)
     return {id(b): float(n) * scale for b, n in zip(batches, counts)}
 
@@ -87,7 +89,7 @@ def train_step(trainer, data_iterator) -> tuple[float, object]:
         release_cached_memory(trainer.device)
     timeout = t.distributed_timeout_minutes
     with collective_phase("the gradient finishing (data-parallel reduction, tensor/pipeline-parallel fix-ups)",
-                          timeout), memory_label("gradient reduction"):
+                          timeout), memory_label("gradient reduction"), waiting():
         finalize_model_grads(trainer.chunks, trainer.parallel, trainer.ddp, trainer.timers)
     with collective_phase("the optimizer step (norm all-reduce, parameter all-gather)", timeout):
         trainer.timers.start("optimizer", level=1)
@@ -102,7 +104,9 @@ def train_step(trainer, data_iterator) -> tuple[float, object]:
         if t.empty_unused_memory_level >= 2:
             release_cached_memory(trainer.device)
         trainer.state.last_local_loss = mean_loss(losses)
-        return trainer.ddp.average_over_dp(trainer.state.last_local_loss), result
+        with waiting():
+            loss = trainer.ddp.average_over_dp(trainer.state.last_local_loss)
+        return loss, result
 
 
 def forward_backward(trainer, data_iterator) -> list[float]:

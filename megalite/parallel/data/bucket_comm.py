@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megalite.parallel import collectives
 from megalite.parallel.data.grad_buffer import Bucket
+from megalite.train.straggler import waiting
 
 
 class _Done:
@@ -162,7 +163,8 @@ class GradReduction:
     def finish(self) -> None:
         if self.work is None:
             return
-        self.work.wait()
+        with waiting():
+            self.work.wait()
         self.work = None
         self.shard_chunk.add_(self.bucket.reduced.tensor)
         self.bucket.staging.free()

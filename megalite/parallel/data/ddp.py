@@ -78,6 +78,7 @@ from megalite.parallel.data.grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.parallel.data.protocol import DataParallel
 from megalite.parallel.data.units import Unit, model_units, tensors_in
 from megalite.parallel.mesh import ParallelState
+from megalite.train.straggler import waiting
 
 # Asynchronous bucket collectives in flight at once. A ZeRO-2/3 reduce-scatter holds a full-size staging
 # bucket, and gloo copies every all-gather / reduce-scatter through a temporary of the bucket's size:
@@ -317,7 +318,8 @@ class DistributedDataParallel(DataParallel):
         work = self._grad_work.get(bucket.index)
         if work is None:
             return
-        work.wait()
+        with waiting():
+            work.wait()
         self._grad_work[bucket.index] = DONE
         copies = self._comm_copies.pop(bucket.index, None)
         if copies is None:
@@ -410,7 +412,8 @@ class DistributedDataParallel(DataParallel):
         for bucket in buckets:
             work = self._param_gather_work.pop(bucket.index, None)
             if work is not None:
-                work.wait()
+                with waiting():
+                    work.wait()
 
     def wait_for_param_gather(self) -> None:
         """Complete every pending parameter all-gather (before reading parameters outside forward)."""
@@ -442,17 +445,19 @@ class DistributedDataParallel(DataParallel):
                 self._gather_work[bucket.index] = work
 
     def _ensure_gathered(self, buckets) -> None:
-        self._gather(buckets, async_op=False)
-        for bucket in buckets:
-            work = self._gather_work.pop(bucket.index, None)
-            if work is not None:
-                work.wait()
+        with waiting():
+            self._gather(buckets, async_op=False)
+            for bucket in buckets:
+                work = self._gather_work.pop(bucket.index, None)
+                if work is not None:
+                    work.wait()
 
     def _release(self, buckets) -> None:
         for bucket in buckets:
             work = self._gather_work.pop(bucket.index, None)
             if work is not None:
-                work.wait()
+                with waiting():
+                    work.wait()
             self.buffer.release(bucket)
 
     def _pre_forward(self, unit: Unit, args) -> None:

@@ -18,6 +18,7 @@ import torch
 from megalite.parallel.pipeline.plan import PostingCursor, RankPlan
 from megalite.parallel.pipeline.schedules import Action
 from megalite.parallel.pipeline.split_backward import backward_input, backward_weight
+from megalite.train.straggler import waiting
 
 
 @dataclass
@@ -63,7 +64,8 @@ class _Transfers:
         self._issue(self.cursor.through(index))
         self.post_ahead()
         start = time.perf_counter()
-        tensor = self.comm.wait(self.receives.pop(index))
+        with waiting():                           # --log-straggler: blocked on the previous/next stage
+            tensor = self.comm.wait(self.receives.pop(index))
         self.cursor.waited()
         if self.record is not None:
             self.record.wait_seconds += time.perf_counter() - start
@@ -134,7 +136,8 @@ def run_pipeline_schedule(plan: RankPlan, forward_fn: Callable, batches: list, c
             record.add(action.kind, action.chunk, action.microbatch, start, time.perf_counter())
     hooks.end(step.stash, transfers.local)
     if plan.posts:
-        comm.flush()
+        with waiting():
+            comm.flush()
     return [float(x) for x in torch.stack(step.losses)] if step.losses else []
 
 
