@@ -9,7 +9,8 @@ paths, and the GPT-3 data arguments become ``--mock-data``); every flag stays. C
 - at the real sizes, every flag parses and validates at the scripts' world sizes (128 and 8 ranks);
 - at tiny sizes, both train on 2 CPU processes under torchrun (GPT-3 with pipeline parallelism and a
   growing batch in fp16, Llama-3 with data parallelism, the distributed optimizer and bf16), save, and a
-  second launch of the same command resumes where the first stopped;
+  second launch of the same command, on a plain install (without the tensorboard package their
+  --tensorboard-dir asks for: one warning), resumes where the first stopped;
 - Mixtral's, tiny already, trains unmodified on its own 2 ranks at expert parallel size 2;
 - a flag mistake under torchrun reaches the user every time: its "error:" line on stderr and in
   torchrun's "Root Cause" section.
@@ -183,10 +184,17 @@ def paths(tmp_path, **extra) -> dict:
                 merges=str(tmp_path / "gpt2-merges.txt"), **extra)
 
 
-def torchrun(nproc: int, argv: list[str]) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, argv: list[str], plain_install: str | None = None) -> subprocess.CompletedProcess:
+    """``plain_install``: a folder put first on the ranks' path where the tensorboard package (a dev
+    dependency, not in requirements.txt) cannot be imported, as after `pip install -r requirements.txt`."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(ROOT, "pretrain_gpt.py"), *argv]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    if plain_install:
+        os.makedirs(os.path.join(plain_install, "tensorboard"), exist_ok=True)
+        with open(os.path.join(plain_install, "tensorboard", "__init__.py"), "w") as f:
+            f.write("raise ImportError('tensorboard is not installed (test)')\n")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [plain_install, env.get("PYTHONPATH")]))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
 
 
@@ -243,8 +251,10 @@ def test_gpt3_175b_flags_train_save_and_resume_on_cpu(tmp_path):
     assert len(trained) >= 5 and losses[24] < losses[trained[0]], first.stdout[-3000:]   # it learns once unskipped
     assert os.path.isdir(tmp_path / "ckpt" / "iter_0000024")
 
-    second = torchrun(2, flags(GPT3_175B, "tiny", **paths(tmp_path, iters="28")) + GPT3_TINY_DATA)
+    second = torchrun(2, flags(GPT3_175B, "tiny", **paths(tmp_path, iters="28")) + GPT3_TINY_DATA,
+                      str(tmp_path / "plain"))                 # on a plain install: no tensorboard
     assert second.returncode == 0, second.stderr[-3000:]
+    assert "the tensorboard package is not installed" in second.stdout
     assert "loaded checkpoint" in second.stdout and f" iteration {24:8d}/" not in second.stdout
     assert field(second.stdout, 25, "consumed samples") == str(int(field(first.stdout, 24, "consumed samples")) + 8)
     assert field(second.stdout, 25, "loss scale") == field(first.stdout, 24, "loss scale")
@@ -267,8 +277,10 @@ def test_llama3_8b_flags_train_save_and_resume_on_cpu(tmp_path):
     assert os.path.isfile(tmp_path / "tb" / "profile_rank0_iterations2-2.json")
     assert os.path.isdir(tmp_path / "ckpt" / "iter_0000008")
 
-    second = torchrun(2, flags(LLAMA3_8B, "tiny", **paths(tmp_path, samples="48")))
+    # the second launch on a plain install (no tensorboard): one warning, and the run goes on
+    second = torchrun(2, flags(LLAMA3_8B, "tiny", **paths(tmp_path, samples="48")), str(tmp_path / "plain"))
     assert second.returncode == 0, second.stderr[-3000:]
+    assert "the tensorboard package is not installed" in second.stdout
     resumed = logged_losses(second.stdout)
     assert sorted(resumed) == list(range(9, 13)) and "loaded checkpoint" in second.stdout
     assert field(second.stdout, 9, "consumed samples") == "36"
