@@ -55,6 +55,7 @@ BENCHES = (
     Bench("moe_load_balance.py", ("moe_load_balance",), "MoE load balance"),
     Bench("bench_fake_world.py", ("bench_fake_world",), "Thousands of ranks: grid construction and a dry run"),
     Bench("bench_layouts.py", ("bench_layouts",), "Layouts at scale: dry runs beside the planner"),
+    Bench("bench_async_save.py", ("bench_async_save",), "Asynchronous checkpoint saves: training stall"),
 )
 
 
