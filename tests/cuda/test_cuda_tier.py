@@ -164,6 +164,18 @@ def test_nccl_checkpoint_save_and_resume_equals_the_uninterrupted_run(tmp_path, 
     assert_close([by_iteration[i] for i in range(5, 9)], gpu_fp32[4:], rtol=1e-5)
 
 
+def test_async_save_from_pinned_memory_equals_the_synchronous_save(tmp_path):
+    """--async-save on the GPU snapshots into reusable pinned host memory and writes from a thread: the
+    same losses and byte-identical files as a synchronous save (metadata aside: the run's arguments)."""
+    from test_async_save import tree_bytes
+    argv = with_flags(ARGV, train_iters=4, save_interval=2) + ["--use-distributed-optimizer"]
+    sync = pretrain(argv + ["--save", str(tmp_path / "sync")], torchrun=True)
+    background = pretrain(argv + ["--save", str(tmp_path / "async"), "--async-save"], torchrun=True)
+    assert losses(background) == losses(sync) and "in the background (training stalled" in background
+    for name in ("iter_0000002", "iter_0000004"):
+        assert tree_bytes(str(tmp_path / "async" / name)) == tree_bytes(str(tmp_path / "sync" / name))
+
+
 # ---- --compile -------------------------------------------------------------------------------------
 def test_compiled_layers_equal_eager_on_the_gpu():
     fp32 = with_flags(ARGV, no_tf32=True)
