@@ -49,6 +49,7 @@ from megalite.checkpoint.tensor_file import (STAGING_BYTES, TORCH_DTYPES, Stored
                                              read_safetensors_header, write_tensor_file)
 from megalite.config.schema import DataConfig, ModelConfig, padded_vocab_size
 from megalite.errors import UserError
+from megalite.parallel.launch_env import finish_before_exit
 
 FORMAT = "megalite-checkpoint"
 VERSION = 4                  # 4: per-tensor index bands (index.py); 3: the index may be sharded; 2: tensors as
@@ -126,7 +127,13 @@ def prune(root: str, keep: int) -> None:
 
 
 def publish(root: str, iteration: int) -> str:
-    """Rename iter_N.tmp to iter_N, then atomically point the tracker file at N."""
+    """Rename iter_N.tmp to iter_N, then atomically point the tracker file at N; a rank whose launcher
+    dies meanwhile finishes this first (launch_env.finish_before_exit)."""
+    with finish_before_exit():
+        return _publish(root, iteration)
+
+
+def _publish(root: str, iteration: int) -> str:
     tmp, final = temporary_dir(root, iteration), iteration_dir(root, iteration)
     if os.path.exists(final):          # saving the same iteration again (e.g. after a resume)
         old = final + ".old"

@@ -9,6 +9,7 @@ Launchers: torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -130,6 +131,15 @@ def rank_error(message: str) -> UserError:
 
 LAUNCHER_POLL = 0.2              # seconds between a rank's checks that its launcher is alive
 LAUNCHER_GONE_EXIT = 75          # the exit status of a rank whose launcher died
+_UNINTERRUPTED = threading.Lock()
+
+
+@contextlib.contextmanager
+def finish_before_exit():
+    """A short step that a rank whose launcher died completes before it exits: publishing a checkpoint
+    (two renames and the tracker), which cut in half could leave the tracker naming a missing directory."""
+    with _UNINTERRUPTED:
+        yield
 
 
 def exit_with_launcher(rank: int, parent: int | None = None) -> threading.Thread:
@@ -138,8 +148,9 @@ def exit_with_launcher(rank: int, parent: int | None = None) -> threading.Thread
     on, writing checkpoints into a directory that a relaunch then shares with them. A daemon thread checks
     the parent every LAUNCHER_POLL seconds; once it is gone it prints one line and ends the process at once
     (os._exit: whatever the main thread is blocked in, a collective or a write). A save cut short leaves
-    only its temporary directory, never a published checkpoint (files.publish renames it whole). A
-    process started by hand has no launcher to outlive: the caller starts this only for launched ranks."""
+    only its temporary directory, never a published checkpoint; a publish under way is completed first
+    (finish_before_exit). A process started by hand has no launcher to outlive: the caller starts this
+    only for launched ranks."""
     parent = os.getppid() if parent is None else parent
     for thread in threading.enumerate():           # one watch a process (a test may start several runs)
         if thread.name == "launcher-watch":
@@ -151,7 +162,8 @@ def exit_with_launcher(rank: int, parent: int | None = None) -> threading.Thread
         sys.stderr.write(f"rank {rank}: its launcher (pid {parent}) is gone; stopping now, without writing "
                          f"anything more (exit status {LAUNCHER_GONE_EXIT})\n")
         sys.stderr.flush()
-        os._exit(LAUNCHER_GONE_EXIT)
+        with _UNINTERRUPTED:
+            os._exit(LAUNCHER_GONE_EXIT)
 
     thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
     thread.start()
