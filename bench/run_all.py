@@ -56,6 +56,7 @@ BENCHES = (
     Bench("bench_fake_world.py", ("bench_fake_world",), "Thousands of ranks: grid construction and a dry run"),
     Bench("bench_layouts.py", ("bench_layouts",), "Layouts at scale: dry runs beside the planner"),
     Bench("bench_async_save.py", ("bench_async_save",), "Asynchronous checkpoint saves: training stall"),
+    Bench("bench_init.py", ("bench_init",), "Initial weights of a 1B-parameter shard"),
 )
 
 
