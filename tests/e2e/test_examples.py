@@ -254,8 +254,10 @@ def slurm_job(tmp_path, data):
     return str(script), env
 
 
+@pytest.mark.slow
 def test_llama2_70b_slurm_two_nodes_under_fake_srun(tmp_path, slurm_job):
-    """srun starts one torchrun per node; they meet on the first host scontrol lists. Full recompute."""
+    """srun starts one torchrun per node; they meet on the first host scontrol lists. Full recompute.
+    (Slow tier: the SIGTERM test below runs the same two-node SLURM launch in the default suite.)"""
     script, env = slurm_job
     proc = run_script(script, {**env, "RECOMPUTE": "full"}, tmp_path)
     assert f"2 node(s) x 2 GPU(s), rendezvous at localhost:{env['MASTER_PORT']}" in proc.stdout

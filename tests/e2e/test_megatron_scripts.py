@@ -287,6 +287,7 @@ def test_llama3_8b_flags_train_save_and_resume_on_cpu(tmp_path):
     assert os.path.isdir(tmp_path / "ckpt" / "iter_0000012")
 
 
+@pytest.mark.slow            # EP=2 training from pretrain_gpt.py: test_moe_parallel.py, default suite
 def test_mixtral_8x7b_flags_train_at_ep2_on_cpu():
     """Megatron's Mixtral script on its own 2 ranks: EP=2 (one of the 2 experts per rank, tokens
     exchanged all-to-all), data parallel 2 for the rest with the distributed optimizer and overlapped
