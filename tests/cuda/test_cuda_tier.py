@@ -164,6 +164,19 @@ def test_nccl_checkpoint_save_and_resume_equals_the_uninterrupted_run(tmp_path, 
     assert_close([by_iteration[i] for i in range(5, 9)], gpu_fp32[4:], rtol=1e-5)
 
 
+def test_initial_values_drawn_on_the_gpu_are_the_cpu_values():
+    """The counter-based initialisation runs on the parameter's device: the integer hash is exact on
+    both; float64 log/cos may round a last bit differently, which float32 values must not show beyond."""
+    from megalite.model.init import initial_values
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    param = torch.nn.Parameter(torch.empty(4096, 1024, device="meta"))
+    for start, end in ((0, 1 << 22), ((1 << 22) - 5, 1 << 22)):
+        gpu = initial_values(param, "decoder.layers.0.mlp.linear_fc1.weight", 0.02, 2, 1234, start, end, device)
+        cpu = initial_values(param, "decoder.layers.0.mlp.linear_fc1.weight", 0.02, 2, 1234, start, end, "cpu")
+        assert gpu.device.type == device
+        torch.testing.assert_close(gpu.cpu(), cpu, rtol=2 ** -23, atol=0)
+
+
 def test_async_save_from_pinned_memory_equals_the_synchronous_save(tmp_path):
     """--async-save on the GPU snapshots into reusable pinned host memory and writes from a thread: the
     same losses and byte-identical files as a synchronous save (metadata aside: the run's arguments)."""

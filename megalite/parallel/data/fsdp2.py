@@ -220,7 +220,7 @@ class FullyShardedDataParallel(DataParallel):
                 start = r0 * row
                 for lo in range(0, flat.numel(), _INIT_CHUNK):
                     hi = min(flat.numel(), lo + _INIT_CHUNK)
-                    flat[lo:hi].copy_(init_values(start + lo, start + hi))
+                    flat[lo:hi].copy_(init_values(start + lo, start + hi, device=flat.device))
             # the fp32 gradient shard lives for the whole run: FSDP2 accumulates every micro-batch into it
             param.grad = DTensor.from_local(torch.zeros_like(local), self.mesh, [Shard(0)], run_check=False,
                                             shape=param.shape, stride=param.stride())

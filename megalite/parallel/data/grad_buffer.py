@@ -404,7 +404,7 @@ def _fill(target: torch.Tensor, param: nn.Parameter, start: int, end: int) -> No
         raise ValueError("a parameter on the meta device needs init_values(start, end) to be materialised")
     for lo in range(start, end, _INIT_CHUNK):
         hi = min(end, lo + _INIT_CHUNK)
-        target[lo - start:hi - start].copy_(init_values(lo, hi))
+        target[lo - start:hi - start].copy_(init_values(lo, hi, device=target.device))     # drawn where kept
 
 
 @functools.cache
