@@ -19,6 +19,12 @@
 # or on preemption); each rank finishes its step, saves a checkpoint and exits. Submit the same script
 # again to continue from it, or queue several in advance: sbatch --dependency=singleton ... (one job
 # of this name at a time, each resuming where the last stopped).
+#
+# A rank that dies (a crash, a GPU fault, the OOM killer) does not end the job: srun itself never
+# restarts a task, but the torchrun it runs on each node does (--max-restarts MAX_RESTARTS): the
+# torchruns stop the other ranks, meet again and start all ranks afresh, resuming from the latest
+# checkpoint (losing the work since it). A lost node still ends the job step: resubmit, or sbatch
+# --requeue (and scontrol requeue) to run the same script again.
 set -euo pipefail
 
 # sbatch runs a copy of this script from its spool directory, so the checkout is found from where the
@@ -47,22 +53,28 @@ mapfile -t NODES <<< "$HOSTNAMES"
 NNODES=${NNODES:-${#NODES[@]}}
 MASTER_ADDR=${MASTER_ADDR:-${NODES[0]}}                  # the rendezvous runs on the first node
 MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 40000))}   # per job: two jobs on a node do not collide
+MAX_RESTARTS=${MAX_RESTARTS:-3}          # in-job restarts after a rank fails (0: the first failure ends the job)
 # torchrun forwards SIGTERM to its ranks, then kills them after this many seconds (default 30): long
 # enough for the checkpoint that --exit-signal-handler writes
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-540}
+# a fresh store for the ranks of every (re)start: recent torchruns (2.13 included) otherwise keep one for
+# all of them, and restarted ranks read their dead predecessors' addresses from it and fail to connect
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # export NCCL_SOCKET_IFNAME=...  NCCL_IB_HCA=...    # cluster-specific network settings go here
 
 # shellcheck source=examples/llama2_70b_args.sh
 source "$ROOT/examples/llama2_70b_args.sh"
 
 # c10d rendezvous: every node runs the same command and torchrun assigns the node ranks, so no
-# per-node value (SLURM_NODEID) has to reach the command line
+# per-node value (SLURM_NODEID) has to reach the command line; after a failure the torchruns meet again
+# and restart their ranks, up to MAX_RESTARTS times
 DISTRIBUTED_ARGS=(
-    --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE"
+    --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" --max-restarts "$MAX_RESTARTS"
     --rdzv_id "$SLURM_JOB_ID" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT"
 )
 
-echo "llama2-70b: $NNODES node(s) x $GPUS_PER_NODE GPU(s), rendezvous at $MASTER_ADDR:$MASTER_PORT, checkpoints in $CHECKPOINT_PATH"
-# --kill-on-bad-exit: one failed node ends the step instead of leaving the others waiting
+echo "llama2-70b: $NNODES node(s) x $GPUS_PER_NODE GPU(s), rendezvous at $MASTER_ADDR:$MASTER_PORT, checkpoints in $CHECKPOINT_PATH, up to $MAX_RESTARTS in-job restart(s)"
+# --kill-on-bad-exit: one failed node (its torchrun out of restarts, or gone) ends the step instead of
+# leaving the others waiting
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
     "${TORCHRUN[@]}" "${DISTRIBUTED_ARGS[@]}" "$ROOT/pretrain_gpt.py" "${PRETRAIN_ARGS[@]}"

@@ -8,7 +8,9 @@
 #       bash examples/pretrain_llama2_70b_torchrun.sh
 #
 # Ctrl-C or SIGTERM to the torchruns: every rank finishes its step, saves a checkpoint and exits;
-# running the same commands again continues from it.
+# running the same commands again continues from it. A rank that dies (a crash, a GPU fault, the OOM
+# killer) is survived in-job: the torchruns stop the other ranks and start all of them again, up to
+# MAX_RESTARTS times, resuming from the latest checkpoint (the work since it is lost).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)     # the megalite checkout, the same path on every node
@@ -28,16 +30,25 @@ fi
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
+MAX_RESTARTS=${MAX_RESTARTS:-3}          # in-job restarts after a rank fails (0: the first failure ends the job)
+RUN_ID=${RUN_ID:-llama2-70b}             # the same on every node; another concurrent job needs another
 # torchrun forwards SIGTERM to its ranks, then kills them after this many seconds (default 30): long
 # enough for the checkpoint that --exit-signal-handler writes
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-540}
+# a fresh store for the ranks of every (re)start: recent torchruns (2.13 included) otherwise keep one for
+# all of them, and restarted ranks read their dead predecessors' addresses from it and fail to connect
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 # shellcheck source=examples/llama2_70b_args.sh
 source "$ROOT/examples/llama2_70b_args.sh"
 
+# c10d rendezvous, hosted by the NODE_RANK=0 torchrun at MASTER_ADDR:MASTER_PORT: the rendezvous that
+# can restart (--max-restarts; torchrun's default static one cannot), and it re-forms the group after a
+# restart; node ranks are assigned at each rendezvous
+[ "$NODE_RANK" = 0 ] && IS_HOST=1 || IS_HOST=0
 DISTRIBUTED_ARGS=(
-    --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK"
-    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
+    --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --max-restarts "$MAX_RESTARTS"
+    --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$RUN_ID" --rdzv_conf "is_host=$IS_HOST"
 )
 
 "${TORCHRUN[@]}" "${DISTRIBUTED_ARGS[@]}" "$ROOT/pretrain_gpt.py" "${PRETRAIN_ARGS[@]}"
