@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megalite.config.schema import ParallelConfig
 from megalite.parallel.launch_env import (LaunchEnv, exit_with_launcher, fake_launch_env, rank_error, read_launch_env,
-                                          single_process_note)
+                                          restart_note, single_process_note)
 from megalite.parallel.mesh import ParallelState
 from megalite.parallel.tensor.random import stage_seed
 
@@ -54,9 +54,9 @@ def initialize_distributed(parallel: ParallelConfig, timeout_minutes: float = 10
             start_fake_process_group(env)
     if env is None:
         env = read_launch_env()
-        note = single_process_note(os.environ)
-        if note:
-            print(note, flush=True)
+        for note in (single_process_note(os.environ), restart_note(os.environ) if env.rank == 0 else None):
+            if note:
+                print(note, flush=True)
         if env.launched:
             exit_with_launcher(env.rank)
     device = torch.device("meta") if parallel.no_storage else device_for(env.local_rank)

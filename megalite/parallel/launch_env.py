@@ -101,6 +101,19 @@ def started_by_srun(env) -> bool:
     return step is not None or "SLURM_STEP_NUM_TASKS" in env
 
 
+def restart_note(env) -> str | None:
+    """The one line a torchrun rank prints when --max-restarts could not work: torchrun (2.x) then hands
+    every start of the job one rendezvous store without separating their keys, so a restarted rank reads
+    its dead predecessors' addresses and the restart hangs (pytorch/pytorch#135712). A fresh store per
+    start needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and the c10d rendezvous."""
+    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if not restarts.isdigit() or int(restarts) == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return (f" > warning: torchrun --max-restarts {restarts} would hang at a restart: it shares one rendezvous "
+            "store between starts; run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment "
+            "and the c10d rendezvous (--standalone, or --rdzv-backend c10d --rdzv-endpoint HOST:PORT)")
+
+
 def single_process_note(env) -> str | None:
     """The one line a process that runs alone inside a multi-task SLURM allocation prints."""
     tasks = env.get("SLURM_NTASKS", "")

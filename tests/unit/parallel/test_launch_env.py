@@ -10,7 +10,7 @@ from megalite.config.megatron_cli import world_size_from_env
 from megalite.config.schema import ParallelConfig
 from megalite.errors import UserError
 from megalite.parallel.initialize import device_for, initialize_distributed
-from megalite.parallel.launch_env import LaunchEnv, read_launch_env, single_process_note
+from megalite.parallel.launch_env import LaunchEnv, read_launch_env, restart_note, single_process_note
 
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOBID": "4242", "SLURM_NTASKS": "8", "SLURM_NPROCS": "8",
        "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2"}
@@ -91,6 +91,14 @@ def test_only_a_process_alone_in_a_multi_task_allocation_says_so():
     assert "srun python pretrain_gpt.py" in note
     for env in (SRUN_TASK, TORCHRUN_UNDER_SRUN, INTERACTIVE_STEP, {**BATCH_STEP, "SLURM_NTASKS": "1"}, {}):
         assert single_process_note(env) is None
+
+
+def test_torchrun_restarts_that_would_hang_are_named_in_one_line():
+    shared = {"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    note = restart_note(shared)
+    assert "\n" not in note and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in note and "--max-restarts 3" in note
+    for env in ({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}, {**shared, "TORCHELASTIC_MAX_RESTARTS": "0"}, {}):
+        assert restart_note(env) is None
 
 
 # ---- starting torch.distributed --------------------------------------------------------------------
