@@ -11,7 +11,7 @@ A save stalls training only for as long as it takes to fix what is saved:
   calls only, since a forked child must not run torch's thread pools.
 
 A thread of the rank then waits for the files and completes the save with the synchronous save's own
-steps (sharded.publish_plan), on a gloo group of its own so that it never competes with training's
+steps (save.publish_plan), on a gloo group of its own so that it never competes with training's
 collectives: every rank agrees that its files are durable (each written file is fsynced), the index is
 exchanged and written, and only then does rank 0 publish iter_N and point the tracker file at it. A
 save is therefore published complete or not at all. A killed rank takes its writer with it (the child
@@ -83,7 +83,7 @@ def fork_writer(plan: SavePlan) -> Callable[[], tuple[dict | None, str | None]]:
             answer = pipe.read()
         _, status = os.waitpid(pid, 0)
         if not answer:
-            return None, (f"--save {plan.root}: the process writing this rank's checkpoint files died "
+            return None, (f"{plan.destination.flag} {plan.root}: the process writing this rank's checkpoint files died "
                           f"({_describe(status)}); see the system log (out of memory?)")
         answer = json.loads(answer)
         return answer["records"], answer["error"]
@@ -102,7 +102,7 @@ def _write_and_exit(plan: SavePlan, files: dict, out: int, parent: int) -> None:
         records, error = write_files(plan, files)
         answer = json.dumps({"records": records, "error": error}).encode()
     except BaseException as e:                     # anything else: the rank reports it
-        answer = json.dumps({"records": None, "error": f"--save {plan.root}: writing failed ({e!r})"}).encode()
+        answer = json.dumps({"records": None, "error": f"{plan.destination.flag} {plan.root}: writing failed ({e!r})"}).encode()
     while answer:
         answer = answer[os.write(out, answer):]
     os._exit(0)

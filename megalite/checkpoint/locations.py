@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megalite.checkpoint.files import METADATA, TRACKER, iteration_dir, published_iterations
 from megalite.checkpoint.index import index_filename
 from megalite.checkpoint.save import Destination
-from megalite.checkpoint.sharded import has_checkpoint
+from megalite.checkpoint.sharded import has_checkpoint, rng_filename
 
 KEEP = 2            # non-persistent checkpoints kept: the newest can be one that only some nodes published
 
@@ -56,7 +56,7 @@ def resume_directory(t, device, log) -> str | None:
     found = [(tracked(t.load), 1, t.load)]
     if not other.node_local:
         found.append((tracked(other.root), 0, other.root))
-    elif other is not None:
+    else:
         found.append((common_local(other.root, device, log, newest_other=max(i for i, _, _ in found)), 0, other.root))
     iteration, _, root = max(found)
     return iteration_dir(root, iteration) if iteration >= 0 else None
@@ -85,7 +85,7 @@ def whole_here(root: str, iteration: int) -> bool:
         names = set(os.listdir(directory))
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return all(f"rng-rank{r:05d}.safetensors" in names and index_filename(r) in names for r in range(writers))
+    return all(rng_filename(r) in names and index_filename(r) in names for r in range(writers))
 
 
 def common_local(root: str, device, log, newest_other: int) -> int:

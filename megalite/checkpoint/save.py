@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megalite.checkpoint.files import (iteration_dir, model_metadata, prepare_temporary_dir, prune, publish,
                                        remove_leftovers, temporary_dir, tokenizer_metadata, write_metadata)
 from megalite.checkpoint.index import BANDS, encode, exchange, merge, outgoing, write_index_file
-from megalite.checkpoint.sharded import agree, layout_of, planned_shards, rng_tensors
+from megalite.checkpoint.sharded import agree, layout_of, planned_shards, rng_filename, rng_tensors
 from megalite.checkpoint.tensor_file import write_tensor_file
 from megalite.errors import UserError
 
@@ -61,7 +61,7 @@ def plan_save(trainer, destination: Destination) -> SavePlan:
     publisher = prepare(destination, iteration, p.rank, trainer.device)
     trainer.ddp.wait_for_param_gather()
     files, index = planned_shards(trainer)
-    rng_file = f"rng-rank{p.rank:05d}.safetensors"
+    rng_file = rng_filename(p.rank)
     files[rng_file] = rng_tensors(trainer.model.tp.rng)
     metadata = None
     if publisher:

@@ -49,6 +49,11 @@ from megalite.parallel.param_meta import full_shape, param_meta
 
 
 # ---- RNG -----------------------------------------------------------------------------------------
+def rng_filename(rank: int) -> str:
+    """Each rank's own file of generator states (every rank writes one)."""
+    return f"rng-rank{rank:05d}.safetensors"
+
+
 def rng_tensors(tracker) -> dict[str, torch.Tensor]:
     tensors = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -74,7 +79,7 @@ def saved_rng(reader, trainer) -> tuple[dict[str, torch.Tensor] | None, str]:
     layout, and a CUDA generator's state does not fit a CPU one (or the reverse)."""
     if reader.metadata.get("layout") != layout_of(trainer):
         return None, "the layout differs"
-    tensors = reader.rng_tensors(f"rng-rank{trainer.parallel.rank:05d}.safetensors")
+    tensors = reader.rng_tensors(rng_filename(trainer.parallel.rank))
     if tensors is None:
         return None, "the checkpoint has none"
     tracker = trainer.model.tp.rng
@@ -243,7 +248,7 @@ def index_payloads(trainer, data_rank: int | None = None) -> dict[int, bytes]:
         for piece in stored["pieces"]:
             piece["crc32"] = 0xFFFFFFFF
     rank = p.rank if data_rank is None else p.tp_rank + p.tp_size * (data_rank + p.cp_size * p.dp_size * p.pp_rank)
-    rng_file = f"rng-rank{rank:05d}.safetensors"
+    rng_file = rng_filename(rank)
     rng = {rng_file: {name: {"file": rng_file, "shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype],
                              "crc32": 0xFFFFFFFF} for name, t in rng_tensors(trainer.model.tp.rng).items()}}
     parts = outgoing(index, rng, {name: 10 ** 12 - 1 for name in [*files, rng_file]}, p.world_size)

@@ -123,6 +123,12 @@ def test_bad_combinations_give_one_line_naming_the_flag(overrides, message):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"save_interval": 5}, "--save-interval needs --save"),
+    ({"async_save": True}, "--async-save needs --save"),
+    ({"non_persistent_save_interval": 2, "save": "/tmp/x"}, "--non-persistent-save-interval needs "
+                                                             "--non-persistent-ckpt-type"),
+    ({"non_persistent_ckpt_type": "local", "save": "/tmp/x"}, "--non-persistent-ckpt-type local needs "
+                                                               "--non-persistent-local-ckpt-dir"),
+    ({"non_persistent_ckpt_type": "global"}, "--non-persistent-ckpt-type needs --save"),
     ({"finetune": True}, "--finetune needs --load"),
     ({"use_checkpoint_args": True}, "--use-checkpoint-args needs --load"),
     ({"load": "/nonexistent/ckpt", "use_checkpoint_args": True}, "--load /nonexistent/ckpt: no such directory"),
