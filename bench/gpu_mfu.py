@@ -230,6 +230,23 @@ def time_steps(step, run: Run, device) -> list[float]:
     return times
 
 
+def count_syncs(step) -> int | None:
+    """The synchronising CUDA calls of one step (each a host wait for the device), as
+    torch.cuda.set_sync_debug_mode("warn") reports them; None without CUDA."""
+    import warnings
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchronizing CUDA operation" in str(w.message) for w in caught)
+
+
 def with_micro_batch(run: Run) -> Run:
     """The run with its micro-batch fixed: as given, or fitted to this GPU's memory."""
     import torch
@@ -244,7 +261,9 @@ def measure_side(run: Run) -> dict:
     cuda = torch.cuda.is_available()
     step, n_params, device = (build_megalite if run.kind == "megalite" else build_hf)(run)
     times = time_steps(step, run, device)
+    syncs = count_syncs(step)           # after the timed steps: the warnings cost host time
     return {"kind": run.kind, "micro_batch": run.micro_batch, "times": times, "n_params": n_params,
+            "syncs": syncs,
             "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
             "peak_memory": torch.cuda.max_memory_allocated(device) if cuda else None}
 
@@ -334,8 +353,10 @@ def table_row(name: str, result: dict, run: Run, peak: float | None) -> str:
     f = figures(result, run, peak)
     mfu = f"**{100 * f['mfu']:.1f}%**" if f["mfu"] is not None else "n/a (unknown peak)"
     memory = f"{f['memory_gib']:.1f}" if f["memory_gib"] is not None else "n/a"
+    syncs = result.get("syncs")
     return (f"| {name} | {result['micro_batch']} x {run.accumulation} | {f['tokens']:,} | {f['ms']:.0f} | "
-            f"{f['tokens_per_s']:,.0f} | {f['tflops']:.1f} | {mfu} | {memory} |")
+            f"{f['tokens_per_s']:,.0f} | {f['tflops']:.1f} | {mfu} | {memory} | "
+            f"{'n/a' if syncs is None else syncs} |")
 
 
 def report(results: list[tuple[Run, dict]], peak: float | None, peak_source: str, command: str):
@@ -362,9 +383,11 @@ def report(results: list[tuple[Run, dict]], peak: float | None, peak_source: str
             f"{'full' if run.recompute else 'off'}; compiled = torch.compile of each transformer layer's forward "
             f"(megalite --compile; the same on each LlamaDecoderLayer). Median of {run.steps} steps after "
             f"{run.warmup} warm-up (which include compiling) per run; MFU against {peak_source}. Peak memory: "
-            "torch.cuda.max_memory_allocated.",
+            "torch.cuda.max_memory_allocated. Host syncs: the synchronising CUDA calls of one more step, as "
+            "torch.cuda.set_sync_debug_mode(\"warn\") reports them (megalite: the gradient norm, which decides "
+            "clipping and refuses a NaN update on the host).",
             "", "| implementation | micro-batch x accumulation | tokens / step | ms / step | tokens/s | model TFLOP/s "
-            "| MFU | peak memory GiB |", "|---|---|---|---|---|---|---|---|"]
+            "| MFU | peak memory GiB | host syncs / step |", "|---|---|---|---|---|---|---|---|---|"]
     names = {"megalite": "megalite (train_step, fused AdamW, SDPA)",
              "megalite compiled": "megalite --compile",
              "transformers": "transformers LlamaForCausalLM (autocast, fused AdamW, SDPA)",

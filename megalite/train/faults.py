@@ -2,9 +2,11 @@
 dead or stuck ranks. Each ends with a checkpoint where that is safe, and always with one line saying why.
 
 - ExitConditions: --exit-signal-handler (SIGTERM/SIGINT, as SLURM sends before its time limit),
-  --exit-duration-in-mins and --exit-interval. Every rank checks after each iteration and the ranks
-  agree (one small all-reduce), so all of them save the same checkpoint and leave together even when
-  the signal reached only some of them.
+  --exit-duration-in-mins and --exit-interval. The ranks agree on a signal or the time (one small
+  all-reduce, read on the host) every N = min(--log-interval, EXIT_AGREEMENT_INTERVAL) iterations, so
+  all of them save the same checkpoint and leave together even when the signal reached only some of
+  them; a signal is acted on at most N - 1 iterations late. Those are log iterations (which read the
+  loss anyway) whenever --log-interval <= 10, and no other step waits for the device.
 - a NaN/Inf loss or gradient norm in bf16/fp32 (ranks_with_nonfinite_loss, nonfinite_message; the loop
   raises a TrainingFault). The optimizer has already refused the update (the weights are untouched), so
   stopping here keeps the weights and checkpoints clean.
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from megalite.errors import UserError
 
 SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
+EXIT_AGREEMENT_INTERVAL = 10      # at most this many iterations between the ranks' exit agreements
 
 
 class TrainingFault(UserError):
@@ -68,10 +71,14 @@ def report_sigterm_in_one_line(report: Callable[[UserError], None]) -> None:
 
 
 class ExitConditions:
+    """When to stop early; ``agree_every``: the iterations between the ranks' agreements on a signal or
+    the run's duration (each reads one all-reduced value on the host)."""
+
     def __init__(self, exit_signal_handler: bool, exit_duration_in_mins: float | None, exit_interval: int | None,
-                 device: torch.device):
+                 device: torch.device, agree_every: int = 1):
         self.duration = exit_duration_in_mins
         self.interval = exit_interval
+        self.agree_every = agree_every
         self.device = device
         self.received: int | None = None
         self.start = time.monotonic()
@@ -92,8 +99,8 @@ class ExitConditions:
         """Why to stop after ``iteration`` (None: go on); the same answer on every rank."""
         if self.interval is not None and iteration % self.interval == 0:
             return f"--exit-interval {self.interval} reached"
-        if not self._previous and self.duration is None:
-            return None              # nothing that differs between ranks: no need to agree
+        if (not self._previous and self.duration is None) or iteration % self.agree_every:
+            return None              # nothing that differs between ranks, or not an agreement iteration
         minutes = (time.monotonic() - self.start) / 60.0
         flags = torch.tensor([self.received or 0, minutes], dtype=torch.float64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -105,14 +112,16 @@ class ExitConditions:
         return None
 
 
-def ranks_with_nonfinite_loss(local_loss: float, device: torch.device) -> list[int]:
-    """Collective: the ranks whose own loss is NaN/Inf (only the last pipeline stage has one)."""
+def ranks_with_nonfinite_loss(local_loss: torch.Tensor, device: torch.device) -> list[int]:
+    """Collective: the ranks whose own loss (a 0-dim tensor) is NaN/Inf (only the last pipeline stage
+    has one)."""
+    bad = (~torch.isfinite(local_loss.to(device, torch.float64))).to(torch.float64)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [] if torch.isfinite(torch.tensor(local_loss)) else [0]
+        return [0] if bad.item() else []
     flags = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
-    flags[dist.get_rank()] = 0.0 if torch.isfinite(torch.tensor(local_loss)) else 1.0
+    flags[dist.get_rank()] = bad
     dist.all_reduce(flags)
-    return [r for r, bad in enumerate(flags.tolist()) if bad]
+    return [r for r, flag in enumerate(flags.tolist()) if flag]
 
 
 def nonfinite_message(iteration: int, loss: float, grad_norm, bad_ranks: list[int], last_checkpoint: str | None,

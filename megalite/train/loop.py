@@ -6,16 +6,15 @@ Every function here takes the Trainer (trainer.py); the loop saves through ``tra
 from __future__ import annotations
 
 import gc
-import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from megalite.optim.clip_grads import norm_over_classes
-from megalite.train.faults import (Activity, ExitConditions, TrainingFault, collective_phase, nonfinite_message,
-                                   ranks_with_nonfinite_loss)
+from megalite.train.faults import (EXIT_AGREEMENT_INTERVAL, Activity, ExitConditions, TrainingFault,
+                                   collective_phase, nonfinite_message, ranks_with_nonfinite_loss)
 from megalite.train.memory_account import MemoryAccount, format_breakdown
 from megalite.train.metrics import (MetricsSinks, MoEStats, format_timers, format_training_line,
                                     format_validation_lines, worst_load)
@@ -31,7 +30,8 @@ def train(trainer, train_iter, valid_iter, log, sinks: MetricsSinks | None) -> N
     interval = IntervalStats(moe=MoEStats.of(trainer), stragglers=StragglerDetector.of(trainer, log))
     throughput = start_throughput(trainer, log)
     interval_start = time.perf_counter()
-    exits = ExitConditions(t.exit_signal_handler, t.exit_duration_in_mins, t.exit_interval, trainer.device)
+    exits = ExitConditions(t.exit_signal_handler, t.exit_duration_in_mins, t.exit_interval, trainer.device,
+                           agree_every=min(t.log_interval, EXIT_AGREEMENT_INTERVAL))
     profiler = StepProfiler(t, trainer.parallel.rank, trainer.device)
     if t.manual_gc:      # Python collects only where we say: the same iterations on every rank (Megatron)
         gc.disable()
@@ -51,8 +51,7 @@ def train(trainer, train_iter, valid_iter, log, sinks: MetricsSinks | None) -> N
             if t.manual_gc and t.manual_gc_interval and state.iteration % t.manual_gc_interval == 0:
                 gc.collect()
             interval.add(loss, result, batch_size)
-            state.history.append(loss)
-            if (result.nonfinite or not math.isfinite(loss)) and not trainer.parallel.fake:   # dry run: no meaning
+            if result.nonfinite and not trainer.parallel.fake:       # dry run: no meaning
                 state.nan_iterations += 1
                 handle_nonfinite_step(trainer, loss, result, log)
             elif not result.update_successful:
@@ -62,10 +61,12 @@ def train(trainer, train_iter, valid_iter, log, sinks: MetricsSinks | None) -> N
             trainer.poll_saves()
             state.exit_reason = exits.check(state.iteration)
             if state.exit_reason:
+                interval.read_losses(state)
                 if t.save and trainer.last_saved_iteration != state.iteration:
                     trainer.save()
                 log(f" > exiting at iteration {state.iteration}: {state.exit_reason}")
                 return
+        interval.read_losses(state)
     finally:
         exits.close()
         profiler.close()
@@ -93,8 +94,9 @@ def start_throughput(trainer, log) -> Throughput:
     return Throughput(cfg.model, t.global_batch_size, trainer.parallel.world_size, peak, megatron_flops)
 
 
-def handle_nonfinite_step(trainer, loss: float, result, log) -> None:
-    """A NaN/Inf loss or gradient norm (bf16/fp32): the optimizer refused the update on every rank.
+def handle_nonfinite_step(trainer, loss: torch.Tensor, result, log) -> None:
+    """A NaN/Inf gradient norm (bf16/fp32; a NaN/Inf loss makes one): the optimizer refused the update on
+    every rank.
     Stop, with the ranks whose own loss went bad, unless --skip-nan-iterations."""
     t, state = trainer.config.training, trainer.state
     bad_ranks = ranks_with_nonfinite_loss(state.last_local_loss, trainer.device)
@@ -157,13 +159,16 @@ def _evaluate(trainer, data_iterator, num_batches: int) -> float:
         chunk.eval()
     losses = []
     for _ in range(num_batches):
-        losses += forward_only_losses(trainer, data_iterator)
+        batch_losses = forward_only_losses(trainer, data_iterator)
+        if batch_losses is not None:
+            losses.append(batch_losses)
         if trainer.config.training.empty_unused_memory_level >= 1:
             release_cached_memory(trainer.device)
     for chunk in trainer.chunks:
         chunk.train()
-    loss = trainer.ddp.average_over_dp(mean_loss(losses)) if trainer.ddp else mean_loss(losses)
-    return reported_loss(trainer, loss)
+    losses = torch.cat(losses) if losses else None
+    loss = mean_loss(losses, trainer.device)
+    return reported_loss(trainer, trainer.ddp.average_over_dp(loss) if trainer.ddp else loss)
 
 
 # ---- the interval's log line ---------------------------------------------------------------------
@@ -171,32 +176,42 @@ def _evaluate(trainer, data_iterator, num_batches: int) -> float:
 class IntervalStats:
     """Megatron logs the mean lm loss over the iterations since the last log line; ``moe`` reports the MoE
     layers' auxiliary losses over the same iterations (their routers sum them on the device); ``stragglers``
-    each rank's compute and waiting over them (--log-straggler)."""
+    each rank's compute and waiting over them (--log-straggler).
+
+    The iterations' losses stay on the device (``losses``) until ``read_losses`` reads them, once per
+    log line and at the end: reading one on the host would wait for the device every step."""
     iterations: int = 0
-    loss_sum: float = 0.0
+    losses: list = field(default_factory=list)      # this interval's per-iteration losses, on the device
     last_grad_norm: float | None = None
     samples: int = 0                     # over the interval (the batch may grow: --rampup-batch-size)
     last_batch_size: int = 0
     moe: MoEStats | None = None
     stragglers: StragglerDetector | None = None
 
-    def add(self, loss: float, result, batch_size: int = 0) -> None:
+    def add(self, loss: torch.Tensor, result, batch_size: int = 0) -> None:
         self.iterations += 1
-        self.loss_sum += loss
+        self.losses.append(loss.detach().reshape(()))
         self.samples += batch_size
         self.last_batch_size = batch_size
         if result.grad_norm is not None:
             self.last_grad_norm = result.grad_norm
 
+    def read_losses(self, state) -> float:
+        """The sum of the losses not read yet (one host read), appended to ``state.history``."""
+        values = torch.stack(self.losses).tolist() if self.losses else []
+        self.losses = []
+        state.history.extend(values)
+        return sum(values)
+
     def reset(self) -> None:
-        self.iterations, self.loss_sum, self.last_grad_norm, self.samples = 0, 0.0, None, 0
+        self.iterations, self.losses, self.last_grad_norm, self.samples = 0, [], None, 0
 
 
 def log_iteration(trainer, interval: IntervalStats, seconds_per_iter: float, throughput: Throughput,
                   log) -> dict:
     """The interval's training line (and timer block) through ``log``; returns the metrics for the sinks."""
     t, state = trainer.config.training, trainer.state
-    loss = reported_loss(trainer, interval.loss_sum) / interval.iterations
+    loss = reported_loss(trainer, interval.read_losses(state)) / interval.iterations
     # Throughput assumes full global batches; a ramp-up interval's smaller ones take proportionally
     # fewer tokens and FLOPs, i.e. count as a proportionally longer time per full batch
     full_batches = interval.samples / t.global_batch_size if interval.samples else interval.iterations

@@ -56,30 +56,32 @@ def per_token_loss_weights(trainer, batches: list) -> dict | None:
     Weighting micro-batch i (n_i tokens, mean loss l_i) by w_i = n_i * m * dp / N turns that average into
     sum_i n_i * l_i / N exactly, for the gradient and the logged loss alike, with any schedule. N needs
     one all-reduce of a number over the data-parallel group (context-parallel ranks of a group see the
-    same micro-batches, counted whole). Returns {id(batch): w_i}, or None without the flag."""
+    same micro-batches, counted whole). Returns {id(batch): w_i as a 0-dim device tensor}, or None
+    without the flag."""
     if not trainer.config.training.calculate_per_token_loss:
         return None
-    counts = torch.tensor([float(b["loss_mask"].sum()) for b in batches], dtype=torch.float64)
+    # the counts stay tensors: read on the host, the all-reduced total would wait for the device
+    counts = torch.stack([b["loss_mask"].sum() for b in batches]).to(trainer.device, torch.float64,
+                                                                    non_blocking=True)
     total = counts.sum().reshape(1)
     dp = trainer.parallel.dp_size
     if dp > 1:
-        total = total.to(trainer.device)
         with waiting():
             torch.distributed.all_reduce(total, group=trainer.parallel.group("dp"))
-    scale = len(batches) * dp / max(float(total), 1.0)
-    return {id(b): float(n) * scale for b, n in zip(batches, counts)}
+    weights = counts * (len(batches) * dp / total.clamp(min=1.0))
+    return {id(b): w for b, w in zip(batches, weights.float().unbind())}
 
 
-def train_step(trainer, data_iterator) -> tuple[float, object]:
-    """One global batch: forward/backward over its micro-batches, gradient sync, optimizer step.
+def train_step(trainer, data_iterator) -> tuple[torch.Tensor, object]:
+    """One global batch: forward/backward over its micro-batches, gradient sync, optimizer step. Returns
+    the step's loss averaged over data-parallel ranks (a 0-dim float64 tensor on the device; 0 on
+    pipeline stages without the loss) and the optimizer's StepResult.
 
-    Host-device synchronisations of a step on a GPU (the rest is queued asynchronously): the loss read
-    back after the last backward (the schedules return floats; with a process group, again after its
-    data-parallel average), and the global gradient norm, which the host needs to decide clipping and
-    to refuse a NaN/Inf update on every rank alike (as Megatron does); fp16 adds the overflow flag. The
-    NaN/Inf checks use those values and read nothing more. Timers synchronise
-    only at --timing-log-level >= their level; --calculate-per-token-loss and --exit-signal-handler /
-    --exit-duration-in-mins each read back one all-reduced value per step."""
+    Host-device synchronisations of a step on a GPU (the rest is queued asynchronously): the global
+    gradient norm, which the host needs to decide clipping and to refuse a NaN/Inf update on every rank
+    alike (as Megatron does), and with fp16 the overflow flag before it. The losses stay on the device
+    (the loop reads them when it logs); --calculate-per-token-loss counts tokens on the device. Timers
+    synchronise only at --timing-log-level >= their level."""
     t = trainer.config.training
     # the global batch of this step (it grows under --rampup-batch-size / --step-batch-size-schedule);
     # the data-parallel wrapper counts that many backward passes before a bucket's gradients are final
@@ -103,13 +105,13 @@ def train_step(trainer, data_iterator) -> tuple[float, object]:
             advance_lr_schedule(trainer, batch_size)
         if t.empty_unused_memory_level >= 2:
             release_cached_memory(trainer.device)
-        trainer.state.last_local_loss = mean_loss(losses)
+        trainer.state.last_local_loss = mean_loss(losses, trainer.device)
         with waiting():
             loss = trainer.ddp.average_over_dp(trainer.state.last_local_loss)
         return loss, result
 
 
-def forward_backward(trainer, data_iterator) -> list[float]:
+def forward_backward(trainer, data_iterator) -> torch.Tensor | None:
     """Zero the gradients, then forward and backward over this step's micro-batches with the run's
     schedule; returns the micro-batch losses (none on pipeline stages without the loss)."""
     model, optimizer = trainer.model, trainer.optimizer
@@ -139,7 +141,7 @@ def forward_backward(trainer, data_iterator) -> list[float]:
     return losses
 
 
-def forward_only_losses(trainer, data_iterator) -> list[float]:
+def forward_only_losses(trainer, data_iterator) -> torch.Tensor | None:
     """The micro-batch losses of one global batch, forward only (evaluation)."""
     m = trainer.config.num_microbatches
     batches, weights = next_batches(trainer, data_iterator, m)
@@ -150,7 +152,8 @@ def forward_only_losses(trainer, data_iterator) -> list[float]:
 
 
 def forward_backward_pipelined(trainer, batches: list, loss_scale: float, forward_only: bool = False,
-                               record: PipelineRecord | None = None, weights: dict | None = None) -> list[float]:
+                               record: PipelineRecord | None = None,
+                               weights: dict | None = None) -> torch.Tensor | None:
     """One global batch (``batches``, its micro-batches) through this rank's stages with a synchronous
     schedule (1F1B, interleaved 1F1B, GPipe, ZB-H1, ZB-V); ``weights`` scale each micro-batch's loss (see
     per_token_loss_weights)."""
@@ -188,9 +191,12 @@ def release_cached_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def mean_loss(losses: list[float]) -> float:
-    """Mean micro-batch loss; 0.0 on pipeline stages that hold no loss (only the last stage does)."""
-    return sum(losses) / len(losses) if losses else 0.0
+def mean_loss(losses: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Mean micro-batch loss as a 0-dim float64 tensor on ``device``; 0 on pipeline stages that hold no
+    loss (only the last stage does)."""
+    if losses is None:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return losses.to(torch.float64).mean()
 
 
 def loss_pipeline_rank(trainer) -> int:
@@ -202,14 +208,15 @@ def loss_pipeline_rank(trainer) -> int:
     return stages.where[stages.num_stages - 1][0]
 
 
-def reported_loss(trainer, value: float) -> float:
-    """``value`` (a loss, or a sum of losses) as the pipeline rank that computes the loss has it, on every
-    rank, so that the logging rank reports it whichever rank that is. A broadcast over the pipeline group:
-    every rank calls it at the same points (log iterations, evaluations, a NaN step), not every step."""
+def reported_loss(trainer, value: float | torch.Tensor) -> float:
+    """``value`` (a loss, or a sum of losses; a number or a 0-dim tensor) as the pipeline rank that
+    computes the loss has it, on every rank, so that the logging rank reports it whichever rank that is.
+    A broadcast over the pipeline group: every rank calls it at the same points (log iterations,
+    evaluations, a NaN step), not every step. Reads the value on the host."""
     comm = trainer.pipeline
     if comm is None:
-        return value
-    loss = torch.tensor([value], dtype=torch.float64, device=trainer.device)
+        return float(value)
+    loss = torch.as_tensor(value, dtype=torch.float64, device=trainer.device).reshape(1).clone()
     with collective_phase("logging (loss broadcast)", trainer.config.training.distributed_timeout_minutes):
         torch.distributed.broadcast(loss, src=comm.global_rank(loss_pipeline_rank(trainer)), group=comm.group)
     return float(loss)

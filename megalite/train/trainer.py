@@ -75,9 +75,11 @@ class TrainState:
     skipped_iterations: int = 0
     nan_iterations: int = 0
     exit_reason: str | None = None                   # why training stopped before --train-iters, if it did
-    last_local_loss: float = 0.0                     # this rank's own loss of the last step (NaN diagnosis)
+    last_local_loss: torch.Tensor | None = None      # this rank's own loss of the last step, on the device
+                                                     # (NaN diagnosis)
     history: list = field(default_factory=list)      # per-iteration lm loss as this rank has it (0.0 on
-                                                     # pipeline ranks without the loss), for callers and tests
+                                                     # pipeline ranks without the loss), for callers and
+                                                     # tests; filled when the loop logs and at its end
 
 
 class Trainer:

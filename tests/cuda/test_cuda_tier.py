@@ -1,6 +1,7 @@
 """The GPU path on one GPU: bf16 training equals the CPU run, NCCL at world size 1 drives every
 collective path (DDP, ZeRO-1/2/3, TP/PP/CP groups of size 1, bf16 reductions, checkpoint save and
-load), generation works, --compile equals eager, fp16 with loss scaling trains, TF32 follows --no-tf32.
+load), generation works, --compile equals eager, fp16 with loss scaling trains, TF32 follows --no-tf32,
+a steady step synchronises with the host only for the gradient norm.
 
 Every training run is pretrain_gpt.py in a subprocess, as a user starts it: plainly (no process
 group), under torchrun with one process (NCCL, size-1 groups: the collectives really run), or with
@@ -187,6 +188,17 @@ def test_async_save_from_pinned_memory_equals_the_synchronous_save(tmp_path):
     assert losses(background) == losses(sync) and "in the background (training stalled" in background
     for name in ("iter_0000002", "iter_0000004"):
         assert tree_bytes(str(tmp_path / "async" / name)) == tree_bytes(str(tmp_path / "sync" / name))
+
+
+def test_a_steady_step_on_the_gpu_synchronises_only_for_the_gradient_norm():
+    """The steps that neither log nor agree on an exit make one synchronising CUDA call each, as the
+    device itself reports them (set_sync_debug_mode): the gradient norm's read; fp16 adds the overflow
+    flag's."""
+    from test_host_syncs import ARGS, CudaSyncs, assert_reads, steady_reads
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA's sync debug mode needs a GPU")
+    assert_reads(steady_reads(0, 1, ARGS + ["--bf16"], CudaSyncs), 1)
+    assert_reads(steady_reads(0, 1, ARGS + ["--fp16", "--initial-loss-scale", "1024"], CudaSyncs), 2)
 
 
 # ---- --compile -------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def train_losses(argv: list[str], world: int, steps: int = 10) -> dict:
     losses, norms = [], []
     for _ in range(steps):
         loss, result = train_step(trainer, data)
-        losses.append(loss)
+        losses.append(float(loss))
         norms.append(result.grad_norm)
     trainer.ddp.wait_for_param_gather()
     return {"losses": losses, "norms": norms, "trainer": trainer}
@@ -76,7 +76,7 @@ def equivalence_and_eval(rank: int, world: int, layouts: list[list[str]], steps:
         losses, norms, updated = [], [], []
         for _ in range(steps):
             loss, result = train_step(trainer, data)
-            losses.append(loss)
+            losses.append(float(loss))
             norms.append(result.grad_norm)
             updated.append(result.update_successful)
         held_out = evaluate(trainer, data, 1)              # averaged over data-parallel ranks

@@ -72,4 +72,4 @@ def run_executor(rank, world, argv, pp, tp, schedule, chunks_per_rank):
     sync_shared_embedding_grads(chunks, state)
     grads = {c.global_name(n): p.main_grad.clone() for c in chunks for n, p in c.named_parameters()}
     holds_last = any(c.post_process for c in chunks)
-    return (losses if holds_last else None), (grads if tp == 1 else {})
+    return (losses.tolist() if holds_last else None), (grads if tp == 1 else {})

@@ -115,7 +115,7 @@ def test_skip_nan_iterations_counts_them_and_goes_on(tmp_path):
 def _nonfinite_ranks(rank, world):
     import torch
     from megalite.train.faults import ranks_with_nonfinite_loss
-    return ranks_with_nonfinite_loss(float("nan") if rank == 2 else 1.0, torch.device("cpu"))
+    return ranks_with_nonfinite_loss(torch.tensor(float("nan") if rank == 2 else 1.0), torch.device("cpu"))
 
 
 def test_every_rank_learns_which_rank_had_the_nan_loss():

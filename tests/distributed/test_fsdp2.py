@@ -89,7 +89,7 @@ def save_and_go_on(argv, world: int, directory: str) -> list[float]:
     trainer.state.iteration = BEFORE
     trainer.state.consumed_train_samples = BEFORE * trainer.config.training.global_batch_size
     save_checkpoint(trainer, directory)
-    return [train_step(trainer, data)[0] for _ in range(AFTER)]
+    return [float(train_step(trainer, data)[0]) for _ in range(AFTER)]
 
 
 def resume(argv, world: int, directory: str) -> list[float]:
@@ -97,7 +97,7 @@ def resume(argv, world: int, directory: str) -> list[float]:
     load_checkpoint(trainer, directory, log=lambda *_: None)
     assert trainer.state.iteration == BEFORE
     data = batches_from(trainer, BEFORE, AFTER)
-    return [train_step(trainer, data)[0] for _ in range(AFTER)]
+    return [float(train_step(trainer, data)[0]) for _ in range(AFTER)]
 
 
 def two_ranks(rank: int, world: int, tmp: str) -> dict:

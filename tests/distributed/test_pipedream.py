@@ -70,7 +70,7 @@ def reference_history(argv: list[str], schedule: str, pp: int, dp: int = 1) -> l
         return result
 
     trainer.optimizer.step = delayed_step
-    return [train_step(trainer, train_iter)[0] for _ in range(config.training.train_iters)]
+    return [float(train_step(trainer, train_iter)[0]) for _ in range(config.training.train_iters)]
 
 
 def _histories(rank, world, runs):

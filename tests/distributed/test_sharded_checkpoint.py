@@ -127,7 +127,7 @@ def save_resume_reshard(rank: int, world: int, tmp: str) -> dict:
     with spies() as out["save_zero3"]:
         save_checkpoint(trainer, os.path.join(tmp, "zero3"))
     out["owned_zero3"] = owned_elements(trainer)
-    out["reference"] = [train_step(trainer, data)[0] for _ in range(AFTER)]
+    out["reference"] = [float(train_step(trainer, data)[0]) for _ in range(AFTER)]
 
     # resumed at the same layout, at TP=2 and at CP=2 with ZeRO-1 (chunks over the CP ranks); the last two save
     for layout, argv in (("same", ZERO3), ("tp2", TP2), ("cp2", CP2)):
@@ -135,7 +135,7 @@ def save_resume_reshard(rank: int, world: int, tmp: str) -> dict:
         with spies() as out[f"load_{layout}"]:
             load_checkpoint(trainer, os.path.join(tmp, "zero3"), log=quiet)
         data = batches_from(trainer, BEFORE, AFTER)
-        out[layout] = [train_step(trainer, data)[0] for _ in range(AFTER)]
+        out[layout] = [float(train_step(trainer, data)[0]) for _ in range(AFTER)]
         if layout != "same":
             mark_trained(trainer, BEFORE + AFTER)
             with spies() as out[f"save_{layout}"]:
@@ -283,7 +283,7 @@ def serial_losses(checkpoint: str) -> list[float]:
     trainer = build_trainer(parse_args(SERIAL, world_size=1))
     load_checkpoint(trainer, checkpoint, log=quiet)
     data = batches_from(trainer, BEFORE, AFTER)
-    return [train_step(trainer, data)[0] for _ in range(AFTER)]
+    return [float(train_step(trainer, data)[0]) for _ in range(AFTER)]
 
 
 def test_a_format_1_checkpoint_of_whole_tensors_still_loads(sharded, tmp_path):

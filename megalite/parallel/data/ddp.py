@@ -171,7 +171,6 @@ class DistributedDataParallel(DataParallel):
         self._comm_copies: dict[int, tuple] = {}    # bf16 copies of full-buffer buckets in flight
         self._param_gather_work: dict[int, object] = {}
         self._gather_work: dict[int, object] = {}
-        self._scalar = torch.zeros(1, dtype=torch.float64, device=self.buffer.device)
         self._reset_step_state()
         self._hooks = []
         if self.shard_grads or (self.group is not None and self.overlap_grad_reduce):

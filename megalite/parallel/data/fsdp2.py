@@ -176,7 +176,6 @@ class FullyShardedDataParallel(DataParallel):
         self.buffer = ShardLayout(self.named_params, self.dp_rank, self.dp_size, compute_dtype)
         self._by_param = {id(s.param): s for s in self.buffer.buckets}
         self._slot_of = {id(p): self.buffer.slots[n] for n, p in self.named_params}
-        self._scalar = torch.zeros(1, dtype=torch.float64, device=device)
 
     # ---- start-up ----------------------------------------------------------------------------------
     def _shard(self, model: nn.Module, policy: MixedPrecisionPolicy, prefetch: bool) -> dict[str, dict]:

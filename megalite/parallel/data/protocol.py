@@ -100,7 +100,6 @@ class DataParallel(abc.ABC):
     dp_size: int
     dp_rank: int
     num_microbatches: int
-    _scalar: torch.Tensor           # float64 scratch for average_over_dp, on the buffer's device
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -145,13 +144,14 @@ class DataParallel(abc.ABC):
         (ddp.py) this rank's instance."""
         return self.group
 
-    def average_over_dp(self, value: float) -> float:
-        """The mean of ``value`` over the data-parallel (x context-parallel) ranks, e.g. the loss."""
+    def average_over_dp(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of ``value`` (a 0-dim tensor on the device, e.g. the loss) over the data-parallel
+        (x context-parallel) ranks; stays on the device, so nothing waits for it."""
         if self.group is None:
             return value
-        self._scalar.fill_(value)
-        dist.all_reduce(self._scalar, op=dist.ReduceOp.SUM, group=self.group)
-        return float(self._scalar) / self.dp_size
+        total = value.detach().to(torch.float64).reshape(1).clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        return (total / self.dp_size).reshape(())
 
 
 @torch.no_grad()

@@ -105,9 +105,9 @@ class StepHooks:
 
 def run_pipeline_schedule(plan: RankPlan, forward_fn: Callable, batches: list, comm, loss_scale: float = 1.0,
                           forward_only: bool = False, record: PipelineRecord | None = None,
-                          hooks: StepHooks = StepHooks()) -> list[float]:
-    """Execute ``plan`` on this pipeline rank; returns the micro-batch losses of the last virtual stage if
-    this rank holds it, else [].
+                          hooks: StepHooks = StepHooks()) -> torch.Tensor | None:
+    """Execute ``plan`` on this pipeline rank; returns the micro-batch losses of the last virtual stage
+    (stacked, on the device) if this rank holds it, else None.
 
     ``forward_fn(chunk, input_tensor, batch, is_last_stage)`` returns the chunk's output activation, or on
     the last virtual stage the micro-batch's mean loss; F(chunk, i) runs it on ``batches[i]``. Losses are
@@ -138,7 +138,7 @@ def run_pipeline_schedule(plan: RankPlan, forward_fn: Callable, batches: list, c
     if plan.posts:
         with waiting():
             comm.flush()
-    return [float(x) for x in torch.stack(step.losses)] if step.losses else []
+    return torch.stack(step.losses) if step.losses else None
 
 
 class _Step:

@@ -172,7 +172,7 @@ class AsyncPipeline(StepHooks):
         self.next_unread = iteration * self.m
 
     # ---- one training step -----------------------------------------------------------------------
-    def forward_backward(self, iteration: int, read_batch, loss_scale: float = 1.0) -> list[float]:
+    def forward_backward(self, iteration: int, read_batch, loss_scale: float = 1.0) -> torch.Tensor | None:
         """Step ``iteration``'s actions: the backwards of its m micro-batches and the forwards paired
         with them. ``read_batch()`` returns the next global batch's (micro-batches, loss weights)."""
         if not self.started and self.versions.newest != iteration:     # --finetune: iteration 0 again

@@ -3,6 +3,10 @@
 Every schedule calls ``loss_fn(batch) -> (loss, num_tokens)`` per micro-batch, where ``loss`` is the
 mean per-token loss of that micro-batch, and backpropagates ``loss * loss_scale / num_microbatches``
 so the accumulated gradient is that of the mean over micro-batches (Megatron's default).
+
+Schedules return the micro-batch losses as one detached tensor on the device (None on pipeline stages
+without the loss): reading them on the host would wait for the device, so the training loop reads them
+only when it logs.
 """
 from __future__ import annotations
 
@@ -13,8 +17,8 @@ import torch
 
 
 def forward_backward_no_pipelining(loss_fn: Callable, data_iterator: Iterator, num_microbatches: int,
-                                   loss_scale: float = 1.0, forward_only: bool = False) -> list[float]:
-    """Gradient accumulation on one stage; returns each micro-batch's mean loss."""
+                                   loss_scale: float = 1.0, forward_only: bool = False) -> torch.Tensor:
+    """Gradient accumulation on one stage; returns each micro-batch's mean loss, stacked."""
     losses = []
     for _ in range(num_microbatches):
         batch = next(data_iterator)
@@ -25,7 +29,7 @@ def forward_backward_no_pipelining(loss_fn: Callable, data_iterator: Iterator, n
             loss, _ = loss_fn(batch)
             (loss * (loss_scale / num_microbatches)).backward()
         losses.append(loss.detach())
-    return [float(x) for x in torch.stack(losses)]
+    return torch.stack(losses)
 
 
 # ---- pipeline schedules ------------------------------------------------------------------------

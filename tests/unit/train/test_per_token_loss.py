@@ -52,12 +52,12 @@ def _dp2_checks(rank: int, world: int, ramp_argv: list[str], tmp: str) -> dict:
 
     # per-token loss: rank r trains on micro-batches 2r, 2r+1 (token counts 64, 9 | 40, 3)
     trainer = build_trainer(parse_args(PER_TOKEN, world_size=2))
-    loss, _ = train_step(trainer, iter(masked_micro_batches()[2 * rank:2 * rank + 2]))
+    loss = float(train_step(trainer, iter(masked_micro_batches()[2 * rank:2 * rank + 2]))[0])
     out["per_token"] = (loss, grads_by_name(trainer))
 
     # the same global batch through 2 pipeline stages (4 micro-batches on one pipeline)
     trainer = build_trainer(parse_args(with_flags(PER_TOKEN, pipeline_model_parallel_size=2), world_size=2))
-    loss, _ = train_step(trainer, iter(masked_micro_batches()))
+    loss = float(train_step(trainer, iter(masked_micro_batches()))[0])
     out["per_token_pp"] = (loss, grads_by_name(trainer))
 
     # --grad-reduce-in-bf16 against the fp32 reduction (bf16 model), replicated and ZeRO-1 optimizer
@@ -135,7 +135,7 @@ def _mean_of_means(argv) -> float:
 
 def test_per_token_loss_single_process_equals_hand_computation():
     trainer = build_trainer(parse_args(PER_TOKEN, world_size=1))
-    loss, _ = train_step(trainer, iter(masked_micro_batches()))
+    loss = float(train_step(trainer, iter(masked_micro_batches()))[0])
     expected_loss, expected_grads = hand_per_token(PER_TOKEN)
     assert loss == pytest.approx(expected_loss, rel=1e-5)
     grads = grads_by_name(trainer)

@@ -54,7 +54,7 @@ def test_overfits_a_fixed_batch():
                       train_iters=150)
     trainer = trainer_for(argv)
     batches = fixed_batches()
-    losses = [train_step(trainer, batches)[0] for _ in range(150)]
+    losses = [float(train_step(trainer, batches)[0]) for _ in range(150)]
     assert losses[0] > 4.5
     assert losses[-1] < 0.05, losses[-10:]
 
@@ -76,8 +76,8 @@ def test_gradient_accumulation_equals_one_big_micro_batch():
         forward_backward_no_pipelining(make_loss_fn(trainer.model, trainer.device), iter(batches), n)
     torch.testing.assert_close(small.buffer.grad_data, big.buffer.grad_data, atol=1e-7, rtol=1e-5)
     for _ in range(2):
-        loss_big, _ = train_step(big, iter([full]))
-        loss_small, _ = train_step(small, iter(singles))
+        loss_big = float(train_step(big, iter([full]))[0])
+        loss_small = float(train_step(small, iter(singles))[0])
         assert loss_small == pytest.approx(loss_big, rel=1e-5)
     torch.testing.assert_close(small.buffer.param_data, big.buffer.param_data, atol=1e-5, rtol=0)
 
@@ -107,7 +107,7 @@ def test_bf16_keeps_fp32_master_weights_and_trains():
     assert trainer.buffer.param_data.dtype == torch.bfloat16
     assert trainer.optimizer.master.dtype == torch.float32
     batches = fixed_batches()
-    losses = [train_step(trainer, batches)[0] for _ in range(30)]
+    losses = [float(train_step(trainer, batches)[0]) for _ in range(30)]
     assert losses[-1] < losses[0] - 1.0
     torch.testing.assert_close(trainer.buffer.param_data.float(), trainer.optimizer.master, atol=1e-2, rtol=1e-2)
 
