@@ -80,6 +80,15 @@ class _ZeroCenteredWeight:
 
 
 class RMSNorm(_ZeroCenteredWeight, nn.Module):
+    """RMSNorm keeping its input and an fp32 1/rms per row for backward, on every device.
+
+    CUDA: F.rms_norm, whose fused forward and backward kernels keep exactly that; the custom Function
+    would keep the same and run its backward as several unfused elementwise passes. Elsewhere (CPU,
+    meta): _RMSNormFunction, since torch's composite rms_norm keeps fp32 copies of the input and of the
+    normalised tensor (8 bytes per element instead of 2 at 16 bit, 4 at 32) and its backward is also
+    the slower one there (fewer passes over [.., h] in the custom one). Compiled (--compile), the plain
+    op everywhere: inductor fuses it and its partitioner picks what backward keeps."""
+
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, zero_centered: bool = False):
         super().__init__()
         self.eps = eps
@@ -87,9 +96,8 @@ class RMSNorm(_ZeroCenteredWeight, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.scale()
-        # compiled (--compile), the plain op: inductor fuses it and its partitioner picks what backward keeps
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad) \
-                and not torch.compiler.is_compiling():
+                and not torch.compiler.is_compiling() and x.device.type != "cuda":
             return _RMSNormFunction.apply(x, weight, self.eps)
         return F.rms_norm(x, weight.shape, weight, self.eps)
 
@@ -239,12 +247,7 @@ class SelfAttention(nn.Module):
         if self.cp is not None:
             return ring_attention(q, k, v, self.cp)
         s, b, total = q.shape[0], q.shape[1], k.shape[0]
-        mask = None
-        if s > 1 and total > s:
-            mask = torch.ones(s, total, dtype=torch.bool, device=q.device).tril(total - s)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))            # [b, heads, s, d]
-        dropout = self.dropout if self.training else 0.0
-        gqa = self.num_groups != self.num_heads
+        q, k, v, mask, dropout, gqa = self.sdpa_inputs(q, k, v)
         if gqa and not sdpa_runs_gqa_fused(q, k, v, mask, dropout, total == s):
             k = k.repeat_interleave(self.heads_per_group, dim=1)
             v = v.repeat_interleave(self.heads_per_group, dim=1)
@@ -262,6 +265,33 @@ class SelfAttention(nn.Module):
                                                  enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
 
+    def sdpa_inputs(self, q, k, v):
+        """[s, b, heads, d] q, [t, b, groups, d] k, v -> SDPA's [b, heads, s, d] views of them, its mask
+        (queries after a KV cache: the last s of t positions), dropout and whether K/V are grouped."""
+        s, total = q.shape[0], k.shape[0]
+        mask = None
+        if s > 1 and total > s:
+            mask = torch.ones(s, total, dtype=torch.bool, device=q.device).tril(total - s)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        dropout = self.dropout if self.training else 0.0
+        return q, k, v, mask, dropout, self.num_groups != self.num_heads
+
+    def recomputing_attention_pays(self, q, k, v) -> bool:
+        """Whether recomputing core_attention in backward (selective recomputation) keeps less than running
+        it once. The recomputed region keeps q, the unexpanded k and v (its inputs) and the output (the
+        output projection's input); so do ring attention and SDPA's fused kernels on grouped K/V, plus a
+        log-sum-exp: recomputing them would only run their forward twice. It pays for SDPA's math path,
+        which keeps the s x s scores (CPU with attention dropout; CUDA where no fused kernel takes the
+        call), and for K/V expanded to every query head for a kernel that cannot take them grouped
+        (CUDA's memory-efficient kernel, e.g. in fp32), which that kernel keeps expanded."""
+        if self.cp is not None:
+            return False
+        causal = q.shape[0] == k.shape[0]
+        q, k, v, mask, dropout, gqa = self.sdpa_inputs(q, k, v)
+        if gqa and not sdpa_runs_gqa_fused(q, k, v, mask, dropout, causal):
+            return True
+        return not sdpa_runs_fused(q, k, v, mask, dropout, causal, gqa)
+
     def forward(self, x: torch.Tensor, rotary=None, kv_cache: KVCache | None = None,
                 layer_number: int = 0) -> torch.Tensor:
         qkv = self.linear_qkv(x)
@@ -277,11 +307,12 @@ class SelfAttention(nn.Module):
             k, v = (t.contiguous() if _same_storage(t, qkv) else t for t in (k, v))
         if kv_cache is not None:
             k, v = kv_cache.update(layer_number, k, v)
-        if self.selective_recompute and self.training and torch.compiler.is_compiling():
+        recompute = self.selective_recompute and self.training and self.recomputing_attention_pays(q, k, v)
+        if recompute and torch.compiler.is_compiling():
             # traced as a recomputed region of the compiled graph; no RNG stream to replay (--compile runs
             # selective recomputation with attention dropout eager: megalite/train/compile.py)
             out = torch.utils.checkpoint.checkpoint(self.core_attention, q, k, v, use_reentrant=False)
-        elif self.selective_recompute and self.training:
+        elif recompute:
             out = checkpoint(self.core_attention, q, k, v, tracker=self.tp.rng)
         else:
             out = self.core_attention(q, k, v)
@@ -293,20 +324,36 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage()._cdata == b.untyped_storage()._cdata
 
 
+def sdpa_runs_fused(q, k, v, mask, dropout: float, causal: bool, gqa: bool = False) -> bool:
+    """Whether scaled_dot_product_attention on these [b, heads, s, d] inputs runs a fused kernel, which
+    keeps for backward only q, k, v, the output and the log-sum-exp, rather than the math path, which
+    keeps the s x s scores, probabilities and dropout mask. ``gqa``: K/V with fewer heads, enable_gqa.
+
+    CPU: the flash kernel (any mask, grouped K/V or not) unless dropout > 0. meta: core_attention runs
+    the CPU flash kernel's shapes, as a GPU's fused kernel would run them. CUDA: flash (fp16/bf16, no
+    mask; the only one that takes grouped K/V) or, with as many K/V heads as query heads, the
+    memory-efficient kernel (any dtype, masks); torch's own checks decide, as SDPA's dispatch does."""
+    if q.device.type == "meta":
+        return True
+    if q.device.type == "cpu":
+        return dropout == 0
+    try:
+        params = torch.backends.cuda.SDPAParams(q, k, v, mask, dropout, causal, gqa)
+        if torch.backends.cuda.can_use_flash_attention(params, False):
+            return True
+        return not gqa and bool(torch.backends.cuda.can_use_efficient_attention(params, False))
+    except (AttributeError, TypeError, RuntimeError):
+        return False
+
+
 def sdpa_runs_gqa_fused(q, k, v, mask, dropout: float, causal: bool) -> bool:
-    """Whether scaled_dot_product_attention(enable_gqa=True) runs a fused kernel on unexpanded K/V.
+    """Whether scaled_dot_product_attention(enable_gqa=True) can take these unexpanded K/V.
 
     CPU's flash kernel takes grouped K/V (with or without a mask; with dropout SDPA takes the math path,
     which expands K/V itself either way). On CUDA only the flash kernel does (fp16/bf16, no mask): the
     memory-efficient and cuDNN kernels need as many K/V heads as query heads, so a call they would
     serve falls back to the math kernel, which keeps the s x s scores; there, expand K/V first."""
-    if q.device.type in ("cpu", "meta"):         # meta: core_attention runs the CPU flash kernel's shapes
-        return True
-    try:
-        params = torch.backends.cuda.SDPAParams(q, k, v, mask, dropout, causal, True)
-        return bool(torch.backends.cuda.can_use_flash_attention(params, False))
-    except (AttributeError, TypeError, RuntimeError):
-        return False
+    return q.device.type in ("cpu", "meta") or sdpa_runs_fused(q, k, v, mask, dropout, causal, gqa=True)
 
 
 def _replicated_kv_rows(nq: int, nkv: int, d: int, tp: TensorParallel):

@@ -155,14 +155,16 @@ class Kernels:
 
     - attention: scaled_dot_product_attention runs a flash kernel that keeps q, k, v, the output and
       the log-sum-exp, never the s x s scores (CUDA with or without dropout; CPU only without
-      attention dropout, so CPU estimates require --attention-dropout 0).
+      attention dropout, so CPU estimates with attention dropout require recomputation: selective
+      recomputation recomputes exactly the math attention, and leaves a fused kernel alone).
 
     - embedding dropout (F.dropout): CUDA's native_dropout keeps a 1-byte mask; CPU keeps a noise
       tensor in the compute dtype.
 
     The transformer layers keep the same on both: megalite's RMSNorm keeps its input and an fp32 1/rms
-    per token (its own autograd Function, as CUDA's fused kernel; torch's composite CPU rms_norm would
-    keep fp32 copies), and hidden dropout keeps a 1-byte mask (torch.native_dropout on both).
+    per token (CUDA's fused rms_norm kernel; on CPU its own autograd Function, since torch's composite
+    CPU rms_norm would keep fp32 copies), and hidden dropout keeps a 1-byte mask (torch.native_dropout
+    on both).
 
     - collectives: NCCL reduces and gathers in the tensors it is given. gloo copies through temporaries
       of torch's allocator, alive until the collective completes: a reduce-scatter of a list of chunks

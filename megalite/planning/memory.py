@@ -62,8 +62,8 @@ def attention_saved_elements(model: ModelConfig, tp: int, tokens: int) -> float:
     """Elements SelfAttention keeps for backward for ``tokens`` tokens on one TP rank (compute dtype):
     q, the unexpanded k and v (GQA runs on grouped K/V; views of the fused QKV output only when all
     three are, else copies, so the QKV output is never kept whole beside them) and the output, which
-    the output projection's input is a view of. Selective recomputation keeps the same tensors, as
-    the checkpoint's inputs; it drops only the log-sum-exp."""
+    the output projection's input is a view of. Selective recomputation, where it applies (the math
+    attention), keeps the same tensors, as the checkpoint's inputs."""
     heads, groups = local_attention_heads(model, tp)
     d = model.kv_channels
     return tokens * (2 * heads + 2 * groups) * d
@@ -81,7 +81,9 @@ def layer_activation_bytes(workload: Workload, layout: Layout, kernels: Kernels,
     - QKV and fc1 inputs: the [s/t, b, h] shard too (the column-parallel linear gathers the sequence
       again in backward, as Megatron);
     - attention: ``attention_saved_elements`` (no s^2 term: flash kernels) + an fp32 log-sum-exp
-      per token and head;
+      per token and head; selective recomputation leaves a fused kernel alone (recomputing it would
+      keep the same), so it changes the count only for the math attention (attention dropout where
+      ``kernels`` has no flash dropout): there it keeps the checkpoint's q, k, v and no scores;
     - MLP: SwiGLU keeps fc1's output (2f/t) and the fc2 input (f/t), silu being recomputed in
       backward; GELU keeps fc1's output and the activation, 2f/t;
     - hidden dropout (p > 0): two 1-byte masks over [s/t, b, h];
@@ -91,9 +93,10 @@ def layer_activation_bytes(workload: Workload, layout: Layout, kernels: Kernels,
     without the score terms.
     """
     model, e = workload.model, workload.dtype_bytes
-    if model.attention_dropout > 0 and not kernels.flash_attention_dropout and layout.recompute != "full":
+    math_attention = model.attention_dropout > 0 and not kernels.flash_attention_dropout
+    if math_attention and layout.recompute == "none":
         raise ValueError("attention dropout on this device runs the math attention (s x s scores), which "
-                         "this estimate does not model; use attention_dropout 0")
+                         "this estimate does not model; use attention_dropout 0 or recomputation")
     tokens, sp_tokens = token_counts(workload, layout)
     h = model.hidden_size
     if layout.recompute == "full":
@@ -103,7 +106,7 @@ def layer_activation_bytes(workload: Workload, layout: Layout, kernels: Kernels,
     norms = 2 * norm_saved_bytes(model, sp_tokens * h, e)
     linear_inputs = 2 * sp_tokens * h * e
     attention = attention_saved_elements(model, layout.tp, tokens) * e
-    if layout.recompute != "selective":
+    if not math_attention:
         attention += tokens * heads * 4                                   # log-sum-exp, fp32
     mlp = moe_activation_bytes(workload, layout) if moe else (3 if model.swiglu else 2) * tokens * ffn * e
     dropout = 2 * sp_tokens * h if model.hidden_dropout > 0 else 0

@@ -4,6 +4,10 @@ Each TP rank holds logits for a contiguous vocabulary range. Three all-reduces o
 logit, sum of exponentials) give the exact loss: loss = log(sum_j exp(z_j - m)) - (z_target - m).
 Backward is softmax - one_hot, computed locally.
 
+With no group (one TP rank) there is nothing to reduce: the unfused loss is F.cross_entropy on fp32
+logits (same values and gradients, torch's own kernels), the fused one the chunked loss without its
+all-reduces.
+
 Two implementations:
 - ``vocab_parallel_cross_entropy(..., fused=False)``: upcast all logits to fp32 and keep the fp32 softmax
   for backward: 4·s·b·V/tp bytes on top of the logits, at Llama-3's vocabulary the largest activation.

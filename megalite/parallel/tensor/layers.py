@@ -41,13 +41,21 @@ from megalite.parallel.tensor.random import RNGTracker
 
 @dataclass
 class TensorParallel:
-    """This rank's place in its tensor-parallel group (size 1: plain single-device layers)."""
+    """This rank's place in its tensor-parallel group (size 1: plain single-device layers).
+
+    At size 1 ``group`` is None whatever was passed (a distributed run's one-rank TP group): every
+    mapping is then the identity, with no collective, no copy and no autograd node, and the loss is the
+    plain cross-entropy (vocab_parallel_cross_entropy with no group)."""
     group: Optional[object] = None
     rank: int = 0
     size: int = 1
     sequence_parallel: bool = False
     rng: Optional[RNGTracker] = None
     kv_replica_group: Optional[object] = None   # the ranks sharing this rank's KV head (tensor/setup.py)
+
+    def __post_init__(self):
+        if self.size == 1:
+            self.group = None
 
     def chunk(self, full: torch.Tensor, dim: int = 0) -> torch.Tensor:
         return full.chunk(self.size, dim=dim)[self.rank]

@@ -1,7 +1,8 @@
 """Autograd-aware collectives for entering and leaving tensor-parallel regions.
 
-Each function is the identity when ``group`` is None (one TP rank), so single-process runs pay
-nothing. Names follow Megatron:
+Each function is the identity when ``group`` is None, which is the case at one TP rank in any run
+(TensorParallel drops a one-rank group), so TP=1 pays no copy, collective or autograd node. Names
+follow Megatron:
 
   copy_to_tp_region           forward identity      backward all-reduce
   reduce_from_tp_region       forward all-reduce    backward identity
