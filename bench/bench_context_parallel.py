@@ -1,19 +1,29 @@
 #!/usr/bin/env python
-"""Context parallelism: activation memory per rank vs sequence length at cp = 1, 2, 4.
+"""Context parallelism: activation memory per rank vs sequence length at cp = 1, 2, 4, and the memory and
+time of one ring-attention block at 8K-token chunks, before and after the fused block kernels.
 
-Each row runs one forward of a small Llama-style GPTModel (with its loss) on cp gloo ranks and sums the
-bytes of the tensors autograd saves for backward (torch.autograd.graph.saved_tensors_hooks; parameters
-and storages seen twice are not counted) on CP rank 0. That is the activation memory a training step
-holds between forward and backward; with ring attention it should fall ~1/cp. Writes a section of
-bench/RESULTS.md.
+Each row of the first table runs one forward of a small Llama-style GPTModel (with its loss) on cp gloo
+ranks and sums the bytes of the tensors autograd saves for backward (torch.autograd.graph.saved_tensors_hooks;
+parameters and storages seen twice are not counted) on CP rank 0. That is the activation memory a
+training step holds between forward and backward; with ring attention it should fall ~1/cp.
+
+The second table runs one full (off-diagonal) block of ring attention, forward and backward, as the ring
+computes it: c queries of 8 heads against c keys/values of 2 KV groups. "before" is the explicit fp32
+math ring attention used to run per block (kept below as the baseline: it materialises the block's
+[b, groups, c x heads_per_group, c] scores, probabilities and their gradients); "after" is the fused
+kernel pair of megalite/parallel/context/block_kernels.py. Each runs in a fresh process; memory is the
+peak of the tensors the block's ops create alive at once (LiveBytes) and the growth of the process's
+peak RSS, which also counts the kernels' internal buffers. Writes a section of bench/RESULTS.md.
 
     python bench/bench_context_parallel.py
-    python bench/bench_context_parallel.py --quick      # smoke test: seq 256 and 512, cp 1 and 2
+    python bench/bench_context_parallel.py --quick      # smoke test: seq 256 and 512, cp 1 and 2, chunk 1024
 """
 import argparse
+import math
 import os
 import socket
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from results import Headline, add_common_args, command_line, publish  # noqa: E402
@@ -25,7 +35,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from cross_entropy_memory import LiveBytes  # noqa: E402
 from megalite.parallel.context import build_context_parallel, context_parallel_loss, slice_for_context_parallel  # noqa: E402,E501
+from megalite.parallel.context.block_kernels import block_backward, block_forward  # noqa: E402
+from megalite.train.performance import current_rss_bytes, reset_peak_rss, window_peak_rss_bytes  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.config.megatron_cli import parse_args  # noqa: E402
 from megalite.parallel.mesh import ParallelState  # noqa: E402
@@ -38,6 +51,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "352"
          "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--micro-batch-size", "1",
          "--global-batch-size", "1", "--lr", "1e-3", "--train-iters", "1", "--mock-data",
          "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
+CHUNK, QUICK_CHUNK = 8192, 1024
+BLOCK_HEADS, BLOCK_GROUPS, BLOCK_HEAD_DIM = 8, 2, 64            # hidden 512, GQA 4 query heads per KV group
 
 
 def saved_activation_bytes(cp_size: int, rank: int, seq: int) -> int:
@@ -95,11 +110,97 @@ def measure(cp_size: int, seq_lengths: tuple) -> dict:
     return results
 
 
+# ---- one ring block: before (explicit fp32 math, the baseline) and after (fused kernels) -----------
+def _old_block_forward(q, k, v, scale: float):
+    """The baseline's full block: q [b, g, rows, d], k, v [b, g, c, d] fp32 -> (out, lse [b, g, rows])."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    return torch.matmul(probs, v), lse
+
+
+def _old_block_backward(q, k, v, d_out, lse, delta, scale: float):
+    """The baseline's gradients (dq, dk, dv) of a full block given the final lse and delta = rowsum(dO * O)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    dv = torch.matmul(probs.transpose(-1, -2), d_out)
+    dprobs = torch.matmul(d_out, v.transpose(-1, -2))
+    dscores = probs * (dprobs - delta.unsqueeze(-1))
+    dq = torch.matmul(dscores, k).mul_(scale)
+    dk = torch.matmul(dscores.transpose(-1, -2), q).mul_(scale)
+    return dq, dk, dv
+
+
+def _block_inputs(chunk: int, old: bool):
+    """q, k, v, dout of one block in the layout each implementation works in (fp32, batch 1)."""
+    g = torch.Generator().manual_seed(0)
+    nh, ng, d = BLOCK_HEADS, BLOCK_GROUPS, BLOCK_HEAD_DIM
+    q, dout = (torch.randn(chunk, 1, nh, d, generator=g) for _ in range(2))
+    k, v = (torch.randn(chunk, 1, ng, d, generator=g) for _ in range(2))
+    if old:      # grouped: [b, g, c * heads_per_group, d] queries, [b, g, c, d] keys/values
+        return (q.view(chunk, 1, ng, nh // ng, d).permute(1, 2, 0, 3, 4).reshape(1, ng, -1, d).contiguous(),
+                k.permute(1, 2, 0, 3).contiguous(), v.permute(1, 2, 0, 3).contiguous(),
+                dout.view(chunk, 1, ng, nh // ng, d).permute(1, 2, 0, 3, 4).reshape(1, ng, -1, d).contiguous())
+    return tuple(t.permute(1, 2, 0, 3) for t in (q, k, v, dout))      # [b, heads, c, d] views of [c, b, heads, d]
+
+
+def _block_step(chunk: int, old: bool) -> dict:
+    """Forward and backward of one full block: seconds of each, peak live bytes, peak RSS growth."""
+    q, k, v, dout = _block_inputs(chunk, old)
+    scale = 1.0 / math.sqrt(BLOCK_HEAD_DIM)
+    reset_peak_rss()
+    rss = current_rss_bytes()
+    with LiveBytes() as live:
+        start = time.perf_counter()
+        if old:
+            out, lse = _old_block_forward(q, k, v, scale)
+            middle = time.perf_counter()
+            delta = (dout * out).sum(-1)
+            grads = _old_block_backward(q, k, v, dout, lse, delta, scale)
+        else:
+            out, lse = block_forward(q, k, v, False, scale)
+            middle = time.perf_counter()
+            grads = block_backward(dout, q, k, v, out, lse, False, scale)
+        end = time.perf_counter()
+        del out, lse, grads
+    return {"forward_s": middle - start, "backward_s": end - middle, "live_bytes": live.peak,
+            "rss_bytes": window_peak_rss_bytes() - rss, "input_bytes": sum(t.numel() * 4 for t in (q, k, v, dout))}
+
+
+def _block_process(chunk: int, old: bool, queue) -> None:
+    _block_step(256, old)                                   # warm-up: kernels, thread pool
+    queue.put(_block_step(chunk, old))
+
+
+def measure_block(chunk: int, old: bool) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    proc = ctx.Process(target=_block_process, args=(chunk, old, queue))
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:
+        raise RuntimeError(f"block measurement ({'before' if old else 'after'}, chunk {chunk}) exited {proc.exitcode}")
+    return queue.get()
+
+
+def block_rows(chunk: int) -> tuple[list[str], dict, dict]:
+    before, after = measure_block(chunk, old=True), measure_block(chunk, old=False)
+    scores = BLOCK_HEADS * chunk * chunk * 4
+    rows = []
+    for name, r in (("before: explicit fp32 math", before), ("after: fused kernels", after)):
+        rows.append(f"| {name} | {r['live_bytes'] / 2**20:.0f} MiB ({r['live_bytes'] / scores:.2f}x) | "
+                    f"{r['rss_bytes'] / 2**20:.0f} MiB | {r['forward_s']:.2f} s | {r['backward_s']:.2f} s |")
+        print(rows[-1], flush=True)
+    return rows, before, after
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     args = parser.parse_args(argv)
     seq_lengths, cps = (QUICK_SEQ_LENGTHS, QUICK_CPS) if args.quick else (SEQ_LENGTHS, CPS)
+    chunk = QUICK_CHUNK if args.quick else CHUNK
+    block, before, after = block_rows(chunk)
     table = {cp: measure(cp, seq_lengths) for cp in cps}
     rows = []
     for seq in seq_lengths:
@@ -112,12 +213,25 @@ def main(argv: list[str]) -> None:
     headlines = [Headline(f"context parallel activation memory per rank, cp={cp}, seq {longest}",
                           f"cp=1 (one rank holds the whole sequence); ideal 1/{cp} = {1 / cp:.2f}x",
                           f"{table[cp][longest] / table[1][longest]:.2f}x", command) for cp in cps[1:]]
+    headlines += [Headline(f"ring attention block memory at {chunk}-token chunks (peak live tensors)",
+                           "the explicit fp32 math blocks", f"{after['live_bytes'] / before['live_bytes']:.3f}x", command),
+                  Headline(f"ring attention block time at {chunk}-token chunks (forward + backward)",
+                           "the explicit fp32 math blocks",
+                           f"{(after['forward_s'] + after['backward_s']) / (before['forward_s'] + before['backward_s']):.2f}x",
+                           command)]
     body = ["Llama-style GPTModel, 2 layers, hidden 128, 4 heads / 2 KV groups, vocab 1000, micro-batch 1, fp32; one "
             "forward with its loss on cp gloo ranks. Figure: bytes of the tensors autograd saves for backward on CP "
             "rank 0 (parameters excluded), in brackets relative to cp=1. Ring attention saves only the local "
             "queries, keys/values, output and log-sum-exp (no s x s probabilities), so the saved activations fall "
             "as 1/cp.",
-            "", "| seq length | " + " | ".join(f"cp={cp}" for cp in cps) + " |", "|---|" + "---|" * len(cps), *rows]
+            "", "| seq length | " + " | ".join(f"cp={cp}" for cp in cps) + " |", "|---|" + "---|" * len(cps), *rows,
+            "", f"One full ring-attention block at c = {chunk} tokens per chunk: {BLOCK_HEADS} query heads, "
+            f"{BLOCK_GROUPS} KV groups, head dim {BLOCK_HEAD_DIM}, batch 1, fp32, forward and backward "
+            f"({torch.get_num_threads()} threads). Peak live tensors: bytes of the tensors the block's ops create "
+            f"alive at once, in brackets relative to one fp32 [heads, c, c] score matrix "
+            f"({BLOCK_HEADS * chunk * chunk * 4 / 2**30:.2f} GiB); the block's inputs (q, k, v, dout) are "
+            f"{after['input_bytes'] / 2**20:.0f} MiB. Peak RSS growth also counts the kernels' internal buffers.",
+            "", "| block | peak live tensors | peak RSS growth | forward | backward |", "|---|---|---|---|---|", *block]
     publish(args, "bench_context_parallel", "Context parallelism: activation memory per rank vs sequence length",
             command, headlines, body)
 

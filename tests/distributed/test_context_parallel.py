@@ -1,5 +1,6 @@
 """Context parallelism: ring attention (outputs and q/k/v gradients) vs full causal attention at cp = 2, 4
-(with GQA), the data split, and whole-model training equivalence at CP=2 and TP=2 x CP=2 x PP=2."""
+(with GQA) under the NCCL-semantics tier, with what it saves for backward, the data split, and
+whole-model training equivalence at CP=2 and TP=2 x CP=2 x PP=2."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,10 @@ def _local(t, cp: ContextParallel):
     return t.index_select(0, local_positions(t.shape[0], cp.rank, cp.size))
 
 
+def _saved_bytes(tensors: list) -> int:
+    return sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values())
+
+
 def _ring_ranks(rank, world):
     state = ParallelState.build(world, rank, cp=world)
     cp = build_context_parallel(state)
@@ -43,21 +48,28 @@ def _ring_ranks(rank, world):
     for groups in (NH, 2):                                           # MHA and GQA
         q, k, v, grad = (_local(t, cp) for t in _inputs(groups))
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        out = ring_attention(q, k, v, cp)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = ring_attention(q, k, v, cp)
+        # what flash attention keeps: q, the unexpanded k and v, the output and the fp32 log-sum-exp
+        theory = sum(t.numel() * t.element_size() for t in (q, k, v, out)) + B * NH * q.shape[0] * 4
         out.backward(grad)
-        results[groups] = (out.detach(), q.grad, k.grad, v.grad)
+        results[groups] = (out.detach(), q.grad, k.grad, v.grad, _saved_bytes(saved) / theory)
     return results
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_equals_full_causal_attention(cp):
-    results = run_ranks(cp, _ring_ranks)
+    """Under the NCCL-semantics tier: the KV prefetch and the asynchronous dK/dV hops are posted in an
+    order NCCL runs without hanging."""
+    results = run_ranks(cp, _ring_ranks, nccl=True)
     for groups in (NH, 2):
         ref = _full_attention(groups)
         for rank, got in enumerate(r[groups] for r in results):
             view = ContextParallel(rank=rank, size=cp)
             for name, r, x in zip(("out", "dq", "dk", "dv"), ref, got):
                 torch.testing.assert_close(x, _local(r, view), rtol=1e-5, atol=1e-6, msg=f"{name} rank {rank}")
+            assert got[4] == 1.0, f"saved bytes / (q, k, v, out, lse) = {got[4]} on rank {rank}"
 
 
 def test_slice_for_context_parallel_takes_chunks_r_and_2cp_minus_1_minus_r():

@@ -1,21 +1,24 @@
 """Ring attention over the context-parallel group, with causal load balancing.
 
-The sequence is cut into 2 x cp chunks of equal length; CP rank i holds chunks i and 2cp-1-i, so every
+The sequence is cut into 2 x cp chunks of equal length c; CP rank i holds chunks i and 2cp-1-i, so every
 rank does the same amount of causal work. Each rank keeps its queries and passes its keys/values
 around the ring: at step j it holds the KV of rank (i - j) mod cp, computes the attention of its two
 query chunks against that rank's two KV chunks (full block when the query chunk comes later in the
 sequence, causal block on the diagonal, nothing when it comes earlier) while the next KV block is
 already in flight (batched isend/irecv), and merges the partial outputs with their log-sum-exp.
 
-Backward recomputes each block's probabilities from the saved log-sum-exp (as flash attention):
-the KV blocks travel the ring again together with their gradient accumulators, dQ stays local, and
-after cp steps every dK/dV accumulator has arrived back at the rank that owns those keys and values.
-Blocks are computed with explicit math in fp32 (SDPA on CPU does not return the log-sum-exp).
+Each block runs a fused attention kernel that returns its log-sum-exp (block_kernels.py: the CPU flash
+kernel, flash or memory-efficient attention on CUDA), so no block materialises its c x c scores: a step
+holds O(c) memory (the travelling KV block, fp32 output and log-sum-exp accumulators, one block's
+output). Backward runs the matching backward kernel per block with the final output and log-sum-exp, as
+flash attention's ring does: the KV blocks travel the ring again, dQ stays local, and each KV block's
+dK/dV accumulator travels one hop behind it, sent asynchronously at the end of a step and received while
+the next block is computed, so that after cp steps it has arrived back at the rank that owns those keys
+and values.
 
 What is kept for backward is what flash attention keeps: q, the unexpanded GQA k and v, in their own
-dtype (the fp32 working copies and the per-block repeats to every query head are rebuilt in backward),
-the output (the very tensor returned, which the output projection saves as its input too) and the
-fp32 log-sum-exp.
+dtype, the output (the very tensor returned, which the output projection saves as its input too) and the
+fp32 log-sum-exp [b, heads, s_local].
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from megalite.parallel.context.block_kernels import block_backward, block_forward
 
 
 @dataclass
@@ -93,49 +98,57 @@ def context_parallel_loss(per_token: torch.Tensor, loss_mask: torch.Tensor, cp: 
 
 
 # ---- blocks ---------------------------------------------------------------------------------------
-# GQA without repeating K/V: the queries of one KV group are laid out [b, groups, s, heads_per_group, d],
-# so a chunk of c positions is a [b, groups, c * heads_per_group, d] block whose rows (position i,
-# head j) all attend to the group's [b, groups, c, d] keys. dK and dV then sum over the group's heads
-# inside the matmuls.
-def _causal_mask(c: int, heads_per_group: int, device) -> torch.Tensor:
-    """[c * heads_per_group, c], True where masked out: row (i, j) sees keys 0..i."""
-    return torch.ones(c, c, dtype=torch.bool, device=device).triu_(1).repeat_interleave(heads_per_group, dim=0)
+# Tensors stay in the caller's [s_local, b, heads, d] layout; a block is a [b, heads, c, d] view of one
+# chunk of them (the kernels take any strides with a contiguous last dimension).
+def _chunk(x: torch.Tensor, slot: int) -> torch.Tensor:
+    """Chunk ``slot`` (0 or 1) of an [s_local, b, heads, d] tensor as a [b, heads, c, d] view."""
+    c = x.shape[0] // 2
+    return x[slot * c:(slot + 1) * c].permute(1, 2, 0, 3)
 
 
-def _block_forward(q, k, v, scale: float, mask):
-    """q [b, g, rows, d], k, v [b, g, c, d] fp32 -> (softmax(qk^T) v [b, g, rows, d], lse [b, g, rows])."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    if mask is not None:
-        scores.masked_fill_(mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    return torch.matmul(probs, v), lse
+def _lse_chunk(lse: torch.Tensor, slot: int) -> torch.Tensor:
+    """Chunk ``slot`` of a [b, heads, s_local] log-sum-exp (a view)."""
+    c = lse.shape[-1] // 2
+    return lse[..., slot * c:(slot + 1) * c]
 
 
-def _block_backward(q, k, v, d_out, lse, delta, scale: float, mask):
-    """Gradients (dq, dk, dv) of one block given the final output's lse and delta = rowsum(dO * O)."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    if mask is not None:
-        scores.masked_fill_(mask, float("-inf"))
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    dv = torch.matmul(probs.transpose(-1, -2), d_out)
-    dprobs = torch.matmul(d_out, v.transpose(-1, -2))
-    dscores = probs * (dprobs - delta.unsqueeze(-1))
-    dq = torch.matmul(dscores, k).mul_(scale)
-    dk = torch.matmul(dscores.transpose(-1, -2), q).mul_(scale)
-    return dq, dk, dv
+def _pairs(mine: tuple[int, int], theirs: tuple[int, int]):
+    """(query chunk slot, kv chunk slot, causal) of the blocks between this rank's query chunks ``mine``
+    and the KV chunks ``theirs``: full where the query chunk comes later, causal on the diagonal."""
+    for qi in range(2):
+        for ki in range(2):
+            if mine[qi] > theirs[ki]:
+                yield qi, ki, False
+            elif mine[qi] == theirs[ki]:
+                yield qi, ki, True
 
 
-def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[s, b, heads, d] -> fp32 [b, groups, s, heads_per_group, d] (contiguous)."""
-    s, b, nh, d = x.shape
-    return x.reshape(s, b, groups, nh // groups, d).permute(1, 2, 0, 3, 4).float().contiguous()
+def _attend(q, kv, blocks, out, lse, filled: list, scale: float) -> None:
+    """Merge the blocks of ``q`` [s_local, b, heads, d] against ``kv`` [2, s_local, b, groups, d] into the
+    fp32 accumulators ``out`` [s_local, b, heads, d] and ``lse`` [b, heads, s_local]; ``filled[slot]``
+    says whether that query chunk has a partial result yet."""
+    for qi, ki, causal in blocks:
+        o, l = block_forward(_chunk(q, qi), _chunk(kv[0], ki), _chunk(kv[1], ki), causal, scale)
+        acc, acc_lse = _chunk(out, qi), _lse_chunk(lse, qi)
+        if not filled[qi]:
+            acc.copy_(o)
+            acc_lse.copy_(l)
+            filled[qi] = True
+            continue
+        merged = torch.logaddexp(acc_lse, l)
+        acc.mul_(torch.exp(acc_lse - merged).unsqueeze(-1)).add_(o.float() * torch.exp(l - merged).unsqueeze(-1))
+        acc_lse.copy_(merged)
 
 
-def _ungrouped(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[b, groups, s, heads_per_group, d] -> [s, b, heads * d] in ``dtype`` (a new tensor)."""
-    b, g, s, hpg, d = x.shape
-    return x.permute(2, 0, 1, 3, 4).reshape(s, b, g * hpg * d).to(dtype)
+def _attend_backward(grad_out, q, kv, out, lse, blocks, dq, dkv, scale: float) -> None:
+    """Add the blocks' gradients to ``dq`` [s_local, b, heads, d] and ``dkv`` [2, s_local, b, groups, d]
+    (fp32), given the final ``out`` and ``lse`` of the queries and the gradient ``grad_out`` of out."""
+    for qi, ki, causal in blocks:
+        dq_b, dk_b, dv_b = block_backward(_chunk(grad_out, qi), _chunk(q, qi), _chunk(kv[0], ki), _chunk(kv[1], ki),
+                                          _chunk(out, qi), _lse_chunk(lse, qi), causal, scale)
+        _chunk(dq, qi).add_(dq_b)
+        _chunk(dkv[0], ki).add_(dk_b)
+        _chunk(dkv[1], ki).add_(dv_b)
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, cp: ContextParallel):
@@ -151,51 +164,26 @@ def _wait(requests) -> None:
         req.wait()
 
 
-def _pairs(cp: ContextParallel, src: int):
-    """(query chunk slot, kv chunk slot, causal) for the blocks this rank computes against ``src``'s KV."""
-    mine, theirs = cp.chunk_ids(), cp.chunk_ids(src)
-    for qi in range(2):
-        for ki in range(2):
-            if mine[qi] > theirs[ki]:
-                yield qi, ki, False
-            elif mine[qi] == theirs[ki]:
-                yield qi, ki, True
-
-
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel):
         s, b, nh, d = q.shape
-        ng = k.shape[2]
-        hpg, c, scale = nh // ng, s // 2, 1.0 / math.sqrt(d)
-        qf = _grouped(q, ng)                                                      # [b, ng, s, hpg, d]
-        kv = torch.stack([k, v]).permute(0, 2, 3, 1, 4).float().contiguous()      # [2, b, ng, s, d]
-        mask = _causal_mask(c, hpg, q.device)
-        out, lse = [None, None], [None, None]
-        current = kv
+        scale = 1.0 / math.sqrt(d)
+        out = torch.empty(s, b, nh, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(b, nh, s, dtype=torch.float32, device=q.device)
+        filled = [False, False]
+        current = torch.stack([k, v])                                             # [2, s, b, groups, d]
         for step in range(cp.size):
             src = (cp.rank - step) % cp.size
             requests = []
             if step < cp.size - 1:
                 incoming = torch.empty_like(current)
                 requests = _exchange(current, incoming, cp)                       # prefetch the next block
-            for qi, ki, causal in _pairs(cp, src):
-                ks = slice(ki * c, (ki + 1) * c)
-                o, l = _block_forward(qf[:, :, qi * c:(qi + 1) * c].reshape(b, ng, c * hpg, d),
-                                      current[0][:, :, ks], current[1][:, :, ks], scale, mask if causal else None)
-                if out[qi] is None:
-                    out[qi], lse[qi] = o, l
-                else:
-                    merged = torch.logaddexp(lse[qi], l)
-                    out[qi] = out[qi] * torch.exp(lse[qi] - merged).unsqueeze(-1) + \
-                        o * torch.exp(l - merged).unsqueeze(-1)
-                    lse[qi] = merged
+            _attend(q, current, _pairs(cp.chunk_ids(), cp.chunk_ids(src)), out, lse, filled, scale)
             if requests:
                 _wait(requests)
                 current = incoming
-        out = torch.cat(out, dim=2).view(b, ng, s, hpg, d)
-        lse = torch.cat(lse, dim=2)                                               # [b, ng, s * hpg]
-        result = _ungrouped(out, q.dtype)
+        result = out.view(s, b, nh * d).to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.cp = cp
         return result
@@ -205,40 +193,31 @@ class RingAttention(torch.autograd.Function):
         q, k, v, result, lse = ctx.saved_tensors
         cp = ctx.cp
         s, b, nh, d = q.shape
-        ng = k.shape[2]
-        hpg, c, scale = nh // ng, s // 2, 1.0 / math.sqrt(d)
-        rows = c * hpg
-        qf = _grouped(q, ng)
-        kv = torch.stack([k, v]).permute(0, 2, 3, 1, 4).float().contiguous()      # [2, b, ng, s, d]
-        d_out = _grouped(grad_out.reshape(s, b, nh, d), ng)
-        delta = (d_out * _grouped(result.view(s, b, nh, d), ng)).sum(dim=-1).view(b, ng, s * hpg)
-        mask = _causal_mask(c, hpg, q.device)
-        dq = torch.zeros_like(qf)
-        current, dkv = kv, torch.zeros_like(kv)
+        scale = 1.0 / math.sqrt(d)
+        grad_out, out = grad_out.reshape(s, b, nh, d), result.view(s, b, nh, d)
+        dq = torch.zeros(s, b, nh, d, dtype=torch.float32, device=q.device)
+        current = torch.stack([k, v])
+        travelling = None               # (requests, sent, received) of the dK/dV accumulator in flight
         for step in range(cp.size):
             src = (cp.rank - step) % cp.size
             requests = []
             if step < cp.size - 1:
                 incoming = torch.empty_like(current)
                 requests = _exchange(current, incoming, cp)
-            for qi, ki, causal in _pairs(cp, src):
-                qs, ks, rs = slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), slice(qi * rows, (qi + 1) * rows)
-                dq_b, dk_b, dv_b = _block_backward(qf[:, :, qs].reshape(b, ng, rows, d), current[0][:, :, ks],
-                                                   current[1][:, :, ks], d_out[:, :, qs].reshape(b, ng, rows, d),
-                                                   lse[:, :, rs], delta[:, :, rs], scale, mask if causal else None)
-                dq[:, :, qs] += dq_b.view(b, ng, c, hpg, d)
-                dkv[0][:, :, ks] += dk_b
-                dkv[1][:, :, ks] += dv_b
-            if requests:                       # the next KV block (prefetched during this step's math)
+            dkv = torch.zeros(current.shape, dtype=torch.float32, device=q.device)
+            _attend_backward(grad_out, q, current, out, lse, _pairs(cp.chunk_ids(), cp.chunk_ids(src)), dq, dkv, scale)
+            if travelling is not None:  # what the ranks before this one added to this KV block's gradients
+                _wait(travelling[0])
+                dkv += travelling[2]
+            # moves on with the KV block while the next block is computed; the last hop returns it to its owner
+            received = torch.empty_like(dkv)
+            travelling = (_exchange(dkv, received, cp), dkv, received)
+            if requests:
                 _wait(requests)
                 current = incoming
-            # this block's dK/dV accumulator moves on with it; the last hop returns it to its owner
-            received = torch.empty_like(dkv)
-            _wait(_exchange(dkv, received, cp))
-            dkv = received
-        dq = dq.permute(2, 0, 1, 3, 4).reshape(s, b, nh, d).to(q.dtype)
-        dk, dv = (g.permute(2, 0, 1, 3).to(k.dtype) for g in dkv)
-        return dq, dk, dv, None
+        _wait(travelling[0])
+        dk, dv = (g.to(k.dtype) for g in travelling[2])
+        return dq.to(q.dtype), dk, dv, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""One block of ring attention on the fused SDPA kernels that return the log-sum-exp.
+
+A block is one query chunk against one key/value chunk: q [b, heads, c, d], k and v [b, groups, c, d]
+(GQA: heads = groups x heads_per_group, query head h attends to group h // heads_per_group), any strides
+with a contiguous last dimension, ``causal`` on the diagonal (query i sees keys 0..i), full otherwise.
+
+- ``block_forward`` -> (out [b, heads, c, d] in q's dtype, lse [b, heads, c] fp32): the block's own softmax
+  output and log-sum-exp, which the ring merges across blocks.
+- ``block_backward`` takes the *final* output and log-sum-exp of those queries (merged over every block)
+  with its gradient, as flash attention's ring implementations do: the kernel recomputes the block's
+  probabilities as exp(q k^T scale - lse), the full softmax restricted to this block, and
+  D = rowsum(dout * out) from the final output, so its dq, dk, dv are this block's share of the full
+  gradients (dq summed over the blocks of a query chunk, dk/dv over the query chunks that see the keys).
+
+Nothing of size c x c is kept or returned; the kernels tile the scores internally. The kernel is picked
+by device and dtype:
+
+- CPU: ``_scaled_dot_product_flash_attention_for_cpu`` and its backward, on grouped K/V directly.
+- CUDA fp16/bf16 (sm80+): ``_scaled_dot_product_flash_attention`` and its backward; flash attention takes
+  grouped K/V and returns grouped dK/dV. Its backward reads the log-sum-exp as a contiguous [b, heads, c].
+- CUDA fp32 (flash has no fp32 kernel), or an older GPU: ``_scaled_dot_product_efficient_attention``, the
+  kernel plain fp32 SDPA runs there. It needs as many K/V heads as query heads (K/V are repeated per
+  block and dK/dV summed back over each group's heads), keeps the log-sum-exp padded to a multiple of 32
+  rows, and its backward reads the output as [b, c, heads, d] with rows heads x d apart (a per-block
+  copy here).
+
+Attention dropout is not supported (the caller refuses it with context parallelism).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+LSE_ALIGN = 32                                  # the memory-efficient kernel's log-sum-exp row padding
+
+
+def _flash_on_cuda(q: torch.Tensor) -> bool:
+    """fp16/bf16 on a GPU that runs flash attention (sm80 or newer); elsewhere the memory-efficient kernel."""
+    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+            and torch.cuda.get_device_capability(q.device) >= (8, 0))
+
+
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _sum_groups(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    b, heads, c, d = grad.shape
+    return grad if heads == groups else grad.view(b, groups, heads // groups, c, d).sum(dim=2)
+
+
+def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(q k^T scale) v, log-sum-exp fp32 [b, heads, c]) of one block."""
+    if q.device.type != "cuda":
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    if _flash_on_cuda(q):
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        return out, lse
+    heads = q.shape[1]
+    out, lse = aten._scaled_dot_product_efficient_attention(q, _repeat_kv(k, heads), _repeat_kv(v, heads), None,
+                                                            True, 0.0, causal, scale=scale)[:2]
+    return out, lse[:, :, :q.shape[2]]
+
+
+def block_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of one block given the final ``out`` / ``lse`` of its queries and ``grad_out``."""
+    if q.device.type != "cuda":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal,
+                                                                         scale=scale)
+    c = q.shape[2]
+    if _flash_on_cuda(q):
+        # without dropout the kernel reads no random state: placeholders of the forward's shapes
+        seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+        offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        return aten._scaled_dot_product_flash_attention_backward(grad_out, q, k, v, out, lse.contiguous(), None, None,
+                                                                 c, c, 0.0, causal, seed, offset, scale=scale)
+    heads, groups = q.shape[1], k.shape[1]
+    padded = F.pad(lse, (0, -c % LSE_ALIGN))
+    seed = torch.empty((), dtype=torch.int64, device=q.device)
+    out = out.transpose(1, 2).contiguous().transpose(1, 2)
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        grad_out, q, _repeat_kv(k, heads), _repeat_kv(v, heads), None, out, padded, seed, seed, 0.0,
+        [True, True, True, False], causal, scale=scale)
+    return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
