@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from megalite.config.schema import ASYNC_SCHEDULES, ModelConfig
-from megalite.parallel.data.ddp import MAX_IN_FLIGHT, default_bucket_size
+from megalite.parallel.data.ddp import MAX_IN_FLIGHT, MAX_REDUCTIONS_IN_FLIGHT, default_bucket_size
 from megalite.parallel.pipeline.pipedream import versions_behind
 from megalite.parallel.pipeline.split import SplitFlags
 from megalite.planning.experts import moe_activation_bytes, moe_backward_bytes
@@ -301,8 +301,9 @@ def buckets_at(workload: Workload, layout: Layout, pp_rank: int, arrived: int, p
                previous_microbatch: bool, tensors: list[Param] | None = None) -> Buckets:
     """Buckets alive once the first ``arrived`` gradients of this micro-batch's backward are in.
     With --overlap-grad-reduce a complete bucket's reduction runs until ddp.MAX_IN_FLIGHT newer ones
-    have started (counting the previous micro-batch's last ones, still in flight at the top of the
-    stage, when ``previous_microbatch``); without, it runs as soon as the bucket is complete.
+    have started (ZeRO-2/3, ``per_unit``: until the next bucket is complete, MAX_REDUCTIONS_IN_FLIGHT
+    + 1 alive), counting the previous micro-batch's last ones, still in flight at the top of the stage,
+    when ``previous_microbatch``; without, it runs as soon as the bucket is complete.
     ``tensors``: backward_tensors' list, when the caller has it."""
     tensors = tensors or backward_tensors(workload, layout, pp_rank)
     ends = buckets_of(tensors, layout, per_unit)
@@ -313,7 +314,7 @@ def buckets_at(workload: Workload, layout: Layout, pp_rank: int, arrived: int, p
     if not layout.overlap_grad_reduce:
         return Buckets([], filling)
     done = (sizes if previous_microbatch else []) + sizes[:complete]
-    return Buckets(done[-MAX_IN_FLIGHT:], filling)
+    return Buckets(done[-(MAX_REDUCTIONS_IN_FLIGHT + 1 if per_unit else MAX_IN_FLIGHT):], filling)
 
 
 @dataclass(frozen=True)
@@ -337,7 +338,9 @@ def data_parallel_transients(workload: Workload, layout: Layout, pp_rank: int, k
 
     - ZeRO-2/3 reduce every micro-batch's gradients per bucket (``buckets_at``): a full-size fp32
       staging tensor lives from the bucket's first gradient to the end of its reduce-scatter, whose
-      output chunk (1/d) lives while it runs (gloo: with copies of (d-1)/d of the input).
+      output chunk (1/d) lives while it runs (gloo: with copies of (d-1)/d of the input). NCCL leaves a
+      backward's last reduction in flight into the next micro-batch (ddp.py); gloo finishes it at the
+      end of the backward pass, so its next backward starts with none.
     - ZeRO-3 gathers each unit just in time: a layer's parameters while backward runs through it, the
       head's (with tied embeddings on the same stage, the embedding's too) during the loss; with
       --overlap-param-gather the next unit of backward is prefetched, an all-gather in flight (gloo:
@@ -346,7 +349,7 @@ def data_parallel_transients(workload: Workload, layout: Layout, pp_rank: int, k
       (d-1)/d of each bucket in flight (during the last micro-batch's backward with
       --overlap-grad-reduce, else after it, MAX_IN_FLIGHT at a time). ZeRO-1/2 all-gather the updated
       parameters in place after the step (gloo: through copies of up to MAX_IN_FLIGHT buckets with
-      --overlap-param-gather, one at a time without).
+      --overlap-param-gather, one at a time without; NCCL: every bucket in flight, nothing extra).
     MoE experts' buckets (never mixed with dense weights) are counted at the dense d too; their own EDP
     group's reductions differ only in the 1/d output chunks and gloo's (d-1)/d copies.
     """
@@ -387,7 +390,7 @@ def data_parallel_transients(workload: Workload, layout: Layout, pp_rank: int, k
         return Transients(0.0, reduce_scatter_copies(reducing))
 
     many = layout.num_microbatches(workload.global_batch_size) > 1
-    alive = buckets_at(workload, layout, pp_rank, arrived, True, many, tensors)
+    alive = buckets_at(workload, layout, pp_rank, arrived, True, many and not copies, tensors)
     grads = GRAD_BYTES * (sum(alive.filling) + sum(n * (1 + 1 / d) for n in alive.reducing))
     grads += reduce_scatter_copies(alive.reducing)
     weights = 0.0

@@ -5,13 +5,23 @@ forms). With hybrid sharding (``--num-distributed-optimizer-instances`` K > 1) a
 instance (the shard group of DP/K ranks) and ``replica`` the K ranks holding the same shard in the other
 instances: a gradient reduction is the reduce-scatter within the instance followed by the all-reduce of
 the reduced shard across the replicas (``ThenAllReduce``), which sums over all DP ranks; parameters are
-gathered within the instance only. ``GradReduction`` carries one ZeRO-2/3 bucket's gradients of one micro-batch from the first
-gradient to this rank's gradient shard.
+gathered within the instance only. ``GradReduction`` carries one ZeRO-2/3 bucket's gradients of one
+micro-batch from the first gradient to this rank's gradient shard.
+
+``Comm.holds_temporaries`` is where the backend decides how long ddp.py may leave a collective in
+flight. gloo copies each bucket collective through temporaries that live until it is waited on, so
+ddp bounds the ones in flight (``MAX_IN_FLIGHT``) and finishes ZeRO-2/3's reductions at the end of
+every backward pass. NCCL reduces and gathers in the tensors it is given (so does torch's fake backend
+of the dry run, which stands for a GPU run): there nothing bounds them, and ``ParamGathers`` waits on
+a parameter all-gather only where forward first needs its bucket. The NCCL-semantics tier's switch
+(MEGALITE_FORCE_NCCL_COLLECTIVE_PATH=1) turns these choices to NCCL's on gloo. ``traced`` names each
+issue and wait in a torch.profiler trace.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from megalite.parallel import collectives
 from megalite.parallel.data.grad_buffer import Bucket
@@ -26,6 +36,17 @@ class _Done:
 DONE = _Done()         # a finished collective's stand-in
 
 
+def traced(what: str, bucket: Bucket):
+    """A torch.profiler range named after one bucket's collective ("param all-gather bucket 3")."""
+    return record_function(f"{what} bucket {bucket.index}")
+
+
+def wait(work, what: str, bucket: Bucket) -> None:
+    """Wait for one bucket's collective: straggler time (``waiting``), a "wait ..." range in a profile."""
+    with waiting(), traced("wait " + what, bucket):
+        work.wait()
+
+
 class Comm:
     """The data-parallel group and how its collectives are called. ``reduce_dtype``: the dtype gradients
     travel in (None: as they are, fp32). On gloo the bucket collectives take the list forms in slices,
@@ -36,6 +57,12 @@ class Comm:
         self.group, self.size, self.reduce_dtype = group, size, reduce_dtype
         self.replica = replica             # hybrid sharding: the group the reduced shard is all-reduced over
         self.list_form = collectives.bucket_list_form(group)
+
+    @property
+    def holds_temporaries(self) -> bool:
+        """Whether an asynchronous collective holds temporaries until it is waited on: gloo's (the
+        list forms' branch, collectives.bucket_list_form), not NCCL's (module docstring)."""
+        return self.list_form
 
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, chunks: list, async_op: bool):
         """Sum ``flat`` over the group, this rank keeping its chunk in ``out`` (and, with a replica group,
@@ -104,6 +131,47 @@ class GlooSlices:
             self._work = self._start(*self._slices.pop(0)) if self._slices else None
 
 
+class ParamGathers:
+    """ZeRO-1/2: the all-gathers of the updated parameters after the optimizer step, bucket by bucket in
+    the order forward needs them (``start``); ``wait`` completes some (the units' forward pre-hooks
+    call it with theirs). Synchronous without ``overlap`` (--overlap-param-gather). With it, on gloo
+    they are issued at the step and ``limit`` bounds those in flight (their temporaries). On NCCL they
+    are issued at the first ``wait`` (the next forward's first pre-hook), so that what the step posts
+    on the group after the optimizer (the loss average) does not queue behind them, and all at once:
+    they write in place, and each has the forward up to its first user to run in. Each is waited on in
+    the forward pre-hook of the first unit that uses its bucket, as with Megatron's
+    --overlap-param-gather (which issues them one bucket ahead of the forward)."""
+
+    def __init__(self, buffer, comm_of, overlap: bool, limit):
+        self.buffer, self.comm_of, self.overlap, self.limit = buffer, comm_of, overlap, limit
+        self.work: dict[int, object] = {}        # bucket index -> its gather in flight
+        self.due: list[Bucket] = []              # NCCL: issued at the next wait
+
+    def start(self, order: list[Bucket]) -> None:
+        if self.overlap and not any(self.comm_of(b).holds_temporaries for b in order):
+            self.due = order
+        else:
+            self._issue(order)
+
+    def _issue(self, order: list[Bucket]) -> None:
+        for bucket in order:
+            comm = self.comm_of(bucket)
+            with traced("param all-gather", bucket):
+                work = comm.all_gather(self.buffer.bucket_params(bucket), self.buffer.local_param_chunk(bucket),
+                                       async_op=self.overlap)
+            if self.overlap:
+                self.work[bucket.index] = work
+                self.limit(lambda bucket=bucket: self.wait([bucket]), comm.holds_temporaries)
+
+    def wait(self, buckets: list[Bucket]) -> None:
+        due, self.due = self.due, []
+        self._issue(due)
+        for bucket in buckets:
+            work = self.work.pop(bucket.index, None)
+            if work is not None:
+                wait(work, "param all-gather", bucket)
+
+
 class ThenAllReduce:
     """A reduce-scatter within the instance, then the all-reduce (SUM) of its output across the replica
     group. The all-reduce is posted once the reduce-scatter has completed (``wait``, or at once when
@@ -155,16 +223,16 @@ class GradReduction:
             self.bucket.staging.free()
             return
         out = self.bucket.reduced.allocate()
-        self.work = self.comm.reduce_scatter(out, self.bucket.staging.tensor, self.bucket.staging_chunks,
-                                             async_op) or DONE
+        with traced("reduce-scatter", self.bucket):
+            self.work = self.comm.reduce_scatter(out, self.bucket.staging.tensor, self.bucket.staging_chunks,
+                                                 async_op) or DONE
         if not async_op:
             self.finish()
 
     def finish(self) -> None:
         if self.work is None:
             return
-        with waiting():
-            self.work.wait()
+        wait(self.work, "reduce-scatter", self.bucket)
         self.work = None
         self.shard_chunk.add_(self.bucket.reduced.tensor)
         self.bucket.staging.free()

@@ -27,8 +27,12 @@ Overlap. ``--overlap-grad-reduce``: a post-accumulate-grad hook counts each para
 every parameter of a bucket has received its last micro-batch's gradient the bucket's collective is
 started asynchronously, so communication runs while backward continues through earlier layers.
 Without it, the collectives run in ``finish_grad_sync`` after backward. ``--overlap-param-gather``:
-the all-gather of updated parameters (ZeRO-1/2) is started asynchronously after the optimizer step
-and each unit's forward pre-hook waits only for the buckets it needs.
+the all-gathers of updated parameters (ZeRO-1/2) run asynchronously, every bucket in the order forward
+needs them, each waited on in the forward pre-hook of the first unit using it (``ParamGathers``). On
+NCCL they are issued at the next forward's first pre-hook and nothing else waits; ZeRO-2/3's last
+reduction of a backward pass runs on into the next forward. On gloo they are issued at the optimizer
+step, and its temporaries bound the collectives in flight (``MAX_IN_FLIGHT``; ZeRO-2/3 finish at the
+end of each backward). ``Comm.holds_temporaries`` decides (bucket_comm.py).
 
 ``--grad-reduce-in-bf16``: the collectives carry bf16 gradients (half the bytes); accumulation over
 micro-batches and the optimizer's gradients stay fp32.
@@ -73,20 +77,19 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config.schema import SHARDING_STRATEGIES, ParallelConfig
-from megalite.parallel.data.bucket_comm import DONE, Comm, GradReduction, shard_comms
+from megalite.parallel.data.bucket_comm import DONE, Comm, GradReduction, ParamGathers, shard_comms, traced, wait
 from megalite.parallel.data.grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.parallel.data.protocol import DataParallel
 from megalite.parallel.data.units import Unit, model_units, tensors_in
 from megalite.parallel.mesh import ParallelState
 from megalite.train.straggler import waiting
 
-# Asynchronous bucket collectives in flight at once. A ZeRO-2/3 reduce-scatter holds a full-size staging
-# bucket, and gloo copies every all-gather / reduce-scatter through a temporary of the bucket's size:
-# unbounded, a whole backward's gradients (or all parameters after the step) would be alive at once,
-# the memory the sharding exists to save. Full-buffer collectives (no staging): two in flight. ZeRO-2/3
-# reductions: one, overlapping the backward that fills the next bucket's staging, and none once the
-# backward pass has ended (the next micro-batch's forward starts with no staging alive, as in FSDP2).
+# Full-buffer collectives in flight at once that hold memory until waited on: gloo's (temporaries of the
+# bucket's size) and --grad-reduce-in-bf16's bf16 copies. Unbounded, all parameters after the step (or a
+# whole backward's gradients) would be copied at once. NCCL's fp32 ones work in place: not bounded.
 MAX_IN_FLIGHT = 2
+# A ZeRO-2/3 reduce-scatter reads a full-size staging bucket on every backend: one in flight, overlapping
+# the backward that fills the next bucket's staging (gloo: and none once the backward pass has ended).
 MAX_REDUCTIONS_IN_FLIGHT = 1
 
 
@@ -169,7 +172,7 @@ class DistributedDataParallel(DataParallel):
         self._window: deque = deque()                    # other asynchronous bucket collectives, oldest first
         self._grad_work: dict[int, object] = {}
         self._comm_copies: dict[int, tuple] = {}    # bf16 copies of full-buffer buckets in flight
-        self._param_gather_work: dict[int, object] = {}
+        self._param_gathers = ParamGathers(self.buffer, self.comm_of, self.overlap_param_gather, self._limit_in_flight)
         self._gather_work: dict[int, object] = {}
         self._reset_step_state()
         self._hooks = []
@@ -180,7 +183,7 @@ class DistributedDataParallel(DataParallel):
         elif self.shard_optimizer and self.overlap_param_gather and self.group is not None:
             for unit in self.units:
                 self._hooks.append(unit.module.register_forward_pre_hook(
-                    lambda module, args, unit=unit: self._wait_param_gather(unit.buckets)))
+                    lambda module, args, unit=unit: self._param_gathers.wait(unit.buckets)))
 
     # ---- structure -------------------------------------------------------------------------------
     @property
@@ -251,7 +254,8 @@ class DistributedDataParallel(DataParallel):
             param.grad = None
             if complete:
                 self._start_reduction(reduction)
-            self._finish_reductions_when_backward_ends()
+            if self.comm.holds_temporaries:
+                self._finish_reductions_when_backward_ends()
             return
         n = self._arrivals[id(param)] = self._arrivals.get(id(param), 0) + 1
         if n == self.num_microbatches:
@@ -264,9 +268,10 @@ class DistributedDataParallel(DataParallel):
                 f"(expected {self.num_microbatches} backward passes per step); call zero_grad() every step")
 
     def _finish_reductions_when_backward_ends(self) -> None:
-        """ZeRO-2/3: complete the reductions still in flight once this backward pass ends (as FSDP2 does).
-        Otherwise the last bucket's staging, reduced output and gloo temporary (the embedding's: the
-        largest) would stay alive through the next micro-batch's forward."""
+        """ZeRO-2/3 on gloo: complete the reductions still in flight once this backward pass ends (as
+        FSDP2 does). Otherwise the last bucket's staging, reduced output and gloo temporary (the
+        embedding's: the largest) would stay alive through the next micro-batch's forward. NCCL lets
+        it overlap that forward; the next backward's first reduction finishes it."""
         if not self._end_of_backward_queued:
             self._end_of_backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -295,19 +300,27 @@ class DistributedDataParallel(DataParallel):
         else:
             out = self.buffer.local_grad_chunk(bucket)
             chunks = self.buffer.bucket_grad_chunks(bucket)
-        if self.shard_optimizer:
-            work = comm.reduce_scatter(out, flat, chunks, async_op)
-        else:
-            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=comm.group, async_op=async_op)
+        with traced(self._reduction_name, bucket):
+            if self.shard_optimizer:
+                work = comm.reduce_scatter(out, flat, chunks, async_op)
+            else:
+                work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=comm.group, async_op=async_op)
         self._grad_work[bucket.index] = work if async_op else DONE
         if async_op:
-            self._limit_in_flight(lambda: self._complete(bucket))
+            copied = comm.holds_temporaries or bucket.index in self._comm_copies
+            self._limit_in_flight(lambda: self._complete(bucket), copied)
         else:
             self._complete(bucket)
 
-    def _limit_in_flight(self, complete) -> None:
-        """Track an asynchronous collective by the call that completes it; complete the oldest ones beyond
-        MAX_IN_FLIGHT. Completing drops the Work object too: gloo's keeps its temporaries until freed."""
+    @property
+    def _reduction_name(self) -> str:
+        return "reduce-scatter" if self.shard_optimizer else "all-reduce"
+
+    def _limit_in_flight(self, complete, holds_memory: bool) -> None:
+        """Track an asynchronous collective that holds memory by the call that completes it; complete the
+        oldest ones beyond MAX_IN_FLIGHT (dropping the Work too: gloo's keeps its temporaries until freed)."""
+        if not holds_memory:
+            return
         self._window.append(complete)
         while len(self._window) > MAX_IN_FLIGHT:
             self._window.popleft()()
@@ -317,8 +330,8 @@ class DistributedDataParallel(DataParallel):
         work = self._grad_work.get(bucket.index)
         if work is None:
             return
-        with waiting():
-            work.wait()
+        if work is not DONE:
+            wait(work, self._reduction_name, bucket)
         self._grad_work[bucket.index] = DONE
         copies = self._comm_copies.pop(bucket.index, None)
         if copies is None:
@@ -335,6 +348,7 @@ class DistributedDataParallel(DataParallel):
 
         Afterwards the gradients the optimizer reads (the whole buffer for no_shard, this rank's
         chunks otherwise) hold the gradient of the mean loss over the global batch."""
+        self._param_gathers.wait(self.buckets)       # none may write the parameters the optimizer updates
         if self.shard_grads:
             for reduction in self._reductions.values():
                 if reduction.pending:                 # gradients that never completed a bucket
@@ -391,32 +405,19 @@ class DistributedDataParallel(DataParallel):
 
     # ---- parameters after the optimizer step (ZeRO-1/2) ------------------------------------------
     def start_param_sync(self) -> None:
-        """All-gather the updated chunks of every bucket, asynchronously with --overlap-param-gather
-        (each unit's forward pre-hook then waits for its buckets), in the order forward needs them."""
+        """All-gather the updated chunks of every bucket in the order forward needs them; with
+        --overlap-param-gather each unit's forward pre-hook waits for its buckets (ParamGathers)."""
         if not self.shard_optimizer or self.shard_params or self.group is None:
             return
         self.wait_for_param_gather()
         order = []
         for unit in self.units:
             order += [b for b in unit.buckets if b not in order]
-        order += [b for b in self.buckets if b not in order]
-        for bucket in order:
-            work = self.comm_of(bucket).all_gather(self.buffer.bucket_params(bucket),
-                                                   self.buffer.local_param_chunk(bucket), async_op=self.overlap_param_gather)
-            if self.overlap_param_gather:
-                self._param_gather_work[bucket.index] = work
-                self._limit_in_flight(lambda bucket=bucket: self._wait_param_gather([bucket]))
-
-    def _wait_param_gather(self, buckets) -> None:
-        for bucket in buckets:
-            work = self._param_gather_work.pop(bucket.index, None)
-            if work is not None:
-                with waiting():
-                    work.wait()
+        self._param_gathers.start(order + [b for b in self.buckets if b not in order])
 
     def wait_for_param_gather(self) -> None:
         """Complete every pending parameter all-gather (before reading parameters outside forward)."""
-        self._wait_param_gather(self.buckets)
+        self._param_gathers.wait(self.buckets)
         self._window.clear()
 
     # ---- ZeRO-3: gather parameters per unit ------------------------------------------------------
@@ -439,7 +440,8 @@ class DistributedDataParallel(DataParallel):
             if self.group is None:
                 bucket.unsharded.tensor.copy_(chunk)
                 continue
-            work = self.comm_of(bucket).all_gather(bucket.unsharded.tensor, chunk, async_op=async_op)
+            with traced("param all-gather", bucket):
+                work = self.comm_of(bucket).all_gather(bucket.unsharded.tensor, chunk, async_op=async_op)
             if async_op:
                 self._gather_work[bucket.index] = work
 
@@ -449,14 +451,13 @@ class DistributedDataParallel(DataParallel):
             for bucket in buckets:
                 work = self._gather_work.pop(bucket.index, None)
                 if work is not None:
-                    work.wait()
+                    wait(work, "param all-gather", bucket)
 
     def _release(self, buckets) -> None:
         for bucket in buckets:
             work = self._gather_work.pop(bucket.index, None)
             if work is not None:
-                with waiting():
-                    work.wait()
+                wait(work, "param all-gather", bucket)
             self.buffer.release(bucket)
 
     def _pre_forward(self, unit: Unit, args) -> None:
