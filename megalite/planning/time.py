@@ -56,10 +56,10 @@ def moe_layer_extra_flops(workload: Workload, layout: Layout) -> tuple[float, fl
 
 
 def hardware_flops(workload: Workload, layout: Layout) -> tuple[float, float]:
-    """(model FLOPs, FLOPs actually run) of one iteration: recomputation runs forward again, the
-    whole layer stack (full) or attention's scores and values, 4*s*nq*d per token and layer
-    (selective; performance.flops_per_iteration's attention term). MoE layers add
-    ``moe_layer_extra_flops`` each."""
+    """(model FLOPs, FLOPs actually run) of one iteration: full recomputation runs the whole layer
+    stack's forward again. Selective recomputation runs nothing again on a GPU: it recomputes only
+    the math attention, and CUDA's fused attention kernels (flash, with or without dropout) keep no
+    s x s scores, so the layer leaves them alone. MoE layers add ``moe_layer_extra_flops`` each."""
     model = dense_part(workload, layout)
     moe = workload.model
     moe_layers = sum(map(moe.is_moe_layer, range(1, moe.num_layers + 1))) if moe.num_experts else 0
@@ -76,13 +76,9 @@ def dense_part(workload: Workload, layout: Layout):
 
 def _dense_hardware_flops(workload: Workload, layout: Layout, model) -> tuple[float, float]:
     model_flops = flops_per_iteration(model, workload.global_batch_size)
-    tokens = workload.global_batch_size * model.seq_length
     if layout.recompute == "full":
         head_only = flops_per_iteration(dataclasses.replace(model, num_layers=0), workload.global_batch_size)
         return model_flops, model_flops + (model_flops - head_only) / 3
-    if layout.recompute == "selective":
-        attention = 4 * model.seq_length * model.num_attention_heads * model.kv_channels * model.num_layers
-        return model_flops, model_flops + attention * tokens
     return model_flops, model_flops
 
 
