@@ -151,7 +151,7 @@ def _megalite_run(rank, world, argv, shape, steps):
         trainer = build_trainer(parse_args(argv, world_size=world))
     base = startup.start
     data = random_batches(shape, rank)
-    times, losses = timed_steps(lambda: train_step(trainer, data)[0], steps)
+    times, losses = timed_steps(lambda: float(train_step(trainer, data)[0]), steps)
     trainer.ddp.close()
     units = getattr(trainer.ddp, "units", [])        # the FSDP2 backend has no megalite gather units
     largest_unit = max((sum(p.numel() for p in u.params) for u in units), default=0)
