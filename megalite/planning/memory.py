@@ -119,9 +119,8 @@ def output_layer_bytes(workload: Workload, layout: Layout, kernels: Kernels) -> 
     Kept: the final norm's input, the output layer's [s/t, b, h] input (its sequence shard) and the fp32
     (log-)softmax over this rank's vocabulary shard [s, b, V/t]. Extra, the larger of two moments:
 
-    - the loss: with one TP rank F.cross_entropy's backward holds two more fp32 [s, b, V] tensors (the
-      loss gradient and log_softmax's input gradient); the vocabulary-parallel loss works in place
-      but, during forward, holds the logits (compute dtype) and their fp32 copy next to the softmax;
+    - the loss (vocabulary-parallel, or at one TP rank the same without its all-reduces): it works in
+      place but, during forward, holds the logits (compute dtype) and their fp32 copy next to the softmax;
     - the output layer's backward: the softmax has become the logits' gradient (cast to the compute
       dtype); next to it the gradient of the layer's input [s, b, h] and of its weight [V/t, h], and
       with sequence parallelism the input all-gathered again and the reduce-scattered input gradient
@@ -131,10 +130,7 @@ def output_layer_bytes(workload: Workload, layout: Layout, kernels: Kernels) -> 
     h, vocab_rows = model.hidden_size, workload.padded_vocab(layout.tp) // layout.tp
     logits = tokens * vocab_rows
     kept = norm_saved_bytes(model, sp_tokens * h, e) + sp_tokens * h * e + 4 * logits
-    if layout.tp == 1:
-        loss = 2 * 4 * logits
-    else:
-        loss = logits * (e + (4 if e != 4 else 0))
+    loss = logits * (e + (4 if e != 4 else 0))
     linear = logits * (e - 4) + tokens * h * e + vocab_rows * h * e
     if layout.sp:
         linear += tokens * h * e + sp_tokens * h * e + (tokens * h * e if kernels.collective_copies else 0)
@@ -146,11 +142,10 @@ def layer_backward_bytes(workload: Workload, layout: Layout, kernels: Kernels, m
     the gradient arriving at the layer's output [s/t, b, h] and the largest of three moments of its MLP
     (``moe``: of its experts, experts.moe_backward_bytes, or of its shared expert, a dense MLP of its size).
 
-    - the activation's backward: _SwiGLUFunction.backward works in fp32; next to the gradient of fc2's
-      input (f/t, compute dtype) it holds fp32 copies of fc1's output (2f/t) and of that gradient
-      (f/t) at 16 bits, sigmoid(gate), the gate and up gradients (f/t each), their concatenation
-      (2f/t) and at 16 bits its cast back (2f/t): 24f/t bytes per token in fp32, 38f/t in bf16. GELU's
-      backward holds two f/t gradients. fc2's input (f/t), kept for fc2, is freed by then.
+    - the activation's backward: _SwiGLUFunction.backward works in the compute dtype; next to the
+      gradient of fc2's input (f/t) it holds the gradient of fc1's output (2f/t), written in place
+      half by half, and one f/t temporary at a time (grad * up, then silu(gate)): 4f/t elements per
+      token. GELU's backward holds two f/t gradients. fc2's input (f/t), kept for fc2, is freed by then.
     - fc2's backward: the gradient of its input next to that of its weight [h, f/t] (and with
       sequence parallelism the all-gathered output gradient [s, b, h]; gloo gathers through a copy).
     - fc1's backward: the gradient of its output, of its input ([s, b, h]) and of its weight, with fc2's
@@ -174,8 +169,7 @@ def mlp_backward_bytes(workload: Workload, layout: Layout, kernels: Kernels, ffn
     fc1_out = 2 * f if model.swiglu else f
     copies = kernels.collective_copies
     if model.swiglu:
-        upcast = 0 if e == 4 else 4 * (2 * f + f) + 2 * f * e
-        activation = tokens * (upcast + 4 * (3 * f + 2 * f))
+        activation = tokens * 4 * f * e
     else:
         activation = tokens * f * e
     fc2 = tokens * f * e + f * h * e + (tokens * h * e * (2 if copies else 1) if layout.sp else 0)
