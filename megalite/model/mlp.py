@@ -39,13 +39,16 @@ class _SwiGLUFunction(torch.autograd.Function):
     Autograd of the two ops would also keep silu(gate) (s x b x f); like Megatron's fused bias-SwiGLU
     this recomputes it in backward. Backward runs the ops autograd of silu(gate) * up would run (so the
     same values), written straight into the two halves of one gradient: silu's own fused backward
-    kernel, not a chain of fp32 elementwise ops (memory-bound on a CPU, so several times slower in bf16)."""
+    kernel, not a chain of fp32 elementwise ops (memory-bound on a CPU, so several times slower in bf16).
+    Each pass writes in place into the one tensor it returns: a CPU pays for every new tensor as a pass
+    of page faults (the allocator gives freed memory back to the OS)."""
 
     @staticmethod
     def forward(ctx, h):
         ctx.save_for_backward(h)
         gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        out = torch.ops.aten.silu.out(gate, out=torch.empty(up.shape, dtype=h.dtype, device=h.device))
+        return out.mul_(up)
 
     @staticmethod
     def backward(ctx, grad):
@@ -53,8 +56,9 @@ class _SwiGLUFunction(torch.autograd.Function):
         gate, up = h.chunk(2, dim=-1)
         grad_h = torch.empty_like(h)
         grad_gate, grad_up = grad_h.chunk(2, dim=-1)
-        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
-        torch.mul(grad, F.silu(gate), out=grad_up)
+        torch.mul(grad, up, out=grad_gate)
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
+        torch.ops.aten.silu.out(gate, out=grad_up).mul_(grad)
         return grad_h
 
 

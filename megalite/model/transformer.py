@@ -51,17 +51,18 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
         need_x, need_w, _ = input_grads_to_compute(ctx)      # zero-bubble B and W passes need one each
-        normed = x.float() * rstd
-        grad = grad.float()
-        grad_w = (grad * normed).reshape(-1, x.shape[-1]).sum(dim=0).to(weight.dtype) if need_w else None
+        h = x.shape[-1]
+        normed = x * rstd                       # fp32 by type promotion: one pass, no upcast copy of x
+        work = grad * normed                    # fp32
+        grad_w = work.reshape(-1, h).sum(dim=0).to(weight.dtype) if need_w else None
         if not need_x:
             return None, grad_w, None
-        grad_normed = grad * weight.float()
-        # d/dx of x * rstd(x): rstd * (g - normed * mean(g * normed)) over the normalised dimension; the
-        # row means as dot products and the rest in place keep the fp32 passes over [.., h] few (CPU: the
-        # backward is memory-bound)
-        mean = torch.linalg.vecdot(grad_normed, normed).unsqueeze(-1).div_(x.shape[-1])
-        grad_x = grad_normed.addcmul_(normed, mean, value=-1).mul_(rstd)
+        w = weight.float()
+        # d/dx of x * rstd(x): rstd * (g w - normed * mean(g w normed)) over the normalised dimension. The
+        # row means are work @ w (a matrix-vector product), then work's buffer takes g * w and the rest
+        # runs in place: few passes over [.., h] and two allocations (CPU: the backward is memory-bound)
+        mean = work.matmul(w).unsqueeze(-1).div_(h)
+        grad_x = torch.mul(grad, w, out=work).addcmul_(normed, mean, value=-1).mul_(rstd)
         return grad_x.to(x.dtype), grad_w, None
 
 
@@ -147,13 +148,45 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [s, b, heads, d]; tables narrower than d rotate the first dimensions only (partial rotary)."""
+    """x * cos + rotate_half(x) * sin, x: [s, b, heads, d]; tables narrower than d rotate the first
+    dimensions only (partial rotary). Compiled, the plain ops (inductor fuses them); eager, _Rotary."""
     dim = cos.shape[-1]
     if dim < x.shape[-1]:
         return torch.cat([apply_rotary(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)
+    if not torch.compiler.is_compiling():
+        return _Rotary.apply(x, cos, sin)
     half = dim // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+class _Rotary(torch.autograd.Function):
+    """RoPE with one new tensor per pass: the tables repeat their frequencies (RotaryEmbedding), so
+    output half 1 is x1 c - x2 s and half 2 is x2 c + x1 s (c, s: the tables' first halves), each
+    written in place. Backward applies the transposed rotation to the gradient and saves only the
+    tables, as autograd of the plain ops does; those ops would allocate a negated half, a
+    concatenation, two products and their sum on each pass (every allocation a full pass over x)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, 1.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, -1.0), None, None
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """[x1, x2] -> [x1 c - sign x2 s, x2 c + sign x1 s]: the rotation (sign 1) or its transpose (-1)."""
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.mul(x1, c, out=out[..., :half]).addcmul_(x2, s, value=-sign)
+    torch.mul(x2, c, out=out[..., half:]).addcmul_(x1, s, value=sign)
+    return out
 
 
 @dataclass

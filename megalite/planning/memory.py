@@ -143,9 +143,9 @@ def layer_backward_bytes(workload: Workload, layout: Layout, kernels: Kernels, m
     (``moe``: of its experts, experts.moe_backward_bytes, or of its shared expert, a dense MLP of its size).
 
     - the activation's backward: _SwiGLUFunction.backward works in the compute dtype; next to the
-      gradient of fc2's input (f/t) it holds the gradient of fc1's output (2f/t), written in place
-      half by half, and one f/t temporary at a time (grad * up, then silu(gate)): 4f/t elements per
-      token. GELU's backward holds two f/t gradients. fc2's input (f/t), kept for fc2, is freed by then.
+      gradient of fc2's input (f/t) it holds only the gradient of fc1's output (2f/t), which each of
+      its passes writes in place: 3f/t elements per token. GELU's backward holds two f/t gradients.
+      fc2's input (f/t), kept for fc2, is freed by then.
     - fc2's backward: the gradient of its input next to that of its weight [h, f/t] (and with
       sequence parallelism the all-gathered output gradient [s, b, h]; gloo gathers through a copy).
     - fc1's backward: the gradient of its output, of its input ([s, b, h]) and of its weight, with fc2's
@@ -169,7 +169,7 @@ def mlp_backward_bytes(workload: Workload, layout: Layout, kernels: Kernels, ffn
     fc1_out = 2 * f if model.swiglu else f
     copies = kernels.collective_copies
     if model.swiglu:
-        activation = tokens * 4 * f * e
+        activation = tokens * 3 * f * e
     else:
         activation = tokens * f * e
     fc2 = tokens * f * e + f * h * e + (tokens * h * e * (2 if copies else 1) if layout.sp else 0)

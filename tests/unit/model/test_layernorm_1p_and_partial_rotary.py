@@ -170,3 +170,23 @@ def test_rotary_percent_mistakes(percent, extra, fragment):
     argv = with_flags(TINY_LLAMA_ARGS, rotary_percent=percent, **extra)
     with pytest.raises(UserError, match=fragment.replace("(", r"\(").replace("]", r"\]")):
         parse_args(argv, world_size=1)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 2 ** -7)])
+def test_rotary_function_equals_the_plain_ops_and_saves_only_the_tables(dtype, tolerance):
+    """The eager RoPE writes each half once (two products, rounded once in low precision, where the plain
+    ops round three times); its backward is the transposed rotation and autograd keeps only cos and sin."""
+    from megalite.model.transformer import RotaryEmbedding, apply_rotary
+    cos, sin = RotaryEmbedding(16, 10000.0, 12).tables(None, 12, dtype)
+    x = torch.randn(12, 2, 3, 16, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
+    plain_x = x.detach().clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = apply_rotary(x, cos, sin)
+    plain = plain_x * cos + torch.cat([-plain_x[..., 8:], plain_x[..., :8]], dim=-1) * sin
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out.backward(grad)
+    plain.backward(grad)
+    torch.testing.assert_close(out, plain, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(x.grad, plain_x.grad, rtol=tolerance, atol=tolerance)
+    assert len(saved) == 2 and saved[0] is cos and saved[1] is sin
