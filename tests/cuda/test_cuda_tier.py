@@ -1,7 +1,7 @@
 """The GPU path on one GPU: bf16 training equals the CPU run, NCCL at world size 1 drives every
-collective path (DDP, ZeRO-1/2/3, TP/PP/CP groups of size 1, bf16 reductions, checkpoint save and
-load), generation works, --compile equals eager, fp16 with loss scaling trains, TF32 follows --no-tf32,
-a steady step synchronises with the host only for the gradient norm.
+collective path (DDP, ZeRO-1/2/3, bf16 reductions, checkpoint save and load; a TP group of size 1
+is no group and runs none), generation works, --compile equals eager, fp16 with loss scaling trains,
+TF32 follows --no-tf32, a steady step synchronises with the host only for the gradient norm.
 
 Every training run is pretrain_gpt.py in a subprocess, as a user starts it: plainly (no process
 group), under torchrun with one process (NCCL, size-1 groups: the collectives really run), or with
