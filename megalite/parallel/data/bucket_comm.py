@@ -19,6 +19,8 @@ issue and wait in a torch.profiler trace.
 """
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
@@ -131,6 +133,33 @@ class GlooSlices:
             self._work = self._start(*self._slices.pop(0)) if self._slices else None
 
 
+def comm_for(bucket: Bucket, dense: Comm, expert: Comm) -> Comm:
+    """The group a bucket is reduced and gathered over: expert-data-parallel for expert weights."""
+    return expert if bucket.expert else dense
+
+
+class InFlight:
+    """Asynchronous bucket collectives that hold memory until they are waited on (gloo's temporaries,
+    --grad-reduce-in-bf16's copies), each by the call that completes it, oldest first: at most
+    ``limit`` stay in flight. It holds no reference to its owner, so the data-parallel wrapper is freed
+    as soon as it is dropped (with its process-group handles, before the groups are destroyed)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._pending: deque = deque()
+
+    def add(self, complete, holds_memory: bool) -> None:
+        """Track a collective by ``complete``; complete the oldest ones beyond ``limit``."""
+        if not holds_memory:
+            return
+        self._pending.append(complete)
+        while len(self._pending) > self.limit:
+            self._pending.popleft()()
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+
 class ParamGathers:
     """ZeRO-1/2: the all-gathers of the updated parameters after the optimizer step, bucket by bucket in
     the order forward needs them (``start``); ``wait`` completes some (the units' forward pre-hooks
@@ -142,26 +171,26 @@ class ParamGathers:
     the forward pre-hook of the first unit that uses its bucket, as with Megatron's
     --overlap-param-gather (which issues them one bucket ahead of the forward)."""
 
-    def __init__(self, buffer, comm_of, overlap: bool, limit):
-        self.buffer, self.comm_of, self.overlap, self.limit = buffer, comm_of, overlap, limit
+    def __init__(self, buffer, comms: tuple[Comm, Comm], overlap: bool, window: "InFlight"):
+        self.buffer, self.comms, self.overlap, self.window = buffer, comms, overlap, window
         self.work: dict[int, object] = {}        # bucket index -> its gather in flight
         self.due: list[Bucket] = []              # NCCL: issued at the next wait
 
     def start(self, order: list[Bucket]) -> None:
-        if self.overlap and not any(self.comm_of(b).holds_temporaries for b in order):
+        if self.overlap and not any(comm_for(b, *self.comms).holds_temporaries for b in order):
             self.due = order
         else:
             self._issue(order)
 
     def _issue(self, order: list[Bucket]) -> None:
         for bucket in order:
-            comm = self.comm_of(bucket)
+            comm = comm_for(bucket, *self.comms)
             with traced("param all-gather", bucket):
                 work = comm.all_gather(self.buffer.bucket_params(bucket), self.buffer.local_param_chunk(bucket),
                                        async_op=self.overlap)
             if self.overlap:
                 self.work[bucket.index] = work
-                self.limit(lambda bucket=bucket: self.wait([bucket]), comm.holds_temporaries)
+                self.window.add(lambda bucket=bucket: self.wait([bucket]), comm.holds_temporaries)
 
     def wait(self, buckets: list[Bucket]) -> None:
         due, self.due = self.due, []

@@ -77,7 +77,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config.schema import SHARDING_STRATEGIES, ParallelConfig
-from megalite.parallel.data.bucket_comm import DONE, Comm, GradReduction, ParamGathers, shard_comms, traced, wait
+from megalite.parallel.data.bucket_comm import (DONE, Comm, GradReduction, InFlight, ParamGathers, comm_for,
+                                              shard_comms, traced, wait)
 from megalite.parallel.data.grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.parallel.data.protocol import DataParallel
 from megalite.parallel.data.units import Unit, model_units, tensors_in
@@ -169,10 +170,11 @@ class DistributedDataParallel(DataParallel):
                             for b in self.buckets} if self.shard_grads else {}
         self._in_flight: deque[GradReduction] = deque()
         self._end_of_backward_queued = False
-        self._window: deque = deque()                    # other asynchronous bucket collectives, oldest first
+        self._window = InFlight(MAX_IN_FLIGHT)           # other asynchronous bucket collectives
         self._grad_work: dict[int, object] = {}
         self._comm_copies: dict[int, tuple] = {}    # bf16 copies of full-buffer buckets in flight
-        self._param_gathers = ParamGathers(self.buffer, self.comm_of, self.overlap_param_gather, self._limit_in_flight)
+        self._param_gathers = ParamGathers(self.buffer, (self.comm, self.expert_comm), self.overlap_param_gather,
+                                           self._window)
         self._gather_work: dict[int, object] = {}
         self._reset_step_state()
         self._hooks = []
@@ -192,8 +194,8 @@ class DistributedDataParallel(DataParallel):
         return self.comm.group
 
     def comm_of(self, bucket: Bucket) -> Comm:
-        """The group a bucket is reduced and gathered over: expert-data-parallel for expert weights."""
-        return self.expert_comm if bucket.expert else self.comm
+        """The group a bucket is reduced and gathered over (bucket_comm.comm_for)."""
+        return comm_for(bucket, self.comm, self.expert_comm)
 
     def _collect_units(self):
         """Named trainable parameters, each one's unit index (the unit that owns it: a tied output
@@ -308,22 +310,13 @@ class DistributedDataParallel(DataParallel):
         self._grad_work[bucket.index] = work if async_op else DONE
         if async_op:
             copied = comm.holds_temporaries or bucket.index in self._comm_copies
-            self._limit_in_flight(lambda: self._complete(bucket), copied)
+            self._window.add(lambda: self._complete(bucket), copied)
         else:
             self._complete(bucket)
 
     @property
     def _reduction_name(self) -> str:
         return "reduce-scatter" if self.shard_optimizer else "all-reduce"
-
-    def _limit_in_flight(self, complete, holds_memory: bool) -> None:
-        """Track an asynchronous collective that holds memory by the call that completes it; complete the
-        oldest ones beyond MAX_IN_FLIGHT (dropping the Work too: gloo's keeps its temporaries until freed)."""
-        if not holds_memory:
-            return
-        self._window.append(complete)
-        while len(self._window) > MAX_IN_FLIGHT:
-            self._window.popleft()()
 
     def _complete(self, bucket: Bucket) -> None:
         """Wait for a full-buffer bucket's reduction; with bf16 reduction copy the result back."""

@@ -57,3 +57,25 @@ def test_bf16_gradients_accumulate_in_fp32():
     for (name, p), (_, s) in zip(named, single):
         torch.testing.assert_close(p.main_grad, 4 * s.grad.float())
     assert not torch.equal(buf.grad_data, expected)
+
+
+def test_the_data_parallel_wrapper_is_freed_without_the_garbage_collector():
+    """After close(), dropping the trainer frees the wrapper at once, with the process-group handles it
+    holds: the entry point destroys the groups next, and a gloo group freed later by the garbage
+    collector (possibly at interpreter exit) aborted the process ("terminate called without an active
+    exception"). Nothing in it may point back at it (a bound method of it kept in a member did)."""
+    import gc
+    import weakref
+    from megalite.config.megatron_cli import parse_args
+    from megalite.train.trainer import build_trainer
+    from megalite_test_utils import TINY_LLAMA_ARGS
+    flags = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce"]
+    trainer = build_trainer(parse_args(TINY_LLAMA_ARGS + flags, world_size=1), print_fn=lambda *_: None)
+    wrapper = weakref.ref(trainer.ddp)
+    trainer.close()
+    gc.disable()
+    try:
+        del trainer
+        assert wrapper() is None
+    finally:
+        gc.enable()
