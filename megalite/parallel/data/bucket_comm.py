@@ -171,7 +171,7 @@ class ParamGathers:
     the forward pre-hook of the first unit that uses its bucket, as with Megatron's
     --overlap-param-gather (which issues them one bucket ahead of the forward)."""
 
-    def __init__(self, buffer, comms: tuple[Comm, Comm], overlap: bool, window: "InFlight"):
+    def __init__(self, buffer, comms: tuple[Comm, Comm], overlap: bool, window: InFlight):
         self.buffer, self.comms, self.overlap, self.window = buffer, comms, overlap, window
         self.work: dict[int, object] = {}        # bucket index -> its gather in flight
         self.due: list[Bucket] = []              # NCCL: issued at the next wait
