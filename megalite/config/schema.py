@@ -168,6 +168,12 @@ class ModelConfig:
     def use_rope(self) -> bool:
         return self.position_embedding_type == "rope"
 
+    @property
+    def attention_type(self) -> str:
+        """Key of the attention module every layer builds (megalite.model.attention.ATTENTION): "self",
+        grouped-query self-attention with a fused QKV projection."""
+        return "self"
+
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether 1-based layer ``layer_number`` has an MoE in place of its MLP (Megatron's --moe-layer-freq:
         every N-th layer counting from the first, or a per-layer 0/1 list)."""

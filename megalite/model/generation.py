@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from megalite.errors import UserError
-from megalite.model.transformer import KVCache
+from megalite.model.attention.kv_cache import KVCache
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float, greedy: bool) -> None:

@@ -19,7 +19,10 @@ from megalite.parallel.context.ring_attention import ContextParallel, local_posi
 from megalite.errors import UserError
 from megalite.model.init import initial_values, initialize_parameter
 from megalite.model.moe import MoELayer
-from megalite.model.transformer import KVCache, RotaryEmbedding, TransformerLayer, build_norm
+from megalite.model.attention.kv_cache import KVCache
+from megalite.model.attention.rotary import RotaryEmbedding
+from megalite.model.norms import build_norm
+from megalite.model.transformer import TransformerLayer
 from megalite.parallel.data.protocol import ModuleUnit
 from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext
 from megalite.parallel.param_meta import mark

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config.schema import ModelConfig
+from megalite.model.kernels import records_autograd
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TensorParallel
 
 
@@ -64,7 +65,7 @@ class _SwiGLUFunction(torch.autograd.Function):
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """[..., 2f] fc1 output [gate | up] -> silu(gate) * up [..., f]."""
-    if torch.is_grad_enabled() and h.requires_grad and not torch.compiler.is_compiling():
+    if records_autograd(h):
         return _SwiGLUFunction.apply(h)           # compiled: the plain ops, fused and partitioned by inductor
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 from bench.activation_memory import Shape, count_saved, model_config
 from megalite.model.gpt import GPTModel
-from megalite.model.transformer import RMSNorm, SelfAttention, _RMSNormFunction
+from megalite.model.attention import core
+from megalite.model.kernels import _RMSNormFunction
+from megalite.model.norms import RMSNorm
 
 pytestmark = pytest.mark.cuda
 
@@ -50,8 +52,8 @@ def test_rms_norm_on_the_gpu_keeps_input_and_rstd_and_equals_the_custom_backward
 def _layer_run(shape: Shape, **overrides):
     """(bytes the last layer keeps, loss, gradients, core_attention calls) of a 2-layer model on the GPU."""
     calls = []
-    real = SelfAttention.core_attention
-    SelfAttention.core_attention = lambda self, *a: (calls.append(1), real(self, *a))[1]
+    real = core.core_attention
+    core.core_attention = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     try:
         model = GPTModel(dataclasses.replace(model_config(shape), **overrides), seed=1).to(DEVICE)
         tokens = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=torch.Generator().manual_seed(0))
@@ -59,7 +61,7 @@ def _layer_run(shape: Shape, **overrides):
             loss = model(tokens.to(DEVICE), labels=tokens.to(DEVICE)).float().mean()
         loss.backward()
     finally:
-        SelfAttention.core_attention = real
+        core.core_attention = real
     return record.bytes("layer"), loss.detach(), [p.grad for p in model.parameters()], len(calls)
 
 

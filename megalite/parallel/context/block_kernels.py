@@ -1,10 +1,13 @@
 """One block of ring attention on the fused SDPA kernels that return the log-sum-exp.
 
-A block is one query chunk against one key/value chunk: q [b, heads, c, d], k and v [b, groups, c, d]
-(GQA: heads = groups x heads_per_group, query head h attends to group h // heads_per_group), any strides
-with a contiguous last dimension, ``causal`` on the diagonal (query i sees keys 0..i), full otherwise.
+A block is one query chunk against one key/value chunk: q [b, heads, c, d], k [b, groups, c, d] and v
+[b, groups, c, d_v] (GQA: heads = groups x heads_per_group, query head h attends to group
+h // heads_per_group), any strides with a contiguous last dimension, ``causal`` on the diagonal (query i
+sees keys 0..i), full otherwise. The kernels take one head dim: with d_v != d (DeepSeek's multi-latent
+attention: 192 / 128) the block's inputs are zero-padded to the larger (``equal_head_dims``) and its
+outputs cut back, which changes no value: zero features add nothing to q k^T or to dO V^T.
 
-- ``block_forward`` -> (out [b, heads, c, d] in q's dtype, lse [b, heads, c] fp32): the block's own softmax
+- ``block_forward`` -> (out [b, heads, c, d_v] in q's dtype, lse [b, heads, c] fp32): the block's own softmax
   output and log-sum-exp, which the ring merges across blocks.
 - ``block_backward`` takes the *final* output and log-sum-exp of those queries (merged over every block)
   with its gradient, as flash attention's ring implementations do: the kernel recomputes the block's
@@ -50,8 +53,32 @@ def _sum_groups(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad if heads == groups else grad.view(b, groups, heads // groups, c, d).sum(dim=2)
 
 
+def equal_head_dims(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` zero-padded along the last dim to the largest of their head dims (unchanged if equal)."""
+    d = max(t.shape[-1] for t in tensors)
+    return tuple(t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1])) for t in tensors)
+
+
 def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(softmax(q k^T scale) v, log-sum-exp fp32 [b, heads, c]) of one block."""
+    d_v = v.shape[-1]
+    if d_v != q.shape[-1]:
+        out, lse = _forward(*equal_head_dims(q, k, v), causal, scale)
+        return out[..., :d_v], lse
+    return _forward(q, k, v, causal, scale)
+
+
+def block_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of one block given the final ``out`` / ``lse`` of its queries and ``grad_out``."""
+    d, d_v = q.shape[-1], v.shape[-1]
+    if d_v != d:
+        q, k, v, grad_out, out = equal_head_dims(q, k, v, grad_out, out)
+        dq, dk, dv = _backward(grad_out, q, k, v, out, lse, causal, scale)
+        return dq[..., :d], dk[..., :d], dv[..., :d_v]
+    return _backward(grad_out, q, k, v, out, lse, causal, scale)
+
+
+def _forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     if q.device.type != "cuda":
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     if _flash_on_cuda(q):
@@ -63,8 +90,7 @@ def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, to
     return out, lse[:, :, :q.shape[2]]
 
 
-def block_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
-    """(dq, dk, dv) of one block given the final ``out`` / ``lse`` of its queries and ``grad_out``."""
+def _backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
     if q.device.type != "cuda":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal,
                                                                          scale=scale)

@@ -112,23 +112,44 @@ def _lse_chunk(lse: torch.Tensor, slot: int) -> torch.Tensor:
     return lse[..., slot * c:(slot + 1) * c]
 
 
-def _pairs(mine: tuple[int, int], theirs: tuple[int, int]):
+class KVBlock:
+    """One rank's keys and values (or their gradients) as contiguous views ``k`` [s_local, b, groups, d] and
+    ``v`` [s_local, b, groups, d_v] of one flat buffer, so one message carries both whatever their head dims."""
+
+    def __init__(self, flat: torch.Tensor, k_shape: torch.Size, v_shape: torch.Size):
+        self.flat = flat
+        split = k_shape.numel()
+        self.k, self.v = flat[:split].view(k_shape), flat[split:].view(v_shape)
+
+    @classmethod
+    def of(cls, k: torch.Tensor, v: torch.Tensor) -> "KVBlock":
+        return cls(torch.cat([k.reshape(-1), v.reshape(-1)]), k.shape, v.shape)
+
+    def new(self, dtype: torch.dtype | None = None, zeros: bool = False) -> "KVBlock":
+        """A block of the same shapes, uninitialised or zero, in ``dtype`` (default: this one's)."""
+        make = torch.zeros if zeros else torch.empty
+        flat = make(self.flat.shape, dtype=dtype or self.flat.dtype, device=self.flat.device)
+        return KVBlock(flat, self.k.shape, self.v.shape)
+
+
+def _pairs(mine: tuple[int, int], theirs: tuple[int, int], causal: bool):
     """(query chunk slot, kv chunk slot, causal) of the blocks between this rank's query chunks ``mine``
-    and the KV chunks ``theirs``: full where the query chunk comes later, causal on the diagonal."""
+    and the KV chunks ``theirs``: causal, full where the query chunk comes later, causal on the diagonal
+    and none where it comes earlier; without the causal mask every block is full."""
     for qi in range(2):
         for ki in range(2):
-            if mine[qi] > theirs[ki]:
+            if mine[qi] > theirs[ki] or not causal:
                 yield qi, ki, False
             elif mine[qi] == theirs[ki]:
                 yield qi, ki, True
 
 
-def _attend(q, kv, blocks, out, lse, filled: list, scale: float) -> None:
-    """Merge the blocks of ``q`` [s_local, b, heads, d] against ``kv`` [2, s_local, b, groups, d] into the
-    fp32 accumulators ``out`` [s_local, b, heads, d] and ``lse`` [b, heads, s_local]; ``filled[slot]``
-    says whether that query chunk has a partial result yet."""
+def _attend(q, kv: KVBlock, blocks, out, lse, filled: list, scale: float) -> None:
+    """Merge the blocks of ``q`` [s_local, b, heads, d] against ``kv`` into the fp32 accumulators ``out``
+    [s_local, b, heads, d_v] and ``lse`` [b, heads, s_local]; ``filled[slot]`` says whether that query
+    chunk has a partial result yet."""
     for qi, ki, causal in blocks:
-        o, l = block_forward(_chunk(q, qi), _chunk(kv[0], ki), _chunk(kv[1], ki), causal, scale)
+        o, l = block_forward(_chunk(q, qi), _chunk(kv.k, ki), _chunk(kv.v, ki), causal, scale)
         acc, acc_lse = _chunk(out, qi), _lse_chunk(lse, qi)
         if not filled[qi]:
             acc.copy_(o)
@@ -140,23 +161,23 @@ def _attend(q, kv, blocks, out, lse, filled: list, scale: float) -> None:
         acc_lse.copy_(merged)
 
 
-def _attend_backward(grad_out, q, kv, out, lse, blocks, dq, dkv, scale: float) -> None:
-    """Add the blocks' gradients to ``dq`` [s_local, b, heads, d] and ``dkv`` [2, s_local, b, groups, d]
-    (fp32), given the final ``out`` and ``lse`` of the queries and the gradient ``grad_out`` of out."""
+def _attend_backward(grad_out, q, kv: KVBlock, out, lse, blocks, dq, dkv: KVBlock, scale: float) -> None:
+    """Add the blocks' gradients to ``dq`` [s_local, b, heads, d] and ``dkv`` (fp32), given the final
+    ``out`` and ``lse`` of the queries and the gradient ``grad_out`` of out."""
     for qi, ki, causal in blocks:
-        dq_b, dk_b, dv_b = block_backward(_chunk(grad_out, qi), _chunk(q, qi), _chunk(kv[0], ki), _chunk(kv[1], ki),
+        dq_b, dk_b, dv_b = block_backward(_chunk(grad_out, qi), _chunk(q, qi), _chunk(kv.k, ki), _chunk(kv.v, ki),
                                           _chunk(out, qi), _lse_chunk(lse, qi), causal, scale)
         _chunk(dq, qi).add_(dq_b)
-        _chunk(dkv[0], ki).add_(dk_b)
-        _chunk(dkv[1], ki).add_(dv_b)
+        _chunk(dkv.k, ki).add_(dk_b)
+        _chunk(dkv.v, ki).add_(dv_b)
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, cp: ContextParallel):
+def _exchange(send: KVBlock, recv: KVBlock, cp: ContextParallel):
     """Send to the next CP rank, receive from the previous one (asynchronous)."""
     nxt = cp.ranks[(cp.rank + 1) % cp.size]
     prv = cp.ranks[(cp.rank - 1) % cp.size]
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, cp.group),
-                                   dist.P2POp(dist.irecv, recv, prv, cp.group)])
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send.flat, nxt, cp.group),
+                                   dist.P2POp(dist.irecv, recv.flat, prv, cp.group)])
 
 
 def _wait(requests) -> None:
@@ -166,63 +187,68 @@ def _wait(requests) -> None:
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel):
-        s, b, nh, d = q.shape
-        scale = 1.0 / math.sqrt(d)
-        out = torch.empty(s, b, nh, d, dtype=torch.float32, device=q.device)
+    def forward(ctx, q, k, v, cp: ContextParallel, causal: bool, scale: float):
+        s, b, nh = q.shape[:3]
+        d_v = v.shape[-1]
+        out = torch.empty(s, b, nh, d_v, dtype=torch.float32, device=q.device)
         lse = torch.empty(b, nh, s, dtype=torch.float32, device=q.device)
         filled = [False, False]
-        current = torch.stack([k, v])                                             # [2, s, b, groups, d]
+        current = KVBlock.of(k, v)
         for step in range(cp.size):
             src = (cp.rank - step) % cp.size
             requests = []
             if step < cp.size - 1:
-                incoming = torch.empty_like(current)
+                incoming = current.new()
                 requests = _exchange(current, incoming, cp)                       # prefetch the next block
-            _attend(q, current, _pairs(cp.chunk_ids(), cp.chunk_ids(src)), out, lse, filled, scale)
+            _attend(q, current, _pairs(cp.chunk_ids(), cp.chunk_ids(src), causal), out, lse, filled, scale)
             if requests:
                 _wait(requests)
                 current = incoming
-        result = out.view(s, b, nh * d).to(q.dtype)
+        result = out.view(s, b, nh * d_v).to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.cp = cp
+        ctx.cp, ctx.causal, ctx.scale = cp, causal, scale
         return result
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, result, lse = ctx.saved_tensors
-        cp = ctx.cp
+        cp, causal, scale = ctx.cp, ctx.causal, ctx.scale
         s, b, nh, d = q.shape
-        scale = 1.0 / math.sqrt(d)
-        grad_out, out = grad_out.reshape(s, b, nh, d), result.view(s, b, nh, d)
+        d_v = v.shape[-1]
+        grad_out, out = grad_out.reshape(s, b, nh, d_v), result.view(s, b, nh, d_v)
         dq = torch.zeros(s, b, nh, d, dtype=torch.float32, device=q.device)
-        current = torch.stack([k, v])
+        current = KVBlock.of(k, v)
         travelling = None               # (requests, sent, received) of the dK/dV accumulator in flight
         for step in range(cp.size):
             src = (cp.rank - step) % cp.size
             requests = []
             if step < cp.size - 1:
-                incoming = torch.empty_like(current)
+                incoming = current.new()
                 requests = _exchange(current, incoming, cp)
-            dkv = torch.zeros(current.shape, dtype=torch.float32, device=q.device)
-            _attend_backward(grad_out, q, current, out, lse, _pairs(cp.chunk_ids(), cp.chunk_ids(src)), dq, dkv, scale)
+            dkv = current.new(torch.float32, zeros=True)
+            _attend_backward(grad_out, q, current, out, lse, _pairs(cp.chunk_ids(), cp.chunk_ids(src), causal), dq,
+                             dkv, scale)
             if travelling is not None:  # what the ranks before this one added to this KV block's gradients
                 _wait(travelling[0])
-                dkv += travelling[2]
+                dkv.flat += travelling[2].flat
             # moves on with the KV block while the next block is computed; the last hop returns it to its owner
-            received = torch.empty_like(dkv)
+            received = dkv.new()
             travelling = (_exchange(dkv, received, cp), dkv, received)
             if requests:
                 _wait(requests)
                 current = incoming
         _wait(travelling[0])
-        dk, dv = (g.to(k.dtype) for g in travelling[2])
-        return dq.to(q.dtype), dk, dv, None
+        dk, dv = (g.to(k.dtype) for g in (travelling[2].k, travelling[2].v))
+        return dq.to(q.dtype), dk, dv, None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
-    """Causal attention of this rank's [s_local, b, heads, d] queries over the whole sequence.
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, *, causal: bool = True,
+                   scale: float | None = None) -> torch.Tensor:
+    """Attention of this rank's [s_local, b, heads, d] queries over the whole sequence, causal or full.
 
-    ``k``/``v`` are [s_local, b, kv groups, d]; s_local holds this rank's two chunks (see module doc).
-    Returns [s_local, b, heads * d]."""
-    return RingAttention.apply(q, k, v, cp)
+    ``k`` is [s_local, b, kv groups, d], ``v`` [s_local, b, kv groups, d_v]; s_local holds this rank's two
+    chunks (see module doc). ``scale`` multiplies q k^T (default 1/sqrt(d)). A mask beyond causal (document
+    boundaries, a sliding window) enters through ``_pairs``, which picks each block's mask from the
+    chunks' sequence positions. Returns [s_local, b, heads * d_v]."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return RingAttention.apply(q, k, v, cp, causal, scale)

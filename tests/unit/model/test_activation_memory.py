@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from bench.activation_memory import (LLAMA, Shape, count_saved, megalite_layer_bytes, megatron_formula_bytes,
                                      minimum_bytes, transformers_layer_bytes)
 from megalite.model.mlp import swiglu
-from megalite.model.transformer import RMSNorm, dropout
+from megalite.model.kernels import dropout
+from megalite.model.norms import RMSNorm
 
 GPT = Shape(heads=4, kv_heads=4, ffn=1024, style="gpt", hidden_dropout=0.1)
 

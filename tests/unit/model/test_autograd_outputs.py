@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megalite.parallel.pipeline.split_backward import input_grads_to_compute
-from megalite.model.transformer import _RMSNormFunction
+from megalite.model.kernels import _RMSNormFunction
 
 
 class _Scale(torch.autograd.Function):

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from bench.activation_memory import Shape, count_saved, model_config
 from megalite.config.megatron_cli import parse_args
 from megalite.model.gpt import GPTModel
-from megalite.model.transformer import RMSNorm, SelfAttention, sdpa_runs_fused
+from megalite.model.attention import core
+from megalite.model.kernels import sdpa_runs_fused
+from megalite.model.norms import RMSNorm
 from megalite.planning import inputs, memory
 from megalite_test_utils import TINY_LLAMA_ARGS, masked_micro_batches
 
@@ -113,8 +115,8 @@ def _layer_run(shape: Shape, monkeypatch, **overrides):
     """(bytes the last layer keeps, loss, gradients, core_attention calls) of a 2-layer model's forward and
     backward."""
     calls = []
-    real = SelfAttention.core_attention
-    monkeypatch.setattr(SelfAttention, "core_attention", lambda self, *a: (calls.append(1), real(self, *a))[1])
+    real = core.core_attention
+    monkeypatch.setattr(core, "core_attention", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     model = GPTModel(dataclasses.replace(model_config(shape), **overrides), seed=1)
     tokens = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(5)

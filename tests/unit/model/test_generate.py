@@ -12,7 +12,7 @@ from megalite.config.schema import ModelConfig
 from megalite.errors import UserError
 from megalite.model.generation import filter_logits, generate
 from megalite.model.gpt import GPTModel
-from megalite.model.transformer import KVCache
+from megalite.model.attention.kv_cache import KVCache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TOOL = os.path.join(ROOT, "tools", "generate.py")

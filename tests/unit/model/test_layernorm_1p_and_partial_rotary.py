@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def test_zero_centred_norms_scale_by_weight_plus_one():
-    from megalite.model.transformer import LayerNorm, RMSNorm
+    from megalite.model.norms import LayerNorm, RMSNorm
     x = torch.randn(5, 2, 16)
     w = torch.randn(16)
     for cls in (RMSNorm, LayerNorm):
@@ -151,7 +151,8 @@ def test_trained_partial_rotary_model_exports_to_phi3_with_its_logits(tmp_path):
 
 
 def test_partial_rotary_rotates_only_the_leading_dimensions():
-    from megalite.model.transformer import RotaryEmbedding, apply_rotary
+    from megalite.model.attention.rotary import RotaryEmbedding
+    from megalite.model.kernels import apply_rotary
     x = torch.randn(10, 1, 2, 16)
     half = RotaryEmbedding(16, 10000.0, 10, rotary_percent=0.5)
     whole8 = RotaryEmbedding(8, 10000.0, 10)                   # RoPE over 8 dimensions
@@ -176,7 +177,8 @@ def test_rotary_percent_mistakes(percent, extra, fragment):
 def test_rotary_function_equals_the_plain_ops_and_saves_only_the_tables(dtype, tolerance):
     """The eager RoPE writes each half once (two products, rounded once in low precision, where the plain
     ops round three times); its backward is the transposed rotation and autograd keeps only cos and sin."""
-    from megalite.model.transformer import RotaryEmbedding, apply_rotary
+    from megalite.model.attention.rotary import RotaryEmbedding
+    from megalite.model.kernels import apply_rotary
     cos, sin = RotaryEmbedding(16, 10000.0, 12).tables(None, 12, dtype)
     x = torch.randn(12, 2, 3, 16, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
     plain_x = x.detach().clone().requires_grad_()

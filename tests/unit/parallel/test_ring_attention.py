@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.cross_entropy_memory import LiveBytes
-from megalite.parallel.context.ring_attention import (ContextParallel, _attend, _attend_backward, _pairs,
+from megalite.parallel.context.ring_attention import (ContextParallel, KVBlock, _attend, _attend_backward, _pairs,
                                                       local_positions)
 
 B, NH, D = 2, 4, 16
@@ -42,12 +42,12 @@ def emulated_ring(q, k, v, grad, cp_size: int):
     """(out, dq, dk, dv) over the whole sequence of ring attention at ``cp_size``, every rank run in turn."""
     s, scale = q.shape[0], q.shape[-1] ** -0.5
     positions = [local_positions(s, r, cp_size, q.device) for r in range(cp_size)]
-    kv = [torch.stack([k[p], v[p]]) for p in positions]
-    dkv = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in kv]
+    kv = [KVBlock.of(k[p], v[p]) for p in positions]
+    dkv = [t.new(torch.float32, zeros=True) for t in kv]
     out, dq = torch.empty(grad.shape, dtype=q.dtype, device=q.device), torch.empty_like(q)
     for r, p in enumerate(positions):
         cp = ContextParallel(rank=r, size=cp_size)
-        steps = [(src, list(_pairs(cp.chunk_ids(), cp.chunk_ids(src)))) for src in range(cp_size)]
+        steps = [(src, list(_pairs(cp.chunk_ids(), cp.chunk_ids(src), True))) for src in range(cp_size)]
         q_local = q[p]
         acc = torch.empty(q_local.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, NH, len(p), dtype=torch.float32, device=q.device)
@@ -62,7 +62,7 @@ def emulated_ring(q, k, v, grad, cp_size: int):
         out[p], dq[p] = result.view(len(p), B, -1), dq_local.to(q.dtype)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     for p, grads in zip(positions, dkv):
-        dk[p], dv[p] = grads[0].to(k.dtype), grads[1].to(v.dtype)
+        dk[p], dv[p] = grads.k.to(k.dtype), grads.v.to(v.dtype)
     return out, dq, dk, dv
 
 
@@ -89,8 +89,8 @@ def ring_step(chunk: int, dtype=torch.float32, device="cpu"):
     q, k, v, grad = inputs(2 * 2 * chunk, 2, dtype, device)
     cp = ContextParallel(rank=0, size=2)
     p = local_positions(q.shape[0], 0, 2, q.device)
-    q, kv, grad = q[p], torch.stack([k[p], v[p]]), grad[p].view(2 * chunk, B, NH, D)
-    blocks = list(_pairs(cp.chunk_ids(), cp.chunk_ids()))
+    q, kv, grad = q[p], KVBlock.of(k[p], v[p]), grad[p].view(2 * chunk, B, NH, D)
+    blocks = list(_pairs(cp.chunk_ids(), cp.chunk_ids(), True))
     assert [causal for *_, causal in blocks] == [True, False, True]
 
     def run():
@@ -98,7 +98,7 @@ def ring_step(chunk: int, dtype=torch.float32, device="cpu"):
         lse = torch.empty(B, NH, 2 * chunk, dtype=torch.float32, device=q.device)
         _attend(q, kv, blocks, out, lse, [False, False], D ** -0.5)
         result = out.to(dtype)
-        dq, dkv = torch.zeros_like(out), torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        dq, dkv = torch.zeros_like(out), kv.new(torch.float32, zeros=True)
         _attend_backward(grad, q, kv, result, lse, blocks, dq, dkv, D ** -0.5)
     return run
 

@@ -1,0 +1,25 @@
+"""Attention: the modules that project heads (chosen by ModelConfig.attention_type) and core_attention,
+which runs softmax(q k^T scale + mask) v on the backend that fits (core.py).
+
+An attention module is built as ``cls(config, dtype, tp, cp)`` and called as
+``module(x, rotary, kv_cache, layer_number)`` on [s, b, hidden] -> [s, b, hidden]; it owns its
+projections and hands q, k, v to core.run_core_attention with its MaskSpec and scale. A new variant is
+one module file and one line in ATTENTION.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megalite.config.schema import ModelConfig
+from megalite.model.attention.self_attention import SelfAttention
+from megalite.parallel.context.ring_attention import ContextParallel
+from megalite.parallel.tensor.layers import TensorParallel
+
+ATTENTION = {"self": SelfAttention}             # ModelConfig.attention_type -> module class
+
+
+def build_attention(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel,
+                    cp: ContextParallel | None = None) -> nn.Module:
+    """The attention module ``config`` names, for one layer."""
+    return ATTENTION[config.attention_type](config, dtype, tp, cp)

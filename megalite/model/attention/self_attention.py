@@ -1,0 +1,112 @@
+"""SelfAttention: causal self-attention with a fused QKV projection (GQA, RoPE, qk-layernorm, KV cache)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.config.schema import ModelConfig
+from megalite.model.attention.core import run_core_attention
+from megalite.model.attention.kv_cache import KVCache
+from megalite.model.attention.mask import MaskSpec
+from megalite.model.kernels import apply_rotary, records_autograd
+from megalite.model.norms import LayerNorm, build_norm
+from megalite.parallel.context.ring_attention import ContextParallel
+from megalite.parallel.param_meta import mark
+from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TensorParallel
+from megalite.parallel.tensor.mappings import copy_to_tp_region
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention with a fused QKV projection in Megatron's grouped layout.
+
+    ``linear_qkv`` rows are grouped per KV head g: [q heads of group g, k_g, v_g] (Megatron's layout), so a
+    tensor-parallel shard is a contiguous block of whole groups. With more TP ranks than KV heads,
+    each rank takes a slice of one group's query heads plus that group's K and V, which are then
+    replicated across the ranks sharing the group (their gradients are summed over those ranks).
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel, cp: ContextParallel | None = None):
+        super().__init__()
+        nq, nkv, d, h = config.num_attention_heads, config.num_query_groups, config.kv_channels, config.hidden_size
+        self.tp = tp
+        self.cp = cp if cp is not None and cp.size > 1 else None
+        self.mask = MaskSpec(causal=True)
+        self.head_dim = d
+        self.num_heads = nq // tp.size                              # local to this rank
+        self.num_groups = max(1, nkv // tp.size)
+        self.heads_per_group = self.num_heads // self.num_groups
+        self.dropout = config.attention_dropout
+        self.selective_recompute = config.recompute_granularity == "selective"
+        local_rows, local_out = None, (self.num_heads + 2 * self.num_groups) * d
+        if tp.size > nkv:
+            local_rows = _replicated_kv_rows(nq, nkv, d, tp)
+        qkv_bias = config.add_bias_linear or config.add_qkv_bias
+        self.linear_qkv = ColumnParallelLinear(h, (nq + 2 * nkv) * d, qkv_bias, dtype, tp,
+                                               local_rows=local_rows, local_out=local_out)
+        if tp.size > nkv:
+            kv_rows = (self.num_heads * d, (self.num_heads + 2) * d, tp.size // nkv)
+            for param in self.linear_qkv.parameters():
+                mark(param, replicated_rows=kv_rows)
+        self.linear_proj = RowParallelLinear(nq * d, h, config.add_bias_linear, dtype, tp)
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:         # --qk-layernorm: per-head norms of q and k, weights [head_dim]
+            self.q_layernorm = build_norm(replace(config, hidden_size=d), dtype, tp)
+            self.k_layernorm = build_norm(replace(config, hidden_size=d), dtype, tp)
+
+    def norm_heads(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """q or k [s, b, heads, d] normalised over d. Each TP rank holds its own heads, so the replicated
+        norm weight's gradient is partial per rank and must be summed over TP: under sequence parallelism
+        finalize_model_grads does it (build_norm's sequence_parallel mark), without it the weight enters
+        through copy_to_tp_region, whose backward all-reduces its gradient."""
+        if self.tp.size == 1 or self.tp.sequence_parallel:
+            return norm(x)
+        weight = copy_to_tp_region(norm.scale(), self.tp.group)
+        if isinstance(norm, LayerNorm):
+            return F.layer_norm(x, weight.shape, weight, copy_to_tp_region(norm.bias, self.tp.group), norm.eps)
+        return F.rms_norm(x, weight.shape, weight, norm.eps)
+
+    def split_qkv(self, qkv: torch.Tensor):
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, self.head_dim)
+        q, k, v = torch.split(qkv, [self.heads_per_group, 1, 1], dim=3)
+        return q.reshape(s, b, self.num_heads, self.head_dim), k.squeeze(3), v.squeeze(3)
+
+    def forward(self, x: torch.Tensor, rotary=None, kv_cache: KVCache | None = None,
+                layer_number: int = 0) -> torch.Tensor:
+        qkv = self.linear_qkv(x)
+        q, k, v = self.split_qkv(qkv)
+        if self.q_layernorm is not None:
+            q, k = self.norm_heads(self.q_layernorm, q), self.norm_heads(self.k_layernorm, k)
+        if rotary is not None:
+            cos, sin = rotary
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if records_autograd(qkv) and not _same_storage(q, qkv):
+            # q (and with RoPE k) are new tensors: a k or v that is still a view would keep the whole
+            # QKV output alive for backward, queries included (compiled, the partitioner picks what is saved)
+            k, v = (t.contiguous() if _same_storage(t, qkv) else t for t in (k, v))
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer_number, k, v)
+        out = run_core_attention(q, k, v, self.mask, dropout=self.dropout if self.training else 0.0, cp=self.cp,
+                                 rng=self.tp.rng, selective_recompute=self.selective_recompute and self.training)
+        return self.linear_proj(out)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """By the storage object, not its address: meta tensors (no storage) all have address 0."""
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+def _replicated_kv_rows(nq: int, nkv: int, d: int, tp: TensorParallel):
+    """Rows of the full QKV weight/bias for a rank sharing its KV head with tp/nkv - 1 others."""
+    replicas = tp.size // nkv
+    group, slot = tp.rank // replicas, tp.rank % replicas
+    q_per_rank = nq // tp.size
+
+    def local_rows(full: torch.Tensor) -> torch.Tensor:
+        grouped = full.view(nkv, nq // nkv + 2, d, *full.shape[1:])[group]
+        q = grouped[slot * q_per_rank:(slot + 1) * q_per_rank]
+        return torch.cat([q, grouped[-2:]]).reshape(-1, *full.shape[1:])
+    return local_rows
