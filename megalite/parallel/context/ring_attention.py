@@ -134,8 +134,8 @@ class KVBlock:
 
 def _pairs(mine: tuple[int, int], theirs: tuple[int, int], causal: bool):
     """(query chunk slot, kv chunk slot, causal) of the blocks between this rank's query chunks ``mine``
-    and the KV chunks ``theirs``: causal, full where the query chunk comes later, causal on the diagonal
-    and none where it comes earlier; without the causal mask every block is full."""
+    and the KV chunks ``theirs``. Causal: full where the query chunk comes later, causal on the diagonal,
+    none where it comes earlier. Without the causal mask every block is full."""
     for qi in range(2):
         for ki in range(2):
             if mine[qi] > theirs[ki] or not causal:
