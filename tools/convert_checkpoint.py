@@ -29,7 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.checkpoint.hf_config import SUPPORTED_MODEL_TYPES  # noqa: E402
-from megalite.config.cli import OneLineArgumentParser  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser, one_line_errors  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
 FORMATS = ("hf", "megalite")
@@ -63,13 +63,11 @@ def run(args: argparse.Namespace) -> str:
     return megalite_to_hf(args.input, args.output, model_type=args.model_type, overwrite=args.overwrite)
 
 
+@one_line_errors
 def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
-        args = build_parser().parse_args(argv)
         written = run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
     except KeyboardInterrupt:
         print("interrupted: the output may be incomplete; run again with --overwrite", file=sys.stderr, flush=True)
         return 1

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megalite.config.cli import OneLineArgumentParser  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser, one_line_errors  # noqa: E402
 from megalite.config.schema import DataConfig  # noqa: E402
 from megalite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
@@ -102,12 +102,11 @@ def run(args: argparse.Namespace) -> str:
     return completion_text(tokenizer, args.prompt, prompt_ids, new_ids)
 
 
+@one_line_errors
 def main(argv=None) -> int:
+    args = get_args(argv)
     try:
-        text = run(get_args(argv))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+        text = run(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         return 130

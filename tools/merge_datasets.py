@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, data_file_path,  # noqa: E402
                                            index_file_path, normalize_prefix)
-from megalite.config.cli import OneLineArgumentParser  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser, one_line_errors  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
 
@@ -60,18 +60,15 @@ def merge(inputs: list[str], output_prefix: str, overwrite: bool = False) -> Ind
     return builder
 
 
+@one_line_errors
 def main(argv=None) -> int:
     p = OneLineArgumentParser(prog="tools/merge_datasets.py", description="Merge Megatron .bin/.idx datasets into one.")
     p.add_argument("--input", nargs="+", required=True, help="dataset prefixes, or one folder of them")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     start = time.time()
-    try:
-        args = p.parse_args(argv)
-        builder = merge(args.input, args.output_prefix, args.overwrite)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+    args = p.parse_args(argv)
+    builder = merge(args.input, args.output_prefix, args.overwrite)
     print(f"wrote {args.output_prefix}.bin / .idx: {builder.num_documents:,} documents, {builder.num_tokens:,} "
           f"tokens from {len(input_prefixes(args.input))} inputs in {time.time() - start:.1f} s", flush=True)
     return 0

@@ -2,16 +2,21 @@
 """Plan a parallel layout: the fastest TP x PP x DP layouts that fit in device memory, with the
 pretrain_gpt.py flags to run them.
 
+It reads pretrain_gpt.py's own command line (the same parser), so a training command pastes in as it
+is, with the planner's flags added:
+
+    # a pretrain_gpt.py command (Llama-3 8B): the flags that shape memory and time are read, the rest
+    # (learning rate, data, checkpointing, logging) ignored
+    python tools/plan_parallelism.py --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 \
+        --num-attention-heads 32 --group-query-attention --num-query-groups 8 --seq-length 8192 \
+        --max-position-embeddings 8192 --position-embedding-type rope --rotary-base 500000 \
+        --normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights \
+        --global-batch-size 128 --train-iters 1000 --lr 3e-4 --bf16 --tokenizer-type NullTokenizer \
+        --vocab-size 128256 --mock-data --num-gpus 64 --gpu-memory-gb 80
     # a Hugging Face config (Llama / Mistral / Qwen2/3 / Phi-3 / GPT-2 / Mixtral /
-    # Qwen2-MoE / Qwen3-MoE config.json, or a model directory)
-    python tools/plan_parallelism.py --hf-config llama-3-8b/config.json --num-gpus 8 --gpu-memory-gb 80 \\
+    # Qwen2-MoE / Qwen3-MoE config.json, or a model directory) in place of the model flags
+    python tools/plan_parallelism.py --hf-config llama-3-8b/config.json --num-gpus 8 --gpu-memory-gb 80 \
         --seq-length 8192 --global-batch-size 128
-    # or Megatron's model flags
-    python tools/plan_parallelism.py --num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 \\
-        --num-attention-heads 64 --group-query-attention --num-query-groups 8 --swiglu \\
-        --untie-embeddings-and-output-weights --position-embedding-type rope --normalization RMSNorm \\
-        --disable-bias-linear --vocab-size 128256 --num-gpus 64 --gpu-memory-gb 80 --seq-length 4096 \\
-        --global-batch-size 1024 --top 3
     # a Mixture of Experts (Mixtral 8x7B's shape): the search adds expert parallelism (EP) and ETP
     python tools/plan_parallelism.py --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 \
         --num-attention-heads 32 --group-query-attention --num-query-groups 8 --swiglu \
@@ -24,6 +29,9 @@ pretrain_gpt.py flags to run them.
     # --data-parallel-sharding-strategy / --use-distributed-optimizer, --expert-model-parallel-size,
     # --expert-tensor-parallel-size, --num-distributed-optimizer-instances
 
+The parallel flags of a pasted command (PINS below, --micro-batch-size among them) pin that part of
+the layout; leave them out to search it. The vocabulary is the tokenizer's, as pretrain_gpt.py builds it
+(NullTokenizer: --vocab-size plus its end-of-document id); without --tokenizer-type, --vocab-size is it.
 K is --num-distributed-optimizer-instances (hybrid sharding: ZeRO within DP/K ranks, all-reduce across K).
 It tries every layout megalite accepts (TP within a node with sequence parallelism, PP dividing the
 layers, interleaved virtual stages, DP the rest, every micro-batch size, recomputation none /
@@ -47,66 +55,47 @@ from megalite.checkpoint.hf_config import read_hf_config_file  # noqa: E402
 from megalite.parallel.pipeline.split import SplitFlags  # noqa: E402
 from megalite.planning import flags as plan_flags  # noqa: E402
 from megalite.planning import inputs, search, verify  # noqa: E402
-from megalite.config.cli import OneLineArgumentParser, moe_layer_pattern, positive_float, positive_int  # noqa: E402
+from megalite.config import megatron_cli  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser, one_line_errors, positive_float, positive_int  # noqa: E402
 from megalite.config import validate as checks  # noqa: E402
-from megalite.config.schema import PIPELINE_SCHEDULES, SHARDING_STRATEGIES  # noqa: E402
+from megalite.config.schema import FLAG, ModelConfig  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
+# pretrain_gpt.py's flags that pin part of the layout; absent, the search chooses (pretrain_gpt.py's
+# defaults do not apply)
+PINS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+        "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank", "micro_batch_size",
+        "recompute_granularity", "data_parallel_sharding_strategy", "pipeline_schedule", "expert_model_parallel_size",
+        "expert_tensor_parallel_size", "num_distributed_optimizer_instances")
+# the model's fields that are the layout's (recomputation) rather than the architecture's
+LAYOUT_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """pretrain_gpt.py's parser (every flag it takes, one home), with the planner's own flags added."""
     p = OneLineArgumentParser(prog="tools/plan_parallelism.py", description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    g = p.add_argument_group("model: a Hugging Face config, or Megatron's model flags")
+                              formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+                              parents=[megatron_cli.build_parser()], conflict_handler="resolve")
+    p.set_defaults(**dict.fromkeys(PINS))
+    g = p.add_argument_group("the planner's own flags")
     g.add_argument("--hf-config", help="config.json of a model whose family checkpoint/hf_config.py converts "
-                   "(Llama, Mixtral, Qwen2-MoE, ...), or its directory")
-    g.add_argument("--num-layers", type=positive_int)
-    g.add_argument("--hidden-size", type=positive_int)
-    g.add_argument("--ffn-hidden-size", type=positive_int, help="default 4*hidden, or Megatron's 2/3 rule with --swiglu")
-    g.add_argument("--num-attention-heads", type=positive_int)
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=positive_int)
-    g.add_argument("--kv-channels", type=positive_int)
-    g.add_argument("--max-position-embeddings", type=positive_int)
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
-    g.add_argument("--add-qkv-bias", action="store_true")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--vocab-size", type=positive_int, help="the tokenizer's vocabulary")
-    g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
-    g.add_argument("--hidden-dropout", type=float, help="default 0.1 (pretrain_gpt.py), or the HF config's")
-    g.add_argument("--attention-dropout", type=float, help="default 0.1 (pretrain_gpt.py), or the HF config's")
-
-    g = p.add_argument_group("Mixture of Experts (pretrain_gpt.py's flags; absent --num-experts: a dense model)")
-    g.add_argument("--num-experts", type=positive_int)
-    g.add_argument("--moe-router-topk", type=positive_int, default=2)
-    g.add_argument("--moe-ffn-hidden-size", type=positive_int, help="each expert's hidden size (default --ffn-hidden-size)")
-    g.add_argument("--moe-shared-expert-intermediate-size", type=positive_int)
-    g.add_argument("--moe-shared-expert-gate", action="store_true")
-    g.add_argument("--moe-layer-freq", type=moe_layer_pattern, default=1,
-                   help='every N-th layer is MoE, or a 0/1 list such as "([0]*3+[1]*29)" (default 1: all)')
-    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather")
-    g.add_argument("--moe-expert-capacity-factor", type=positive_float,
-                   help="drop beyond this multiple of the mean rows per expert (default: dropless)")
-    g.add_argument("--moe-z-loss-coeff", type=positive_float)
+                   "(Llama, Mixtral, Qwen2-MoE, ...), or its directory: the model in place of the model flags, "
+                   "which when given override the config's")
+    g.add_argument("--fp32", action="store_true", help="plan fp32 training (default --bf16)")
+    g.add_argument("--recompute-granularity", choices=["none", "selective", "full"],
+                   help="pin the recomputation (none: no recomputation); searched when absent")
     g.add_argument("--moe-imbalance-margin", type=positive_float, default=inputs.MOE_IMBALANCE_MARGIN,
                    help="dropless routing: the busiest expert rank's rows over the mean, for its dispatched rows, "
                         f"expert activations and expert compute (default {inputs.MOE_IMBALANCE_MARGIN}: the "
                         "headroom capacity-factor recipes leave a balanced router)")
-
-    g = p.add_argument_group("training")
-    g.add_argument("--seq-length", type=positive_int, required=True)
-    g.add_argument("--global-batch-size", type=positive_int, required=True)
-    precision = g.add_mutually_exclusive_group()
-    precision.add_argument("--bf16", dest="precision", action="store_const", const="bf16")
-    precision.add_argument("--fp16", dest="precision", action="store_const", const="fp16")
-    precision.add_argument("--fp32", dest="precision", action="store_const", const="fp32")
+    g.add_argument("--top", type=positive_int, default=5, help="how many layouts to print (default 5)")
+    g.add_argument("--verify", action="store_true", help=(
+        "run pretrain_gpt.py's dry run (--fake-process-group --no-storage) for one rank of each distinct role of "
+        "every printed layout, and print its measured memory beside the estimate"))
 
     g = p.add_argument_group("hardware (defaults: H100 SXM)")
-    g.add_argument("--num-gpus", type=positive_int, required=True)
+    g.add_argument("--num-gpus", type=positive_int, required=True, help="the world the layouts fill")
     g.add_argument("--gpu-memory-gb", type=positive_float, required=True)
     g.add_argument("--gpus-per-node", type=positive_int, help="default min(8, --num-gpus)")
     g.add_argument("--peak-tflops", type=positive_float, help="dense TFLOP/s per GPU; default 989 (bf16/fp16), 67 (fp32)")
@@ -116,94 +105,89 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--inter-node-bandwidth", type=positive_float, default=40.0, help="GB/s per GPU, InfiniBand (default 40)")
     g.add_argument("--usable-memory-fraction", type=positive_float, default=0.9,
                    help="of --gpu-memory-gb, the rest for the CUDA context, NCCL and fragmentation (default 0.9)")
-
-    g = p.add_argument_group("pin part of the layout (pretrain_gpt.py names)")
-    g.add_argument("--tensor-model-parallel-size", type=positive_int)
-    g.add_argument("--pipeline-model-parallel-size", type=positive_int)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=positive_int)
-    g.add_argument("--micro-batch-size", type=positive_int)
-    g.add_argument("--recompute-granularity", choices=["none", "selective", "full"])
-    g.add_argument("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES)
-    g.add_argument("--use-distributed-optimizer", action="store_true", help="= --data-parallel-sharding-strategy optim")
-    g.add_argument("--context-parallel-size", type=positive_int, help="default 1 (context parallelism is not searched)")
-    g.add_argument("--expert-model-parallel-size", type=positive_int)
-    g.add_argument("--expert-tensor-parallel-size", type=positive_int, help="searched: 1 or the TP size")
-    g.add_argument("--num-distributed-optimizer-instances", type=positive_int,
-                   help="hybrid sharding; searched: 1, and where the data-parallel ranks span nodes the fewest "
-                        "instances whose ZeRO shard group fits in one node")
-    g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, help="default 1f1b (interleaved with virtual stages)")
-    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=positive_int)
-    g.add_argument("--decoder-first-pipeline-num-layers", type=positive_int)
-    g.add_argument("--decoder-last-pipeline-num-layers", type=positive_int)
-    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
-    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
-    g.add_argument("--pipeline-model-parallel-layout", help="Megatron's layout string (pins --pipeline-model-parallel-size "
-                                                            "too: give it)")
-    g.add_argument("--top", type=positive_int, default=5, help="how many layouts to print (default 5)")
-    g.add_argument("--verify", action="store_true", help=(
-        "run pretrain_gpt.py's dry run (--fake-process-group --no-storage) for one rank of each distinct role of "
-        "every printed layout, and print its measured memory beside the estimate"))
     return p
 
 
 # ---- flags -> planner inputs ------------------------------------------------------------------------
+def flag_name(dest: str) -> str:
+    return f"--{dest.replace('_', '-')}"
+
+
+def given(args, names) -> dict:
+    """Those of ``names`` whose flag the command line sets away from its default."""
+    parser = build_parser()
+    return {name: vars(args)[name] for name in names if vars(args)[name] != parser.get_default(name)}
+
+
 def model_config(args):
-    given = [f"--{name.replace('_', '-')}" for name in MODEL_FLAGS if vars(args)[name] is not None]
     if args.hf_config:
-        if given:
-            raise UserError(f"--hf-config and {given[0]} are exclusive: the model comes from the config; remove the model flags")
-        model = plan_flags.model_from_hf_config(read_hf_config_file(args.hf_config), args.seq_length)
+        model = hf_model(args)
     else:
-        missing = [f"--{name.replace('_', '-')}" for name in MODEL_FLAGS if vars(args)[name] is None]
+        tokenizer = megatron_cli.data_config(args).tokenizer_type
+        missing = [flag_name(name) for name in MODEL_FLAGS
+                   if vars(args)[name] is None and not (name == "vocab_size" and tokenizer)]
         if missing:
             raise UserError(f"give --hf-config PATH or the model flags; missing {', '.join(missing)}")
-        if args.num_query_groups is not None and not args.group_query_attention:
-            raise UserError("--num-query-groups needs --group-query-attention")
-        if args.group_query_attention and args.num_query_groups is None:
-            raise UserError("--group-query-attention needs --num-query-groups N")
-        model = plan_flags.model_from_flags(
-            args.num_layers, args.hidden_size, args.num_attention_heads, args.vocab_size, args.seq_length,
-            ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
-            kv_channels=args.kv_channels, swiglu=args.swiglu, max_position_embeddings=args.max_position_embeddings,
-            position_embedding_type=args.position_embedding_type, normalization=args.normalization,
-            add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
-            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
-    model = dataclasses.replace(model, **moe_fields(args, model))
-    dropout = {name: value for name, value in (("hidden_dropout", args.hidden_dropout),
-                                               ("attention_dropout", args.attention_dropout)) if value is not None}
-    for name, value in dropout.items():
-        if not 0.0 <= value < 1.0:
-            raise UserError(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
+        model = plan_flags.model_from_args(args, vocabulary(args))
+    moe = given(args, [f.name for f in dataclasses.fields(ModelConfig) if f.name.startswith("moe_")])
+    if moe and not model.num_experts:
+        raise UserError(f"{flag_name(next(iter(moe)))} applies to MoE layers; add --num-experts N")
+    return model
+
+
+def hf_model(args):
+    """The model of --hf-config, trained at --seq-length, with the model flags given over the config's."""
+    exclusive = [flag_name(name) for name in MODEL_FLAGS if vars(args)[name] is not None]
+    if exclusive:
+        raise UserError(f"--hf-config and {exclusive[0]} are exclusive: the model comes from the config; "
+                        "remove the model flags")
+    model = plan_flags.model_from_hf_config(read_hf_config_file(args.hf_config), args.seq_length)
+    architecture = [f.name for f in dataclasses.fields(ModelConfig) if FLAG in f.metadata and f.name not in LAYOUT_FIELDS]
+    model = dataclasses.replace(model, **given(args, architecture))
+    checks.check_moe(model)
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(model, name) < 1.0:
+            raise UserError(f"{flag_name(name)} must be in [0, 1), got {getattr(model, name)}")
     if not model.use_rope and args.seq_length > model.max_position_embeddings:
         raise UserError(f"--seq-length {args.seq_length} exceeds the model's {model.max_position_embeddings} learned "
                         "positions; shorten --seq-length")
-    return dataclasses.replace(model, **dropout)
+    return model
 
 
-MOE_FLAGS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-             "moe_shared_expert_gate", "moe_layer_freq", "moe_token_dispatcher_type", "moe_expert_capacity_factor",
-             "moe_z_loss_coeff")
+def vocabulary(args) -> int:
+    """The tokenizer's vocabulary as pretrain_gpt.py gets it: the tokenizer the flags name, built; without
+    --tokenizer-type (nor GPT-2's --vocab-file and --merge-file), --vocab-size."""
+    data = megatron_cli.data_config(args)
+    if data.tokenizer_type is None:
+        return args.vocab_size
+    from megalite.data.tokenizers import build_tokenizer
+    try:
+        return build_tokenizer(data).vocab_size
+    except UserError as e:
+        raise UserError(f"{e}; or plan without the tokenizer: drop --tokenizer-type and give its vocabulary as "
+                        "--vocab-size N") from None
 
 
-def moe_fields(args, model) -> dict:
-    """The MoE fields of the model: the MoE flags given on the command line, over a Hugging Face config's
-    own; checked as pretrain_gpt.py checks them (config/validate.py's check_moe)."""
-    parser = build_parser()
-    given = {name: vars(args)[name] for name in MOE_FLAGS if vars(args)[name] != parser.get_default(name)}
-    if not (given.get("num_experts") or model.num_experts):
-        if given:
-            raise UserError(f"--{next(iter(given)).replace('_', '-')} applies to MoE layers; add --num-experts N")
-        return {}
-    fields = given if model.num_experts else {name: vars(args)[name] for name in MOE_FLAGS}
-    checks.check_moe(dataclasses.replace(model, **fields))
-    return fields
+def precision(args) -> str:
+    chosen = [name for name in ("bf16", "fp16", "fp32") if vars(args)[name]]
+    if len(chosen) > 1:
+        raise UserError(f"--{chosen[0]} and --{chosen[1]} are exclusive; pick one")
+    return chosen[0] if chosen else "bf16"
+
+
+def required(args) -> None:
+    """The planner's required flags that pretrain_gpt.py's parser leaves optional."""
+    missing = [flag_name(name) for name in ("seq_length", "global_batch_size") if vars(args)[name] is None]
+    if missing:
+        raise UserError(f"the planner requires {' and '.join(missing)}: it plans one sequence length and batch")
 
 
 def planner_inputs(args):
+    required(args)
     if args.moe_imbalance_margin < 1:
         raise UserError(f"--moe-imbalance-margin is the busiest rank's rows over the mean, at least 1; got "
                         f"{args.moe_imbalance_margin}")
-    workload = inputs.Workload(model_config(args), args.global_batch_size, args.precision or "bf16",
+    workload = inputs.Workload(model_config(args), args.global_batch_size, precision(args),
                                  args.make_vocab_size_divisible_by, args.moe_imbalance_margin)
     for flag in ("usable_memory_fraction", "compute_efficiency"):
         if vars(args)[flag] > 1:
@@ -309,13 +293,10 @@ def verify_layouts(workload, hardware, estimates) -> int:
     return 1 if off else 0
 
 
+@one_line_errors
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        planned = plan(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+    planned = plan(args)
     print("\n".join(describe(*planned)), flush=True)
     return verify_layouts(*planned) if args.verify else 0
 

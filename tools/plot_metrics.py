@@ -20,7 +20,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megalite.config.cli import OneLineArgumentParser  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser, one_line_errors  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
 # panel file name -> (title, y label, [(metric key, curve label)], log scale); a key with "*" draws every
@@ -125,6 +125,7 @@ def _save(fig, path: str) -> str:
     return path
 
 
+@one_line_errors
 def main(argv=None) -> int:
     p = OneLineArgumentParser(prog="tools/plot_metrics.py",
                               description="Plot pretrain_gpt.py's JSON-lines metrics as PNG files.")
@@ -134,13 +135,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         written = plot(args.metrics, args.labels, args.output_dir)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
     except OSError as e:
-        print(f"error: --output-dir {args.output_dir}: cannot write ({e.strerror}); choose a writable folder",
-              file=sys.stderr, flush=True)
-        return 1
+        raise UserError(f"--output-dir {args.output_dir}: cannot write ({e.strerror}); choose a writable folder") from None
     for path in written:
         print(f"wrote {path}")
     return 0

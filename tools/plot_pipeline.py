@@ -32,7 +32,9 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megalite.config.cli import OneLineArgumentParser, one_line_errors, positive_int  # noqa: E402
 from megalite.config.schema import ASYNC_SCHEDULES, PIPELINE_SCHEDULES  # noqa: E402
+from megalite.errors import UserError  # noqa: E402
 from megalite.parallel.pipeline.pipedream import AsyncPipeline  # noqa: E402
 from megalite.parallel.pipeline.executor import PipelineRecord  # noqa: E402
 from megalite.parallel.pipeline.simulate import replay_schedule  # noqa: E402
@@ -223,26 +225,27 @@ def draw(records: list, path: str, title: str) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--vpp", type=int, default=1, help="model chunks per rank (interleaved when > 1)")
-    parser.add_argument("--microbatches", type=int, default=8)
+@one_line_errors
+def main(argv=None) -> int:
+    parser = OneLineArgumentParser(prog="tools/plot_pipeline.py", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pp", type=positive_int, default=2)
+    parser.add_argument("--vpp", type=positive_int, default=1, help="model chunks per rank (interleaved when > 1)")
+    parser.add_argument("--microbatches", type=positive_int, default=8)
     parser.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
                         help="zbv always runs two chunks per rank")
     parser.add_argument("--output", default="runs/pipeline_timeline.png")
-    parser.add_argument("--steps", type=int, default=1, help="steps recorded; the median one (by bubble) is drawn")
-    args = parser.parse_args()
+    parser.add_argument("--steps", type=positive_int, default=1,
+                        help="steps recorded; the median one (by bubble) is drawn")
+    args = parser.parse_args(argv)
     if args.schedule == "zbv":
         args.vpp = 2
     elif args.schedule != "1f1b" and args.vpp > 1:
-        parser.error(f"--vpp > 1 is the interleaved 1F1B schedule; drop it for --schedule {args.schedule}")
+        raise UserError(f"--vpp > 1 is the interleaved 1F1B schedule; drop it for --schedule {args.schedule}")
     if args.schedule == "pipedream-2bw" and args.microbatches < args.pp - 1:
-        parser.error(f"--schedule pipedream-2bw needs --microbatches >= --pp - 1 = {args.pp - 1}")
+        raise UserError(f"--schedule pipedream-2bw needs --microbatches >= --pp - 1 = {args.pp - 1}")
     if args.vpp > 1 and args.microbatches % args.pp:
-        parser.error("--microbatches must be a multiple of --pp for the interleaved schedule")
-    if args.steps < 1:
-        parser.error(f"--steps must be at least 1, got {args.steps}")
+        raise UserError("--microbatches must be a multiple of --pp for the interleaved schedule")
     records = record_schedule(args.pp, args.microbatches, args.vpp, args.schedule, steps=args.steps)
     name = "interleaved 1F1B" if args.vpp > 1 and args.schedule == "1f1b" else args.schedule.upper()
     measured = measured_bubble_share(records)
@@ -254,7 +257,8 @@ def main() -> None:
           f"| theory {100 * theory:.1f}%"
           + ("" if replayed is None else f" | the order with the measured action times {100 * replayed:.1f}%")
           + f" | forward time spread {100 * forward_spread(records):.0f}% | timeline {args.output}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

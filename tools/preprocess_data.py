@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from megalite.config.cli import OneLineArgumentParser  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser, one_line_errors  # noqa: E402
 from megalite.config.schema import DataConfig  # noqa: E402
 from megalite.data.indexed_dataset import (DTYPE_NAMES, IndexedDatasetBuilder, best_dtype,  # noqa: E402
                                            check_vocab_fits, data_file_path, index_file_path)
@@ -429,12 +429,11 @@ def preprocess(args) -> dict:
             "skipped": skipped, "empty": empty, "outputs": outputs}
 
 
+@one_line_errors
 def main(argv=None) -> int:
+    args = get_args(argv)
     try:
-        preprocess(get_args(argv))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+        preprocess(args)
     except KeyboardInterrupt:
         print("interrupted: no output written", file=sys.stderr, flush=True)
         return 130

@@ -11,7 +11,6 @@ unreadable and non-UTF-8 files are skipped; test suites are skipped unless --inc
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -20,6 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megalite.config.cli import OneLineArgumentParser, one_line_errors  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -47,7 +47,8 @@ def write_corpus(output: str, max_mb: float, include_tests: bool, root: str | No
                  overwrite: bool = False) -> dict:
     root = root or sysconfig.get_paths()["stdlib"]
     if not os.path.isdir(root):
-        raise UserError(f"standard library folder {root} not found")
+        raise UserError(f"--root {root}: no such folder; give the standard library's folder (default: this "
+                        "Python's)")
     if os.path.exists(output) and not overwrite:
         raise UserError(f"--output {output} already exists; pass --overwrite to replace it")
     budget = int(max_mb * 1024 * 1024)
@@ -88,8 +89,9 @@ def write_corpus(output: str, max_mb: float, include_tests: bool, root: str | No
     return stats
 
 
+@one_line_errors
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineArgumentParser(prog="tools/stdlib_corpus.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, help="JSONL file to write")
     parser.add_argument("--max-mb", type=float, default=20.0,
                         help="stop before the corpus exceeds this many MiB of source (default 20)")
@@ -99,11 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     args = parser.parse_args(argv)
     start = time.time()
-    try:
-        stats = write_corpus(args.output, args.max_mb, args.include_tests, args.root, args.overwrite)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    stats = write_corpus(args.output, args.max_mb, args.include_tests, args.root, args.overwrite)
     skipped = stats["skipped_unreadable"] + stats["skipped_non_utf8"] + stats["skipped_empty"]
     print(f"wrote {args.output}: {stats['files']} documents, {stats['bytes'] / 1e6:.1f} MB "
           f"(skipped {skipped}: {stats['skipped_non_utf8']} non-UTF-8, {stats['skipped_unreadable']} "

@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.config.cli import OneLineArgumentParser  # noqa: E402
+from megalite.config.cli import OneLineArgumentParser, one_line_errors  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
 
@@ -130,6 +130,7 @@ def train(args) -> str:
     return outputs[0]
 
 
+@one_line_errors
 def main(argv=None) -> int:
     p = OneLineArgumentParser(
         prog="tools/train_tokenizer.py",
@@ -145,11 +146,7 @@ def main(argv=None) -> int:
     p.add_argument("--character-coverage", type=float, default=0.9999)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.model/.vocab")
-    try:
-        train(p.parse_args(argv))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+    train(p.parse_args(argv))
     return 0
 
 

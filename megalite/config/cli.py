@@ -1,10 +1,14 @@
-"""What every megalite command line shares: a parser whose mistakes are one-line UserErrors, and the
-number types its flags use (finite, range-checked when parsed)."""
+"""What every megalite command line shares: a parser whose mistakes are one-line UserErrors, the
+wrapper that turns a tool's UserError into one ``error: ...`` line and exit code 1, and the number
+types its flags use (finite, range-checked when parsed)."""
 from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import math
+import sys
+from typing import Callable
 
 from megalite.errors import UserError
 
@@ -16,6 +20,19 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UserError(f"{' '.join(message.split())} (see python {self.prog} --help)")
+
+
+def one_line_errors(main: Callable[..., int]) -> Callable[..., int]:
+    """A tool's ``main(argv=None) -> exit code``, with every UserError it raises (a bad, missing or unknown
+    flag, a missing input file) printed as one line ``error: ...`` on stderr and exit code 1."""
+    @functools.wraps(main)
+    def run(argv: list[str] | None = None) -> int:
+        try:
+            return main(argv)
+        except UserError as error:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            return 1
+    return run
 
 
 def integer(text: str) -> int:

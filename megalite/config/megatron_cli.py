@@ -201,13 +201,13 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None,
                       else world_size_from_env())
     checkpoint_vocab_size = apply_checkpoint_args(args, parser)
     _check_inputs(args)
-    model, parallel = _model_config(args), _parallel_config(args, world_size)
+    model, parallel = model_config(args), _parallel_config(args, world_size)
     rules.check_model(model)                        # the layout's rules before the batch sizes that depend on it
     rules.check_tensor_parallel(model, parallel)
     rules.check_world_size(world_size, parallel)
     training = _training_config(args, parallel)
     config = MegaliteConfig(model=model, parallel=parallel, optimizer=_optimizer_config(args, training),
-                            data=_data_config(args), training=training)
+                            data=data_config(args), training=training)
     rules.validate(config, world_size)
     rules.check_paths(config.training)
     if true_vocab_size is None:
@@ -233,10 +233,6 @@ def _check_inputs(args: argparse.Namespace) -> None:
         raise UserError("give --train-iters N or --train-samples N")
     if args.train_iters is not None and args.train_samples is not None:
         raise UserError("--train-iters and --train-samples are exclusive; give one")
-    if args.num_query_groups is not None and not args.group_query_attention:
-        raise UserError("--num-query-groups needs --group-query-attention")
-    if args.group_query_attention and args.num_query_groups is None:
-        raise UserError("--group-query-attention needs --num-query-groups N")
     if args.rampup_batch_size and args.step_batch_size_schedule:
         raise UserError("--rampup-batch-size and --step-batch-size-schedule are exclusive; give one")
     warmups = [f for f, v in (("--lr-warmup-iters", args.lr_warmup_iters), ("--lr-warmup-samples", args.lr_warmup_samples),
@@ -262,8 +258,13 @@ def _from_flags(section, args: argparse.Namespace, **computed):
     return section(**{**given, **computed})
 
 
-def _model_config(args) -> ModelConfig:
-    """The model without its vocabulary (parse_args adds it once the tokenizer is known)."""
+def model_config(args) -> ModelConfig:
+    """The model without its vocabulary (parse_args adds it once the tokenizer is known); a planner
+    reads it from the same flags without launching anything."""
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise UserError("--num-query-groups needs --group-query-attention")
+    if args.group_query_attention and args.num_query_groups is None:
+        raise UserError("--group-query-attention needs --num-query-groups N")
     return _from_flags(
         ModelConfig, args, padded_vocab_size=0, vocab_size=0,
         ffn_hidden_size=args.ffn_hidden_size or default_ffn_hidden_size(args.hidden_size, args.swiglu),
@@ -346,7 +347,7 @@ def _optimizer_config(args, training: TrainingConfig) -> OptimizerConfig:
                        decoupled_min_lr=decoupled_min_lr)
 
 
-def _data_config(args) -> DataConfig:
+def data_config(args) -> DataConfig:
     tokenizer_type = args.tokenizer_type
     if tokenizer_type is None and args.vocab_file and args.merge_file:
         # a vocab.json with merges.txt is GPT-2's BPE (Megatron's GPT-3 example gives only the two files)

@@ -1,13 +1,15 @@
 """The planner and pretrain_gpt.py's flags, both ways: the flags that run a layout, the layout a parsed
-command line runs, and a ModelConfig from Megatron's model flags or a Hugging Face config."""
+command line runs, and a ModelConfig from pretrain_gpt.py's own flags (its parser and rules, the one
+home of every flag) or from a Hugging Face config."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 from megalite.checkpoint.hf_config import dropout_fields, model_fields
-from megalite.config.schema import (MegaliteConfig, ModelConfig, ParallelConfig, default_ffn_hidden_size,
-                                    default_kv_channels)
-from megalite.errors import UserError
+from megalite.config import megatron_cli
+from megalite.config import validate as rules
+from megalite.config.schema import MegaliteConfig, ModelConfig, ParallelConfig
 from megalite.parallel.pipeline.split import SplitFlags, virtual_stage_layers
 from megalite.planning.inputs import Layout, Workload
 
@@ -84,21 +86,25 @@ def pretrain_flags(workload: Workload, layout: Layout) -> list[str]:
     return flags
 
 
+def model_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
+    """The ModelConfig pretrain_gpt.py builds from its parsed flags ``args`` (megatron_cli.model_config,
+    checked by the same rules), with the tokenizer's ``vocab_size`` unpadded. Recomputation is the
+    layout's, so the model carries none."""
+    model = dataclasses.replace(megatron_cli.model_config(args), vocab_size=vocab_size, padded_vocab_size=vocab_size,
+                                recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
+    rules.check_model(model)
+    rules.check_moe(model)
+    return model
+
 
 def model_from_flags(num_layers: int, hidden_size: int, num_attention_heads: int, vocab_size: int,
-                     seq_length: int, ffn_hidden_size: int | None = None, num_query_groups: int | None = None,
-                     kv_channels: int | None = None, swiglu: bool = False, **options) -> ModelConfig:
-    """A ModelConfig from Megatron's model flags, with pretrain_gpt.py's defaults (megatron_cli.py)."""
-    kv_channels = kv_channels or default_kv_channels(hidden_size, num_attention_heads)
-    groups = num_query_groups or num_attention_heads
-    if num_attention_heads % groups:
-        raise UserError(f"--num-attention-heads {num_attention_heads} must be divisible by --num-query-groups {groups}")
-    return ModelConfig(
-        num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-        ffn_hidden_size=ffn_hidden_size or default_ffn_hidden_size(hidden_size, swiglu),
-        kv_channels=kv_channels, num_query_groups=groups,
-        seq_length=seq_length, max_position_embeddings=options.pop("max_position_embeddings", None) or seq_length,
-        padded_vocab_size=vocab_size, vocab_size=vocab_size, swiglu=swiglu, **options)
+                     seq_length: int, **flags) -> ModelConfig:
+    """model_from_args for model flags given by their config field names, every other flag at
+    pretrain_gpt.py's default (``num_query_groups`` implies --group-query-attention)."""
+    args = megatron_cli.build_parser().parse_args([])
+    vars(args).update(num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                      seq_length=seq_length, group_query_attention=flags.get("num_query_groups") is not None, **flags)
+    return model_from_args(args, vocab_size)
 
 
 def workload_and_layout(config: MegaliteConfig) -> tuple[Workload, Layout]:

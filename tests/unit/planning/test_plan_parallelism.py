@@ -491,3 +491,37 @@ def test_cli_mistakes_are_one_line_errors(tmp_path, capsys):
                                       "--global-batch-size", "64"])
         err = capsys.readouterr().err
         assert code == 1 and expected in err and err.count("\n") == 1, (argv, err)
+
+
+# Llama-3 8B's pretrain_gpt.py command as Megatron's examples write it
+LLAMA_3_8B_COMMAND = [
+    "--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads", "32",
+    "--group-query-attention", "--num-query-groups", "8", "--seq-length", "8192", "--max-position-embeddings", "8192",
+    "--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm", "--swiglu",
+    "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--micro-batch-size", "1",
+    "--global-batch-size", "128", "--train-iters", "1000", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style",
+    "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0", "--bf16", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "128256", "--data-path", "/nonexistent/llama3_text_document", "--save", "/nonexistent/ckpt"]
+
+
+def test_a_pasted_pretrain_gpt_command_plans_as_the_model_flags_do(capsys, monkeypatch):
+    """The planner reads pretrain_gpt.py's own flags: what shapes memory and time is planned, the rest (learning
+    rate, data and checkpoint paths) ignored; the world is --num-gpus, not the launcher's WORLD_SIZE."""
+    import plan_parallelism
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    hardware = ["--num-gpus", "64", "--gpu-memory-gb", "80", "--top", "3"]
+    # the same model in the planner's own terms: NullTokenizer's vocabulary is --vocab-size plus its end-of-document id
+    model_flags = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads",
+                   "32", "--group-query-attention", "--num-query-groups", "8", "--seq-length", "8192",
+                   "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+                   "--untie-embeddings-and-output-weights", "--micro-batch-size", "1", "--global-batch-size", "128",
+                   "--vocab-size", "128257"]
+    outputs = []
+    for argv in (LLAMA_3_8B_COMMAND, model_flags):
+        assert plan_parallelism.main(argv + hardware) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and "8.03B parameters" in outputs[0]
+    assert len(re.findall(r"^\s+#\d+: .*--micro-batch-size 1 ", outputs[0], re.M)) == 3
+    pinned = LLAMA_3_8B_COMMAND + ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2"]
+    _, _, estimates = plan_parallelism.plan(plan_parallelism.build_parser().parse_args(pinned + hardware))
+    assert estimates and {(e.layout.tp, e.layout.pp, e.layout.dp) for e in estimates} == {(8, 2, 4)}
