@@ -30,6 +30,7 @@ from megalite.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.tensor.layers import ColumnParallelLinear, TensorParallel, VocabParallelEmbedding, parallel_logits
 from megalite.parallel.tensor.mappings import gather_from_tp_region, reduce_from_tp_region, scatter_to_sp_region
 from megalite.parallel.tensor.random import checkpoint
+from megalite.precision.gemm import GemmPrecision, build_gemm_precision
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -99,6 +100,8 @@ class GPTModel(nn.Module):
                     # (same global name) and kept equal by summing both gradients over the embedding group
                     self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, False,
                                                              dtype, tp)
+                else:   # the head reads the word embeddings: the model owns the logits GEMM's precision
+                    self.output_precision = build_gemm_precision(tp.gemm_recipe)
         self.mark_shared_embeddings()
         if meta:
             self.attach_initial_values(seed)
@@ -144,6 +147,12 @@ class GPTModel(nn.Module):
         if self.share_embeddings_and_output_weights and self.pre_process:
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
+
+    def output_gemm(self) -> GemmPrecision:
+        """The logits GEMM's precision: the output layer's, or the model's own for a tied head."""
+        if self.share_embeddings_and_output_weights and self.pre_process:
+            return self.output_precision
+        return self.output_layer.precision
 
     def data_parallel_units(self) -> list[ModuleUnit]:
         """This chunk's module units in forward order, for the data-parallel backends: the embedding (its
@@ -192,7 +201,7 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         x = self.decoder.final_layernorm(x)
-        logits = parallel_logits(x, self.output_weight(), self.tp)      # [s, b, V/tp]
+        logits = parallel_logits(x, self.output_weight(), self.tp, self.output_gemm())      # [s, b, V/tp]
         vocab_start = self.tp.rank * logits.shape[-1]
         mask_padded_vocabulary(logits, vocab_start, self.config.vocab_size)
         if labels is None:     # [b, s, V] over the tokenizer's true vocabulary (padding dropped)

@@ -47,6 +47,7 @@ from megalite.model.mlp import MLP
 from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext, Routed, dispatch
 from megalite.parallel.param_meta import mark
 from megalite.parallel.pipeline.split_backward import input_grads_to_compute
+from megalite.precision.gemm import DEFAULT_RECIPE, GemmPrecision, build_gemm_precision
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -187,9 +188,10 @@ def _stacked_weight(shape: tuple, full: tuple, dtype: torch.dtype, take_rows, ta
 
 
 class GroupedExperts(nn.Module):
-    """This rank's experts: two GEMMs per expert over rows grouped by expert, as one autograd node."""
+    """This rank's experts: two GEMMs per expert over rows grouped by expert, as one autograd node, run by
+    the layer's ``precision`` (the GemmPrecision of the recipe ``gemm_recipe`` names)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, ep: ExpertParallel):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ep: ExpertParallel, gemm_recipe: str = DEFAULT_RECIPE):
         super().__init__()
         E, h, f = config.num_experts, config.hidden_size, config.expert_ffn_hidden_size
         self.swiglu = config.swiglu
@@ -212,11 +214,13 @@ class GroupedExperts(nn.Module):
                                                  fc1_rows)
         self.linear_fc2 = nn.Module()
         self.linear_fc2.weight = _stacked_weight((len(mine), h, local_f), (E * h, f), dtype, fc2_rows, fc2_cols)
+        self.precision = build_gemm_precision(gemm_recipe)
 
     def forward(self, rows: torch.Tensor, counts: list) -> torch.Tensor:
         """rows [N, h] grouped by local expert, ``counts`` rows per expert -> partial outputs [N, h]."""
         activation = "swiglu" if self.swiglu else self.gelu_approximate
-        return _ExpertMLP.apply(rows, self.linear_fc1.weight, self.linear_fc2.weight, counts, activation)
+        return _ExpertMLP.apply(rows, self.linear_fc1.weight, self.linear_fc2.weight, counts, activation,
+                                self.precision)
 
 
 class _ExpertMLP(torch.autograd.Function):
@@ -225,30 +229,32 @@ class _ExpertMLP(torch.autograd.Function):
     One node instead of autograd's chain of grouped GEMMs, split, activation and product: it saves the
     rows, fc1's output and the activation (less than the chain keeps), and its backward writes each
     gradient once into its place (the gate and up halves of fc1's gradient side by side, every expert's
-    weight gradient into one stacked tensor) instead of concatenating pieces."""
+    weight gradient into one stacked tensor) instead of concatenating pieces. Its six grouped GEMMs are
+    those of ``precision``; in the zero-bubble split B runs the input GEMMs, W the weight GEMMs (and again
+    fc2's input GEMM, whose result fc1's weight gradient needs)."""
 
     @staticmethod
-    def forward(ctx, rows, fc1, fc2, counts: list, activation: str):
-        hidden = grouped_mm(rows, fc1, counts)                                  # [N, 2f] or [N, f]
+    def forward(ctx, rows, fc1, fc2, counts: list, activation: str, precision: GemmPrecision):
+        hidden = precision.grouped_forward(rows, fc1, counts)                   # [N, 2f] or [N, f]
         if activation == "swiglu":
             gate, up = hidden.chunk(2, dim=-1)
             act = F.silu(gate).mul_(up)
         else:
             act = F.gelu(hidden, approximate=activation)
         ctx.save_for_backward(rows, fc1, fc2, hidden, act)
-        ctx.counts, ctx.activation = counts, activation
-        return grouped_mm(act, fc2, counts)
+        ctx.counts, ctx.activation, ctx.precision = counts, activation, precision
+        return precision.grouped_forward(act, fc2, counts)
 
     @staticmethod
     def backward(ctx, grad):
         rows, fc1, fc2, hidden, act = ctx.saved_tensors
-        counts = ctx.counts
+        counts, precision = ctx.counts, ctx.precision
         need_rows, need_fc1, need_fc2 = input_grads_to_compute(ctx)[:3]
         grad = grad.contiguous()
-        d_fc2 = grouped_weight_grad(grad, act, counts, fc2) if need_fc2 else None
+        d_fc2 = precision.grouped_grad_weight(grad, act, counts) if need_fc2 else None
         if not (need_rows or need_fc1):
-            return None, None, d_fc2, None, None
-        d_act = grouped_mm(grad, fc2.transpose(-1, -2), counts)                 # [N, f]
+            return None, None, d_fc2, None, None, None
+        d_act = precision.grouped_grad_input(grad, fc2, counts)                # [N, f]
         if ctx.activation == "swiglu":
             gate, up = hidden.chunk(2, dim=-1)
             d_hidden = torch.empty_like(hidden)
@@ -257,40 +263,9 @@ class _ExpertMLP(torch.autograd.Function):
             torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
         else:
             d_hidden = torch.ops.aten.gelu_backward(d_act, hidden, approximate=ctx.activation)
-        d_rows = grouped_mm(d_hidden, fc1.transpose(-1, -2), counts) if need_rows else None
-        d_fc1 = grouped_weight_grad(d_hidden, rows, counts, fc1) if need_fc1 else None
-        return d_rows, d_fc1, d_fc2, None, None
-
-
-def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, counts: list) -> torch.Tensor:
-    """rows [N, in] grouped by expert x weight [E, out, in] per expert -> [N, out] (no autograd of its own:
-    _ExpertMLP differentiates it). On a GPU in bf16 torch._grouped_mm, one kernel for every expert, where
-    its layout rule holds (every row stride a multiple of 16 bytes); elsewhere one matmul per expert
-    written into its slice of the output (torch._grouped_mm on a CPU runs the same loop inside)."""
-    width = rows.element_size()
-    # CUDA's grouped GEMM kernel takes bf16 operands (fp32 and fp16 take the loop below)
-    if (rows.device.type == "cuda" and rows.dtype == torch.bfloat16 and rows.shape[1] * width % 16 == 0
-            and weight.shape[1] * width % 16 == 0
-            and hasattr(torch, "_grouped_mm")):         # probe: torch's private grouped GEMM, absent before 2.8
-        offsets = torch.tensor(counts, dtype=torch.int32, device=rows.device).cumsum(0, dtype=torch.int32)
-        return torch._grouped_mm(rows, weight.transpose(-1, -2), offs=offsets)
-    out = rows.new_empty(rows.shape[0], weight.shape[1])
-    for part, result, w in zip(rows.split(counts), out.split(counts), weight):
-        if part.shape[0]:
-            torch.mm(part, w.t(), out=result)
-    return out
-
-
-def grouped_weight_grad(grad: torch.Tensor, rows: torch.Tensor, counts: list, weight: torch.Tensor) -> torch.Tensor:
-    """The gradient of grouped_mm's weight [E, out, in]: per expert grad_e^T rows_e (zero for an expert
-    that got no rows)."""
-    out = torch.empty_like(weight)
-    for g, part, result in zip(grad.split(counts), rows.split(counts), out):
-        if part.shape[0]:
-            torch.mm(g.t(), part, out=result)
-        else:
-            result.zero_()
-    return out
+        d_rows = precision.grouped_grad_input(d_hidden, fc1, counts) if need_rows else None
+        d_fc1 = precision.grouped_grad_weight(d_hidden, rows, counts) if need_fc1 else None
+        return d_rows, d_fc1, d_fc2, None, None, None
 
 
 class SharedExpert(MLP):
@@ -316,7 +291,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.config, self.moe = config, moe
         self.router = Router(config, dtype, moe, tp.sequence_parallel)
-        self.experts = GroupedExperts(config, dtype, moe.ep)
+        self.experts = GroupedExperts(config, dtype, moe.ep, tp.gemm_recipe)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExpert(config, dtype, tp)

@@ -14,6 +14,7 @@ from megalite.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLi
                                              VocabParallelEmbedding, parallel_logits)
 from megalite.parallel.tensor.mappings import reduce_from_tp_region, scatter_to_sp_region
 from megalite.parallel.tensor.random import RNGTracker, build_rng_tracker
+from megalite.precision.gemm import GemmPrecision
 
 S, B, H, OUT, V = 8, 2, 16, 24, 32
 
@@ -65,7 +66,7 @@ def _layer_checks(rank, world):
     (loss * torch.arange(S * B, dtype=torch.float32).view(S, B)).sum().backward()
     results["ce"] = (loss.detach(), logits.grad)
     w = tp.chunk(t["emb"], dim=0).clone().requires_grad_()
-    lg = parallel_logits(t["x"], w, tp)
+    lg = parallel_logits(t["x"], w, tp, GemmPrecision())
     lg.sum().backward()
     results["logits"] = (lg.detach(), w.grad)
     return results

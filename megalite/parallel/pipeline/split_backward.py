@@ -15,9 +15,12 @@ functions, ring attention) without a special weight-gradient kernel:
   autograd's own accumulation: main_grad, the bf16 accumulation hook and the data-parallel reduction
   hooks (parallel/data/ddp.py) see them exactly as after a plain backward.
 
-A custom autograd Function with a parameter input on the input path (sequence-parallel linear, RMSNorm)
-asks the engine which of its gradients the pass wants (``input_grads_to_compute``), so B computes no
-weight gradient there and W no input gradient, as the built-in ops (matmul) already do.
+A custom autograd Function with a parameter input on the input path (the tensor-parallel linears, the
+experts, RMSNorm) asks the engine which of its gradients the pass wants (``input_grads_to_compute``), so B
+computes no weight gradient there and W no input gradient, as the built-in ops (matmul) already do. The
+GEMMs either pass runs are therefore the layers' own: B's input GEMMs and W's deferred weight GEMMs are
+calls to each layer's GemmPrecision (megalite/precision/gemm.py), fused into main_grad where the weight
+is marked for it, exactly as in a plain backward.
 
 On the first stage there is no input to differentiate towards: B is empty and W is the whole backward.
 

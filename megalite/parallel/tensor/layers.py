@@ -7,6 +7,10 @@ before the column layer and a reduce-scatter after the row layer. Under sequence
 column layer keeps only this rank's [s/t, b, h] input for backward and gathers it again there
 (``linear_with_sequence_gather``), as Megatron does.
 
+Each linear owns a ``precision`` (megalite/precision/gemm.py, the recipe ``TensorParallel.gemm_recipe``
+names) and runs all three of its GEMMs through it: the forward, the input gradient and the weight
+gradient, in a plain backward and in the zero-bubble split alike.
+
 Every parameter's record (``param_meta``) holds ``full_shape``, ``partition_dim`` (the dimension its
 shard selects along, as in Megatron) and ``take_shard(full) -> local``; ``shard_positions`` turns those
 into the full-tensor rows and columns of the local elements, so initialisation and checkpoints address
@@ -15,7 +19,7 @@ the unsharded tensor without ever building it. ``tensor_model_parallel`` marks s
 
 Gradient-accumulation fusion (Megatron's, on by default; ``--no-gradient-accumulation-fusion``): a weight
 marked ``fuse_wgrad_into_main_grad`` (parallel/data/grad_buffer.py marks those it can) gets its gradient
-added straight into its fp32 ``main_grad`` by the matmul itself, ``main_grad += grad_y^T x``, instead of
+added straight into its fp32 ``main_grad`` by the weight-gradient GEMM itself, ``main_grad += grad_y^T x``, instead of
 a separate [out, in] gradient that autograd then adds (fp32) or a hook adds and frees (bf16). That saves
 one weight-sized temporary and one pass over it per linear per micro-batch. The backward returns no
 weight gradient; autograd still runs the parameter's post-accumulate hooks (with ``grad`` None), so the
@@ -37,6 +41,7 @@ from megalite.parallel.tensor.mappings import (all_gather, all_gather_sequence_a
                                                gather_from_tp_region, reduce_from_tp_region,
                                                reduce_scatter_sequence_async, reduce_scatter_to_sp_region)
 from megalite.parallel.tensor.random import RNGTracker
+from megalite.precision.gemm import DEFAULT_RECIPE, GemmPrecision, build_gemm_precision
 
 
 @dataclass
@@ -52,6 +57,7 @@ class TensorParallel:
     sequence_parallel: bool = False
     rng: Optional[RNGTracker] = None
     kv_replica_group: Optional[object] = None   # the ranks sharing this rank's KV head (tensor/setup.py)
+    gemm_recipe: str = DEFAULT_RECIPE           # the GemmPrecision each layer built here runs its GEMMs with
 
     def __post_init__(self):
         if self.size == 1:
@@ -101,47 +107,49 @@ def _fuses_into_main_grad(weight: torch.Tensor) -> bool:
     return weight.grad is not None and weight.grad.data_ptr() == weight.main_grad.data_ptr()
 
 
-def weight_grad(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor | None:
-    """grad_W = grad_2d^T input_2d, or, for a weight marked for gradient-accumulation fusion, that added into
-    its main_grad in the same matmul (then None: there is nothing left for autograd to accumulate)."""
-    if not _fuses_into_main_grad(weight):
-        return grad_2d.t().matmul(input_2d)
-    main_grad = weight.main_grad
-    if main_grad.dtype == grad_2d.dtype:
-        main_grad.addmm_(grad_2d.t(), input_2d)
-    else:       # bf16/fp16 operands, fp32 accumulator: where PyTorch has the mixed-dtype matmul (grad_buffer.py)
-        torch.addmm(main_grad, grad_2d.t(), input_2d, out_dtype=main_grad.dtype, out=main_grad)
-    return None
+def _main_grad_to_fuse(weight: torch.Tensor) -> torch.Tensor | None:
+    """The main_grad the weight-gradient GEMM adds into, for a weight marked for gradient-accumulation
+    fusion (None: the GEMM returns the gradient for autograd to accumulate)."""
+    return weight.main_grad if _fuses_into_main_grad(weight) else None
 
 
-class _LinearAccumulatingWeightGrad(torch.autograd.Function):
-    """y = x W^T (+ b) whose backward adds grad_W into W.main_grad (gradient-accumulation fusion); the same
-    saved tensors (x, W) as F.linear."""
+class _Linear(torch.autograd.Function):
+    """y = x W^T (+ b), its three GEMMs those of the layer's GemmPrecision; the same saved tensors (x, W)
+    as F.linear. In the zero-bubble split B runs only the input GEMM and W only the weight GEMM."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, precision: GemmPrecision):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
+        ctx.has_bias, ctx.precision = bias is not None, precision
+        return precision.forward(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = input_grads_to_compute(ctx)[:3]     # zero-bubble B / W: one side each
-        grad_x = grad_y.matmul(weight) if need_x else None
+        grad_x = ctx.precision.grad_input(grad_y, weight) if need_x else None
         grad_2d = grad_y.reshape(-1, grad_y.shape[-1])
-        grad_w = weight_grad(weight, grad_2d, x.reshape(-1, x.shape[-1])) if need_w else None
+        grad_w = None
+        if need_w:
+            grad_w = ctx.precision.grad_weight(grad_2d, x.reshape(-1, x.shape[-1]), _main_grad_to_fuse(weight))
         grad_b = grad_2d.sum(dim=0) if need_b and ctx.has_bias else None
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with gradient-accumulation fusion for a weight marked for it. A compiled region keeps
-    F.linear: torch.compile builds its own backward, which cannot write into main_grad."""
-    if not torch.compiler.is_compiling() and torch.is_grad_enabled() \
-            and param_meta(weight).fuse_wgrad_into_main_grad:
-        return _LinearAccumulatingWeightGrad.apply(x, weight, bias)
-    return F.linear(x, weight, bias)
+class _LinearAccumulatingWeightGrad(_Linear):
+    """_Linear for a weight marked for gradient-accumulation fusion, whose backward adds grad_W into
+    W.main_grad: its own node type, so a graph shows which linears fuse."""
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, precision: GemmPrecision) -> torch.Tensor:
+    """y = x W^T (+ b) through ``precision``, with gradient-accumulation fusion for a weight marked for it.
+    A compiled region calls the recipe's forward and lets autograd differentiate it: torch.compile builds
+    its own backward, which cannot write into main_grad."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return precision.forward(x, weight, bias)
+    if param_meta(weight).fuse_wgrad_into_main_grad:
+        return _LinearAccumulatingWeightGrad.apply(x, weight, bias, precision)
+    return _Linear.apply(x, weight, bias, precision)
 
 
 class _LinearWithSequenceGather(torch.autograd.Function):
@@ -150,13 +158,14 @@ class _LinearWithSequenceGather(torch.autograd.Function):
     Megatron's LinearWithGradAccumulationAndAsyncCommunication with sequence parallelism: saving the
     gathered [s, b, h] input would cost t times the shard per column-parallel linear (QKV, fc1, the
     output layer). Backward gathers x again while it computes grad_x = grad_y W, then reduce-scatters
-    grad_x along the sequence while it computes grad_W = grad_y^T x."""
+    grad_x along the sequence while it computes grad_W = grad_y^T x. The three GEMMs are those of the
+    layer's GemmPrecision."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
+    def forward(ctx, x, weight, bias, group, precision: GemmPrecision):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
-        return F.linear(all_gather(x, group, dim=0), weight, bias)      # the gathered input is a temporary
+        ctx.group, ctx.has_bias, ctx.precision = group, bias is not None, precision
+        return precision.forward(all_gather(x, group, dim=0), weight, bias)     # the gathered input is a temporary
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -164,7 +173,7 @@ class _LinearWithSequenceGather(torch.autograd.Function):
         need_x, need_w, need_b = input_grads_to_compute(ctx)[:3]     # zero-bubble B / W: one side each
         if need_w:
             x_full, gathering = all_gather_sequence_async(x, ctx.group)      # in flight during grad_x
-        grad_x = grad_y.matmul(weight) if need_x else None
+        grad_x = ctx.precision.grad_input(grad_y, weight) if need_x else None
         grad_w = grad_b = scattering = None
         if need_w:
             gathering.wait()
@@ -172,22 +181,23 @@ class _LinearWithSequenceGather(torch.autograd.Function):
             grad_x, scattering = reduce_scatter_sequence_async(grad_x, ctx.group)   # in flight during grad_W
         grad_2d = grad_y.reshape(-1, grad_y.shape[-1])
         if need_w:
-            grad_w = weight_grad(weight, grad_2d, x_full.reshape(-1, x_full.shape[-1]))
+            grad_w = ctx.precision.grad_weight(grad_2d, x_full.reshape(-1, x_full.shape[-1]),
+                                               _main_grad_to_fuse(weight))
         if need_b and ctx.has_bias:
             grad_b = grad_2d.sum(dim=0)
         if scattering is not None:
             scattering.wait()
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def linear_with_sequence_gather(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                tp: TensorParallel) -> torch.Tensor:
-    """Column-parallel F.linear on a [s(/t), b, h] input: all-gathered along the sequence under sequence
+                                tp: TensorParallel, precision: GemmPrecision) -> torch.Tensor:
+    """Column-parallel linear on a [s(/t), b, h] input: all-gathered along the sequence under sequence
     parallelism (the shard, not the gathered input, is saved for backward), else entered with
     copy_to_tp_region (backward all-reduces the input gradient)."""
     if tp.sequence_parallel and tp.group is not None:
-        return _LinearWithSequenceGather.apply(x, weight, bias, tp.group)
-    return linear(copy_to_tp_region(x, tp.group), weight, bias)
+        return _LinearWithSequenceGather.apply(x, weight, bias, tp.group, precision)
+    return linear(copy_to_tp_region(x, tp.group), weight, bias, precision)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -208,9 +218,10 @@ class ColumnParallelLinear(nn.Module):
                             (out_features, in_features), local_rows, sharded)
         self.bias = _mark(nn.Parameter(torch.empty(local_out, dtype=dtype)), (out_features,), local_rows,
                           sharded) if bias else None
+        self.precision = build_gemm_precision(tp.gemm_recipe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear_with_sequence_gather(x, self.weight, self.bias, self.tp)
+        y = linear_with_sequence_gather(x, self.weight, self.bias, self.tp, self.precision)
         return gather_from_tp_region(y, self.tp.group) if self.gather_output else y
 
 
@@ -228,9 +239,10 @@ class RowParallelLinear(nn.Module):
             self.bias = _mark(nn.Parameter(torch.empty(out_features, dtype=dtype)), (out_features,),
                               lambda full: full, sharded=False)
             mark(self.bias, sequence_parallel=tp.sequence_parallel)
+        self.precision = build_gemm_precision(tp.gemm_recipe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = linear(x, self.weight, None, self.precision)
         if self.tp.sequence_parallel:
             y = reduce_scatter_to_sp_region(y, self.tp.group)
         else:
@@ -261,7 +273,8 @@ class VocabParallelEmbedding(nn.Module):
         return F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
 
 
-def parallel_logits(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+def parallel_logits(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel,
+                    precision: GemmPrecision) -> torch.Tensor:
     """[s(/tp), b, h] hidden states -> [s, b, V/tp] logits for this rank's vocabulary range."""
-    return linear_with_sequence_gather(x, weight, None, tp)
+    return linear_with_sequence_gather(x, weight, None, tp, precision)
 

@@ -1,0 +1,4 @@
+"""How the model's GEMMs compute: the precision recipe every linear and expert layer calls (gemm.py)."""
+from megalite.precision.gemm import DEFAULT_RECIPE, RECIPES, GemmPrecision, build_gemm_precision
+
+__all__ = ["DEFAULT_RECIPE", "RECIPES", "GemmPrecision", "build_gemm_precision"]
