@@ -34,7 +34,7 @@ from megalite.parallel.tensor.layers import TensorParallel
 
 def finalize_model_grads(chunks: list[GPTModel], parallel: ParallelState, ddp: DataParallel | None = None,
                          timers=None) -> None:
-    """Steps 1-3 of the module docstring for this rank's model chunks. ``timers`` (train/metrics.py's
+    """Steps 1-3 of the module docstring for this rank's model chunks. ``timers`` (observe/clocks.py's
     Timers) times step 1 as ``all-grads-sync``."""
     if ddp is not None:
         if timers is not None:

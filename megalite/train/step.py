@@ -18,8 +18,8 @@ from megalite.parallel.pipeline.schedules import StageMap, forward_backward_no_p
 from megalite.parallel.finalize_grads import finalize_model_grads
 from megalite.parallel.pipeline.stages import chunk_forward
 from megalite.train.faults import collective_phase
-from megalite.train.memory_account import memory_label
-from megalite.train.straggler import waiting
+from megalite.observe.memory import memory_label
+from megalite.observe.clocks import waiting
 
 
 def make_loss_fn(model: torch.nn.Module, device: torch.device, weights: dict | None = None):

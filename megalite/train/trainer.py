@@ -36,6 +36,7 @@ from megalite.data.builder import build_train_valid_test_datasets
 from megalite.data.samplers import MegatronPretrainingSampler
 from megalite.data.tokenizers import build_tokenizer
 from megalite.model.gpt import DTYPES
+from megalite.observe.clocks import Timers
 from megalite.optim.distrib_optimizer import build_optimizer
 from megalite.optim.lr_scheduler import LRScheduler
 from megalite.parallel.context.ring_attention import build_context_parallel
@@ -52,7 +53,7 @@ from megalite.train import loop
 from megalite.train.compile import compile_layers
 from megalite.train.faults import collective_phase
 from megalite.train.memory_account import MetaStandIns
-from megalite.train.metrics import MetricsSinks, Timers, format_validation_lines
+from megalite.train.metrics import MetricsSinks, format_validation_lines
 from megalite.train.performance import report_memory
 
 

@@ -18,7 +18,7 @@ import torch
 from megalite.parallel.pipeline.plan import PostingCursor, RankPlan
 from megalite.parallel.pipeline.schedules import Action
 from megalite.parallel.pipeline.split_backward import backward_input, backward_weight
-from megalite.train.straggler import waiting
+from megalite.observe.clocks import waiting
 
 
 @dataclass
