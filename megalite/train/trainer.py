@@ -44,8 +44,9 @@ from megalite.parallel.data.build import build_data_parallel
 from megalite.parallel.initialize import initialize_distributed, set_matmul_precision, set_seed
 from megalite.parallel.pipeline.p2p import PipelineComm
 from megalite.parallel.pipeline.pipedream import build_async_pipeline
-from megalite.parallel.pipeline.schedules import stage_placement
-from megalite.parallel.pipeline.stages import build_model_chunks, chunk_forward
+from megalite.parallel.pipeline.orders import stage_placement
+from megalite.model.chunks import build_model_chunks
+from megalite.parallel.pipeline.stages import chunk_forward
 from megalite.parallel.pipeline.split import stage_layers_of
 from megalite.parallel.expert.dispatch import build_moe_context
 from megalite.parallel.tensor.setup import build_tensor_parallel

@@ -179,7 +179,7 @@ def test_versions_kept_per_stage():
 
             runner.before = counted
             for t in range(10):
-                runner.forward_backward(t, lambda: ([{}] * m, None))
+                runner.forward_backward(t, lambda: [{}] * m)
                 runner.optimizer_step(t, update)
             w = pp - 1 - stage
             expected = 1 + -(-w // m) if schedule == "pipedream" else 2

@@ -9,7 +9,7 @@ from harness import logged_losses, run_pretrain, run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 from megalite.config.megatron_cli import parse_args
 from megalite.errors import UserError
-from megalite.parallel.pipeline.stages import build_model_chunks
+from megalite.model.chunks import build_model_chunks
 from megalite.parallel.pipeline.split import SplitFlags, parse_layout, virtual_stage_layers
 from megalite.parallel.tensor.layers import TensorParallel
 

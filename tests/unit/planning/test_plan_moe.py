@@ -69,7 +69,7 @@ def test_pipeline_stages_count_their_own_moe_layers():
     from megalite.config.megatron_cli import parse_args
     from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext
     from megalite.parallel.param_meta import param_meta
-    from megalite.parallel.pipeline.stages import build_model_chunks
+    from megalite.model.chunks import build_model_chunks
     from megalite.parallel.tensor.layers import TensorParallel
     model = parse_args(with_flags(TINY_MOE, num_layers=8, moe_layer_freq="([0]*3+[1]*5)"), world_size=1).model
     workload = inputs.Workload(dataclasses.replace(model, vocab_size=model.padded_vocab_size), 4,

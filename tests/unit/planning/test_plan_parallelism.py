@@ -196,7 +196,7 @@ def test_parameters_per_rank_equal_megalites_sharded_model(tp, pp, vpp, pp_rank)
     """TP shards (KV heads replicated beyond 2 groups), pipeline stages, interleaved chunks, the tied
     output layer's copy on the last stage: the count of the chunks megalite builds for that rank."""
     from megalite.config.megatron_cli import parse_args
-    from megalite.parallel.pipeline.stages import build_model_chunks
+    from megalite.model.chunks import build_model_chunks
     from megalite.parallel.tensor.layers import TensorParallel
     for untie in (True, None):
         argv = with_flags(TINY_LLAMA_ARGS, num_layers=8, num_attention_heads=8, num_query_groups=2, hidden_size=64,
@@ -230,7 +230,7 @@ def test_planned_buckets_are_the_gradient_buffers(sharding, monkeypatch):
     from megalite.config.megatron_cli import parse_args
     from megalite.parallel.data.ddp import DistributedDataParallel
     from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
-    from megalite.parallel.pipeline.stages import build_model_chunks
+    from megalite.model.chunks import build_model_chunks
     from megalite.parallel.tensor.layers import TensorParallel
     monkeypatch.setattr(memory, "default_bucket_size", lambda dp, overlap: 6000 if overlap else None)
     for argv in (with_flags(TINY_LLAMA_ARGS, untie_embeddings_and_output_weights=None), TINY_LLAMA_ARGS,
