@@ -167,7 +167,7 @@ def compare(rank: int, world: int, opts: dict) -> dict:
     """On every rank: for each micro-batch count, every pair's step times (megalite, torch, alternating)
     and the reference's. Returns {m: {row: {"megalite": [s], "torch": [s], "losses": (megalite, torch)}},
     "reference" row with its times and losses on rank 0}."""
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.parallel.mesh import ParallelState
     from megalite.parallel.tensor.setup import build_tensor_parallel
     cfg = parse_args(model_argv(opts), world_size=1).model

@@ -44,7 +44,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.checkpoint.hf_config import read_hf_config_file  # noqa: E402
-from megalite.parallel.pipeline.split import SplitFlags  # noqa: E402
+from megalite.config.pipeline_split import SplitFlags  # noqa: E402
 from megalite.planning import flags as plan_flags  # noqa: E402
 from megalite.planning import inputs, search, verify  # noqa: E402
 from megalite.config.cli import OneLineArgumentParser, moe_layer_pattern, positive_float, positive_int  # noqa: E402

@@ -112,7 +112,7 @@ def run_steps(rank: int, world: int, opts: dict) -> list:
     rank's PipelineRecord of each."""
     import torch
     import torch.distributed
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
     from megalite.parallel.mesh import ParallelState
     from megalite.parallel.pipeline.executor import PipelineRecord, run_pipeline_schedule

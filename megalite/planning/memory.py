@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from megalite.config.schema import ASYNC_SCHEDULES, ModelConfig
 from megalite.parallel.data.ddp import MAX_IN_FLIGHT, MAX_REDUCTIONS_IN_FLIGHT, default_bucket_size
 from megalite.parallel.pipeline.pipedream import versions_behind
-from megalite.parallel.pipeline.split import SplitFlags
+from megalite.config.pipeline_split import SplitFlags
 from megalite.planning.experts import moe_activation_bytes, moe_backward_bytes
 from megalite.planning.inputs import (GPU_KERNELS, Kernels, Layout, Workload, holds_embedding, holds_head,
                                       layer_experts, layer_tensors, local_attention_heads, moe_tensors,

@@ -47,7 +47,7 @@ from megalite.parallel.pipeline.pipedream import build_async_pipeline
 from megalite.parallel.pipeline.orders import stage_placement
 from megalite.model.chunks import build_model_chunks
 from megalite.parallel.pipeline.stages import chunk_forward
-from megalite.parallel.pipeline.split import stage_layers_of
+from megalite.config.pipeline_split import stage_layers_of
 from megalite.parallel.expert.dispatch import build_moe_context
 from megalite.parallel.tensor.setup import build_tensor_parallel
 from megalite.train import loop

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
 from megalite.model.gpt import GPTModel
 from megalite.parallel.mesh import ParallelState

@@ -7,7 +7,7 @@ import torch
 
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.errors import UserError
 from megalite.config.validate import check_async_schedule
 from megalite.parallel.pipeline.pipedream import AsyncPipeline, WeightVersions

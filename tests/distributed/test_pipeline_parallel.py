@@ -4,7 +4,7 @@ import torch
 
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.config.schema import ParallelConfig
 from megalite.config.validate import check_pipeline_split
 from megalite.errors import UserError

@@ -8,7 +8,7 @@ import torch
 
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.errors import UserError
 from megalite.config.schema import SYNCHRONOUS_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from megalite.parallel.pipeline.orders import schedule_order

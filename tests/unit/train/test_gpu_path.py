@@ -3,7 +3,7 @@ for, TF32 is a GPU-only setting that --no-tf32 turns off, the flags parse. (The 
 import torch
 
 from megalite_test_utils import TINY_LLAMA_ARGS
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.parallel.initialize import set_matmul_precision
 from megalite.observe.clocks import Timers
 

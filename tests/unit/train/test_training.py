@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megalite_test_utils import ROOT, TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.train.trainer import build_trainer, pretrain
 from megalite.train.step import train_step
 
@@ -126,7 +126,7 @@ CRASH_WITH_LIVE_LOADERS = """
 import sys
 sys.path.insert(0, {tests!r})
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.data.tokenizers import build_tokenizer
 from megalite.train.trainer import build_data_iterators, build_trainer
 if __name__ == "__main__":       # spawned loader workers import this script
