@@ -5,7 +5,9 @@ Each config field's flag is declared once, on the field (schema.py); this module
 inputs that have no field of their own (``MEGATRON_INPUTS``: alternative units, schedules that become
 fields) and the flags accepted for compatibility (``COMPAT_FLAGS``). The rules on those inputs live
 here, where they exist; every rule between config fields lives in validate.py. Every mistake becomes a
-``UserError`` with one line naming the flag and the fix.
+``UserError`` with one line naming the flag and the fix. What the flags alone do not give (the launched
+world size, a --use-checkpoint-args checkpoint, the tokenizer's vocabulary) train/command_line.py reads
+around ``config_from_args`` and ``with_vocabulary``.
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import torch
 from megalite.observe.clocks import waiting
 from megalite.observe.memory import memory_label
 from megalite.parallel.finalize_grads import finalize_model_grads
+from megalite.parallel.mesh import ParallelState
 from megalite.parallel.pipeline.executor import PipelineRecord
 from megalite.parallel.pipeline.orders import StageMap, stage_placement
 from megalite.parallel.pipeline.schedules import forward_backward_no_pipelining, forward_backward_pipelined
@@ -30,7 +31,7 @@ def next_batches(trainer, data_iterator, num_microbatches: int) -> list[dict]:
     return per_token_loss_weights(batches, trainer.device, trainer.parallel)
 
 
-def per_token_loss_weights(batches: list[dict], device: torch.device, parallel) -> list[dict]:
+def per_token_loss_weights(batches: list[dict], device: torch.device, parallel: ParallelState) -> list[dict]:
     """--calculate-per-token-loss (Megatron): the step's loss is the sum of every token's loss over all
     micro-batches and data-parallel ranks divided by their total count N, not a mean of micro-batch means.
 
