@@ -40,7 +40,7 @@ from megalite.parallel.context import build_context_parallel, context_parallel_l
 from megalite.parallel.context.block_kernels import block_backward, block_forward  # noqa: E402
 from megalite.train.performance import current_rss_bytes, reset_peak_rss, window_peak_rss_bytes  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
-from megalite.config.megatron_cli import parse_args  # noqa: E402
+from megalite.train.command_line import parse_args  # noqa: E402
 from megalite.parallel.mesh import ParallelState  # noqa: E402
 
 SEQ_LENGTHS, QUICK_SEQ_LENGTHS = (256, 512, 1024, 2048), (256, 512)

@@ -66,7 +66,7 @@ INDEX = """
 import json, sys
 import torch.distributed as dist
 from megalite.checkpoint.sharded import index_payloads
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.train.trainer import build_trainer
 argv, world, played, tp, pp = json.loads(sys.argv[1])
 held, sent = {}, {}

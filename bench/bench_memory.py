@@ -143,7 +143,7 @@ def timed_steps(step, steps: int) -> tuple[list[float], list[float]]:
 def _megalite_run(rank, world, argv, shape, steps):
     """Start-up and training-step peaks (bytes above the pre-start-up RSS) and step times of one layout."""
     import torch
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.train.performance import current_rss_bytes, window_peak_rss_bytes
     from megalite.train.trainer import build_trainer
     from megalite.train.step import train_step
@@ -270,7 +270,7 @@ def bench_fsdp2(args):
 # ---- checkpoint save and load -----------------------------------------------------------------------------
 def _checkpoint_run(rank, world, argv, shape, directory):
     import torch
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.checkpoint.save import save_checkpoint
     from megalite.checkpoint.sharded import load_checkpoint
     from megalite.train.trainer import build_trainer

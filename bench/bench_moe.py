@@ -86,7 +86,7 @@ QUICK = (Shape(64, 96, 4, 2, 64, headline=True),)
 
 # ---- the layers, on shared weights ------------------------------------------------------------
 def megalite_layer(family: str, shape: Shape, dtype):
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.model.moe import MoELayer
     from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext
     from megalite.parallel.tensor.layers import TensorParallel

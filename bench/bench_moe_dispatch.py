@@ -203,7 +203,7 @@ def profile_steps(rank: int, world: int, shape: Shape, dispatcher: str, steps: i
     steps' seconds, the profiled steps' split (split_profile, summed over them) and the moe/* ranges
     opened per profiled step."""
     import torch
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.train.step import train_step
     from megalite.train.trainer import build_trainer
     trainer = build_trainer(parse_args(shape.argv(world, dispatcher), world_size=world), print_fn=lambda *_: None)

@@ -99,7 +99,7 @@ def spawn(world: int, threads: int, fn, *args) -> list:
 def _time_dp_steps(rank, world, shape, flags, steps, warmup):
     """Median wall time per training step and per gradient sync (the exposed part after backward)."""
     import torch
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.train.trainer import build_trainer
     from megalite.train.step import train_step
     trainer = build_trainer(parse_args(model_args(shape) + flags, world_size=world))

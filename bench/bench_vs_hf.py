@@ -71,7 +71,7 @@ def megalite_args(shape: Shape) -> list[str]:
 
 def compile_flag_available() -> bool:
     """--compile is megalite's (megalite/train/compile.py); an older checkout without it compares eager only."""
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     try:
         parse_args(megalite_args(QUICK) + ["--compile"], world_size=1)
         return True
@@ -91,7 +91,7 @@ class MegaliteLoop:
     builds, run ``n`` iterations at a time; the times are those its log lines report."""
 
     def __init__(self, shape: Shape, dtype: str, compiled: bool):
-        from megalite.config.megatron_cli import parse_args
+        from megalite.train.command_line import parse_args
         from megalite.data.tokenizers import build_tokenizer
         from megalite.train.trainer import build_data_iterators, build_trainer
         argv = megalite_args(shape) + (["--bf16"] if dtype == "bf16" else []) + (["--compile"] if compiled else [])
@@ -170,7 +170,7 @@ def matmul_peak_flops(dtype: str) -> float:
 
 
 def model_flops_per_step(shape: Shape) -> float:
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.train.performance import flops_per_iteration
     config = parse_args(megalite_args(shape), world_size=1)
     return flops_per_iteration(config.model, shape.mbs)

@@ -156,7 +156,7 @@ def random_tokens(run: Run, device):
 def build_megalite(run: Run):
     """(step function, N for the FLOPs formula, device) for megalite's own training step."""
     import torch
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.train.trainer import build_trainer
     from megalite.train.step import train_step
     trainer = build_trainer(parse_args(megalite_argv(run), world_size=1))

@@ -98,7 +98,7 @@ class Run:
 
 def train(shape: Shape, steps: int, bias: bool, rate: float | None = None) -> Run:
     """Train ``steps`` steps in this process; the run's per-layer figures."""
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.train.trainer import build_trainer
     run = Run()
     flags = ["--train-iters", str(steps)]

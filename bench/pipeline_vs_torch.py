@@ -60,8 +60,9 @@ class MegaliteRunner:
         from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
         from megalite.parallel.pipeline.p2p import PipelineComm
         from megalite.parallel.pipeline.plan import rank_plan
-        from megalite.parallel.pipeline.schedules import stage_placement
-        from megalite.parallel.pipeline.stages import build_model_chunks, chunk_forward
+        from megalite.parallel.pipeline.orders import stage_placement
+        from megalite.model.chunks import build_model_chunks
+        from megalite.parallel.pipeline.stages import chunk_forward
         self.placement = stage_placement(schedule)
         self.chunks = build_model_chunks(cfg, 1, tp, state.pp_rank, state.pp_size, chunks_per_rank,
                                          placement=self.placement)
@@ -98,8 +99,8 @@ class TorchRunner:
     def __init__(self, cfg, state, tp, schedule: str, chunks_per_rank: int, torch_schedule: str, batches: list):
         import torch.nn.functional as F
         from torch.distributed import pipelining
-        from megalite.parallel.pipeline.schedules import StageMap, stage_placement
-        from megalite.parallel.pipeline.stages import build_model_chunks
+        from megalite.parallel.pipeline.orders import StageMap, stage_placement
+        from megalite.model.chunks import build_model_chunks
         pp, m = state.pp_size, len(batches)
         placement = stage_placement(schedule)
         self.chunks = build_model_chunks(cfg, 1, tp, state.pp_rank, pp, chunks_per_rank, placement=placement)
@@ -166,7 +167,7 @@ def compare(rank: int, world: int, opts: dict) -> dict:
     """On every rank: for each micro-batch count, every pair's step times (megalite, torch, alternating)
     and the reference's. Returns {m: {row: {"megalite": [s], "torch": [s], "losses": (megalite, torch)}},
     "reference" row with its times and losses on rank 0}."""
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.parallel.mesh import ParallelState
     from megalite.parallel.tensor.setup import build_tensor_parallel
     cfg = parse_args(model_argv(opts), world_size=1).model

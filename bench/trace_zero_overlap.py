@@ -41,7 +41,7 @@ def record(rank: int, world: int, strategy: str, nccl_path: bool, out: str) -> l
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from dp_workloads import batches, layout_flags
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.train.step import train_step
     from megalite.train.trainer import build_trainer
 

@@ -78,7 +78,7 @@ def masked_micro_batches(seq: int = 32, vocab: int = 200) -> list[dict]:
 
 def run_pretrain(argv: list[str], world_size: int = 1) -> tuple[object, str]:
     """pretrain in this process; (its final state, its log)."""
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.train.trainer import pretrain
     lines = []
     state = pretrain(parse_args(argv, world_size=world_size), print_fn=lines.append)

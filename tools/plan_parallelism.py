@@ -52,7 +52,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.checkpoint.hf_config import read_hf_config_file  # noqa: E402
-from megalite.parallel.pipeline.split import SplitFlags  # noqa: E402
+from megalite.config.pipeline_split import SplitFlags  # noqa: E402
 from megalite.planning import flags as plan_flags  # noqa: E402
 from megalite.planning import inputs, search, verify  # noqa: E402
 from megalite.config import megatron_cli  # noqa: E402

@@ -114,14 +114,15 @@ def run_steps(rank: int, world: int, opts: dict) -> list:
     rank's PipelineRecord of each."""
     import torch
     import torch.distributed
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
     from megalite.parallel.mesh import ParallelState
     from megalite.parallel.pipeline.executor import PipelineRecord, run_pipeline_schedule
     from megalite.parallel.pipeline.p2p import PipelineComm
     from megalite.parallel.pipeline.plan import rank_plan
-    from megalite.parallel.pipeline.schedules import stage_placement
-    from megalite.parallel.pipeline.stages import build_model_chunks, chunk_forward
+    from megalite.parallel.pipeline.orders import stage_placement
+    from megalite.model.chunks import build_model_chunks
+    from megalite.parallel.pipeline.stages import chunk_forward
     from megalite.parallel.tensor.setup import build_tensor_parallel
     pp, vpp, m = opts["pp"], opts["vpp"], opts["microbatches"]
     layers = opts["layers_per_stage"] * pp * vpp
@@ -171,7 +172,7 @@ def run_async_steps(schedule: str, buffer, comm, state, m: int, batches: list, f
     for step in range(total):
         torch.distributed.barrier()
         runner.record = records[step - 1] if 1 <= step <= steps else None
-        runner.forward_backward(step, lambda: (batches, None))
+        runner.forward_backward(step, lambda: batches)
         runner.optimizer_step(step, lambda: sgd(buffer))
         buffer.zero_grad()
     return records

@@ -5,12 +5,13 @@ Each config field's flag is declared once, on the field (schema.py); this module
 inputs that have no field of their own (``MEGATRON_INPUTS``: alternative units, schedules that become
 fields) and the flags accepted for compatibility (``COMPAT_FLAGS``). The rules on those inputs live
 here, where they exist; every rule between config fields lives in validate.py. Every mistake becomes a
-``UserError`` with one line naming the flag and the fix.
+``UserError`` with one line naming the flag and the fix. What the flags alone do not give (the launched
+world size, a --use-checkpoint-args checkpoint, the tokenizer's vocabulary) train/command_line.py reads
+around ``config_from_args`` and ``with_vocabulary``.
 """
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import MISSING, fields, replace
 
 from megalite.config import validate as rules
@@ -20,7 +21,6 @@ from megalite.config.schema import (CONFIG_SECTIONS, FIELD_DEFAULT, FLAG, DataCo
                                     OptimizerConfig, ParallelConfig, TrainingConfig, default_ffn_hidden_size,
                                     default_kv_channels, padded_vocab_size)
 from megalite.errors import UserError
-from megalite.parallel.launch_env import fake_launch_env, read_launch_env
 
 SECTION_TITLES = {ModelConfig: "model", ParallelConfig: "parallelism", OptimizerConfig: "optimizer and learning rate",
                   DataConfig: "data", TrainingConfig: "training, checkpointing, logging and profiling"}
@@ -142,64 +142,10 @@ def startup_notes(argv: list[str]) -> list[str]:
     return notes
 
 
-# ---- --use-checkpoint-args ----------------------------------------------------------------------------
-# the architecture fields --use-checkpoint-args does not take as they are (files.ARCHITECTURE_FIELDS has the
-# rest): the vocabulary comes with the tokenizer, GQA through its two flags, and --seq-length only when absent
-NOT_CHECKPOINT_MODEL_ARGS = ("vocab_size", "num_query_groups", "seq_length")
-
-
-def apply_checkpoint_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int | None:
-    """Take the model's architecture (and, when not given, --seq-length and the tokenizer) from the
-    --load checkpoint; returns the checkpoint's vocabulary size (None without --use-checkpoint-args). A
-    model flag given on the command line that contradicts it is an error."""
-    if not args.use_checkpoint_args:
-        return None
-    if not args.load:
-        raise UserError("--use-checkpoint-args needs --load DIR (the checkpoint whose model flags to use)")
-    from megalite.checkpoint.files import ARCHITECTURE_DEFAULTS, ARCHITECTURE_FIELDS, CheckpointReader
-    reader = CheckpointReader(args.load)
-    model = reader.metadata["model"]
-    saved = {name: model.get(name, ARCHITECTURE_DEFAULTS.get(name)) for name in ARCHITECTURE_FIELDS
-             if name not in NOT_CHECKPOINT_MODEL_ARGS}
-    gqa = model["num_query_groups"] != model["num_attention_heads"]
-    saved.update(group_query_attention=gqa, num_query_groups=model["num_query_groups"] if gqa else None)
-    values = vars(args)
-    for dest, value in saved.items():
-        given = values[dest]
-        if given != parser.get_default(dest) and given != value:
-            raise UserError(f"--{dest.replace('_', '-')} {given} contradicts the checkpoint's {value} "
-                            f"(--use-checkpoint-args takes model flags from {reader.directory}); remove the flag")
-        values[dest] = value
-    if args.seq_length is None:
-        args.seq_length = model["seq_length"]
-    tokenizer = reader.metadata.get("tokenizer")
-    if args.tokenizer_type is None and tokenizer:
-        in_checkpoint = lambda p: p if p is None else os.path.join(reader.directory, p)   # noqa: E731
-        args.tokenizer_type = tokenizer["tokenizer_type"]
-        args.tokenizer_model = in_checkpoint(tokenizer.get("tokenizer_model"))
-        args.vocab_file = in_checkpoint(tokenizer.get("vocab_file"))
-        args.merge_file = in_checkpoint(tokenizer.get("merge_file"))
-        args.vocab_size = args.vocab_size if args.vocab_size is not None else tokenizer.get("vocab_size")
-    return model["vocab_size"]
-
-
-def world_size_from_env(env=None) -> int:
-    """WORLD_SIZE as torchrun sets it (the step's number of tasks under srun), 1 for a plain ``python
-    pretrain_gpt.py``, also one inside a SLURM allocation that srun did not start."""
-    return read_launch_env(env).world_size
-
-
 # ---- building the configs --------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None, world_size: int | None = None,
-               true_vocab_size: int | None = None) -> MegaliteConfig:
-    """argv -> MegaliteConfig. ``true_vocab_size`` (the tokenizer's) sizes the padded vocabulary;
-    without it the tokenizer named by the flags is built to find it."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if world_size is None:
-        world_size = (fake_launch_env(args.fake_world_size, args.fake_rank).world_size if args.fake_process_group
-                      else world_size_from_env())
-    checkpoint_vocab_size = apply_checkpoint_args(args, parser)
+def config_from_args(args: argparse.Namespace, world_size: int) -> MegaliteConfig:
+    """The parsed flags ``args`` of a run on ``world_size`` processes as a MegaliteConfig that passed every
+    rule, without its vocabulary (``with_vocabulary`` adds it once the tokenizer is known)."""
     _check_inputs(args)
     model, parallel = model_config(args), _parallel_config(args, world_size)
     rules.check_model(model)                        # the layout's rules before the batch sizes that depend on it
@@ -210,15 +156,14 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None,
                             data=data_config(args), training=training)
     rules.validate(config, world_size)
     rules.check_paths(config.training)
-    if true_vocab_size is None:
-        from megalite.data.tokenizers import build_tokenizer
-        true_vocab_size = build_tokenizer(config.data).vocab_size
-    if checkpoint_vocab_size is not None:
-        # a converted model may have more embedding rows than its tokenizer has ids (Qwen2: 151936 for
-        # 151646); keep the checkpoint's, the extra ids are simply never seen
-        true_vocab_size = max(true_vocab_size, checkpoint_vocab_size)
-    return replace(config, model=replace(model, vocab_size=true_vocab_size, padded_vocab_size=padded_vocab_size(
-        true_vocab_size, args.make_vocab_size_divisible_by, parallel.tensor_model_parallel_size)))
+    return config
+
+
+def with_vocabulary(config: MegaliteConfig, true_vocab_size: int, divisible_by: int) -> MegaliteConfig:
+    """``config`` with the tokenizer's vocabulary size and the embedding rows padded to a multiple of
+    ``divisible_by`` (--make-vocab-size-divisible-by) x the tensor-parallel size."""
+    padded = padded_vocab_size(true_vocab_size, divisible_by, config.parallel.tensor_model_parallel_size)
+    return replace(config, model=replace(config.model, vocab_size=true_vocab_size, padded_vocab_size=padded))
 
 
 def _check_inputs(args: argparse.Namespace) -> None:

@@ -201,7 +201,7 @@ class ParallelConfig:
     context_parallel_size: int = flag("--context-parallel-size", positive_int, default=1)
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag("--num-layers-per-virtual-pipeline-stage",
                                                                 positive_int, default=None)
-    # uneven pipeline splits (parallel/pipeline/split.py: virtual_stage_layers)
+    # uneven pipeline splits (config/pipeline_split.py: virtual_stage_layers)
     num_virtual_stages_per_pipeline_rank: Optional[int] = flag(
         "--num-virtual-stages-per-pipeline-rank", positive_int, default=None,
         help="model chunks per pipeline rank (the way to interleave with uneven first/last stages)")

@@ -8,16 +8,17 @@ Entry points:
   candidate layout. It returns the number of model chunks per pipeline rank;
 - ``check_async_schedule(config)``: what the asynchronous pipeline schedules support, checked when one is
   built (parallel/pipeline/pipedream.py);
-- ``check_paths(training)``: the rules that look at the file system (output folders, --load).
+- ``check_paths(training)``: the folders the run will write (the file system; --load is read, and
+  checked, by train/command_line.py).
 """
 from __future__ import annotations
 
 import os
 
+from megalite.config.pipeline_split import stage_layers_of
 from megalite.config.schema import (ASYNC_SCHEDULES, ZERO_BUBBLE_SCHEDULES, DataConfig, MegaliteConfig, ModelConfig,
                                     OptimizerConfig, ParallelConfig, TrainingConfig, rotary_dim)
 from megalite.errors import UserError
-from megalite.parallel.pipeline.split import stage_layers_of
 
 MAX_SEED = 2 ** 32 - 1           # numpy's seeding range
 
@@ -434,12 +435,6 @@ def _check_logging(t: TrainingConfig) -> None:
 
 # ---- the file system -----------------------------------------------------------------------------------
 def check_paths(t: TrainingConfig) -> None:
-    """The folders the run will write can be written, and --load is a readable checkpoint."""
-    _check_output_paths(t)
-    _check_load_dir(t)
-
-
-def _check_output_paths(t: TrainingConfig) -> None:
     """Folders the run will write (checkpoints, logs, metrics) can be written, known before any time is
     spent: a path through an existing file, or below a folder we may not write, is refused. Nothing is
     created here."""
@@ -464,16 +459,3 @@ def _check_output_paths(t: TrainingConfig) -> None:
         if not os.access(existing, os.W_OK | os.X_OK):
             raise UserError(f"{flag} {path}: cannot write there (no write permission in {existing}); choose a "
                             "writable path")
-
-
-def _check_load_dir(t: TrainingConfig) -> None:
-    """--load names a readable megalite checkpoint (or is the --save directory of a run that has not
-    saved yet): known before a process group or a model is built. Reads metadata.json only (JSON;
-    nothing is unpickled). With --use-checkpoint-args the command line has read it already."""
-    if not t.load or t.use_checkpoint_args:
-        return
-    from megalite.checkpoint.files import METADATA, TRACKER, CheckpointReader
-    fresh = not any(os.path.isfile(os.path.join(t.load, name)) for name in (TRACKER, METADATA))
-    if fresh and t.save and os.path.abspath(t.load) == os.path.abspath(t.save):
-        return
-    CheckpointReader(t.load)

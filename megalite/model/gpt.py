@@ -13,8 +13,7 @@ from torch import nn
 from contextlib import nullcontext
 from functools import partial
 
-from megalite.config.schema import ModelConfig, ParallelConfig
-from megalite.config.validate import check_tensor_parallel
+from megalite.config.schema import ModelConfig
 from megalite.parallel.context.ring_attention import ContextParallel, local_positions
 from megalite.errors import UserError
 from megalite.model.init import initial_values, initialize_parameter
@@ -77,8 +76,6 @@ class GPTModel(nn.Module):
         self.tp = tp = tp or TensorParallel()
         self.cp = cp = cp or ContextParallel()
         self.moe = moe or MoEContext(ExpertParallel()) if config.num_experts else None
-        check_tensor_parallel(config, ParallelConfig(tensor_model_parallel_size=tp.size, context_parallel_size=cp.size,
-                                                     sequence_parallel=tp.sequence_parallel))
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_offset = layer_offset
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel.param_meta import param_meta
-from megalite.train.straggler import waiting
+from megalite.observe.clocks import waiting
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ from megalite.optim.clip_grads import (any_not_finite, clip_pieces, expert_norm_
                                        norm_over_classes, norm_weights)
 from megalite.parallel.param_meta import param_meta
 from megalite.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler
-from megalite.train.straggler import waiting
+from megalite.observe.clocks import waiting
 
 
 def uses_weight_decay(name: str, param: nn.Parameter) -> bool:

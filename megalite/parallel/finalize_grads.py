@@ -21,20 +21,36 @@ reduce ``param.main_grad``.
 """
 from __future__ import annotations
 
+from typing import Iterator, Protocol
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.model.gpt import GPTModel
 from megalite.parallel.data.protocol import DataParallel
 from megalite.parallel.mesh import ParallelState
 from megalite.parallel.param_meta import param_meta
 from megalite.parallel.tensor.layers import TensorParallel
 
 
-def finalize_model_grads(chunks: list[GPTModel], parallel: ParallelState, ddp: DataParallel | None = None,
+class ModelChunk(Protocol):
+    """What the gradient finishing reads of a model chunk (model/gpt.py's GPTModel is one)."""
+    tp: TensorParallel
+    moe: object                  # the chunks' shared MoEContext (its ``stage_group``), or None
+    pre_process: bool            # holds the word embedding
+    post_process: bool           # holds the output layer
+    share_embeddings_and_output_weights: bool
+    embedding: nn.Module         # ``.word_embeddings.weight`` where pre_process
+    output_layer: nn.Module      # ``.weight`` where post_process
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+
+    def moe_routers(self) -> list: ...
+
+
+def finalize_model_grads(chunks: list[ModelChunk], parallel: ParallelState, ddp: DataParallel | None = None,
                          timers=None) -> None:
-    """Steps 1-3 of the module docstring for this rank's model chunks. ``timers`` (train/metrics.py's
+    """Steps 1-3 of the module docstring for this rank's model chunks. ``timers`` (observe/clocks.py's
     Timers) times step 1 as ``all-grads-sync``."""
     if ddp is not None:
         if timers is not None:
@@ -51,7 +67,7 @@ def finalize_model_grads(chunks: list[GPTModel], parallel: ParallelState, ddp: D
 
 
 @torch.no_grad()
-def finish_router_step(chunks: list[GPTModel]) -> None:
+def finish_router_step(chunks: list[ModelChunk]) -> None:
     """Step 4: every router's load of the step over the whole pipeline stage, in one all-reduce."""
     routers = [router for chunk in chunks for router in chunk.moe_routers()]
     if not routers:
@@ -76,7 +92,7 @@ def finalize_tensor_parallel_grads(params: list[nn.Parameter], tp: TensorParalle
         all_reduce(replicated, tp.kv_replica_group)
 
 
-def shared_embedding_params(chunks: list[GPTModel]) -> list[nn.Parameter]:
+def shared_embedding_params(chunks: list[ModelChunk]) -> list[nn.Parameter]:
     """The word embedding (first stage) and its output-layer copy (last stage) when tied."""
     params = []
     for chunk in chunks:
@@ -89,7 +105,7 @@ def shared_embedding_params(chunks: list[GPTModel]) -> list[nn.Parameter]:
     return params
 
 
-def sync_shared_embedding_grads(chunks: list[GPTModel], state: ParallelState,
+def sync_shared_embedding_grads(chunks: list[ModelChunk], state: ParallelState,
                                 ddp: DataParallel | None = None) -> None:
     """Step 3: sum the gradients of the tied embedding's two copies so both receive the same update."""
     if state.pp_size == 1:

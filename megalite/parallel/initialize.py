@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.config.schema import ParallelConfig
+from megalite.config.validate import check_world_size
 from megalite.parallel.launch_env import (LaunchEnv, exit_with_launcher, fake_launch_env, rank_error, read_launch_env,
                                           restart_note, single_process_note)
 from megalite.parallel.mesh import ParallelState
@@ -71,6 +72,7 @@ def initialize_distributed(parallel: ParallelConfig, timeout_minutes: float = 10
                                     timeout=timedelta(minutes=timeout_minutes), **process_group_options(device))
         except dist.DistError as e:
             raise rank_error(rendezvous_error(e, env.rank, env.world_size, timeout_minutes)) from None
+    check_world_size(env.world_size, parallel)       # the launched world, which the flags were checked for
     state = ParallelState.build(env.world_size, env.rank, parallel.tensor_model_parallel_size,
                                 parallel.context_parallel_size, parallel.pipeline_model_parallel_size,
                                 timeout=timedelta(minutes=timeout_minutes), ep=parallel.expert_model_parallel_size,

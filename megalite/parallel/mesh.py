@@ -26,9 +26,6 @@ from itertools import product
 
 import torch.distributed as dist
 
-from megalite.config.schema import ParallelConfig
-from megalite.config.validate import check_world_size
-
 
 def rank_grid_groups(world_size: int, tp: int, cp: int, pp: int, varying: str) -> list[list[int]]:
     """All groups of ranks that differ only along ``varying`` (a subset of "tcdp": tp, cp, dp, pp).
@@ -172,9 +169,6 @@ class ParallelState:
         layers, so the expert grid's groups are created too. ``fake``: a --fake-process-group dry run.
         ``instances``: distributed-optimizer instances (hybrid sharding, module docstring)."""
         etp = tp if etp is None else etp
-        check_world_size(world_size, ParallelConfig(world_size=world_size, tensor_model_parallel_size=tp,
-                                                    pipeline_model_parallel_size=pp, context_parallel_size=cp,
-                                                    expert_model_parallel_size=ep, expert_tensor_parallel_size=etp))
         state = cls(world_size, rank, tp, cp, pp, ep, etp, timeout=timeout, fake=fake, instances=instances)
         started = dist.is_initialized() and dist.get_world_size() == world_size
         if not started:          # a plain single process (or a 1-process reference inside a larger run)

@@ -10,7 +10,7 @@ from megalite.checkpoint.hf_config import dropout_fields, model_fields
 from megalite.config import megatron_cli
 from megalite.config import validate as rules
 from megalite.config.schema import MegaliteConfig, ModelConfig, ParallelConfig
-from megalite.parallel.pipeline.split import SplitFlags, virtual_stage_layers
+from megalite.config.pipeline_split import SplitFlags, virtual_stage_layers
 from megalite.planning.inputs import Layout, Workload
 
 
@@ -108,7 +108,7 @@ def model_from_flags(num_layers: int, hidden_size: int, num_attention_heads: int
 
 
 def workload_and_layout(config: MegaliteConfig) -> tuple[Workload, Layout]:
-    """The planner's view of a parsed pretrain_gpt.py command line (megatron_cli.parse_args)."""
+    """The planner's view of a parsed pretrain_gpt.py command line (train/command_line.py: parse_args)."""
     opt, par, train = config.optimizer, config.parallel, config.training
     precision = "bf16" if opt.bf16 else "fp16" if opt.fp16 else "fp32"
     split = SplitFlags.of(par)

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megalite.config.schema import ModelConfig, padded_vocab_size
-from megalite.parallel.pipeline.split import SplitFlags, virtual_stage_layers
+from megalite.config.pipeline_split import SplitFlags, virtual_stage_layers
 
 GiB = 2 ** 30
 HBM_GBPS = 3350.0       # H100 SXM HBM3, GB/s: the loss is memory-bound
@@ -257,7 +257,7 @@ def split_name(split: SplitFlags) -> str:
 
 
 def stage_layers(layout: Layout, num_layers: int) -> list[int]:
-    """Transformer layers of each virtual stage (parallel/pipeline/split.py), v = chunk * pp + rank."""
+    """Transformer layers of each virtual stage (config/pipeline_split.py), v = chunk * pp + rank."""
     split = layout.split
     if layout.vpp > 1 and not split.layout:
         split = dataclasses.replace(split, layers_per_virtual_stage=None, virtual_stages_per_rank=layout.vpp)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from megalite.config.schema import ASYNC_SCHEDULES, ModelConfig
 from megalite.parallel.data.ddp import MAX_IN_FLIGHT, MAX_REDUCTIONS_IN_FLIGHT, default_bucket_size
 from megalite.parallel.pipeline.pipedream import versions_behind
-from megalite.parallel.pipeline.split import SplitFlags
+from megalite.config.pipeline_split import SplitFlags
 from megalite.planning.experts import moe_activation_bytes, moe_backward_bytes
 from megalite.planning.inputs import (GPU_KERNELS, Kernels, Layout, Workload, holds_embedding, holds_head,
                                       layer_experts, layer_tensors, local_attention_heads, moe_tensors,
@@ -181,7 +181,7 @@ def mlp_backward_bytes(workload: Workload, layout: Layout, kernels: Kernels, ffn
 
 def chunks_in_flight(layout: Layout, pp_rank: int, num_microbatches: int) -> int:
     """Forward passes of (model chunk, micro-batch) whose backward has not run yet, at most, on a
-    pipeline rank (schedules.py): 1F1B runs p - rank - 1 warm-up forwards and one more before its
+    pipeline rank (orders.py): 1F1B runs p - rank - 1 warm-up forwards and one more before its
     first backward; interleaved 1F1B 2(p - rank - 1) + (v - 1)p warm-up forwards. Stage 0 thus holds
     p micro-batches of L/p layers (1F1B), L(1 + (p-1)/(pv)) layers' worth when interleaved.
     GPipe holds all m; ZB-H1, PipeDream and PipeDream-2BW hold 1F1B's; ZB-V holds 2p chunks of L/2p

@@ -9,7 +9,7 @@ from megalite.config import validate as rules
 from megalite.config.schema import (ASYNC_SCHEDULES, SHARDING_STRATEGIES, DataConfig, MegaliteConfig, OptimizerConfig,
                                     TrainingConfig)
 from megalite.errors import UserError
-from megalite.parallel.pipeline.split import SplitFlags, virtual_stage_layers
+from megalite.config.pipeline_split import SplitFlags, virtual_stage_layers
 from megalite.planning.flags import parallel_config
 from megalite.planning.inputs import GiB, GPU_KERNELS, Hardware, Kernels, Layout, Workload, split_name, stage_layers
 from megalite.planning.memory import Memory, estimate_memory, state_memory

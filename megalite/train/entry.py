@@ -10,9 +10,10 @@ import os
 import sys
 import time
 
-from megalite.config.megatron_cli import parse_args, startup_notes
+from megalite.config.megatron_cli import startup_notes
 from megalite.errors import UserError
 from megalite.parallel.launch_env import read_launch_env
+from megalite.train.command_line import parse_args
 
 
 def main(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ Labels, the first that applies:
   copy and Adam's moments), and the data-parallel buffers that exist only while in use: ``gathered
   parameters`` (ZeRO-3's full units) and ``gradient reduction`` (ZeRO-2/3 staging, reduce-scatter
   outputs);
-- ``memory_label(name)`` around an allocation (the data-parallel wrapper's reduce-scatter outputs);
+- ``memory_label(name)`` (observe/memory.py) around an allocation (the data-parallel wrapper's reduce-scatter outputs);
 - the forward of a module: ``activations: embedding``, ``activations: layer N`` (global layer number,
   every micro-batch's), ``activations: received`` (a pipeline stage's inputs and output gradients from
   its neighbours), and the rest of a chunk's forward, ``activations: head`` (final norm, output
@@ -29,7 +29,6 @@ stand-ins: ``MetaStandIns`` answers them with zeros, which a dry run's meaningle
 """
 from __future__ import annotations
 
-import contextlib
 import re
 import weakref
 from dataclasses import dataclass, field
@@ -39,18 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-_LABELS: list[str] = []          # memory_label's stack: the innermost label applies
-
-
-@contextlib.contextmanager
-def memory_label(label: str):
-    """Allocations inside the block count under ``label`` when a MemoryAccount is running."""
-    _LABELS.append(label)
-    try:
-        yield
-    finally:
-        _LABELS.pop()
-
+from megalite.observe.memory import enter_label, innermost_label, leave_label
 
 @dataclass
 class Breakdown:
@@ -126,8 +114,9 @@ class MemoryAccount(TorchDispatchMode):
 
     # ---- labels ---------------------------------------------------------------------------------
     def _current_label(self) -> str:
-        if _LABELS:
-            return _LABELS[-1]
+        label = innermost_label()
+        if label is not None:
+            return label
         if torch._C._current_autograd_node() is not None:
             return "backward temporaries"
         return "activations: other"
@@ -143,10 +132,10 @@ class MemoryAccount(TorchDispatchMode):
 
     def _label_forward(self, module: torch.nn.Module, label: str) -> None:
         def enter(*_):
-            _LABELS.append(label)
+            enter_label(label)
 
         def leave(*_):
-            _LABELS.pop()
+            leave_label()
         self._hooks += [module.register_forward_pre_hook(enter),
                         module.register_forward_hook(leave, always_call=True)]
 

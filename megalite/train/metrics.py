@@ -1,5 +1,5 @@
-"""What a run reports: Megatron's stdout line, its timers, a JSON-lines metrics file, wandb and tensorboard,
-and for MoE models the auxiliary losses and expert load (MoEStats).
+"""What a run reports: Megatron's stdout line, its timers' block (observe/clocks.py times them), a JSON-lines
+metrics file, wandb and tensorboard, and for MoE models the auxiliary losses and expert load (MoEStats).
 
 The stdout line keeps Megatron's field names and formats exactly, because people grep it.
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from datetime import datetime
 
 import torch
@@ -56,48 +55,7 @@ def format_validation_lines(prefix: str, losses: dict[str, float]) -> str:
     return f"{rule}\n{body}\n{rule}"
 
 
-# ---- timers --------------------------------------------------------------------------------------
-class Timers:
-    """Named wall-clock timers; those at or below ``--timing-log-level`` are reported.
-
-    On a GPU, kernels run asynchronously: an active timer synchronises the device when it starts and
-    stops, so it measures the work, not its launch. Timers above the level do nothing at all, so the
-    default (level 0) adds no host-device synchronisation to the step."""
-
-    def __init__(self, log_level: int, device: torch.device | None = None):
-        self.log_level = log_level
-        self._cuda = device is not None and device.type == "cuda"
-        self._start: dict[str, float] = {}
-        self._elapsed: dict[str, float] = {}
-        self._levels: dict[str, int] = {}
-
-    def _synchronize(self) -> None:
-        if self._cuda:
-            torch.cuda.synchronize()
-
-    def start(self, name: str, level: int = 1) -> None:
-        if level <= self.log_level:
-            self._levels[name] = level
-            self._synchronize()
-            self._start[name] = time.perf_counter()
-
-    def add(self, name: str, seconds: float, level: int = 1) -> None:
-        """Account time measured elsewhere (e.g. pipeline receive waits)."""
-        if level <= self.log_level:
-            self._elapsed[name] = self._elapsed.get(name, 0.0) + seconds
-
-    def stop(self, name: str) -> None:
-        if name in self._start:
-            self._synchronize()
-            self._elapsed[name] = self._elapsed.get(name, 0.0) + time.perf_counter() - self._start.pop(name)
-
-    def report(self, iterations: int) -> dict[str, float]:
-        """Average ms per iteration of each timer since the last report; resets."""
-        values = {name: 1000.0 * seconds / max(1, iterations) for name, seconds in self._elapsed.items()}
-        self._elapsed.clear()
-        return values
-
-
+# ---- timers' block -----------------------------------------------------------------------------------
 def format_timers(values: dict[str, float]) -> str:
     """Megatron's block of timer lines."""
     lines = ["times across ranks (ms):"]

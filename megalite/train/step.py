@@ -4,50 +4,34 @@ The forward/backward dispatch picks the schedule: no pipeline, a synchronous pip
 (1F1B, interleaved 1F1B, GPipe, ZB-H1, ZB-V), or the asynchronous PipeDream schedules, which read
 ahead into the next batch. Evaluation runs the same dispatch forward only (forward_only_losses).
 
-Every function here takes the Trainer (trainer.py) and reads what it built: ``.model``, ``.chunks``,
-``.ddp``, ``.optimizer``, ``.scheduler``, ``.pipeline``, ``.async_pipeline``, ``.timers``, ``.state``.
+Every function here but per_token_loss_weights takes the Trainer (trainer.py) and reads what it built:
+``.model``, ``.chunks``, ``.ddp``, ``.optimizer``, ``.scheduler``, ``.pipeline``, ``.async_pipeline``,
+``.timers``, ``.state``.
 """
 from __future__ import annotations
 
 import torch
 
-from megalite.parallel.context.ring_attention import context_parallel_loss, slice_for_context_parallel
-from megalite.parallel.pipeline.executor import PipelineRecord, run_pipeline_schedule
-from megalite.parallel.pipeline.plan import rank_plan
-from megalite.parallel.pipeline.schedules import StageMap, forward_backward_no_pipelining, stage_placement
+from megalite.observe.clocks import waiting
+from megalite.observe.memory import memory_label
 from megalite.parallel.finalize_grads import finalize_model_grads
-from megalite.parallel.pipeline.stages import chunk_forward
+from megalite.parallel.mesh import ParallelState
+from megalite.parallel.pipeline.executor import PipelineRecord
+from megalite.parallel.pipeline.orders import StageMap, stage_placement
+from megalite.parallel.pipeline.schedules import forward_backward_no_pipelining, forward_backward_pipelined
+from megalite.parallel.pipeline.stages import LOSS_WEIGHT
 from megalite.train.faults import collective_phase
-from megalite.train.memory_account import memory_label
-from megalite.train.straggler import waiting
 
 
-def make_loss_fn(model: torch.nn.Module, device: torch.device, weights: dict | None = None):
-    """Per micro-batch: mean of the per-token losses where loss_mask is 1 (over whole sequences: with
-    context parallelism each rank computes its chunks and the sums are combined over the CP group),
-    times the micro-batch's weight in ``weights`` (by id of the batch; see per_token_loss_weights)."""
-    cp = model.cp
-
-    def loss_fn(batch: dict):
-        weight = weights[id(batch)] if weights is not None else None
-        if cp.size > 1:
-            batch = slice_for_context_parallel(batch, cp.rank, cp.size)
-        tokens = batch["tokens"].to(device, non_blocking=True)
-        labels = batch["labels"].to(device, non_blocking=True)
-        loss_mask = batch["loss_mask"].to(device, non_blocking=True).float()
-        per_token = model(tokens, batch["position_ids"].to(device, non_blocking=True), labels=labels)
-        loss, num_tokens = context_parallel_loss(per_token, loss_mask, cp)
-        return (loss if weight is None else loss * weight), num_tokens
-    return loss_fn
-
-
-def next_batches(trainer, data_iterator, num_microbatches: int) -> tuple[list, dict | None]:
-    """One step's micro-batches, and with --calculate-per-token-loss their loss weights."""
+def next_batches(trainer, data_iterator, num_microbatches: int) -> list[dict]:
+    """One step's micro-batches, each with its loss weight under --calculate-per-token-loss."""
     batches = [next(data_iterator) for _ in range(num_microbatches)]   # pipeline stages stay in step
-    return batches, per_token_loss_weights(trainer, batches)
+    if not trainer.config.training.calculate_per_token_loss:
+        return batches
+    return per_token_loss_weights(batches, trainer.device, trainer.parallel)
 
 
-def per_token_loss_weights(trainer, batches: list) -> dict | None:
+def per_token_loss_weights(batches: list[dict], device: torch.device, parallel: ParallelState) -> list[dict]:
     """--calculate-per-token-loss (Megatron): the step's loss is the sum of every token's loss over all
     micro-batches and data-parallel ranks divided by their total count N, not a mean of micro-batch means.
 
@@ -56,20 +40,17 @@ def per_token_loss_weights(trainer, batches: list) -> dict | None:
     Weighting micro-batch i (n_i tokens, mean loss l_i) by w_i = n_i * m * dp / N turns that average into
     sum_i n_i * l_i / N exactly, for the gradient and the logged loss alike, with any schedule. N needs
     one all-reduce of a number over the data-parallel group (context-parallel ranks of a group see the
-    same micro-batches, counted whole). Returns {id(batch): w_i as a 0-dim device tensor}, or None
-    without the flag."""
-    if not trainer.config.training.calculate_per_token_loss:
-        return None
+    same micro-batches, counted whole). Returns the micro-batches, each with w_i (a 0-dim device tensor)
+    under stages.LOSS_WEIGHT, which forward_step applies."""
     # the counts stay tensors: read on the host, the all-reduced total would wait for the device
-    counts = torch.stack([b["loss_mask"].sum() for b in batches]).to(trainer.device, torch.float64,
-                                                                    non_blocking=True)
+    counts = torch.stack([b["loss_mask"].sum() for b in batches]).to(device, torch.float64, non_blocking=True)
     total = counts.sum().reshape(1)
-    dp = trainer.parallel.dp_size
+    dp = parallel.dp_size
     if dp > 1:
         with waiting():
-            torch.distributed.all_reduce(total, group=trainer.parallel.group("dp"))
+            torch.distributed.all_reduce(total, group=parallel.group("dp"))
     weights = counts * (len(batches) * dp / total.clamp(min=1.0))
-    return {id(b): w for b, w in zip(batches, weights.float().unbind())}
+    return [{**b, LOSS_WEIGHT: w} for b, w in zip(batches, weights.float().unbind())]
 
 
 def train_step(trainer, data_iterator) -> tuple[torch.Tensor, object]:
@@ -130,45 +111,27 @@ def forward_backward(trainer, data_iterator) -> torch.Tensor | None:
             losses = trainer.async_pipeline.forward_backward(
                 trainer.state.iteration, lambda: next_batches(trainer, data_iterator, num_microbatches),
                 optimizer.loss_scale)
-        elif trainer.pipeline is None:
-            batches, weights = next_batches(trainer, data_iterator, num_microbatches)
-            losses = forward_backward_no_pipelining(make_loss_fn(model, trainer.device, weights), iter(batches),
-                                                    num_microbatches, optimizer.loss_scale)
         else:
-            batches, weights = next_batches(trainer, data_iterator, num_microbatches)
-            losses = forward_backward_pipelined(trainer, batches, optimizer.loss_scale, weights=weights)
+            losses = run_schedule(trainer, next_batches(trainer, data_iterator, num_microbatches),
+                                  optimizer.loss_scale)
     trainer.timers.stop("forward-backward")
     return losses
 
 
 def forward_only_losses(trainer, data_iterator) -> torch.Tensor | None:
     """The micro-batch losses of one global batch, forward only (evaluation)."""
-    m = trainer.config.num_microbatches
-    batches, weights = next_batches(trainer, data_iterator, m)
+    return run_schedule(trainer, next_batches(trainer, data_iterator, trainer.config.num_microbatches), 1.0,
+                        forward_only=True)
+
+
+def run_schedule(trainer, batches: list[dict], loss_scale: float, forward_only: bool = False) -> torch.Tensor | None:
+    """``batches`` through the run's synchronous schedule (schedules.py): gradient accumulation without
+    a pipeline, else this rank's stages, whose receive waits go to the timers."""
     if trainer.pipeline is None:
-        return forward_backward_no_pipelining(make_loss_fn(trainer.model, trainer.device, weights),
-                                              iter(batches), m, forward_only=True)
-    return forward_backward_pipelined(trainer, batches, 1.0, forward_only=True, weights=weights)
-
-
-def forward_backward_pipelined(trainer, batches: list, loss_scale: float, forward_only: bool = False,
-                               record: PipelineRecord | None = None,
-                               weights: dict | None = None) -> torch.Tensor | None:
-    """One global batch (``batches``, its micro-batches) through this rank's stages with a synchronous
-    schedule (1F1B, interleaved 1F1B, GPipe, ZB-H1, ZB-V); ``weights`` scale each micro-batch's loss (see
-    per_token_loss_weights)."""
-    cfg, comm = trainer.config, trainer.pipeline
-    chunks = len(trainer.chunks)
-    plan = rank_plan(cfg.parallel.pipeline_schedule, comm.size, comm.rank, len(batches), chunks, forward_only)
-    record = record or PipelineRecord(comm.rank)
-    forward = chunk_forward(trainer.chunks, trainer.device)
-    if weights is not None:
-        unweighted = forward
-
-        def forward(chunk, x, batch, is_last_stage):
-            out = unweighted(chunk, x, batch, is_last_stage)
-            return out * weights[id(batch)] if is_last_stage else out
-    losses = run_pipeline_schedule(plan, forward, batches, comm, loss_scale, forward_only, record)
+        return forward_backward_no_pipelining(trainer.model, batches, trainer.device, loss_scale, forward_only)
+    record = PipelineRecord(trainer.pipeline.rank)
+    losses = forward_backward_pipelined(trainer.chunks, batches, trainer.device, trainer.pipeline,
+                                        trainer.config.parallel.pipeline_schedule, loss_scale, forward_only, record)
     trainer.timers.add("pipeline-receive-wait", record.wait_seconds, level=2)
     return losses
 

@@ -7,8 +7,8 @@ communication until its peers catch up): a straggler computes long and waits lit
 it. A rank stopped while computing (a SIGSTOP, a throttled GPU) shows the stop as compute; its peers show
 it as waiting. So a rank measures only its waits, and compute = step wall time - waiting.
 
-``waiting()`` marks where a step blocks on communication; its time counts as the rank's waiting while
-a StragglerDetector runs the step (a WaitClock, in the manner of memory_account.memory_label): the
+``waiting()`` (observe/clocks.py) marks where a step blocks on communication; its time counts as the
+rank's waiting while a StragglerDetector runs the step with its WaitClock: the
 gradient finishing after the last backward (the data-parallel reduction and its bucket waits, also those
 inside backward with --overlap-grad-reduce, the tensor/pipeline-parallel gradient fix-ups), the optimizer
 step's gradient-norm and overflow all-reduces and ZeRO's parameter all-gather, ZeRO-3's parameter gathers,
@@ -33,10 +33,11 @@ import http.server
 import statistics
 import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
+from megalite.observe.clocks import WaitClock
 from megalite.parallel import collectives
 
 
@@ -54,80 +55,6 @@ def extremes(values: list[float], count: int) -> tuple[list[int], list[int]]:
     """(the ``count`` ranks of the largest values, largest first; those of the smallest, smallest first)."""
     order = sorted(range(len(values)), key=lambda rank: (values[rank], rank))
     return order[::-1][:count], order[:count]
-
-
-_RUNNING: list = []            # the WaitClock of the training step now running (StragglerDetector.step)
-_NOT_RUNNING = nullcontext()
-
-
-def waiting():
-    """A block where this rank is blocked on communication: its time counts as the rank's waiting while a
-    StragglerDetector's step runs (--log-straggler), and it only runs the block otherwise. Blocks inside
-    another one count once, in the outer one."""
-    return _RUNNING[-1].waiting() if _RUNNING else _NOT_RUNNING
-
-
-class WaitClock:
-    """Seconds this rank spent in ``waiting()`` blocks while running.
-
-    On CPUs the host blocks in the collective or receive, and perf_counter times it. On GPUs a collective
-    is queued and the host runs ahead, so the clock records a pair of CUDA events on the current stream
-    around the block instead: the stream's time between them is how long the device stood waiting (the
-    transfer itself included). Pairs are read once complete, without synchronising the device."""
-
-    def __init__(self, device: torch.device | None = None):
-        self._cuda = device is not None and device.type == "cuda"
-        self._inside = False
-        self._seconds = 0.0
-        self._pending: list = []          # CUDA event pairs not read yet
-
-    @contextmanager
-    def waiting(self):
-        if self._inside:                  # counted by the outer block
-            yield
-            return
-        self._inside = True
-        start = self._mark()
-        try:
-            yield
-        finally:
-            self._inside = False
-        end = self._mark()
-        if self._cuda:
-            self._pending.append((start, end))
-        else:
-            self._seconds += end - start
-
-    def _mark(self):
-        if not self._cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    @contextmanager
-    def running(self):
-        """Count the ``waiting()`` blocks run inside (the training step's, on the main thread)."""
-        _RUNNING.append(self)
-        try:
-            yield
-        finally:
-            _RUNNING.pop()
-
-    def take(self, complete: bool = False) -> float:
-        """Seconds waited since the last take: the event pairs done by now, or with ``complete`` all of them
-        (waiting for the last ones: at a log iteration, after the step's host synchronisations)."""
-        still = []
-        for start, end in self._pending:
-            if complete:
-                end.synchronize()
-            elif not end.query():
-                still.append((start, end))
-                continue
-            self._seconds += start.elapsed_time(end) / 1000.0
-        self._pending = still
-        seconds, self._seconds = self._seconds, 0.0
-        return seconds
 
 
 class ToggleServer:

@@ -36,6 +36,7 @@ from megalite.data.builder import build_train_valid_test_datasets
 from megalite.data.samplers import MegatronPretrainingSampler
 from megalite.data.tokenizers import build_tokenizer
 from megalite.model.gpt import DTYPES
+from megalite.observe.clocks import Timers
 from megalite.optim.distrib_optimizer import build_optimizer
 from megalite.optim.lr_scheduler import LRScheduler
 from megalite.parallel.context.ring_attention import build_context_parallel
@@ -43,16 +44,17 @@ from megalite.parallel.data.build import build_data_parallel
 from megalite.parallel.initialize import initialize_distributed, set_matmul_precision, set_seed
 from megalite.parallel.pipeline.p2p import PipelineComm
 from megalite.parallel.pipeline.pipedream import build_async_pipeline
-from megalite.parallel.pipeline.schedules import stage_placement
-from megalite.parallel.pipeline.stages import build_model_chunks, chunk_forward
-from megalite.parallel.pipeline.split import stage_layers_of
+from megalite.parallel.pipeline.orders import stage_placement
+from megalite.model.chunks import build_model_chunks
+from megalite.parallel.pipeline.stages import chunk_forward
+from megalite.config.pipeline_split import stage_layers_of
 from megalite.parallel.expert.dispatch import build_moe_context
 from megalite.parallel.tensor.setup import build_tensor_parallel
 from megalite.train import loop
 from megalite.train.compile import compile_layers
 from megalite.train.faults import collective_phase
 from megalite.train.memory_account import MetaStandIns
-from megalite.train.metrics import MetricsSinks, Timers, format_validation_lines
+from megalite.train.metrics import MetricsSinks, format_validation_lines
 from megalite.train.performance import report_memory
 
 

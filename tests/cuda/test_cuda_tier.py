@@ -112,7 +112,7 @@ def test_bf16_weight_gradients_accumulate_fused_into_fp32_main_grad_on_the_gpu()
 
 
 def test_tf32_is_on_by_default_and_off_with_no_tf32():
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.train.trainer import build_trainer
     if not torch.cuda.is_available():
         pytest.skip("TF32 is a GPU setting")

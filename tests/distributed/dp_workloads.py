@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.data.samplers import MegatronPretrainingSampler
 from megalite.train.trainer import build_trainer
 from megalite.train.step import train_step

@@ -4,16 +4,17 @@ import pytest
 import torch
 
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
 from megalite.model.gpt import GPTModel
 from megalite.parallel.mesh import ParallelState
 from megalite.parallel.pipeline.executor import run_pipeline_schedule
 from megalite.parallel.pipeline.p2p import PipelineComm
 from megalite.parallel.pipeline.plan import rank_plan
-from megalite.parallel.pipeline.schedules import stage_placement
+from megalite.parallel.pipeline.orders import stage_placement
 from megalite.parallel.finalize_grads import finalize_tensor_parallel_grads, sync_shared_embedding_grads
-from megalite.parallel.pipeline.stages import build_model_chunks, chunk_forward
+from megalite.model.chunks import build_model_chunks
+from megalite.parallel.pipeline.stages import chunk_forward
 from megalite.parallel.tensor.setup import build_tensor_parallel
 
 ARGS = with_flags(TINY_LLAMA_ARGS, num_layers=4, make_vocab_size_divisible_by=32)

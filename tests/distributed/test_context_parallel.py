@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.parallel.context import (ContextParallel, build_context_parallel, local_positions, ring_attention,
                                        slice_for_context_parallel)
 from megalite.errors import UserError

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from dp_workloads import DP_ARGS, SyntheticTokens, train_layouts
 from harness import run_ranks
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.checkpoint.save import save_checkpoint
 from megalite.checkpoint.sharded import load_checkpoint, load_model
 from megalite.data.samplers import MegatronPretrainingSampler

@@ -18,7 +18,7 @@ import torch
 
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 
 READS = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy")
 LOG_INTERVAL, ITERS = 4, 7

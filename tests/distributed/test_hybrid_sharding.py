@@ -50,7 +50,7 @@ LAYOUTS = [("optim", False), ("optim", True), ("optim_grads", True), ("optim_gra
 def _everything(rank, world):
     """Equivalence of every layout, the memory report, and the collectives of one ZeRO-1 step by group."""
     from megalite.train.performance import measure
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.train.trainer import build_trainer
     equivalence = equivalence_and_eval(rank, world, [layout_flags(s, o, **K2) for s, o in LAYOUTS])
     memory = {}
@@ -67,7 +67,7 @@ def _traffic(world):
     instance's shard group and its replica group (not the loss and norm scalars)."""
     import torch.distributed as dist
     from dp_workloads import batches
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.train.step import train_step
     from megalite.train.trainer import build_trainer
     trainer = build_trainer(parse_args(layout_flags("optim", True, **K2), world_size=world))

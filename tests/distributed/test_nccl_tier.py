@@ -10,7 +10,7 @@ import pytest
 
 from harness import logged_losses, run_pretrain, run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 
 ARGS = with_flags(TINY_LLAMA_ARGS, num_layers=8, train_iters=3, global_batch_size=8,
                   make_vocab_size_divisible_by=32, lr_warmup_iters=1, clip_grad=0.5, weight_decay=0.1,

@@ -2,6 +2,8 @@
 import pytest
 
 from harness import run_ranks
+from megalite.config.schema import ParallelConfig
+from megalite.config.validate import check_world_size
 from megalite.errors import UserError
 from megalite.parallel.launch_env import first_host, read_launch_env
 from megalite.parallel.mesh import ParallelState, rank_grid_groups
@@ -20,7 +22,7 @@ def test_rank_grid_matches_megatron_order():
 
 def test_sizes_that_do_not_divide_the_world_are_refused():
     with pytest.raises(UserError, match="world size 6 is not divisible by --tensor-model-parallel-size 4"):
-        ParallelState.build(6, 0, tp=4)
+        check_world_size(6, ParallelConfig(world_size=6, tensor_model_parallel_size=4))
 
 
 def test_launch_env_from_torchrun_and_slurm():

@@ -3,7 +3,7 @@ import re
 
 from harness import run_pretrain
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.model.gpt import GPTModel
 
 

@@ -7,7 +7,7 @@ import torch
 
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.errors import UserError
 from megalite.config.validate import check_async_schedule
 from megalite.parallel.pipeline.pipedream import AsyncPipeline, WeightVersions
@@ -179,7 +179,7 @@ def test_versions_kept_per_stage():
 
             runner.before = counted
             for t in range(10):
-                runner.forward_backward(t, lambda: ([{}] * m, None))
+                runner.forward_backward(t, lambda: [{}] * m)
                 runner.optimizer_step(t, update)
             w = pp - 1 - stage
             expected = 1 + -(-w // m) if schedule == "pipedream" else 2

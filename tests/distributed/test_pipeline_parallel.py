@@ -4,11 +4,11 @@ import torch
 
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.config.schema import ParallelConfig
 from megalite.config.validate import check_pipeline_split
 from megalite.errors import UserError
-from megalite.parallel.pipeline.schedules import gpipe_order, interleaved_order, one_f_one_b_order
+from megalite.parallel.pipeline.orders import gpipe_order, interleaved_order, one_f_one_b_order
 from pipeline_workloads import ARGS, one_thread, reference, run_executor  # noqa: F401 (one_thread: autouse fixture)
 
 # Each spawned world costs seconds (every rank imports torch), so one world per size serves every check

@@ -8,10 +8,10 @@ import torch
 
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.errors import UserError
 from megalite.config.schema import SYNCHRONOUS_SCHEDULES, ZERO_BUBBLE_SCHEDULES
-from megalite.parallel.pipeline.schedules import schedule_order
+from megalite.parallel.pipeline.orders import schedule_order
 from megalite.parallel.pipeline.plan import RankPlan, async_step_plan, schedule_plans, stream_replay
 from megalite.parallel.pipeline.simulate import replay_schedule
 from pipeline_workloads import ARGS, one_thread, reference, run_executor  # noqa: F401 (one_thread: autouse fixture)

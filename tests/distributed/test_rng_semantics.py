@@ -9,7 +9,7 @@ import torch
 
 from harness import logged_losses, run_pretrain, run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.parallel.tensor.random import MODEL_PARALLEL_RNG, RNGTracker
 
 SEED = 1234

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from dp_workloads import DP_ARGS, SyntheticTokens, layout_flags
 from harness import run_ranks
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.checkpoint.files import CheckpointReader, as_2d, write_checkpoint
 from megalite.checkpoint.tensor_file import TORCH_DTYPES
 from megalite.checkpoint.index import IndexShards, holder, index_filename

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from harness import run_ranks
 from megalite_test_utils import TINY_GPT2_ARGS, TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.parallel.mesh import ParallelState
 from megalite.parallel.param_meta import param_meta
 from megalite.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy

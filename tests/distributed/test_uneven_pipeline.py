@@ -7,10 +7,10 @@ import pytest
 
 from harness import logged_losses, run_pretrain, run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.errors import UserError
-from megalite.parallel.pipeline.stages import build_model_chunks
-from megalite.parallel.pipeline.split import SplitFlags, parse_layout, virtual_stage_layers
+from megalite.model.chunks import build_model_chunks
+from megalite.config.pipeline_split import SplitFlags, parse_layout, virtual_stage_layers
 from megalite.parallel.tensor.layers import TensorParallel
 
 # 7 layers: no pipeline size above 1 divides it

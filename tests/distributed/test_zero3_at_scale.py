@@ -51,7 +51,7 @@ def global_batches(trainer, first_step: int, steps: int):
 
 
 def _train_save(rank, world, flags, directory, steps):
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.checkpoint.save import save_checkpoint
     from megalite.train.performance import current_rss_bytes, peak_rss_bytes, reset_peak_rss, window_peak_rss_bytes
     from megalite.train.trainer import build_trainer
@@ -71,7 +71,7 @@ def _train_save(rank, world, flags, directory, steps):
 
 
 def _load_train(rank, world, flags, directory, steps):
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.checkpoint.sharded import load_checkpoint
     from megalite.train.performance import current_rss_bytes, peak_rss_bytes, reset_peak_rss, window_peak_rss_bytes
     from megalite.train.trainer import build_trainer

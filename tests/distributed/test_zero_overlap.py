@@ -45,7 +45,7 @@ def recording(events: list):
 def run_path(world: int, strategy: str, nccl_path: bool) -> dict:
     """STEPS steps on one path: the losses, and the events in order, with ("forward", unit) when a unit's
     forward starts (before the data-parallel pre-hooks) and ("step", n) before each step."""
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.train.step import train_step
     from megalite.train.trainer import build_trainer
     os.environ[ENV] = "1" if nccl_path else "0"

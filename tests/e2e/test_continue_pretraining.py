@@ -23,7 +23,7 @@ TRAIN_FLAGS = ["--use-checkpoint-args", "--finetune", "--mock-data", "--micro-ba
 
 def first_batch(argv):
     """The global batch iteration 1 trains on, built by megalite's own data pipeline."""
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.data.builder import build_train_valid_test_datasets
     from megalite.data.tokenizers import build_tokenizer
     config = parse_args(argv, world_size=1)

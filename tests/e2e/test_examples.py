@@ -352,7 +352,7 @@ script = next(i for i, a in enumerate(args) if a.endswith("pretrain_gpt.py"))
 launch = dict(zip(args[:script:2], args[1:script:2]))        # the scripts give torchrun --name value pairs
 world = int(launch["--nproc_per_node"]) * int(launch.get("--nnodes", "1"))
 sys.path.insert(0, os.path.dirname(args[script]))
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 config = parse_args(args[script + 1:], world_size=world, true_vocab_size=int(os.environ["TRUE_VOCAB_SIZE"]))
 print(json.dumps({**dataclasses.asdict(config), "data_parallel_size": config.parallel.data_parallel_size,
                   "num_microbatches": config.num_microbatches}))

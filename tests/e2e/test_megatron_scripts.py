@@ -208,7 +208,7 @@ def field(stdout: str, iteration: int, name: str) -> str:
 
 # ---- the real sizes parse ---------------------------------------------------------------------------
 def test_both_scripts_flags_parse_at_their_real_sizes_and_world_sizes(tmp_path):
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     gpt3 = parse_args(flags(GPT3_175B, "real", **paths(tmp_path)), world_size=8 * 16, true_vocab_size=50257)
     assert gpt3.parallel.tensor_model_parallel_size == 8 and gpt3.parallel.pipeline_model_parallel_size == 16
     # Megatron: 95 increments of 16, one per 5859375 / 95 = 61677.6 samples (the batch is 32 from sample 61678)
@@ -226,7 +226,7 @@ def test_both_scripts_flags_parse_at_their_real_sizes_and_world_sizes(tmp_path):
 def test_gpt3_head_version_step_batch_size_schedule_parses(tmp_path):
     """Megatron-LM's newest 175B script replaced the ramp-up by --step-batch-size-schedule (thresholds in
     tokens, converted to samples of --seq-length)."""
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     argv = flags(GPT3_175B, "real", **paths(tmp_path))
     i = argv.index("--rampup-batch-size")
     argv[i:i + 4] = ["--step-batch-size-schedule", "0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536"]

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from megalite.parallel.pipeline.executor import PipelineRecord
-from megalite.parallel.pipeline.schedules import schedule_order
+from megalite.parallel.pipeline.orders import schedule_order
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"))
 from plot_pipeline import forward_spread, replayed_bubble_share  # noqa: E402

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from megalite_test_utils import TINY_LLAMA_ARGS
-from megalite.config.megatron_cli import build_parser, parse_args
+from megalite.config.megatron_cli import build_parser
+from megalite.train.command_line import parse_args
 from megalite.data.gpt_dataset import GPTDataset
 from megalite.data.indexed_dataset import DTYPES, HEADER_SIZE, IndexedDataset, IndexedDatasetBuilder
 from megalite.errors import UserError

@@ -1,9 +1,15 @@
 """megalite's modules import each other without circles, counting imports inside functions too (a lazy
-import that closes a circle is still a circle a reader has to untangle)."""
+import that closes a circle is still a circle a reader has to untangle), and no package imports one on a
+higher floor than its own (FLOORS)."""
 import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# megalite's packages, low to high: a module imports from its own package and those below it, never from
+# one above. precision (the GEMM recipes) sits below parallel: the tensor-parallel layers call it.
+FLOORS = ("errors", "observe", "config", "precision", "parallel", "model", "optim", "data", "checkpoint", "train",
+          "planning")
 
 
 def _modules() -> dict[str, str]:
@@ -79,3 +85,36 @@ def test_no_import_circles():
 
 def test_the_check_finds_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def package_of(module: str) -> str | None:
+    """The package of ``module`` (``megalite.errors`` is its own); None for megalite's __init__."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def upward_imports(graph: dict[str, set[str]], floors: tuple[str, ...] = FLOORS) -> list[str]:
+    """"importer -> imported" for every import of a package on a higher floor than the importer's."""
+    floor = {package: level for level, package in enumerate(floors)}
+    found = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if floor[package_of(target)] > floor[package_of(module)]:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_every_package_has_a_floor():
+    packages = {package_of(module) for module in import_graph()} - {None}
+    assert packages <= set(FLOORS), f"place {sorted(packages - set(FLOORS))} in FLOORS"
+
+
+def test_no_module_imports_a_higher_package():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_check_finds_an_upward_import():
+    graph = {"megalite.parallel.pipeline.p2p": {"megalite.train.memory_account", "megalite.observe.memory"},
+             "megalite.train.memory_account": {"megalite.observe.memory", "megalite.parallel.collectives"},
+             "megalite.observe.memory": set(), "megalite.parallel.collectives": set()}
+    assert upward_imports(graph) == ["megalite.parallel.pipeline.p2p -> megalite.train.memory_account"]

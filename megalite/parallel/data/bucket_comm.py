@@ -27,7 +27,7 @@ from torch.profiler import record_function
 
 from megalite.parallel import collectives
 from megalite.parallel.data.grad_buffer import Bucket
-from megalite.train.straggler import waiting
+from megalite.observe.clocks import waiting
 
 
 class _Done:

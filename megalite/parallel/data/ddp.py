@@ -83,7 +83,7 @@ from megalite.parallel.data.grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.parallel.data.protocol import DataParallel
 from megalite.parallel.data.units import Unit, model_units, tensors_in
 from megalite.parallel.mesh import ParallelState
-from megalite.train.straggler import waiting
+from megalite.observe.clocks import waiting
 
 # Full-buffer collectives in flight at once that hold memory until waited on: gloo's (temporaries of the
 # bucket's size) and --grad-reduce-in-bf16's bf16 copies. Unbounded, all parameters after the step (or a

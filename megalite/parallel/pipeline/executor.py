@@ -16,9 +16,9 @@ from typing import Callable
 import torch
 
 from megalite.parallel.pipeline.plan import PostingCursor, RankPlan
-from megalite.parallel.pipeline.schedules import Action
+from megalite.parallel.pipeline.orders import Action
 from megalite.parallel.pipeline.split_backward import backward_input, backward_weight
-from megalite.train.straggler import waiting
+from megalite.observe.clocks import waiting
 
 
 @dataclass

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megalite.train.memory_account import memory_label
+from megalite.observe.memory import memory_label
 
 
 @dataclass

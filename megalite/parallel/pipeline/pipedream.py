@@ -13,7 +13,7 @@ run there), so a step's update is the accumulated gradient of one global batch, 
 training, only computed on older weights.
 
 Each step runs on the one executor with the other schedules' p2p and posting order: its actions are
-schedules.async_step_order's, numbered from the step's first micro-batch; the one message that would
+orders.async_step_order's, numbered from the step's first micro-batch; the one message that would
 cross the step boundary (the next step's first forward input, which the previous stage sends in this
 step) is received at the step's end and held over the update.
 
@@ -61,7 +61,7 @@ from megalite.config import validate as rules
 from megalite.config.schema import ASYNC_SCHEDULES
 from megalite.parallel.pipeline.executor import StepHooks, run_pipeline_schedule
 from megalite.parallel.pipeline.plan import async_step_plan
-from megalite.parallel.pipeline.schedules import Action
+from megalite.parallel.pipeline.orders import Action
 
 SWAP_CHUNK = 1 << 22                        # elements swapped at a time (bounds the temporary)
 
@@ -152,7 +152,6 @@ class AsyncPipeline(StepHooks):
         self.forward_fn = forward_fn
         self.versions = WeightVersions(flat)
         self.batches: dict = {}          # micro-batch -> batch, for the micro-batches read and not yet done
-        self.weights: dict = {}          # per-token loss weights by id(batch)
         self.in_flight: dict = {}        # (chunk, mb) -> (input, output) of the next step's first backwards
         self.held_input: dict = {}       # the next step's first forward input, received by this step's H
         self.started = False
@@ -168,13 +167,13 @@ class AsyncPipeline(StepHooks):
         self.versions = WeightVersions(self.versions.flat, newest=iteration)
         self.versions.oldest_needed = self.version(iteration * self.m)     # the next backward's version
         self.in_flight, self.held_input, self.started = {}, {}, False
-        self.batches, self.weights = {}, {}
+        self.batches = {}
         self.next_unread = iteration * self.m
 
     # ---- one training step -----------------------------------------------------------------------
     def forward_backward(self, iteration: int, read_batch, loss_scale: float = 1.0) -> torch.Tensor | None:
         """Step ``iteration``'s actions: the backwards of its m micro-batches and the forwards paired
-        with them. ``read_batch()`` returns the next global batch's (micro-batches, loss weights)."""
+        with them. ``read_batch()`` returns the next global batch's micro-batches."""
         if not self.started and self.versions.newest != iteration:     # --finetune: iteration 0 again
             self.restart_at(iteration)
         start, fresh = iteration * self.m, not self.started
@@ -183,20 +182,15 @@ class AsyncPipeline(StepHooks):
         remaining = self.total - start
         plan = async_step_plan(self.pp, self.stage, self.m, fresh, remaining)
         batches = [self.batches[start + i] for i in range(min(self.m + self.w, remaining))]
-        return run_pipeline_schedule(plan, self._forward, batches, self.comm, loss_scale, record=self.record,
+        return run_pipeline_schedule(plan, self.forward_fn, batches, self.comm, loss_scale, record=self.record,
                                      hooks=self)
-
-    def _forward(self, chunk: int, x, batch: dict, is_last_stage: bool):
-        out = self.forward_fn(chunk, x, batch, is_last_stage)
-        return out * self.weights[id(batch)] if is_last_stage and self.weights else out
 
     def _read_up_to(self, end: int, read_batch) -> None:
         """Read global batches until micro-batch ``end - 1`` (or the run's last) is in hand."""
         while self.next_unread < min(end, self.total):
-            batches, weights = read_batch()
+            batches = read_batch()
             for i, b in enumerate(batches):
                 self.batches[self.next_unread + i] = b
-            self.weights.update(weights or {})
             self.next_unread += len(batches)
 
     # ---- StepHooks: what the executor calls around the actions ------------------------------------

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from megalite.parallel.pipeline.schedules import (Action, StageMap, async_step_order, forward_only_order,
+from megalite.parallel.pipeline.orders import (Action, StageMap, async_step_order, forward_only_order,
                                                   interleaved_stage, schedule_order, stage_placement)
 from megalite.parallel.pipeline.simulate import dataflow_replay
 
@@ -81,7 +81,7 @@ def rank_plan(schedule: str, pp: int, rank: int, num_microbatches: int, num_chun
 
 
 def async_step_plan(pp: int, rank: int, num_microbatches: int, fresh: bool, remaining: int) -> RankPlan:
-    """This rank's plan for one step of an asynchronous schedule (schedules.async_step_order): ``fresh``
+    """This rank's plan for one step of an asynchronous schedule (orders.async_step_order): ``fresh``
     for a stream's first step, ``remaining`` micro-batches left in the run from the step's first."""
     return _async_step_plans(pp, num_microbatches, fresh, min(remaining, num_microbatches + pp))[rank]
 

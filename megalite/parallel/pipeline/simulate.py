@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from megalite.parallel.pipeline.schedules import Action, StageMap, schedule_order, stage_placement
+from megalite.parallel.pipeline.orders import Action, StageMap, schedule_order, stage_placement
 
 
 @dataclass

@@ -277,7 +277,7 @@ MOE_RUN = DENSE_RUN + ["--num-experts", "8", "--moe-ffn-hidden-size", "24", "--m
 
 
 def test_loading_a_converted_moe_model_into_a_dense_run_or_the_reverse_names_the_difference(tmp_path):
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.train.trainer import pretrain
     for family in ("qwen3_moe", "qwen3"):
         make_hf(str(tmp_path / family), family)
@@ -301,7 +301,7 @@ QK_ARGS = with_flags(TINY_LLAMA_ARGS, lr="0.1", adam_eps="1.0", train_iters=3) +
 
 def _qk_training(rank, world, layouts):
     """Per layout: the losses and the final q/k norm weights of a short training run."""
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.train.trainer import Trainer
     out = []
     for argv in layouts:

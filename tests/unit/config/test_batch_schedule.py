@@ -4,7 +4,7 @@ calculator (with data parallelism and micro-batches), the run's logged batch siz
 
 import pytest
 
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.errors import UserError
 from megalite_test_utils import RAMPUP_ARGS, TINY_LLAMA_ARGS, log_field, run_pretrain, with_flags
 

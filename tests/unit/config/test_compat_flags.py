@@ -3,7 +3,8 @@
 
 import pytest
 
-from megalite.config.megatron_cli import parse_args, startup_notes
+from megalite.config.megatron_cli import startup_notes
+from megalite.train.command_line import parse_args
 from megalite.errors import UserError
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 

@@ -2,7 +2,7 @@
 import pytest
 
 from megalite_test_utils import TINY_GPT2_ARGS, TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.config.schema import default_ffn_hidden_size, padded_vocab_size
 from megalite.errors import UserError
 

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.config.schema import ParallelConfig, default_kv_channels, rotary_dim
 from megalite.config.validate import check_layout, validate
 from megalite.errors import UserError

@@ -56,7 +56,7 @@ def test_grouped_experts_gradients_equal_plain_autograd_per_expert(swiglu, opena
     """GroupedExperts' own backward (one node for both GEMMs and the activation) against autograd through
     plain per-expert matmuls, in fp64, with an expert that gets no rows."""
     import torch.nn.functional as F
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.model.moe import GroupedExperts
     from megalite.parallel.expert.dispatch import ExpertParallel
     from megalite_test_utils import TINY_LLAMA_ARGS, with_flags

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite_test_utils import ROOT, TINY_LLAMA_ARGS, masked_micro_batches, with_flags
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench.activation_memory import Shape, count_saved, model_config
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.model.gpt import GPTModel
 from megalite.model.attention import core
 from megalite.model.kernels import sdpa_runs_fused

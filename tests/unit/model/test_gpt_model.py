@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megalite_test_utils import TINY_GPT2_ARGS, TINY_LLAMA_ARGS
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.model.gpt import GPTModel
 from megalite.model.init import full_normal, init_std
 from megalite.parallel.param_meta import mark, param_meta

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megalite_test_utils import ROOT, TINY_LLAMA_ARGS
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.model import init
 from megalite.model.gpt import GPTModel
 from megalite.parallel.param_meta import mark, param_meta

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.errors import UserError
 from megalite_test_utils import TINY_LLAMA_ARGS, masked_micro_batches, run_pretrain, with_flags
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.errors import UserError
 from megalite.model.moe import MoELayer
 from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext

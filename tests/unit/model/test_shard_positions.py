@@ -3,7 +3,7 @@ parameter kind (column/row parallel, fused grouped QKV incl. replicated KV heads
 import pytest
 import torch
 
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.model.gpt import GPTModel
 from megalite.parallel.param_meta import full_shape, param_meta
 from megalite.parallel.tensor.layers import TensorParallel, shard_positions

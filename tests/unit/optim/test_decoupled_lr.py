@@ -3,7 +3,7 @@ schedule."""
 
 import pytest
 
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 
 

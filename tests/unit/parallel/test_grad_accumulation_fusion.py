@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
 from megalite.parallel.param_meta import mark
 from megalite.model.gpt import GPTModel

@@ -66,7 +66,7 @@ def test_the_data_parallel_wrapper_is_freed_without_the_garbage_collector():
     exception"). Nothing in it may point back at it (a bound method of it kept in a member did)."""
     import gc
     import weakref
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.train.trainer import build_trainer
     from megalite_test_utils import TINY_LLAMA_ARGS
     flags = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megalite.parallel import initialize
-from megalite.config.megatron_cli import world_size_from_env
+from megalite.train.command_line import world_size_from_env
 from megalite.config.schema import ParallelConfig
 from megalite.errors import UserError
 from megalite.parallel.initialize import device_for, initialize_distributed

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.errors import UserError
 from megalite.planning import flags as plan_flags
 from megalite.planning import inputs, memory, search

@@ -39,7 +39,7 @@ def test_parameters_per_rank_equal_gptmodels_at_every_expert_rank(tp, ep, etp):
     """Dense and expert parameters (param_meta(p).expert) of GPTModel built on the meta device at each
     TP x EP x ETP rank: experts E/EP whole, f/ETP of each; the router, the gated shared expert and the
     dense first layer (--moe-layer-freq) as TP shards them."""
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.model.gpt import GPTModel
     from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext
     from megalite.parallel.param_meta import param_meta
@@ -66,10 +66,10 @@ def test_parameters_per_rank_equal_gptmodels_at_every_expert_rank(tp, ep, etp):
 def test_pipeline_stages_count_their_own_moe_layers():
     """--moe-layer-freq decides per layer: each pipeline stage's chunks (build_model_chunks) hold the
     experts of their own MoE layers."""
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext
     from megalite.parallel.param_meta import param_meta
-    from megalite.parallel.pipeline.stages import build_model_chunks
+    from megalite.model.chunks import build_model_chunks
     from megalite.parallel.tensor.layers import TensorParallel
     model = parse_args(with_flags(TINY_MOE, num_layers=8, moe_layer_freq="([0]*3+[1]*5)"), world_size=1).model
     workload = inputs.Workload(dataclasses.replace(model, vocab_size=model.padded_vocab_size), 4,
@@ -90,7 +90,7 @@ def test_pipeline_stages_count_their_own_moe_layers():
 def test_search_offers_expert_grids_that_pretrain_gpt_accepts():
     """EP over the divisors of the expert count, ETP 1 or TP; every kept layout's flags parse back into
     the same layout (megalite's rules, check_experts included) and every dropped one is refused."""
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     argv = with_flags(TINY_MOE, seq_length=64, max_position_embeddings=64, global_batch_size=8)
     model = parse_args(argv, world_size=1).model
     workload = inputs.Workload(model, 8, "bf16")

@@ -29,7 +29,7 @@ import pytest
 from harness import run_ranks
 from megalite_test_utils import ROOT, TINY_GPT2_ARGS, TINY_LLAMA_ARGS, with_flags
 from megalite.checkpoint.hf_config import read_hf_config_file
-from megalite.parallel.pipeline.split import SplitFlags
+from megalite.config.pipeline_split import SplitFlags
 from megalite.planning import flags as plan_flags
 from megalite.planning import inputs, memory, search
 from megalite.planning import time as timing
@@ -110,7 +110,7 @@ def train_and_measure(argv: list[str], world_size: int) -> int:
     """Peak bytes held by this rank while megalite trains STEPS iterations at ``argv``'s layout."""
     import gc
     from torch.profiler import ProfilerActivity, profile, record_function
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.data.tokenizers import build_tokenizer
     from megalite.train.trainer import build_data_iterators, build_trainer
     from megalite.train.step import train_step
@@ -159,7 +159,7 @@ def measured() -> dict:
 def estimated(flags: list[str], world_size: int) -> list[int]:
     """The planner's peak bytes per rank (global rank order: tp fastest, then dp, then pp; every rank of a
     stage alike, the expert grid's included)."""
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     config = parse_args(MEASURED_MODEL + flags, world_size=world_size)
     workload, layout = plan_flags.workload_and_layout(config)
     per_stage = [memory.rank_memory(workload, layout, r, inputs.CPU_KERNELS).total for r in range(layout.pp)]
@@ -195,8 +195,8 @@ def _llama_workload() -> inputs.Workload:
 def test_parameters_per_rank_equal_megalites_sharded_model(tp, pp, vpp, pp_rank):
     """TP shards (KV heads replicated beyond 2 groups), pipeline stages, interleaved chunks, the tied
     output layer's copy on the last stage: the count of the chunks megalite builds for that rank."""
-    from megalite.config.megatron_cli import parse_args
-    from megalite.parallel.pipeline.stages import build_model_chunks
+    from megalite.train.command_line import parse_args
+    from megalite.model.chunks import build_model_chunks
     from megalite.parallel.tensor.layers import TensorParallel
     for untie in (True, None):
         argv = with_flags(TINY_LLAMA_ARGS, num_layers=8, num_attention_heads=8, num_query_groups=2, hidden_size=64,
@@ -227,10 +227,10 @@ def test_state_bytes_per_parameter_follow_the_zero_formulas():
 def test_planned_buckets_are_the_gradient_buffers(sharding, monkeypatch):
     """The buckets the planner reasons about are grad_buffer.py's: whole parameters in backward order,
     closed at the bucket size, around a tied embedding and (ZeRO-2/3) at module-unit boundaries."""
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.parallel.data.ddp import DistributedDataParallel
     from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
-    from megalite.parallel.pipeline.stages import build_model_chunks
+    from megalite.model.chunks import build_model_chunks
     from megalite.parallel.tensor.layers import TensorParallel
     monkeypatch.setattr(memory, "default_bucket_size", lambda dp, overlap: 6000 if overlap else None)
     for argv in (with_flags(TINY_LLAMA_ARGS, untie_embeddings_and_output_weights=None), TINY_LLAMA_ARGS,
@@ -362,7 +362,7 @@ def test_every_candidate_layout_is_accepted_by_pretrain_gpt_and_no_other():
     """The planner's divisibility rules are megalite's: arguments.parse_args accepts the flags of every
     layout the planner keeps and refuses every other one it enumerates, except ZeRO at data-parallel
     size 1, which megalite runs but which shards nothing."""
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.errors import UserError
     model = parse_args(SMALL, world_size=1).model
     workload = inputs.Workload(model, 8, "bf16")

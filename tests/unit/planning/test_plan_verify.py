@@ -13,9 +13,9 @@ from dataclasses import fields, replace
 
 import pytest
 
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.config.schema import FLAG, ModelConfig
-from megalite.parallel.pipeline.split import SplitFlags
+from megalite.config.pipeline_split import SplitFlags
 from megalite.planning import flags as plan_flags
 from megalite.planning import verify
 from megalite.planning.inputs import Layout, Workload

@@ -10,7 +10,7 @@ import torch
 
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.train.compile import compile_layers, compile_unsupported_reason
 from megalite.train.trainer import build_trainer, pretrain
 

@@ -3,9 +3,9 @@ for, TF32 is a GPU-only setting that --no-tf32 turns off, the flags parse. (The 
 import torch
 
 from megalite_test_utils import TINY_LLAMA_ARGS
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.parallel.initialize import set_matmul_precision
-from megalite.train.metrics import Timers
+from megalite.observe.clocks import Timers
 
 
 def test_timers_synchronise_the_gpu_only_when_timing_is_asked_for(monkeypatch):

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.train.trainer import build_trainer
 from megalite.train.loop import optional_norms
 from megalite.train.step import train_step

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megalite_test_utils import TINY_LLAMA_ARGS, wandb_offline_history, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.train.performance import flops_per_iteration
 from megalite.train.metrics import format_training_line
 from megalite.train.trainer import pretrain

@@ -4,7 +4,7 @@ the CUDA cache release run."""
 import pytest
 import torch
 
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.errors import UserError
 from megalite_test_utils import TINY_LLAMA_ARGS, run_pretrain, with_flags
 

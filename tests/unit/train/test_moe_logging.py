@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.parallel.param_meta import param_meta
 from megalite.train.performance import gather_memory
 from megalite.train.trainer import build_trainer

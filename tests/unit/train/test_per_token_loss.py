@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.train.trainer import build_trainer, pretrain
 from megalite.train.step import train_step
 from megalite_test_utils import RAMPUP_ARGS, TINY_LLAMA_ARGS, log_field, masked_micro_batches, run_pretrain, with_flags

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megalite_test_utils import ROOT, TINY_GPT2_ARGS, TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.model.gpt import GPTModel
 from megalite.train.performance import (Throughput, matmul_parameters, model_flops_per_token,
                                   peak_flops_per_device)

@@ -8,9 +8,9 @@ import torch
 
 import megalite.train.straggler as straggler
 from harness import free_port
-from megalite.config.megatron_cli import parse_args
-from megalite.train.straggler import (StragglerDetector, ToggleServer, WaitClock, named_stragglers, report_line,
-                                      report_metrics, waiting)
+from megalite.train.command_line import parse_args
+from megalite.observe.clocks import WaitClock, waiting
+from megalite.train.straggler import StragglerDetector, ToggleServer, named_stragglers, report_line, report_metrics
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 
 

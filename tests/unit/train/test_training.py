@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megalite_test_utils import ROOT, TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.train.trainer import build_trainer, pretrain
 from megalite.train.step import train_step
 
@@ -62,7 +62,6 @@ def test_overfits_a_fixed_batch():
 def test_gradient_accumulation_equals_one_big_micro_batch():
     """4 micro-batches of 1 == 1 micro-batch of 4 (same global batch): loss, gradients, then weights."""
     from megalite.parallel.pipeline.schedules import forward_backward_no_pipelining
-    from megalite.train.step import make_loss_fn
     big = trainer_for(with_flags(TINY_LLAMA_ARGS, micro_batch_size=4, global_batch_size=4))
     small = trainer_for(with_flags(TINY_LLAMA_ARGS, micro_batch_size=1, global_batch_size=4))
     g = torch.Generator().manual_seed(1)
@@ -73,7 +72,7 @@ def test_gradient_accumulation_equals_one_big_micro_batch():
     # gradients: Adam would hide a wrong 1/num_microbatches scale, so compare them directly
     for trainer, batches, n in ((big, [full], 1), (small, singles, 4)):
         trainer.optimizer.zero_grad()
-        forward_backward_no_pipelining(make_loss_fn(trainer.model, trainer.device), iter(batches), n)
+        forward_backward_no_pipelining(trainer.model, batches, trainer.device)
     torch.testing.assert_close(small.buffer.grad_data, big.buffer.grad_data, atol=1e-7, rtol=1e-5)
     for _ in range(2):
         loss_big = float(train_step(big, iter([full]))[0])
@@ -127,7 +126,7 @@ CRASH_WITH_LIVE_LOADERS = """
 import sys
 sys.path.insert(0, {tests!r})
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from megalite.data.tokenizers import build_tokenizer
 from megalite.train.trainer import build_data_iterators, build_trainer
 if __name__ == "__main__":       # spawned loader workers import this script
