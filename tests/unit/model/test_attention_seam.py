@@ -6,7 +6,7 @@ ModelConfig picks the attention module."""
 import pytest
 import torch
 
-from megalite.config.megatron_cli import parse_args
+from megalite.train.command_line import parse_args
 from harness import run_ranks
 from megalite.model.attention import ATTENTION
 from megalite.model.attention.core import core_attention, recomputing_pays
