@@ -16,28 +16,38 @@ from __future__ import annotations
 
 from megalite.config.schema import OptimizerConfig
 from megalite.parallel.data.protocol import DataParallel
-from megalite.optim.mixed_precision import MixedPrecisionAdamW, Piece
+from megalite.optim.master_weights import Piece
+from megalite.optim.mixed_precision import MixedPrecisionOptimizer
 
 
-class DistributedOptimizer(MixedPrecisionAdamW):
+class DistributedOptimizer(MixedPrecisionOptimizer):
     grads_sharded = True
 
-    def __init__(self, ddp: DataParallel, config: OptimizerConfig, parallel=None, grad_norm_fn=None):
+    def __init__(self, ddp: DataParallel, config: OptimizerConfig, parallel=None):
         if not ddp.shard_optimizer:
             raise ValueError("the distributed optimizer needs a sharding strategy other than no_shard")
-        super().__init__(ddp.buffer, ddp.named_params, config, grad_norm_fn=grad_norm_fn, parallel=parallel, ddp=ddp)
+        super().__init__(ddp.buffer, ddp.named_params, config, parallel=parallel, ddp=ddp)
 
     def _pieces(self) -> list[Piece]:
         """This rank's chunk of every bucket: the flat range, its parameters, its reduced gradients."""
         buf = self.buffer
         return [Piece(*buf.local_range(b), buf.local_param_chunk(b), buf.local_grad_chunk(b)) for b in buf.buckets]
 
+    def _shard_groups(self) -> tuple:
+        """The dense weights' shard group (replicas under hybrid sharding hold the same shards) and the
+        expert weights' (the expert-data-parallel group, or its instance's part)."""
+        dense = self.ddp.shard_group if self.ddp.group is not None else None
+        p = self.parallel
+        if p is None or p.group("expert_mp") is None or p.edp_size == 1:
+            return dense, None
+        return dense, p.group("edp_shard" if p.instances > 1 else "edp")
+
     def _after_step(self) -> None:
         self.ddp.start_param_sync()
 
 
-def build_optimizer(ddp: DataParallel, config: OptimizerConfig, parallel=None) -> MixedPrecisionAdamW:
+def build_optimizer(ddp: DataParallel, config: OptimizerConfig, parallel=None) -> MixedPrecisionOptimizer:
     """The optimizer for ``ddp``'s sharding strategy: replicated (no_shard) or distributed (ZeRO)."""
     if ddp.shard_optimizer:
         return DistributedOptimizer(ddp, config, parallel)
-    return MixedPrecisionAdamW(ddp.buffer, ddp.named_params, config, parallel=parallel, ddp=ddp)
+    return MixedPrecisionOptimizer(ddp.buffer, ddp.named_params, config, parallel=parallel, ddp=ddp)
