@@ -176,11 +176,9 @@ class ParamAndGradBuffer(FlatLayout):
         self.device = device or self.params[0].device
         if device is None and self.device.type == "meta":
             raise ValueError("parameters are on the meta device: pass the device their storage goes to")
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.dp_rank, self.dp_size, self.whole_params = dp_rank, dp_size, whole_params
         self.expert_dp = expert_dp or (dp_rank, dp_size)
         self.shard_grads, self.shard_params = shard_grads or shard_params, shard_params
-        self.whole_params = whole_params
-        self._rank_loads = {False: [0] * dp_size, True: [0] * self.expert_dp[1]}     # dense, expert
         self.slots: dict[str, BufferSlot] = {}
         self.buckets: list[Bucket] = []
         self._views: dict[tuple, torch.Tensor] = {}
@@ -245,6 +243,7 @@ class ParamAndGradBuffer(FlatLayout):
         stages both hold) gets a bucket of its own when the buffer is sharded, so both stages shard it
         identically and its gradient can be summed across them after the data-parallel reduction."""
         limit = bucket_size if bucket_size else float("inf")
+        self._rank_loads = {False: [0] * self.dp_size, True: [0] * self.expert_dp[1]}    # dense, expert
         offset, current, filled = 0, None, 0
         for (name, param), unit in reversed(list(zip(named_params, units))):
             alone = self.dp_size > 1 and param_meta(param).shared_embedding
