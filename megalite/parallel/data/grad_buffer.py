@@ -107,6 +107,7 @@ class Bucket:
     shard_rank: int = 0              # this rank's place in the bucket's data-parallel group, and its size
     shard_size: int = 1
     shard_start: int = 0             # where this rank's chunk of the bucket starts in the shard tensors
+    held: int = 0                    # elements of this rank's chunk that hold parameters: a prefix of it
     alone: bool = False              # holds one shared_embedding parameter and nothing else
     unsharded: Transient | None = None   # ZeRO-3: the full bucket of parameters while gathered
     staging: Transient | None = None     # ZeRO-2/3: one micro-batch's gradients until reduce-scattered
@@ -132,12 +133,13 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def whole_param_offsets(sizes: list[int], ranks: int, loads: list[int]) -> tuple[list[int], int]:
+def whole_param_offsets(sizes: list[int], ranks: int, loads: list[int]) -> tuple[list[int], list[int]]:
     """Whole-parameter layout of one bucket over ``ranks`` ranks: each parameter goes to one rank,
     largest first, to the rank holding the fewest of this bucket's elements (ties: the fewest over the
     buckets so far, ``loads``, updated here; then the lowest rank). Every rank's chunk is as long as the
     largest share (at least 1), so the chunks stay equal for the reduce-scatter and all-gather. Returns
-    each parameter's offset in the bucket (a rank's parameters in their given order) and the chunk length."""
+    each parameter's offset in the bucket (a rank's parameters in their given order, from its chunk's
+    start) and each rank's share."""
     owner, share = [0] * len(sizes), [0] * ranks
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         owner[i] = min(range(ranks), key=lambda r: (share[r], loads[r], r))
@@ -147,7 +149,7 @@ def whole_param_offsets(sizes: list[int], ranks: int, loads: list[int]) -> tuple
     for size, r in zip(sizes, owner):
         offsets.append(r * chunk + filled[r])
         filled[r] += size
-    return offsets, chunk
+    return offsets, share
 
 
 class ParamAndGradBuffer(FlatLayout):
@@ -270,11 +272,12 @@ class ParamAndGradBuffer(FlatLayout):
         in the chunk of the rank ``whole_param_offsets`` assigns it to."""
         sizes = [p.numel() for p in bucket.params]
         if self.whole_params and bucket.shard_size > 1:
-            offsets, chunk = whole_param_offsets(sizes, bucket.shard_size, self._rank_loads[bucket.expert])
-            numel = chunk * bucket.shard_size
+            offsets, share = whole_param_offsets(sizes, bucket.shard_size, self._rank_loads[bucket.expert])
+            numel, bucket.held = max(max(share), 1) * bucket.shard_size, share[bucket.shard_rank]
         else:
             offsets = [sum(sizes[:i]) for i in range(len(sizes))]
             numel = _round_up(max(sum(sizes), 1), bucket.shard_size)
+            bucket.held = numel // bucket.shard_size
         for name, param, offset in zip(bucket.names, bucket.params, offsets):
             self.slots[name] = BufferSlot(bucket.start + offset, bucket.start + offset + param.numel(),
                                           tuple(param.shape))
@@ -336,6 +339,9 @@ class ParamAndGradBuffer(FlatLayout):
         if key not in self._views:
             self._views[key] = make()
         return self._views[key]
+
+    def held_numel(self, bucket: Bucket) -> int:
+        return bucket.held
 
     def local_param_chunk(self, bucket: Bucket) -> torch.Tensor:
         if self.param_shard is not None:

@@ -68,11 +68,13 @@ def test_every_optimizer_flag_choice_has_a_rule():
 def test_whole_parameter_offsets_keep_each_parameter_in_one_chunk(ranks):
     sizes = [4096, 64, 4096, 11008, 64, 5, 11008, 777, 4096, 1]
     loads = [0] * ranks
-    offsets, chunk = whole_param_offsets(sizes, ranks, loads)
+    offsets, share = whole_param_offsets(sizes, ranks, loads)
+    chunk = max(share)
     spans = sorted(zip(offsets, sizes))
     assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))            # no overlap
     assert all(o // chunk == (o + n - 1) // chunk for o, n in zip(offsets, sizes))  # never split
-    assert sum(loads) == sum(sizes) and max(loads) == chunk
+    assert loads == share and sum(share) == sum(sizes)
+    assert all(o % chunk + n <= share[o // chunk] for o, n in zip(offsets, sizes))  # a prefix of the chunk
     assert ranks * chunk - sum(sizes) < ranks * max(sizes)                          # bounded padding
 
 
