@@ -28,7 +28,10 @@ Two layouts of a bucket's parameters (``whole_params``, --use-layer-wise-distrib
   whole matrices such as Muon need): each parameter is assigned to one rank, balanced by size
   (``whole_param_offsets``), and laid out inside that rank's chunk; every chunk is as long as the
   largest rank's share, the rest padding, so the collectives still move equal chunks. The padding is
-  ``numel - numel_unpadded``; with one bucket it is below the largest parameter times the group size.
+  ``numel - numel_unpadded``, below the largest parameter times the group size per bucket: small for
+  one bucket over the model (ZeRO-1 without --overlap-grad-reduce), large for ZeRO-2/3's per-unit
+  buckets, where a layer's few large matrices meet many ranks. The optimizer leaves it out
+  (``held_numel``: a rank's parameters fill a prefix of its chunk), so its state stays balanced.
 
 ZeRO sharding of the storage itself:
 - ``shard_grads`` (ZeRO-2/3): no full fp32 gradient buffer; only this rank's chunks (``grad_shard``,
