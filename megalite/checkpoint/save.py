@@ -65,7 +65,7 @@ def plan_save(trainer, destination: Destination) -> SavePlan:
     files[rng_file] = rng_tensors(trainer.model.tp.rng)
     metadata = None
     if publisher:
-        metadata = training_metadata(trainer, float(next(iter(trainer.optimizer.adam.state.values()))["step"]))
+        metadata = training_metadata(trainer, trainer.optimizer.step_count)
     world = p.world_size if dist.is_initialized() else 1
     return SavePlan(destination, iteration, temporary_dir(destination.root, iteration), files, index, rng_file,
                     metadata, p.rank, world)

@@ -37,7 +37,7 @@ from torch import nn
 
 from megalite.checkpoint.files import Box, CheckpointReader, as_2d, model_config_from_metadata, TRACKER, METADATA
 from megalite.checkpoint.index import band_rows, encode_part, outgoing
-from megalite.checkpoint.pieces import (OPTIMIZER_STATES, ParamEntry, Placement, box_view, boxes, held_params,
+from megalite.checkpoint.pieces import (ParamEntry, Placement, box_view, boxes, held_params,
                                         optimizer_ranges, overlap, pad_vocabulary, param_entries, placement,
                                         stored_shape)
 from megalite.checkpoint.stashed import load_stashed_versions, stashed_sources
@@ -139,7 +139,7 @@ def owned_parts(trainer, data_rank: int | None = None) -> list[tuple[ParamEntry,
             sources = {g: piece.param[cut]}
             if not master_is_weights:
                 sources[f"optimizer.master.{g}"] = master[cut]
-            sources.update({f"optimizer.{k}.{g}": state[k][cut] for k in OPTIMIZER_STATES})
+            sources.update({f"optimizer.{k}.{g}": tensor[cut] for k, tensor in state.items()})
             sources.update(stashed_sources(trainer, g, start, end))     # PipeDream's older weight versions
             parts.append((entry, start - slot.start, end - slot.start, sources))
     return parts
@@ -158,7 +158,7 @@ def chunk_ranges(trainer, slot, data_rank: int):
             weights = torch.empty(end - start, dtype=buffer.param_dtype, device="meta")
             master = torch.empty(end - start, dtype=torch.float32, device="meta")
             yield (start, end, SimpleNamespace(param=weights), master,
-                   {k: master for k in OPTIMIZER_STATES}, slice(0, end - start))
+                   dict.fromkeys(trainer.optimizer.state_names, master), slice(0, end - start))
 
 
 def writer_rows(trainer, entry: ParamEntry, place: Placement) -> int:
@@ -297,14 +297,13 @@ def expected_full(reader: CheckpointReader, name: str, param: nn.Parameter, glob
     return pad_vocabulary(reader.tensor(name).float(), global_name, full_shape(param))
 
 
-def source_names(reader: CheckpointReader, global_name: str, load_optimizer: bool) -> dict[str, str]:
+def source_names(reader: CheckpointReader, global_name: str, state_names: tuple[str, ...]) -> dict[str, str]:
     """Stored names to load from, by kind. The master weights are the weights themselves when the
     checkpoint has no separate master copy (an fp32 run, a converted Hugging Face model); the model's
     parameters come from the master copy too, so a bf16 checkpoint resumed in fp32 keeps fp32 weights."""
     master = f"optimizer.master.{global_name}"
     names = {"master": master if reader.has(master) else global_name}
-    if load_optimizer:
-        names.update({k: f"optimizer.{k}.{global_name}" for k in OPTIMIZER_STATES})
+    names.update({k: f"optimizer.{k}.{global_name}" for k in state_names})
     return names
 
 
@@ -335,7 +334,8 @@ def load_tensors(trainer, reader: CheckpointReader, load_optimizer: bool) -> Non
     """Fill this rank's parameters and optimizer state from ``reader``, reading only what it holds."""
     differences = architecture_differences(reader, trainer.config.model)
     entries = param_entries(trainer.chunks)
-    sources = {e.global_name: source_names(reader, e.global_name, load_optimizer) for e in entries}
+    state_names = trainer.optimizer.state_names if load_optimizer else ()
+    sources = {e.global_name: source_names(reader, e.global_name, state_names) for e in entries}
     for entry in entries:
         for name in sources[entry.global_name].values():
             check_stored(reader, name, entry.param, entry.global_name, trainer.config.model.vocab_size, differences)
@@ -346,12 +346,10 @@ def load_tensors(trainer, reader: CheckpointReader, load_optimizer: bool) -> Non
     reader.read_into(load_targets(trainer, sources) + biases)       # a bias the checkpoint lacks starts at 0
     load_stashed_versions(trainer, reader, load_optimizer)         # PipeDream's older weight versions
     step = reader.metadata["optimizer"]["step"] if load_optimizer else 0.0
-    for master in trainer.optimizer.master_pieces:
-        state = trainer.optimizer.adam.state[master]
-        state["step"].fill_(step)
-        if not load_optimizer:
-            for kind in OPTIMIZER_STATES:
-                state[kind].zero_()
+    trainer.optimizer.step_count = step
+    for master in trainer.optimizer.master_pieces if not load_optimizer else []:
+        for tensor in trainer.optimizer.named_state(master).values():
+            tensor.zero_()
 
 
 def load_checkpoint(trainer, path: str, load_optimizer: bool = True, load_rng: bool = True,

@@ -36,7 +36,6 @@ MEGATRON_INPUTS = [
     ("--step-batch-size-schedule", dict(help=(
         'global batch size by tokens consumed, "THRESHOLD:BATCH ..." (K/M/B/T suffixes), e.g. "0:16 2.4B:320"; the '
         "last batch is the global batch size"))),
-    ("--optimizer", dict(choices=["adam"], default="adam", help="AdamW (decoupled weight decay)")),
     ("--lr-decay-samples", dict(type=positive_int, help="--lr-decay-iters in samples")),
     ("--lr-warmup-samples", dict(type=non_negative_int, default=0, help="--lr-warmup-iters in samples")),
     ("--lr-warmup-fraction", dict(type=number, help="warm-up as a fraction of the decay")),
@@ -191,6 +190,11 @@ def _check_inputs(args: argparse.Namespace) -> None:
     if args.use_distributed_optimizer and args.use_torch_fsdp2:
         raise UserError("--use-torch-fsdp2 shards the optimizer state itself; drop --use-distributed-optimizer "
                         "(megalite's own ZeRO-1)")
+    if args.use_layer_wise_distributed_optimizer and (args.use_torch_fsdp2 or not args.use_distributed_optimizer
+                                                      and args.data_parallel_sharding_strategy in (None, "no_shard")):
+        raise UserError("--use-layer-wise-distributed-optimizer lays out megalite's ZeRO shards: add "
+                        "--use-distributed-optimizer or --data-parallel-sharding-strategy optim|optim_grads|"
+                        "optim_grads_params, without --use-torch-fsdp2")
     if args.use_distributed_optimizer and args.data_parallel_sharding_strategy == "no_shard":
         raise UserError("--use-distributed-optimizer shards the optimizer state but --data-parallel-sharding-strategy "
                         "no_shard asks for none; drop one of them")

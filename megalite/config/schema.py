@@ -22,6 +22,8 @@ PIPELINE_SCHEDULES = SYNCHRONOUS_SCHEDULES + ASYNC_SCHEDULES
 # --data-parallel-sharding-strategy: ZeRO stage 0 (replicated), 1 (optimizer state), 2 (and gradients),
 # 3 (and parameters)
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+# --optimizer: the update rules megalite implements (optim/rules/: one module each, registered by this name)
+OPTIMIZERS = ("adam",)
 
 FLAG, DERIVED = "megatron_flag", "derived"
 FIELD_DEFAULT = object()       # Flag.cli_default: the parser's default is the field's own
@@ -225,6 +227,10 @@ class ParallelConfig:
                                   help="pipeline schedule (1f1b becomes interleaved 1F1B whenever virtual stages are used)")
     use_distributed_optimizer: bool = flag("--use-distributed-optimizer", default=False,
                                            help="= --data-parallel-sharding-strategy optim (ZeRO-1)")
+    use_layer_wise_distributed_optimizer: bool = flag("--use-layer-wise-distributed-optimizer", default=False, help=(
+        "ZeRO layout: each data-parallel rank owns whole parameters (assigned to ranks balanced by size, each "
+        "rank's share of a bucket padded to the largest) instead of the r-th equal slice of every bucket; needs "
+        "a sharding strategy other than no_shard"))
     overlap_grad_reduce: bool = flag("--overlap-grad-reduce", default=False)
     overlap_param_gather: bool = flag("--overlap-param-gather", default=False)
     data_parallel_sharding_strategy: str = flag(
@@ -290,6 +296,8 @@ class ParallelConfig:
 @dataclass
 class OptimizerConfig:
     lr: float = flag("--lr", number)
+    optimizer: str = flag("--optimizer", default="adam", choices=OPTIMIZERS,
+                          help="update rule: adam = AdamW (decoupled weight decay)")
     min_lr: float = flag("--min-lr", number, default=0.0)
     weight_decay: float = flag("--weight-decay", number, default=0.01)
     adam_beta1: float = flag("--adam-beta1", number, default=0.9)

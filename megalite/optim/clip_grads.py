@@ -25,6 +25,52 @@ from megalite.parallel.param_meta import param_meta
 from megalite.observe.clocks import waiting
 
 
+class GradClipper:
+    """The global gradient norm of the pieces a rank updates, and clipping by it (module docstring).
+
+    ``norm_classes()``: [(segments per piece, groups)], the dense parameters' class then, with MoE, the
+    expert weights'. ``shard_groups``: (dense, expert) groups that hold different shards of the
+    gradients (ZeRO), whose shares are summed too; (None, None) when every rank holds them all."""
+
+    def __init__(self, named_params, slots, pieces, parallel, shard_groups: tuple = (None, None)):
+        self.parallel, self.shard_groups = parallel, shard_groups
+        tp_rank = parallel.tp_rank if parallel is not None else 0
+        self.segments = [local_segments(norm_weights(named_params, slots, tp_rank), p.start, p.end) for p in pieces]
+        self.expert_segments = None
+        if any(param_meta(p).expert for _, p in named_params) or \
+                (parallel is not None and parallel.group("expert_mp") is not None):
+            experts = expert_norm_weights(named_params, slots)
+            self.expert_segments = [local_segments(experts, p.start, p.end) for p in pieces]
+
+    def _dense_groups(self) -> list:
+        """Groups over which the dense parameters' squared norm and the overflow flag are summed / maxed."""
+        groups = []
+        if self.parallel is not None and self.parallel.tp_size * self.parallel.pp_size > 1:
+            groups.append(self.parallel.group("mp"))
+        return groups + ([self.shard_groups[0]] if self.shard_groups[0] is not None else [])
+
+    def _expert_groups(self) -> list:
+        """The same for the expert weights: the expert model-parallel group, and EDP when sharded."""
+        p = self.parallel
+        if p is None or p.group("expert_mp") is None:
+            return []
+        groups = [p.group("expert_mp")] if p.ep_size * p.etp_size * p.pp_size > 1 else []
+        return groups + ([self.shard_groups[1]] if self.shard_groups[1] is not None else [])
+
+    def norm_classes(self) -> list[tuple[list, list]]:
+        classes = [(self.segments, self._dense_groups())]
+        if self.expert_segments is not None:
+            classes.append((self.expert_segments, self._expert_groups()))
+        return classes
+
+    def groups(self) -> list:
+        """Every group of every class (where the fp16 overflow flag is maxed)."""
+        return [group for _, groups in self.norm_classes() for group in groups]
+
+    def norm(self, grads: list[torch.Tensor]) -> float:
+        return norm_over_classes(grads, self.norm_classes())
+
+
 @torch.no_grad()
 def clip_pieces(grads: list[torch.Tensor], max_norm: float, norm: float) -> None:
     if max_norm > 0.0:

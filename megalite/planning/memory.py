@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from megalite.config.schema import ASYNC_SCHEDULES, ModelConfig
+from megalite.optim.rules import RULES
 from megalite.parallel.data.ddp import MAX_IN_FLIGHT, MAX_REDUCTIONS_IN_FLIGHT, default_bucket_size
 from megalite.parallel.pipeline.pipedream import versions_behind
 from megalite.config.pipeline_split import SplitFlags
@@ -36,18 +37,19 @@ from megalite.planning.inputs import (GPU_KERNELS, Kernels, Layout, Workload, ho
 GRAD_BYTES = 4          # megalite accumulates and reduces gradients in fp32 at every precision (grad_buffer.py)
 
 
-def state_bytes_per_parameter(param_bytes: int, sharding: str, dp: int,
-                              grad_bytes: int = GRAD_BYTES) -> tuple[float, float, float]:
+def state_bytes_per_parameter(param_bytes: int, sharding: str, dp: int, grad_bytes: int = GRAD_BYTES,
+                              optimizer: str = "adam") -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes per parameter (the ZeRO paper's accounting).
 
-    Adam keeps m and v in fp32 (8 B) plus an fp32 master copy unless the weights are fp32 (4 B). With
+    The update rule (--optimizer) keeps its named state tensors in fp32 (Adam: m and v, 8 B), plus an
+    fp32 master copy unless the weights are fp32 (4 B). With
     2-byte gradients this is the ZeRO paper's 16, 4 + 12/d, 2 + 14/d, 16/d; with megalite's fp32
     gradients and bf16 weights it is Megatron's 18 and 6 + 12/d (distributed optimizer)."""
-    optimizer = 8 + (0 if param_bytes == 4 else 4)
+    state = 4 * len(RULES[optimizer].state_names) + (0 if param_bytes == 4 else 4)
     weights_shards, grads_shards, optimizer_shards = {
         "no_shard": (1, 1, 1), "optim": (1, 1, dp), "optim_grads": (1, dp, dp),
         "optim_grads_params": (dp, dp, dp)}[sharding]
-    return param_bytes / weights_shards, grad_bytes / grads_shards, optimizer / optimizer_shards
+    return param_bytes / weights_shards, grad_bytes / grads_shards, state / optimizer_shards
 
 
 

@@ -1,5 +1,5 @@
 """PipeDream and PipeDream-2BW (asynchronous, weight stashing) against a single-process reference that
-applies the same delayed updates, through megalite's real optimizer (MixedPrecisionAdamW with weight
+applies the same delayed updates, through megalite's real optimizer (MixedPrecisionOptimizer with weight
 decay, clipping at a global norm, a warm-up + cosine LR schedule), under the NCCL-semantics tier; exact
 resume; refusals."""
 import pytest

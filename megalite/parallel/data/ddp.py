@@ -45,6 +45,9 @@ the bucketed reductions, the memory report and the tensor-/pipeline-parallel gra
 one numerics for all four strategies (ZeRO-3 equals DP=1 to fp32 rounding) and composes with TP, SP
 and interleaved PP as is.
 
+``--use-layer-wise-distributed-optimizer`` (ZeRO-1/2/3): each rank's chunk of a bucket holds whole
+parameters instead of an equal slice of the bucket (grad_buffer.py); the collectives are the same.
+
 Hybrid sharding (``--num-distributed-optimizer-instances`` K, Megatron's distributed-optimizer instances,
 PyTorch's HSDP): everything above happens within this rank's instance, a shard group of DP/K consecutive
 data-parallel ranks (the buffer's chunks are cut over DP/K, so the optimizer's shard is 1/(DP/K)); after
@@ -149,10 +152,11 @@ class DistributedDataParallel(DataParallel):
 
         named, unit_of, self.units = self._collect_units()
         bucket_size = config.ddp_bucket_size or default_bucket_size(self.dp_size, self.overlap_grad_reduce)
-        self.buffer = ParamAndGradBuffer(named, bucket_size, shard_rank, shard_size, self.shard_grads,
-                                         self.shard_params, units=unit_of if self.shard_grads else None,
-                                         device=device, staging_dtype=self.comm.reduce_dtype or torch.float32,
-                                         expert_dp=expert_dp)
+        self.buffer = ParamAndGradBuffer(
+            named, bucket_size, shard_rank, shard_size, self.shard_grads, self.shard_params,
+            units=unit_of if self.shard_grads else None, device=device,
+            staging_dtype=self.comm.reduce_dtype or torch.float32, expert_dp=expert_dp,
+            whole_params=config.use_layer_wise_distributed_optimizer and self.shard_optimizer)
         named = self._swap_materialised(named)
         for module in self.models if device is not None else []:
             module.to(device)                 # the remaining buffers (rotary tables); parameters are there

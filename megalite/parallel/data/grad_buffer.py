@@ -21,6 +21,18 @@ reduce-scatter + all-gather, per bucket. Data-parallel rank r owns the r-th of t
 contiguous chunks of every bucket (Megatron's distributed-optimizer layout); with one bucket that is
 simply the r-th contiguous chunk of the whole buffer.
 
+Two layouts of a bucket's parameters (``whole_params``, --use-layer-wise-distributed-optimizer):
+- equal slices (default): parameters one after another, the bucket padded to a multiple of the group
+  size, so a chunk boundary may cut a parameter anywhere, mid-row included;
+- whole parameters (the layout of Megatron's LayerWiseDistributedOptimizer, which optimizers acting on
+  whole matrices such as Muon need): each parameter is assigned to one rank, balanced by size
+  (``whole_param_offsets``), and laid out inside that rank's chunk; every chunk is as long as the
+  largest rank's share, the rest padding, so the collectives still move equal chunks. The padding is
+  ``numel - numel_unpadded``, below the largest parameter times the group size per bucket: small for
+  one bucket over the model (ZeRO-1 without --overlap-grad-reduce), large for ZeRO-2/3's per-unit
+  buckets, where a layer's few large matrices meet many ranks. The optimizer leaves it out
+  (``held_numel``: a rank's parameters fill a prefix of its chunk), so its state stays balanced.
+
 ZeRO sharding of the storage itself:
 - ``shard_grads`` (ZeRO-2/3): no full fp32 gradient buffer; only this rank's chunks (``grad_shard``,
   numel / dp_size). Each bucket stages one micro-batch's gradients in a full-size tensor that exists
@@ -98,6 +110,7 @@ class Bucket:
     shard_rank: int = 0              # this rank's place in the bucket's data-parallel group, and its size
     shard_size: int = 1
     shard_start: int = 0             # where this rank's chunk of the bucket starts in the shard tensors
+    held: int = 0                    # elements of this rank's chunk that hold parameters: a prefix of it
     alone: bool = False              # holds one shared_embedding parameter and nothing else
     unsharded: Transient | None = None   # ZeRO-3: the full bucket of parameters while gathered
     staging: Transient | None = None     # ZeRO-2/3: one micro-batch's gradients until reduce-scattered
@@ -123,19 +136,40 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def whole_param_offsets(sizes: list[int], ranks: int, loads: list[int]) -> tuple[list[int], list[int]]:
+    """Whole-parameter layout of one bucket over ``ranks`` ranks: each parameter goes to one rank,
+    largest first, to the rank holding the fewest of this bucket's elements (ties: the fewest over the
+    buckets so far, ``loads``, updated here; then the lowest rank). Every rank's chunk is as long as the
+    largest share (at least 1), so the chunks stay equal for the reduce-scatter and all-gather. Returns
+    each parameter's offset in the bucket (a rank's parameters in their given order, from its chunk's
+    start) and each rank's share."""
+    owner, share = [0] * len(sizes), [0] * ranks
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owner[i] = min(range(ranks), key=lambda r: (share[r], loads[r], r))
+        share[owner[i]] += sizes[i]
+        loads[owner[i]] += sizes[i]
+    chunk, filled, offsets = max(max(share), 1), [0] * ranks, []
+    for size, r in zip(sizes, owner):
+        offsets.append(r * chunk + filled[r])
+        filled[r] += size
+    return offsets, share
+
+
 class ParamAndGradBuffer(FlatLayout):
     """The flat parameter and fp32 gradient storage of DistributedDataParallel (module docstring)."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], bucket_size: int | None = None,
                  dp_rank: int = 0, dp_size: int = 1, shard_grads: bool = False, shard_params: bool = False,
                  units: list[int] | None = None, device: torch.device | None = None,
-                 staging_dtype: torch.dtype = torch.float32, expert_dp: tuple[int, int] | None = None):
+                 staging_dtype: torch.dtype = torch.float32, expert_dp: tuple[int, int] | None = None,
+                 whole_params: bool = False):
         """``units[i]`` is the module unit of ``named_params[i]``; a bucket never spans two units when
         given (ZeRO-2/3 reduce and gather per unit). ``bucket_size`` None: one bucket (per unit).
         ``device``: where storage lives (needed when the parameters are on the meta device).
         ``staging_dtype``: dtype of ZeRO-2/3 per-micro-batch gradient staging (bf16 with
         --grad-reduce-in-bf16, so the reduce-scatter moves half the bytes). ``expert_dp``: (rank, size)
-        in the expert-data-parallel group, for expert weights (default: the data-parallel ones)."""
+        in the expert-data-parallel group, for expert weights (default: the data-parallel ones).
+        ``whole_params``: every parameter wholly in one rank's chunk (module docstring)."""
         if not named_params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         dtypes = {p.dtype for _, p in named_params}
@@ -147,7 +181,7 @@ class ParamAndGradBuffer(FlatLayout):
         self.device = device or self.params[0].device
         if device is None and self.device.type == "meta":
             raise ValueError("parameters are on the meta device: pass the device their storage goes to")
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.dp_rank, self.dp_size, self.whole_params = dp_rank, dp_size, whole_params
         self.expert_dp = expert_dp or (dp_rank, dp_size)
         self.shard_grads, self.shard_params = shard_grads or shard_params, shard_params
         self.slots: dict[str, BufferSlot] = {}
@@ -208,35 +242,49 @@ class ParamAndGradBuffer(FlatLayout):
     def _layout(self, named_params, bucket_size, units) -> None:
         """Reverse parameter order; a new bucket when the current one reaches ``bucket_size`` elements,
         the module unit changes or expert weights meet dense ones; every bucket padded to a multiple of
-        its group's size.
+        its group's size (``_close`` places the parameters).
 
         A parameter marked ``shared_embedding`` (the word embedding that the first and last pipeline
         stages both hold) gets a bucket of its own when the buffer is sharded, so both stages shard it
         identically and its gradient can be summed across them after the data-parallel reduction."""
         limit = bucket_size if bucket_size else float("inf")
-        offset, current = 0, None
+        self._rank_loads = {False: [0] * self.dp_size, True: [0] * self.expert_dp[1]}    # dense, expert
+        offset, current, filled = 0, None, 0
         for (name, param), unit in reversed(list(zip(named_params, units))):
             alone = self.dp_size > 1 and param_meta(param).shared_embedding
             expert = param_meta(param).expert
-            if current is not None and (offset - current.start >= limit or unit != current.unit or alone
+            if current is not None and (filled >= limit or unit != current.unit or alone
                                         or current.alone or expert != current.expert):
-                offset = self._close(current, offset)
+                offset = self._close(current)
                 current = None
             if current is None:
                 rank, size = self.expert_dp if expert else (self.dp_rank, self.dp_size)
                 shard_start = self.buckets[-1].shard_start + self.buckets[-1].chunk_numel if self.buckets else 0
                 current = Bucket(len(self.buckets), offset, offset, unit=unit, expert=expert, shard_rank=rank,
                                  shard_size=size, shard_start=shard_start)
-                current.alone = alone
+                current.alone, filled = alone, 0
                 self.buckets.append(current)
-            self.slots[name] = BufferSlot(offset, offset + param.numel(), tuple(param.shape))
             current.names.append(name)
             current.params.append(param)
-            offset += param.numel()
-        self._close(current, offset)
+            filled += param.numel()
+        self._close(current)
 
-    def _close(self, bucket: Bucket, offset: int) -> int:
-        bucket.end = bucket.start + _round_up(max(offset - bucket.start, 1), bucket.shard_size)
+    def _close(self, bucket: Bucket) -> int:
+        """Give the bucket's parameters their slots and the bucket its end; returns the end. Equal slices:
+        one after another, the bucket padded to a multiple of its group's size. Whole parameters: each
+        in the chunk of the rank ``whole_param_offsets`` assigns it to."""
+        sizes = [p.numel() for p in bucket.params]
+        if self.whole_params and bucket.shard_size > 1:
+            offsets, share = whole_param_offsets(sizes, bucket.shard_size, self._rank_loads[bucket.expert])
+            numel, bucket.held = max(max(share), 1) * bucket.shard_size, share[bucket.shard_rank]
+        else:
+            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            numel = _round_up(max(sum(sizes), 1), bucket.shard_size)
+            bucket.held = numel // bucket.shard_size
+        for name, param, offset in zip(bucket.names, bucket.params, offsets):
+            self.slots[name] = BufferSlot(bucket.start + offset, bucket.start + offset + param.numel(),
+                                          tuple(param.shape))
+        bucket.end = bucket.start + numel
         return bucket.end
 
     def _names(self) -> list[str]:
@@ -294,6 +342,9 @@ class ParamAndGradBuffer(FlatLayout):
         if key not in self._views:
             self._views[key] = make()
         return self._views[key]
+
+    def held_numel(self, bucket: Bucket) -> int:
+        return bucket.held
 
     def local_param_chunk(self, bucket: Bucket) -> torch.Tensor:
         if self.param_shard is not None:

@@ -1,0 +1,102 @@
+"""The ZeRO layouts through pretrain_gpt.py at DP=2: equal slices of every bucket (the default) and whole
+parameters per rank (--use-layer-wise-distributed-optimizer).
+
+One set of runs serves every assertion: AdamW at ZeRO-1/2/3 on both layouts trains as the single
+process does (losses and gradient norms to fp32 rounding), the whole-parameter ZeRO-2/3 runs under the
+NCCL-semantics tier (every rank issues the same collectives in the same order), a checkpoint saved in
+either layout resumes in the other with the uninterrupted run's losses, and the whole-parameter layout's
+per-rank optimizer state covers the parameters it owns and no padding. --optimizer names only what exists.
+"""
+import os
+
+import pytest
+
+from harness import run_pretrain
+from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
+from test_checkpointing import exact_losses, one_line_error, run, run_single
+from test_data_parallel_pretrain import MEMORY_LINE
+
+ARGV = with_flags(TINY_LLAMA_ARGS, global_batch_size=8, train_iters=6, weight_decay=0.1, clip_grad=0.5,
+                  lr_warmup_iters=2, lr_decay_style="cosine")
+STAGES = {"zero1": ["--use-distributed-optimizer"],
+          "zero2": ["--data-parallel-sharding-strategy", "optim_grads", "--overlap-grad-reduce",
+                    "--overlap-param-gather", "--ddp-bucket-size", "30000"],
+          "zero3": ["--data-parallel-sharding-strategy", "optim_grads_params"]}
+LAYOUTS = {"slice": [], "param": ["--use-layer-wise-distributed-optimizer"]}
+
+
+def metrics(path) -> dict[int, tuple[float, float]]:
+    import json
+    out = {}
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            if "lm loss" in record:
+                out[record["iteration"]] = (record["lm loss"], record["grad norm"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("layouts")
+    out = {"serial": (run(1, ARGV + ["--metrics-file", str(tmp / "serial.jsonl")]).stdout,
+                      metrics(tmp / "serial.jsonl"))}
+    for stage, stage_flags in STAGES.items():
+        for layout, layout_flags in LAYOUTS.items():
+            name = f"{stage}-{layout}"
+            flags = stage_flags + layout_flags + ["--metrics-file", str(tmp / f"{name}.jsonl")]
+            if stage == "zero1":
+                flags += ["--save", str(tmp / name), "--save-interval", "3"]
+            proc = run_pretrain(2, ARGV + flags, nccl=layout == "param" and stage != "zero1")
+            assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-3000:]
+            out[name] = (proc.stdout, metrics(tmp / f"{name}.jsonl"))
+    for saved, resumed in (("slice", "param"), ("param", "slice")):
+        proc = run(2, ARGV + STAGES["zero1"] + LAYOUTS[resumed] + [
+            "--load", os.path.join(tmp / f"zero1-{saved}", "iter_0000003"),
+            "--metrics-file", str(tmp / f"resume-{saved}.jsonl")])
+        out[f"resume-{saved}-as-{resumed}"] = (proc.stdout, exact_losses(tmp / f"resume-{saved}.jsonl"))
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("stage", STAGES)
+def test_adamw_trains_as_the_single_process_on_both_layouts(runs, stage, layout):
+    reference, mine = runs["serial"][1], runs[f"{stage}-{layout}"][1]
+    assert sorted(reference) == list(range(1, 7)) and sorted(mine) == sorted(reference)
+    for it, (loss, norm) in reference.items():
+        assert mine[it][0] == pytest.approx(loss, rel=1e-5), f"loss, iteration {it}"
+        assert mine[it][1] == pytest.approx(norm, rel=1e-4), f"grad norm, iteration {it}"
+
+
+@pytest.mark.parametrize("saved, resumed", [("slice", "param"), ("param", "slice")])
+def test_a_checkpoint_resumes_in_the_other_layout(runs, saved, resumed):
+    full = {it: loss for it, (loss, _) in runs[f"zero1-{saved}"][1].items()}
+    stdout, tail = runs[f"resume-{saved}-as-{resumed}"]
+    assert "loaded checkpoint" in stdout and sorted(tail) == [4, 5, 6]
+    for it in tail:
+        assert tail[it] == pytest.approx(full[it], rel=1e-5), f"iteration {it}"
+
+
+def test_whole_parameter_optimizer_state_is_the_ranks_share(runs):
+    """ZeRO-1, one bucket, fp32: a rank's optimizer state is m and v (master = weights) of the whole
+    parameters it owns, not of its chunk's padding: together the ranks hold the single process's state,
+    and each is within the largest parameter of total/d. The padding of the flat layout is measured."""
+    from megalite.config.megatron_cli import parse_args
+    from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
+    from megalite.train.trainer import build_trainer
+    named = build_trainer(parse_args(ARGV, world_size=1)).ddp.named_params
+    layout = ParamAndGradBuffer(named, None, 0, 2, whole_params=True)
+    total, largest = layout.numel_unpadded, max(p.numel() for _, p in named)
+    padding = layout.numel - total
+    assert 0 < padding < 2 * largest
+    serial = int(MEMORY_LINE.findall(runs["serial"][0])[0][3])
+    per_rank = [int(line[3]) for line in MEMORY_LINE.findall(runs["zero1-param"][0])]
+    assert len(per_rank) == 2 and sum(per_rank) == pytest.approx(serial, abs=64)       # step counters aside
+    assert all(abs(state - serial / 2) <= 8 * largest for state in per_rank)
+    print(f"whole-parameter layout, DP=2, one bucket: padding {padding} of {total} elements "
+          f"({100 * padding / total:.2f}%); optimizer state per rank {per_rank} bytes, serial {serial}")
+
+
+@pytest.mark.parametrize("name", ["sgd", "lion"])
+def test_only_implemented_optimizers_are_accepted(tmp_path, name):
+    one_line_error(run_single(ARGV + ["--optimizer", name]), "--optimizer")
