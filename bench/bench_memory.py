@@ -44,6 +44,7 @@ from results import Headline, add_common_args, command_line, publish  # noqa: E4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 MiB = 2 ** 20
+USER_ENV = dict(os.environ)          # as given: pretrain_gpt.py's launches set their allocator policy themselves
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ def _rank_main(rank, world, port, out_dir, fn, args):
 
 
 def spawn(world: int, fn, *args) -> list:
+    from megalite.train.allocator import set_allocator_policy
+    set_allocator_policy()           # pretrain_gpt.py's, exported to the ranks (fresh interpreters)
     import socket
     import torch
     import torch.multiprocessing as mp
@@ -220,11 +223,13 @@ def bench_zero(args):
 PRETRAIN_SHAPE = Shape(layers=4, hidden=1024, ffn=2816, heads=8, kv_heads=2, vocab=16384, seq=8)
 
 
-def largest_unit_numel(shape: Shape) -> int:
-    """Parameters of the largest ZeRO-3 gather unit: the embedding, the output layer or one layer."""
+def gathered_pair_numel(shape: Shape) -> int:
+    """Parameters of the largest two consecutive ZeRO-3 gather units (embedding, each layer, output layer in
+    order): one computing and the next prefetched by --overlap-param-gather."""
     kv = shape.hidden // shape.heads * shape.kv_heads
     layer = 2 * shape.hidden * shape.hidden + 2 * shape.hidden * kv + 3 * shape.hidden * shape.ffn + 2 * shape.hidden
-    return max(shape.vocab * shape.hidden, layer)
+    units = [shape.vocab * shape.hidden, *[layer] * shape.layers, shape.vocab * shape.hidden + shape.hidden]
+    return max(a + b for a, b in zip(units, units[1:]))
 
 
 def bench_zero_pretrain(args):
@@ -237,13 +242,13 @@ def bench_zero_pretrain(args):
     peaks, psi = {}, None
     for strategy in THEORY:
         argv = zero_argv(shape, world, 1, strategy, "bf16") + ["--train-iters", str(steps), "--num-workers", "0"]
-        run = run_pretrain_measured(world, argv)
+        run = run_pretrain_measured(world, argv, env=USER_ENV)
         if run.returncode != 0:
             raise RuntimeError(f"pretrain_gpt.py --data-parallel-sharding-strategy {strategy} failed:\n"
                                + run.stdout[-3000:])
         peaks[strategy] = max(run.rank_peak_rss.values()) / MiB
         psi = int(re.search(r"number of parameters: (\d+)", run.stdout).group(1))
-    unit = 2 * largest_unit_numel(shape) * 2 / MiB            # two bf16 units gathered at the peak
+    unit = gathered_pair_numel(shape) * 2 / MiB               # two bf16 units gathered at the peak
     rows = ["| strategy | theory (bytes/param) | theory MiB | measured peak MiB (max over ranks) | saving vs previous "
             "stage: measured / theory MiB | share of theoretical saving |", "|---|---|---|---|---|---|"]
     theory = {s: per_param(world) * psi / MiB + (unit if s == "optim_grads_params" else 0)
@@ -263,10 +268,10 @@ def bench_zero_pretrain(args):
               f"pretrain_gpt.py` with --bf16, DP={world}, --overlap-grad-reduce --overlap-param-gather, "
               f"4M-element buckets, {steps} steps, no loader workers. Peak: each rank's VmHWM over the whole run "
               f"(max over ranks); start-up's torch and gloo are in every row and cancel in the savings. Theory as "
-              f"above; ZeRO-3 adds its two largest units gathered in bf16 ({unit:.0f} MiB). Allocator: the "
-              f"environment's (LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r}, "
-              f"MALLOC_CONF={os.environ.get('MALLOC_CONF', '')!r}, "
-              f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}); pretrain_gpt.py sets its own policy "
+              f"above; ZeRO-3 adds the largest two consecutive units gathered in bf16 ({unit:.0f} MiB). Allocator: the "
+              f"environment's (LD_PRELOAD={USER_ENV.get('LD_PRELOAD', '')!r}, "
+              f"MALLOC_CONF={USER_ENV.get('MALLOC_CONF', '')!r}, "
+              f"GLIBC_TUNABLES={USER_ENV.get('GLIBC_TUNABLES', '')!r}); pretrain_gpt.py sets its own policy "
               f"where these are empty.")
     headlines = [(f"{NAMES[s]} memory saving over the stage before, through pretrain_gpt.py",
                   "ZeRO theory (bytes per parameter)", f"{share:.2f} of theory") for s, share in shares.items()]
@@ -448,8 +453,6 @@ SECTIONS = {"zero": ("bench_memory_zero", "Memory per rank by ZeRO stage, agains
 
 
 def main(argv: list[str]) -> None:
-    from megalite.train.allocator import set_allocator_policy
-    set_allocator_policy()           # pretrain_gpt.py's, exported to every rank this spawns
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, from {list(SECTIONS)}")
     p.add_argument("--steps", type=int, help="training steps per run (default 3; 2 with --quick)")
