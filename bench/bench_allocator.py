@@ -7,9 +7,11 @@ Options (``--options``, comma-separated; the first is the baseline of the step-t
 - hf: transformers' LlamaForCausalLM step (bench_vs_hf.py's), glibc defaults, as a user runs it: the
   "transformers ms / this ms" column is bench_vs_hf.py's ratio for every other option;
 - policy: this tree with nothing in the environment: the process sets its own policy, as the bare
-  ``torchrun pretrain_gpt.py`` does (a fixed 1 MiB mmap threshold, torch's tensors on huge pages);
+  ``torchrun pretrain_gpt.py`` does (a fixed 1 MiB mmap threshold, set with mallopt);
 - glibc: glibc's defaults (a ``glibc.malloc`` tunable at its default value keeps the policy off);
-- glibc-1mib: a fixed 1 MiB mmap threshold with 4 KiB pages (GLIBC_TUNABLES);
+- glibc-1mib: a fixed 1 MiB mmap threshold (GLIBC_TUNABLES): the policy, set from the environment;
+- glibc-1mib-thp: the same, torch's tensors on transparent huge pages (THP_MEM_ALLOC_ENABLE=1: 2 MiB-aligned,
+  madvise'd, so a fresh block faults in 2 MiB at a time);
 - glibc-4mib-thp: a fixed 4 MiB mmap threshold, torch's tensors on huge pages (THP_MEM_ALLOC_ENABLE);
 - glibc-keep: a fixed 32 MiB mmap threshold and no trimming: freed blocks stay in the heap;
 - jemalloc: LD_PRELOAD of libjemalloc.so.2 with MALLOC_CONF=oversize_threshold:1,background_thread:true,
@@ -101,7 +103,10 @@ def options(jemalloc: str | None, baseline: str) -> dict[str, Option]:
                      loop="hf"),
         "glibc": Option("glibc", "after", defaults, "this tree, glibc malloc (defaults)"),
         "glibc-1mib": Option("glibc-1mib", "after", {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576"},
-                             "this tree, glibc with a fixed 1 MiB mmap threshold, 4 KiB pages"),
+                             "this tree, glibc with a fixed 1 MiB mmap threshold (the policy, from the environment)"),
+        "glibc-1mib-thp": Option("glibc-1mib-thp", "after", {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576",
+                                                             **thp},
+                                 "this tree, glibc with a fixed 1 MiB mmap threshold, torch's tensors on huge pages"),
         "glibc-4mib-thp": Option("glibc-4mib-thp", "after", {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4194304",
                                                              **thp},
                                  "this tree, glibc with a fixed 4 MiB mmap threshold, torch's tensors on huge pages"),

@@ -6,28 +6,21 @@ counted in the process's RSS, until a later allocation happens to fit it. A trai
 allocates activations, gathered parameters and communication buckets of many sizes, so the heap's
 peak grows past what is alive, and a ZeRO stage's saving stops showing in the peak RSS it is measured by.
 
-The policy, set with ``mallopt`` (which also turns the adaptive threshold off):
-- blocks of MMAP_THRESHOLD or more are mmap'd, and unmapped when freed: RSS follows what is alive;
-- torch allocates tensors of 2 MiB or more 2 MiB-aligned with ``madvise(MADV_HUGEPAGE)``
-  (``THP_MEM_ALLOC_ENABLE``, read by torch's CPU allocator), so the fresh block each step maps is faulted
-  in 2 MiB pages, not 4 KiB ones: the page faults that made a fixed threshold slow are 512 times fewer.
+The policy: ``mallopt(M_MMAP_THRESHOLD, 1 MiB)``, which also turns the adaptive threshold off. Blocks of
+1 MiB or more are mmap'd and unmapped when freed, so RSS follows what is alive; the price is that each
+step's fresh blocks are faulted in again. The process's children (loader workers, spawned ranks) get the
+same policy from the environment, where it is exported as glibc's tunable (read at a process's start).
 
-The process's children (loader workers, spawned ranks) get the same policy from the environment, which
-the policy exports as glibc's tunables (read at a process's start) and THP_MEM_ALLOC_ENABLE.
-
-Where the user chose an allocator (``LD_PRELOAD`` names one, ``MALLOC_CONF`` or glibc's malloc tunables are
-set), or the C library is not glibc, the process keeps what it was given; ``THP_MEM_ALLOC_ENABLE`` set by
-the user also wins.
+Where the user chose an allocator (``LD_PRELOAD`` names one, ``MALLOC_CONF`` or a glibc malloc tunable is
+set), or the C library is not glibc, the process keeps what it was given.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 
-MiB = 2 ** 20
-MMAP_THRESHOLD = 1 * MiB        # blocks this large or larger: mmap'd, and returned to the OS when freed
-TRIM_THRESHOLD = 2 * MiB        # free memory at the heap's top beyond this goes back to the OS
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3       # glibc's malloc.h
+MMAP_THRESHOLD = 2 ** 20        # blocks this large or larger: mmap'd, and returned to the OS when freed
+M_MMAP_THRESHOLD = -3           # glibc's malloc.h
 
 
 def user_chose_allocator(environ=os.environ) -> bool:
@@ -46,10 +39,9 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 def policy_environment() -> dict[str, str]:
-    """The policy as environment variables, which a child process's glibc and torch read at its start."""
-    tunables = f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD}:glibc.malloc.trim_threshold={TRIM_THRESHOLD}"
-    return {"GLIBC_TUNABLES": ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), tunables])),
-            "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1")}
+    """The policy as the environment variable a child process's glibc reads at its start."""
+    tunable = f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD}"
+    return {"GLIBC_TUNABLES": ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), tunable]))}
 
 
 def set_allocator_policy() -> bool:
@@ -61,5 +53,4 @@ def set_allocator_policy() -> bool:
     if libc is None:
         return False
     os.environ.update(policy_environment())
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD,
-                                                                                      TRIM_THRESHOLD))
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
