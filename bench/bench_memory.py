@@ -7,6 +7,10 @@ Sections (each a function returning table rows; add one to SECTIONS to extend):
   against the ZeRO paper's bytes per parameter with Megatron's fp32 gradient buffer: 18, 6 + 12/d,
   2 + 16/d, 18/d. The done-when figure: each stage saves >= 0.9 of its theoretical saving over the
   stage before it.
+- zero-pretrain: the same four stages as the user runs them, ``torchrun pretrain_gpt.py`` at DP=4 (4 layers,
+  hidden 1024, bf16, 4 steps), with whatever allocator the environment gives it: each rank's peak RSS of
+  the whole run (the kernel's high-water mark read from /proc, tests/distributed/process_memory.py), and
+  each stage's saving over the stage before against the same theory.
 - fsdp2: the same fp32 model under megalite's ZeRO-3 and under PyTorch's FSDP2 (``fully_shard`` per
   transformer layer and on the root), same weights, same batches: peak RSS per rank of the training
   steps, start-up peak, and step time, at DP=2 and DP=4 (and DP=2 with 4 micro-batches).
@@ -40,6 +44,7 @@ from results import Headline, add_common_args, command_line, publish  # noqa: E4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 MiB = 2 ** 20
+USER_ENV = dict(os.environ)          # as given: pretrain_gpt.py's launches set their allocator policy themselves
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,8 @@ def _rank_main(rank, world, port, out_dir, fn, args):
 
 
 def spawn(world: int, fn, *args) -> list:
+    from megalite.train.allocator import set_allocator_policy
+    set_allocator_policy()           # pretrain_gpt.py's, exported to the ranks (fresh interpreters)
     import socket
     import torch
     import torch.multiprocessing as mp
@@ -209,6 +216,65 @@ def bench_zero(args):
     headlines = [(f"{name} memory saving over the stage before", "ZeRO theory (bytes per parameter)",
                   f"{share:.2f} of theory")
                  for name, share in shares.values()]
+    return rows, header, headlines
+
+
+# ---- the same stages through the user's command line ------------------------------------------------------
+PRETRAIN_SHAPE = Shape(layers=4, hidden=1024, ffn=2816, heads=8, kv_heads=2, vocab=16384, seq=8)
+
+
+def gathered_pair_numel(shape: Shape) -> int:
+    """Parameters of the largest two consecutive ZeRO-3 gather units (embedding, each layer, output layer in
+    order): one computing and the next prefetched by --overlap-param-gather."""
+    kv = shape.hidden // shape.heads * shape.kv_heads
+    layer = 2 * shape.hidden * shape.hidden + 2 * shape.hidden * kv + 3 * shape.hidden * shape.ffn + 2 * shape.hidden
+    units = [shape.vocab * shape.hidden, *[layer] * shape.layers, shape.vocab * shape.hidden + shape.hidden]
+    return max(a + b for a, b in zip(units, units[1:]))
+
+
+def bench_zero_pretrain(args):
+    """Each stage through ``torchrun pretrain_gpt.py``: the whole run's peak RSS per rank (start-up
+    included, the same in every row, so it cancels in the savings)."""
+    import re
+    sys.path.insert(0, os.path.join(ROOT, "tests", "distributed"))
+    from process_memory import run_pretrain_measured
+    shape, world, steps = PRETRAIN_SHAPE, 4, max(args.steps, 2)
+    peaks, psi = {}, None
+    for strategy in THEORY:
+        argv = zero_argv(shape, world, 1, strategy, "bf16") + ["--train-iters", str(steps), "--num-workers", "0"]
+        run = run_pretrain_measured(world, argv, env=USER_ENV)
+        if run.returncode != 0:
+            raise RuntimeError(f"pretrain_gpt.py --data-parallel-sharding-strategy {strategy} failed:\n"
+                               + run.stdout[-3000:])
+        peaks[strategy] = max(run.rank_peak_rss.values()) / MiB
+        psi = int(re.search(r"number of parameters: (\d+)", run.stdout).group(1))
+    unit = gathered_pair_numel(shape) * 2 / MiB               # two bf16 units gathered at the peak
+    rows = ["| strategy | theory (bytes/param) | theory MiB | measured peak MiB (max over ranks) | saving vs previous "
+            "stage: measured / theory MiB | share of theoretical saving |", "|---|---|---|---|---|---|"]
+    theory = {s: per_param(world) * psi / MiB + (unit if s == "optim_grads_params" else 0)
+              for s, per_param in THEORY.items()}
+    shares, previous = {}, None
+    for strategy, per_param in THEORY.items():
+        saving = "- | -"
+        if previous is not None:
+            got, expected = peaks[previous] - peaks[strategy], theory[previous] - theory[strategy]
+            shares[strategy] = got / expected
+            saving = f"{got:.0f} / {expected:.0f} | {got / expected:.2f}"
+        extra = " + two units" if strategy == "optim_grads_params" else ""
+        rows.append(f"| {NAMES[strategy]} | {per_param(world):.1f}{extra} | {theory[strategy]:.0f} | "
+                    f"{peaks[strategy]:.0f} | {saving} |")
+        previous = strategy
+    header = (f"{shape.describe()}; Ψ = {psi / 1e6:.1f}M parameters; `torchrun --nproc_per_node {world} "
+              f"pretrain_gpt.py` with --bf16, DP={world}, --overlap-grad-reduce --overlap-param-gather, "
+              f"4M-element buckets, {steps} steps, no loader workers. Peak: each rank's VmHWM over the whole run "
+              f"(max over ranks); start-up's torch and gloo are in every row and cancel in the savings. Theory as "
+              f"above; ZeRO-3 adds the largest two consecutive units gathered in bf16 ({unit:.0f} MiB). Allocator: the "
+              f"environment's (LD_PRELOAD={USER_ENV.get('LD_PRELOAD', '')!r}, "
+              f"MALLOC_CONF={USER_ENV.get('MALLOC_CONF', '')!r}, "
+              f"GLIBC_TUNABLES={USER_ENV.get('GLIBC_TUNABLES', '')!r}); pretrain_gpt.py sets its own policy "
+              f"where these are empty.")
+    headlines = [(f"{NAMES[s]} memory saving over the stage before, through pretrain_gpt.py",
+                  "ZeRO theory (bytes per parameter)", f"{share:.2f} of theory") for s, share in shares.items()]
     return rows, header, headlines
 
 
@@ -376,6 +442,8 @@ def bench_cross_entropy(args):
 
 
 SECTIONS = {"zero": ("bench_memory_zero", "Memory per rank by ZeRO stage, against theory", bench_zero),
+            "zero-pretrain": ("bench_memory_zero_pretrain", "Memory per rank by ZeRO stage through pretrain_gpt.py",
+                              bench_zero_pretrain),
             "fsdp2": ("bench_memory_fsdp2", "ZeRO-3 against PyTorch FSDP2: memory and step time", bench_fsdp2),
             "checkpoint": ("bench_memory_checkpoint", "Checkpoint save and load: memory and throughput",
                            bench_checkpoint),

@@ -11,7 +11,9 @@ the "elapsed time per iteration (ms)" of its log lines, i.e. what pretrain_gpt.p
 checkpoint and evaluation steps are left out, which the command line disables anyway. transformers'
 step (batch, forward, backward, clip, AdamW step, zero_grad) is timed around the call.
 
-Each side lives in its own process (neither inherits the other's allocator or thread state); steps run
+Each side lives in its own process (neither inherits the other's allocator or thread state); megalite's
+first sets the CPU allocator policy pretrain_gpt.py sets (megalite/train/allocator.py), transformers'
+runs as a user runs it (with whatever the environment gives, glibc's defaults on a bare command); steps run
 in rounds, one side at a time, in a rotating order, so machine noise hits all alike. Rounds repeat until
 every ratio (from medians of all steps so far) moved less than --tolerance since the previous round
 (at least --rounds rounds, at most --max-rounds). The ratio is HF ms / megalite ms per iteration (>1:
@@ -149,6 +151,9 @@ class HFLoop:
 
 
 def worker(kind: str, shape: Shape, dtype: str, conn) -> None:
+    if kind != "hf":                 # megalite's process sets its allocator policy first, as pretrain_gpt.py does
+        from megalite.train.allocator import set_allocator_policy
+        set_allocator_policy()
     loop = HFLoop(shape, dtype) if kind == "hf" else MegaliteLoop(shape, dtype, compiled=kind == "megalite-compiled")
     conn.send("ready")
     while (n := conn.recv()) > 0:

@@ -72,14 +72,18 @@ def _rank_of(pid: int) -> int | None:
 SETTLE = 5.0
 
 
-def run_pretrain_measured(nproc: int, argv: list[str], timeout: float = 1800, every: float = 0.1) -> MeasuredRun:
-    """pretrain_gpt.py under torchrun, sampled every ``every`` seconds until it exits. A process below a
+def run_pretrain_measured(nproc: int, argv: list[str], timeout: float = 1800, every: float = 0.1,
+                          env: dict | None = None) -> MeasuredRun:
+    """pretrain_gpt.py under torchrun (in ``env``, default this process's environment), sampled every
+    ``every`` seconds until it exits. A process below a
     rank is sampled once it has exec'd (a spawned worker is a copy of its rank until it execs a fresh
     interpreter), or SETTLE seconds after it is first seen: a forked one stays a copy, and is measured as one."""
     from harness import pretrain_command
-    cmd, env = pretrain_command(nproc, argv)
+    cmd, launch_env = pretrain_command(nproc, argv)
+    if env is not None:          # what pretrain_command adds to this process's environment, over ``env``
+        launch_env = {**env, **{k: v for k, v in launch_env.items() if os.environ.get(k) != v}}
     log = tempfile.TemporaryFile(mode="w+")                    # a pipe left unread would fill and stall the run
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=launch_env)
     ranks, rss, pss, seen, deadline = {}, {}, {}, {}, time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
         for pid in children(proc.pid):                           # torchrun's children: the ranks
