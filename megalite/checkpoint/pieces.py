@@ -21,7 +21,6 @@ from megalite.parallel.param_meta import full_shape, param_meta
 from megalite.parallel.tensor.layers import shard_positions
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
-OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass
@@ -110,12 +109,13 @@ def overlap(start: int, end: int, other_start: int, other_end: int) -> tuple[int
 
 
 def optimizer_ranges(optimizer, slot):
-    """(start, end, piece, master, Adam state, cut) for each of the optimizer's pieces overlapping the flat
-    range of ``slot``: [start, end) in the flat layout, ``cut`` the same range within the piece."""
+    """(start, end, piece, master, named state, cut) for each of the optimizer's pieces (state.py's
+    ShardedOptimizer) overlapping the flat range of ``slot``: [start, end) in the flat layout, ``cut`` the
+    same range within the piece."""
     for piece, master in zip(optimizer.pieces, optimizer.master_pieces):
         start, end = overlap(slot.start, slot.end, piece.start, piece.end)
         if start < end:
-            yield start, end, piece, master, optimizer.adam.state[master], slice(start - piece.start, end - piece.start)
+            yield start, end, piece, master, optimizer.named_state(master), slice(start - piece.start, end - piece.start)
 
 
 def held_params(buffer, start: int, end: int) -> list[tuple[int, int, torch.Tensor]]:

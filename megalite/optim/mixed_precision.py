@@ -142,6 +142,23 @@ class MixedPrecisionAdamW:
     def loss_scale(self) -> float:
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
+    # ---- the named state a checkpoint reads and restores ----------------------------------------
+    state_names = ("exp_avg", "exp_avg_sq")     # the update rule's per-element state, one tensor each per piece
+
+    def named_state(self, master_piece: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The update rule's state tensors of one master piece, by name (``state_names``)."""
+        state = self.adam.state[master_piece]
+        return {name: state[name] for name in self.state_names}
+
+    @property
+    def step_count(self) -> float:
+        """Updates applied so far (the same on every piece)."""
+        return float(self.adam.state[self.master_pieces[0]]["step"])
+
+    def set_step_count(self, value: float) -> None:
+        for master in self.master_pieces:
+            self.adam.state[master]["step"].fill_(value)
+
     def zero_grad(self) -> None:
         if self.ddp is not None:
             self.ddp.zero_grad()
