@@ -115,7 +115,8 @@ def optimizer_ranges(optimizer, slot):
     for piece, master in zip(optimizer.pieces, optimizer.master_pieces):
         start, end = overlap(slot.start, slot.end, piece.start, piece.end)
         if start < end:
-            yield start, end, piece, master, optimizer.named_state(master), slice(start - piece.start, end - piece.start)
+            cut = slice(start - piece.start, end - piece.start)
+            yield start, end, piece, master, optimizer.named_state(master), cut
 
 
 def held_params(buffer, start: int, end: int) -> list[tuple[int, int, torch.Tensor]]:

@@ -93,7 +93,8 @@ def saved_rng(reader, run: CheckpointState) -> tuple[dict[str, torch.Tensor] | N
 def layout_of(run: CheckpointState) -> dict:
     p = run.parallel
     return {"world_size": p.world_size, "tensor_model_parallel_size": p.tp_size, "pipeline_model_parallel_size": p.pp_size,
-            "context_parallel_size": p.cp_size, "data_parallel_size": p.dp_size, "virtual_pipeline_chunks": len(run.chunks),
+            "context_parallel_size": p.cp_size, "data_parallel_size": p.dp_size,
+            "virtual_pipeline_chunks": len(run.chunks),
             "data_parallel_sharding_strategy": run.config.parallel.data_parallel_sharding_strategy}
 
 
@@ -124,7 +125,8 @@ def agree(ok: bool, message: str, device, group=None) -> None:
     raise UserError(bytes(text.cpu().tolist()).rstrip(b"\0").decode(errors="ignore"))
 
 
-def owned_parts(run: CheckpointState, data_rank: int | None = None) -> list[tuple[ParamEntry, int, int, dict[str, torch.Tensor]]]:
+def owned_parts(run: CheckpointState,
+                data_rank: int | None = None) -> list[tuple[ParamEntry, int, int, dict[str, torch.Tensor]]]:
     """What this rank writes: per parameter, the local flat range [lo, hi) it owns and, per stored
     tensor name, a flat tensor holding that range (element 0 is local element lo). ``data_rank``: what
     the rank of this TP x PP coordinate at that data-parallel x CP place writes instead (chunk_ranges)."""
@@ -214,7 +216,8 @@ def buffer_writers(run: CheckpointState) -> dict[str, bool]:
     return {name: writes(run.parallel, False, param_meta(tensor)) for name, tensor in persistent_buffers(run.chunks)}
 
 
-def planned_shards(run: CheckpointState, data_rank: int | None = None) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict]]:
+def planned_shards(run: CheckpointState,
+                   data_rank: int | None = None) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict]]:
     """What this rank (or, given ``data_rank``, chunk_ranges' rank) writes, one piece per box: {file:
     {key: tensor}}, and its part of the tensor index (without the CRCs, known once written). A box that
     is the whole tensor is stored under the tensor's own name and shape."""
@@ -348,7 +351,8 @@ def load_tensors(run: CheckpointState, reader: CheckpointReader, load_optimizer:
     """Fill this rank's parameters and optimizer state from ``reader``, reading only what it holds."""
     differences = architecture_differences(reader, run.config.model)
     entries = param_entries(run.chunks)
-    sources = {e.global_name: source_names(reader, e.global_name, run.optimizer.state_names if load_optimizer else ()) for e in entries}
+    states = run.optimizer.state_names if load_optimizer else ()
+    sources = {e.global_name: source_names(reader, e.global_name, states) for e in entries}
     for entry in entries:
         for name in sources[entry.global_name].values():
             check_stored(reader, name, entry.param, entry.global_name, run.config.model.vocab_size, differences)

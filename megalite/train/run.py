@@ -41,8 +41,8 @@ class Run(Protocol):
     (this rank's pipeline stages), ``ddp`` (data-parallel gradient sync / ZeRO sharding), ``optimizer``,
     ``scheduler``, ``timers``, ``state``, ``pipeline`` (stage-to-stage exchange when pp > 1),
     ``async_pipeline`` (--pipeline-schedule pipedream / pipedream-2bw), ``last_saved_iteration`` (of the
-    checkpoint last saved or loaded); ``print_fn`` prints a line, ``log`` only on the logging rank;
-    ``save`` checkpoints, ``poll_saves`` reports a background save that has finished."""
+    checkpoint last saved or loaded); ``print_fn`` prints a line; ``save`` checkpoints, ``poll_saves``
+    reports a background save that has finished."""
     config: MegaliteConfig
     parallel: ParallelState
     device: torch.device
@@ -57,7 +57,6 @@ class Run(Protocol):
     async_pipeline: AsyncPipeline | None
     last_saved_iteration: int | None
     print_fn: Callable[[str], None]
-    log: Callable[[str], None]
 
     def save(self, non_persistent: bool = False) -> None: ...
 

@@ -139,10 +139,13 @@ class Trainer:
         try:
             if clean:
                 self.poll_saves(wait=True)
-            elif self.background_saves is not None:
+                self.close()
+            else:                        # the error being raised is the one to report, not the teardown's
+                if self.background_saves is not None:
+                    with contextlib.suppress(Exception):
+                        self.background_saves.wait()
                 with contextlib.suppress(Exception):
-                    self.background_saves.wait()
-            self.close()
+                    self.close()
         finally:
             if self.owns_process_group and dist.is_initialized():
                 if clean:
@@ -242,7 +245,7 @@ class Trainer:
         destination = locations.non_persistent(t) if non_persistent else locations.persistent(t)
         with collective_phase("saving a checkpoint", t.distributed_timeout_minutes):
             if self.background_saves is not None:
-                self.background_saves.save(self.checkpoint_state, destination)          # says when it is taken and published
+                self.background_saves.save(self.checkpoint_state, destination)    # says when taken and published
             else:
                 path = save_checkpoint(self.checkpoint_state, destination)
                 self.log(f" > saved checkpoint at iteration {self.state.iteration} to {path} "
@@ -272,8 +275,8 @@ class Trainer:
                 self.log(f" > no checkpoint in {t.load} yet: starting from scratch")
                 return None
             path = path or t.load              # load_checkpoint says what is wrong with it
-            rng = load_checkpoint(self.checkpoint_state, path, load_optimizer=not t.no_load_optim, load_rng=not t.no_load_rng,
-                                  finetune=t.finetune, log=self.log)
+            rng = load_checkpoint(self.checkpoint_state, path, load_optimizer=not t.no_load_optim,
+                                  load_rng=not t.no_load_rng, finetune=t.finetune, log=self.log)
         if not locations.is_non_persistent(t, path):       # else the final save must still be made
             self.last_saved_iteration = self.state.iteration
         if t.batch_size_schedule and not t.finetune:

@@ -155,7 +155,8 @@ def save_resume_reshard(rank: int, world: int, tmp: str) -> dict:
             f.write(bytes([last ^ 0xFF]))
     dist.barrier()
     try:
-        load_checkpoint(build_trainer(parse_args(ZERO3, world_size=world)).checkpoint_state, os.path.join(tmp, "damaged"), log=quiet)
+        damaged = build_trainer(parse_args(ZERO3, world_size=world))
+        load_checkpoint(damaged.checkpoint_state, os.path.join(tmp, "damaged"), log=quiet)
         out["damaged"] = None
     except UserError as e:
         out["damaged"] = str(e)
