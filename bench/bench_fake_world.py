@@ -77,7 +77,7 @@ for coordinate in range(tp * pp):                    # every TP x PP coordinate,
     p = trainer.parallel
     for data_rank in range(p.dp_size * p.cp_size):
         me = p.tp_rank + p.tp_size * (data_rank + p.cp_size * p.dp_size * p.pp_rank)
-        payloads = index_payloads(trainer, data_rank)
+        payloads = index_payloads(trainer.checkpoint_state, data_rank)
         for holder, payload in payloads.items():
             held[holder] = held.get(holder, 0) + len(payload)
         sent[me] = sum(len(x) for holder, x in payloads.items() if holder != me)

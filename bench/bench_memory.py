@@ -348,12 +348,12 @@ def _checkpoint_run(rank, world, argv, shape, directory):
     torch.distributed.barrier()
     with Window() as save:
         t = time.perf_counter()
-        path = save_checkpoint(trainer, directory)
+        path = save_checkpoint(trainer.checkpoint_state, directory)
         torch.distributed.barrier()
         save_seconds = time.perf_counter() - t
     with Window() as load:
         t = time.perf_counter()
-        load_checkpoint(trainer, path, log=lambda *_: None)
+        load_checkpoint(trainer.checkpoint_state, path, log=lambda *_: None)
         torch.distributed.barrier()
         load_seconds = time.perf_counter() - t
     return {"save_peak": save.peak, "load_peak": load.peak, "save_s": save_seconds, "load_s": load_seconds,

@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megalite.checkpoint.state import CheckpointState
 from megalite.checkpoint.save import Destination, SavePlan, plan_save, publish_plan, write_files
 from megalite.checkpoint.tensor_file import HostArray
 
@@ -148,14 +149,14 @@ class BackgroundSaves:
         self.pinned = PinnedSnapshot()
         self.pending: Pending | None = None
 
-    def save(self, trainer, destination: Destination) -> None:
+    def save(self, run: CheckpointState, destination: Destination) -> None:
         start = time.perf_counter()
         self.wait()                                # the next save waits for the previous one
-        plan = plan_save(trainer, destination)
-        if trainer.device.type == "cpu":
+        plan = plan_save(run, destination)
+        if run.device.type == "cpu":
             wait_for_files = fork_writer(plan)
         else:
-            snapshot = self.pinned.copy(plan.files, trainer.device)
+            snapshot = self.pinned.copy(plan.files, run.device)
             wait_for_files = lambda: write_files(plan, snapshot)      # noqa: E731 (on the thread)
         self.pending = Pending(plan, wait_for_files, self.group, start)
         self.log(f" > saving checkpoint at iteration {plan.iteration} in the background "

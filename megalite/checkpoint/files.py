@@ -23,8 +23,8 @@ training save shards it over index files (index.py), whose entries have the same
 
 A piece is a rectangle ("box": rows [r0, r1) x columns [c0, c1)) of the tensor viewed 2-D as
 [shape[0], rest], stored 2-D under ``key``; a piece covering the whole tensor is stored under the
-tensor's own name and shape. A format 1 entry, read too, is one whole tensor:
-``{"file", "shape", "dtype", "crc32"}`` (tools/convert_checkpoint.py writes these).
+tensor's own name and shape. A single writer's entry may be one whole tensor instead:
+``{"file", "shape", "dtype", "crc32"}`` (tools/convert_checkpoint.py writes these; so are RNG records).
 
 Nothing is pickled: tensors go through safetensors and everything else through JSON, so loading never
 runs code. Reading streams each piece in bounded row blocks, checks its CRC-32 and copies only the
@@ -52,8 +52,7 @@ from megalite.errors import UserError
 from megalite.parallel.launch_env import finish_before_exit
 
 FORMAT = "megalite-checkpoint"
-VERSION = 4                  # 4: per-tensor index bands (index.py); 3: the index may be sharded; 2: tensors as
-                             # pieces; 1: whole tensors
+VERSION = 4                  # the format this megalite writes and reads; metadata.json records it
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
 Box = tuple[int, int, int, int]   # rows [r0, r1) x columns [c0, c1) of a tensor viewed 2-D
@@ -205,8 +204,8 @@ class CheckpointReader:
     """Reads one iter_N directory: metadata, and tensors by global name (whole, or only the parts a
     rank holds), each stored piece checked against the index.
 
-    The index is the whole one in metadata.json (single-writer checkpoints: conversion tools, earlier
-    formats), or a training save's sharded one (index.py), of which only the files holding the tensors
+    The index is the whole one in metadata.json (single-writer checkpoints: conversion tools), or a
+    training save's sharded one (index.py), of which only the files holding the tensors
     asked for are read. A data file's size is checked against the index before it is first read (a
     whole index's files all at once)."""
 
@@ -221,9 +220,11 @@ class CheckpointReader:
         if self.metadata.get("format") != FORMAT:
             raise UserError(f"checkpoint {meta_path} is not a megalite checkpoint (format "
                             f"{self.metadata.get('format')!r}); convert it with tools/convert_checkpoint.py")
-        if self.metadata.get("version", 0) > VERSION:
-            raise UserError(f"checkpoint {meta_path} has format version {self.metadata['version']}, newer than this "
-                            f"megalite ({VERSION}); upgrade megalite")
+        version = self.metadata.get("version")
+        if version != VERSION:
+            raise UserError(f"checkpoint {meta_path} has format version {version}, this megalite reads version "
+                            f"{VERSION}; " + ("upgrade megalite" if isinstance(version, int) and version > VERSION
+                                              else "save it again with the megalite that wrote it"))
         self._open: dict[str, object] = {}
         self.shards = None
         if "index" in self.metadata:

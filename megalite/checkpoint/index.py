@@ -11,8 +11,7 @@ turn for band 0, 1, ... (``band_holder``), so a tensor's bands spread evenly. In
 ``index-rankNNNNN.json``, one per rank of the saving run, written by that rank (possibly empty, so a
 missing file is an incomplete checkpoint rather than an absent tensor). The CRC records of each rank's
 RNG file are held by ``crc32(file name) % shards``. metadata.json holds the number of shards, not the
-pieces. An index of format 3 (bands of a fixed BAND_ELEMENTS elements, each held by ``crc32(key) %
-shards``, no headers) is read too.
+pieces.
 
 Saving (``outgoing``, ``exchange``, ``merge``): each rank sends the entries of the pieces it wrote to
 their holders, with two all-to-alls (the byte counts, then the bytes), so a rank sends what its own
@@ -50,7 +49,7 @@ def as_2d(shape) -> tuple[int, int]:
 
 
 def pieces_of(name: str, entry: dict) -> list[dict]:
-    """An index entry's pieces; a whole-tensor record (format 1, conversion tools, RNG states) is one
+    """An index entry's pieces; a whole-tensor record (conversion tools, RNG states) is one
     piece: the whole tensor, stored under its own name."""
     if "pieces" in entry:
         return entry["pieces"]
@@ -68,11 +67,6 @@ def band_rows(shape, writer_rows: int) -> int:
     time (the same number on every writer of it), at most BAND_ELEMENTS elements a band."""
     rows, cols = as_2d(shape)
     return max(1, min(writer_rows, rows, BAND_ELEMENTS // max(cols, 1)))
-
-
-def fixed_band_rows(shape) -> int:
-    """Band rows of a format 3 index: BAND_ELEMENTS elements for every tensor."""
-    return max(1, BAND_ELEMENTS // max(as_2d(shape)[1], 1))
 
 
 def bands(step: int, r0: int, r1: int) -> range:
@@ -242,16 +236,13 @@ class IndexShards:
     def __init__(self, directory: str, sharding: dict, dtypes):
         self.directory, self.dtypes = directory, dtypes
         try:
-            self.shards, bands_of = int(sharding["shards"]), sharding.get("bands")
-            self.fixed = bands_of is None               # format 3: fixed bands, no headers
-            band = int(sharding["band_elements"]) if self.fixed else BAND_ELEMENTS
+            self.shards, bands_of = int(sharding["shards"]), sharding["bands"]
         except (KeyError, TypeError, ValueError, AttributeError):
             raise UserError(f"checkpoint {directory}/metadata.json is corrupt (bad index description); "
                             "load an earlier checkpoint") from None
-        if self.shards < 1 or band != BAND_ELEMENTS or bands_of not in (None, BANDS):
+        if self.shards < 1 or bands_of != BANDS:
             raise UserError(f"checkpoint {directory}/metadata.json describes an index of {self.shards} shards in bands "
-                            f"of {bands_of or band}; this megalite reads bands {BANDS} (or of {BAND_ELEMENTS} "
-                            "elements): upgrade megalite")
+                            f"{bands_of}; this megalite reads bands {BANDS}: upgrade megalite")
         self.loaded: dict[int, dict] = {}          # rank -> its parsed index file
         self.sizes: dict[str, int] = {}            # data file -> its size, as the index files read so far record
 
@@ -266,11 +257,9 @@ class IndexShards:
             with open(path) as f:
                 raw = json.load(f)
             tensors, rng, files = raw["tensors"], raw["rng"], raw["files"]
-            headers = {} if self.fixed else raw["headers"]
+            headers = raw["headers"]
             keyed = {key: entry["name"] for key, entry in tensors.items()}
-            bands_of = {key: (int(key.rpartition(SEPARATOR)[2]),
-                              fixed_band_rows(entry["shape"]) if self.fixed else entry["band_rows"])
-                        for key, entry in tensors.items()}
+            bands_of = {key: (int(key.rpartition(SEPARATOR)[2]), entry["band_rows"]) for key, entry in tensors.items()}
             if any(key_of(name, bands_of[key][0]) != key for key, name in keyed.items()):
                 raise ValueError("key")
             if not all(type(n) is int and n >= 0 for n in files.values()):
@@ -294,16 +283,11 @@ class IndexShards:
 
     def header(self, name: str) -> dict | None:
         """Tensor ``name``'s {shape, dtype, band_rows}, or None when the checkpoint lacks it."""
-        if self.fixed:
-            entry = self.entry(name, 0)
-            return entry and {"shape": entry["shape"], "dtype": entry["dtype"], "band_rows": entry["band_rows"]}
         return self._file(holder(name, self.shards))["headers"].get(name)
 
     def entry(self, name: str, band: int) -> dict | None:
         """The entry of one band of tensor ``name`` (its pieces that touch the band), or None."""
-        key = key_of(name, band)
-        rank = holder(key, self.shards) if self.fixed else band_holder(name, band, self.shards)
-        return self._file(rank)["tensors"].get(key)
+        return self._file(band_holder(name, band, self.shards))["tensors"].get(key_of(name, band))
 
     def pieces(self, name: str, row_ranges) -> list[dict]:
         """The pieces of tensor ``name`` that touch any of ``row_ranges`` ([r0, r1) pairs), each once."""

@@ -109,12 +109,14 @@ def overlap(start: int, end: int, other_start: int, other_end: int) -> tuple[int
 
 
 def optimizer_ranges(optimizer, slot):
-    """(start, end, piece, master, the update rule's named state, cut) for each of the optimizer's pieces overlapping the flat
-    range of ``slot``: [start, end) in the flat layout, ``cut`` the same range within the piece."""
+    """(start, end, piece, master, named state, cut) for each of the optimizer's pieces (state.py's
+    ShardedOptimizer) overlapping the flat range of ``slot``: [start, end) in the flat layout, ``cut`` the
+    same range within the piece."""
     for piece, master in zip(optimizer.pieces, optimizer.master_pieces):
         start, end = overlap(slot.start, slot.end, piece.start, piece.end)
         if start < end:
-            yield start, end, piece, master, optimizer.named_state(master), slice(start - piece.start, end - piece.start)
+            cut = slice(start - piece.start, end - piece.start)
+            yield start, end, piece, master, optimizer.named_state(master), cut
 
 
 def held_params(buffer, start: int, end: int) -> list[tuple[int, int, torch.Tensor]]:

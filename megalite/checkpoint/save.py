@@ -14,6 +14,7 @@ from megalite.checkpoint.files import (iteration_dir, model_metadata, prepare_te
                                        remove_leftovers, temporary_dir, tokenizer_metadata, write_metadata)
 from megalite.checkpoint.index import BANDS, encode, exchange, merge, outgoing, write_index_file
 from megalite.checkpoint.sharded import agree, layout_of, planned_shards, rng_filename, rng_tensors
+from megalite.checkpoint.state import CheckpointState
 from megalite.checkpoint.tensor_file import write_tensor_file
 from megalite.errors import UserError
 
@@ -54,18 +55,18 @@ class SavePlan:
                 "some space or choose another directory")
 
 
-def plan_save(trainer, destination: Destination) -> SavePlan:
+def plan_save(run: CheckpointState, destination: Destination) -> SavePlan:
     """Collective: a fresh iter_N.tmp in every directory the ranks write to, every rank learning whether it
     could; then this rank's plan, once no asynchronous parameter gather can still write into what it saves."""
-    p, iteration = trainer.parallel, trainer.state.iteration
-    publisher = prepare(destination, iteration, p.rank, trainer.device)
-    trainer.ddp.wait_for_param_gather()
-    files, index = planned_shards(trainer)
+    p, iteration = run.parallel, run.train_state.iteration
+    publisher = prepare(destination, iteration, p.rank, run.device)
+    run.data_parallel.wait_for_param_gather()
+    files, index = planned_shards(run)
     rng_file = rng_filename(p.rank)
-    files[rng_file] = rng_tensors(trainer.model.tp.rng)
+    files[rng_file] = rng_tensors(run.rng)
     metadata = None
     if publisher:
-        metadata = training_metadata(trainer, trainer.optimizer.step_count)
+        metadata = training_metadata(run)
     world = p.world_size if dist.is_initialized() else 1
     return SavePlan(destination, iteration, temporary_dir(destination.root, iteration), files, index, rng_file,
                     metadata, p.rank, world)
@@ -143,28 +144,28 @@ def publish_plan(plan: SavePlan, records: dict | None, error: str | None, device
     return iteration_dir(plan.root, plan.iteration)
 
 
-def save_checkpoint(trainer, root: str | Destination) -> str:
+def save_checkpoint(run: CheckpointState, root: str | Destination) -> str:
     """Collective: every rank calls it. Writes iter_N.tmp, then rank 0 publishes it as iter_N."""
-    plan = plan_save(trainer, root if isinstance(root, Destination) else Destination(root))
+    plan = plan_save(run, root if isinstance(root, Destination) else Destination(root))
     records, error = write_files(plan, plan.files)      # every rank writes: a full disk on one stops them all
-    return publish_plan(plan, records, error, trainer.device)
+    return publish_plan(plan, records, error, run.device)
 
 
-def training_metadata(trainer, adam_step: float) -> dict:
-    cfg, state = trainer.config, trainer.state
-    scaler = trainer.optimizer.loss_scaler
+def training_metadata(run: CheckpointState) -> dict:
+    cfg, state = run.config, run.train_state
+    scaler = run.optimizer.loss_scaler
     return {
         "iteration": state.iteration,
         "model": model_metadata(cfg.model),
         "tokenizer": tokenizer_metadata(cfg.data),
         "args": dataclasses.asdict(cfg),
-        "layout": layout_of(trainer),
+        "layout": layout_of(run),
         "train_state": {"iteration": state.iteration, "consumed_train_samples": state.consumed_train_samples,
                         "consumed_valid_samples": state.consumed_valid_samples,
                         "skipped_iterations": state.skipped_iterations, "nan_iterations": state.nan_iterations},
-        "scheduler": trainer.scheduler.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
-        "optimizer": {"step": adam_step, "has_master": trainer.buffer.param_dtype != torch.float32},
-        "source": trainer.checkpoint_source,      # where the weights first came from (e.g. a converted HF model)
-        "index": {"shards": trainer.parallel.world_size, "bands": BANDS, "holder": "crc32(key) % shards"},
+        "optimizer": {"step": run.optimizer.step_count, "has_master": run.buffer.param_dtype != torch.float32},
+        "source": run.source,      # where the weights first came from (e.g. a converted HF model)
+        "index": {"shards": run.parallel.world_size, "bands": BANDS, "holder": "crc32(key) % shards"},
     }

@@ -41,6 +41,7 @@ from megalite.checkpoint.pieces import (ParamEntry, Placement, box_view, boxes, 
                                         optimizer_ranges, overlap, pad_vocabulary, param_entries, placement,
                                         stored_shape)
 from megalite.checkpoint.stashed import load_stashed_versions, stashed_sources
+from megalite.checkpoint.state import CheckpointState, persistent_buffers
 from megalite.checkpoint.tensor_file import DTYPE_NAMES
 from megalite.config.schema import ModelConfig
 from megalite.errors import UserError
@@ -73,27 +74,28 @@ def restore_rng(tensors: dict[str, torch.Tensor], tracker) -> None:
                 tracker.states[name] = tensors[f"tracker.{name}"].clone()
 
 
-def saved_rng(reader, trainer) -> tuple[dict[str, torch.Tensor] | None, str]:
+def saved_rng(reader, run: CheckpointState) -> tuple[dict[str, torch.Tensor] | None, str]:
     """This rank's saved generator states, or None and why they do not apply to this run: a rank's
     streams are seeded by its tensor- and pipeline-parallel rank, so they carry over only at the same
     layout, and a CUDA generator's state does not fit a CPU one (or the reverse)."""
-    if reader.metadata.get("layout") != layout_of(trainer):
+    if reader.metadata.get("layout") != layout_of(run):
         return None, "the layout differs"
-    tensors = reader.rng_tensors(rng_filename(trainer.parallel.rank))
+    tensors = reader.rng_tensors(rng_filename(run.parallel.rank))
     if tensors is None:
         return None, "the checkpoint has none"
-    tracker = trainer.model.tp.rng
+    tracker = run.rng
     streams = tracker.states.items() if tracker is not None else ()
     if any(tensors.get(f"tracker.{name}", state).shape != state.shape for name, state in streams):
         return None, "it was saved on another kind of device"
     return tensors, ""
 
 
-def layout_of(trainer) -> dict:
-    p = trainer.parallel
+def layout_of(run: CheckpointState) -> dict:
+    p = run.parallel
     return {"world_size": p.world_size, "tensor_model_parallel_size": p.tp_size, "pipeline_model_parallel_size": p.pp_size,
-            "context_parallel_size": p.cp_size, "data_parallel_size": p.dp_size, "virtual_pipeline_chunks": len(trainer.chunks),
-            "data_parallel_sharding_strategy": trainer.config.parallel.data_parallel_sharding_strategy}
+            "context_parallel_size": p.cp_size, "data_parallel_size": p.dp_size,
+            "virtual_pipeline_chunks": len(run.chunks),
+            "data_parallel_sharding_strategy": run.config.parallel.data_parallel_sharding_strategy}
 
 
 # ---- save ----------------------------------------------------------------------------------------
@@ -123,34 +125,35 @@ def agree(ok: bool, message: str, device, group=None) -> None:
     raise UserError(bytes(text.cpu().tolist()).rstrip(b"\0").decode(errors="ignore"))
 
 
-def owned_parts(trainer, data_rank: int | None = None) -> list[tuple[ParamEntry, int, int, dict[str, torch.Tensor]]]:
+def owned_parts(run: CheckpointState,
+                data_rank: int | None = None) -> list[tuple[ParamEntry, int, int, dict[str, torch.Tensor]]]:
     """What this rank writes: per parameter, the local flat range [lo, hi) it owns and, per stored
     tensor name, a flat tensor holding that range (element 0 is local element lo). ``data_rank``: what
     the rank of this TP x PP coordinate at that data-parallel x CP place writes instead (chunk_ranges)."""
-    p, buffer, optimizer = trainer.parallel, trainer.buffer, trainer.optimizer
+    p, buffer, optimizer = run.parallel, run.buffer, run.optimizer
     master_is_weights = buffer.param_dtype == torch.float32
     parts = []
-    for entry in param_entries(trainer.chunks):
+    for entry in param_entries(run.chunks):
         if not entry.stored_here or not writes(p, optimizer.grads_sharded, param_meta(entry.param)):
             continue
         slot, g = buffer.slots[entry.buffer_name], entry.global_name
-        ranges = optimizer_ranges(optimizer, slot) if data_rank is None else chunk_ranges(trainer, slot, data_rank)
+        ranges = optimizer_ranges(optimizer, slot) if data_rank is None else chunk_ranges(run, slot, data_rank)
         for start, end, piece, master, state, cut in ranges:
             sources = {g: piece.param[cut]}
             if not master_is_weights:
                 sources[f"optimizer.master.{g}"] = master[cut]
             sources.update({f"optimizer.{k}.{g}": tensor[cut] for k, tensor in state.items()})
-            sources.update(stashed_sources(trainer, g, start, end))     # PipeDream's older weight versions
+            sources.update(stashed_sources(run, g, start, end))     # PipeDream's older weight versions
             parts.append((entry, start - slot.start, end - slot.start, sources))
     return parts
 
 
-def chunk_ranges(trainer, slot, data_rank: int):
+def chunk_ranges(run: CheckpointState, slot, data_rank: int):
     """optimizer_ranges as the rank at data-parallel x CP place ``data_rank`` (of the first instance) of a
     dense ZeRO layout has them: its chunk of each bucket, as storage-less tensors (where it writes, not
     what), so that one built rank describes what all of its data-parallel group write."""
-    buffer = trainer.buffer
-    if not trainer.optimizer.grads_sharded or trainer.config.model.num_experts:
+    buffer = run.buffer
+    if not run.optimizer.grads_sharded or run.config.model.num_experts:
         raise ValueError("chunk_ranges describes dense ZeRO layouts only")
     for bucket in buffer.buckets:
         start, end = overlap(slot.start, slot.end, *bucket.chunk(data_rank, bucket.shard_size))
@@ -158,18 +161,18 @@ def chunk_ranges(trainer, slot, data_rank: int):
             weights = torch.empty(end - start, dtype=buffer.param_dtype, device="meta")
             master = torch.empty(end - start, dtype=torch.float32, device="meta")
             yield (start, end, SimpleNamespace(param=weights), master,
-                   dict.fromkeys(trainer.optimizer.state_names, master), slice(0, end - start))
+                   {k: master for k in run.optimizer.state_names}, slice(0, end - start))
 
 
-def writer_rows(trainer, entry: ParamEntry, place: Placement) -> int:
+def writer_rows(run: CheckpointState, entry: ParamEntry, place: Placement) -> int:
     """Rows of a parameter's stored tensor that one writer writes at most at a time, the same number on
     every writer of it (index.band_rows sizes the tensor's index bands by it): under ZeRO its chunk of
     the parameter's bucket (every rank's chunk of a bucket has the same size), under FSDP2 its share of
     the rows, else the whole TP-local parameter; over the local row width."""
-    buffer = trainer.buffer
+    buffer = run.buffer
     slot = buffer.slots[entry.buffer_name]
     numel = slot.end - slot.start
-    if trainer.optimizer.grads_sharded:
+    if run.optimizer.grads_sharded:
         bucket = next((b for b in buffer.buckets if isinstance(b, Bucket) and b.start <= slot.start < b.end), None)
         numel = min(numel, bucket.chunk_numel) if bucket else -(-numel // buffer.dp_size)
     return -(-numel // place.width)
@@ -186,44 +189,45 @@ def writes(p, grads_sharded: bool, meta) -> bool:
         (meta.tensor_model_parallel or p.tp_rank == 0)
 
 
-def shard_filename(trainer, kind: str, data_rank: int | None = None) -> str:
+def shard_filename(run: CheckpointState, kind: str, data_rank: int | None = None) -> str:
     """model-pp000[-tp001][-dp00002].safetensors: the coordinates of the writer, where there are several
     (an MoE model's experts are written by ranks of any data-parallel coordinate)."""
-    p = trainer.parallel
+    p = run.parallel
     name = f"{kind}-pp{p.pp_rank:03d}"
     if p.tp_size > 1:
         name += f"-tp{p.tp_rank:03d}"
-    if (trainer.optimizer.grads_sharded or trainer.config.model.num_experts) and p.dp_size * p.cp_size > 1:
+    if (run.optimizer.grads_sharded or run.config.model.num_experts) and p.dp_size * p.cp_size > 1:
         name += f"-dp{p.dp_cp_rank if data_rank is None else data_rank:05d}"
     return name + ".safetensors"
 
 
-def router_buffers(trainer) -> list[tuple[str, torch.Tensor]]:
-    """(global name, tensor) of this rank's MoE expert biases (buffers, equal on every rank of a pipeline
-    stage: the first rank of the stage writes them whole)."""
-    return [(chunk.global_name(name), buffer) for chunk in trainer.chunks
-            for name, buffer in chunk.named_buffers() if name.endswith("router.expert_bias")]
+def buffer_parts(chunks: list[nn.Module], vocab: int) -> list[tuple[str, tuple, Placement, torch.Tensor]]:
+    """(global name, stored shape, placement, flat view) of every persistent buffer of the chunks
+    (state.py), placed in its stored tensor by its param_meta marks as a parameter is: unmarked, the
+    whole tensor; marked tensor-parallel, this TP rank's shard of the full one."""
+    return [(name, stored_shape(name, full_shape(tensor), vocab), placement(tensor, name, vocab), tensor.view(-1))
+            for name, tensor in persistent_buffers(chunks)]
 
 
-def planned_shards(trainer, data_rank: int | None = None) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict]]:
+def buffer_writers(run: CheckpointState) -> dict[str, bool]:
+    """{global name: whether this rank writes its part} of the persistent buffers: they are replicated
+    over data parallelism and CP (and over TP unless marked tensor-parallel), so the first replica writes,
+    as for a parameter without ZeRO."""
+    return {name: writes(run.parallel, False, param_meta(tensor)) for name, tensor in persistent_buffers(run.chunks)}
+
+
+def planned_shards(run: CheckpointState,
+                   data_rank: int | None = None) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict]]:
     """What this rank (or, given ``data_rank``, chunk_ranges' rank) writes, one piece per box: {file:
     {key: tensor}}, and its part of the tensor index (without the CRCs, known once written). A box that
     is the whole tensor is stored under the tensor's own name and shape."""
-    vocab = trainer.config.model.vocab_size
-    model, optimizer = shard_filename(trainer, "model", data_rank), shard_filename(trainer, "optimizer", data_rank)
+    vocab = run.config.model.vocab_size
+    model, optimizer = shard_filename(run, "model", data_rank), shard_filename(run, "optimizer", data_rank)
     files = {model: {}, optimizer: {}}
     index: dict[str, dict] = {}
-    if trainer.parallel.stage_rank == 0:
-        for name, tensor in router_buffers(trainer):
-            files[model][name] = tensor
-            index[name] = {"shape": list(tensor.shape), "dtype": DTYPE_NAMES[tensor.dtype],
-                           "band_rows": band_rows(tensor.shape, tensor.numel()),
-                           "pieces": [{"file": model, "key": name, "box": [[0, tensor.numel()], [0, 1]]}]}
-    for entry, lo, hi, sources in owned_parts(trainer, data_rank):
-        shape = stored_shape(entry.global_name, full_shape(entry.param), vocab)
+
+    def add(shape: tuple, step: int, place: Placement, lo: int, hi: int, sources: dict[str, torch.Tensor]) -> None:
         rows, cols = as_2d(shape)
-        place = placement(entry.param, entry.global_name, vocab)
-        step = band_rows(shape, writer_rows(trainer, entry, place))
         for offset, box in boxes(place, lo, hi):
             r0, r1, c0, c1 = box
             whole = box == (0, rows, 0, cols)
@@ -235,22 +239,31 @@ def planned_shards(trainer, data_rank: int | None = None) -> tuple[dict[str, dic
                 stored = index.setdefault(name, {"shape": list(shape), "dtype": DTYPE_NAMES[flat.dtype],
                                                  "band_rows": step, "pieces": []})
                 stored["pieces"].append({"file": file, "key": key, "box": [[r0, r1], [c0, c1]]})
+
+    writers = buffer_writers(run) if data_rank in (None, 0) else {}     # data_rank: the first replica's place
+    for name, shape, place, flat in buffer_parts(run.chunks, vocab):
+        if writers.get(name):
+            add(shape, band_rows(shape, -(-flat.numel() // place.width)), place, 0, flat.numel(), {name: flat})
+    for entry, lo, hi, sources in owned_parts(run, data_rank):
+        shape = stored_shape(entry.global_name, full_shape(entry.param), vocab)
+        place = placement(entry.param, entry.global_name, vocab)
+        add(shape, band_rows(shape, writer_rows(run, entry, place)), place, lo, hi, sources)
     return {file: tensors for file, tensors in files.items() if tensors}, index
 
 
-def index_payloads(trainer, data_rank: int | None = None) -> dict[int, bytes]:
+def index_payloads(run: CheckpointState, data_rank: int | None = None) -> dict[int, bytes]:
     """{holder: the bytes this rank sends it} on save, computed without writing anything: every CRC and
     file size at its widest, so an upper bound (measurement, dry runs). ``data_rank``: those of the rank
     at that data-parallel x CP place of this rank's TP x PP coordinate (chunk_ranges)."""
-    p = trainer.parallel
-    files, index = planned_shards(trainer, data_rank)
+    p = run.parallel
+    files, index = planned_shards(run, data_rank)
     for stored in index.values():
         for piece in stored["pieces"]:
             piece["crc32"] = 0xFFFFFFFF
     rank = p.rank if data_rank is None else p.tp_rank + p.tp_size * (data_rank + p.cp_size * p.dp_size * p.pp_rank)
     rng_file = rng_filename(rank)
     rng = {rng_file: {name: {"file": rng_file, "shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype],
-                             "crc32": 0xFFFFFFFF} for name, t in rng_tensors(trainer.model.tp.rng).items()}}
+                             "crc32": 0xFFFFFFFF} for name, t in rng_tensors(run.rng).items()}}
     parts = outgoing(index, rng, {name: 10 ** 12 - 1 for name in [*files, rng_file]}, p.world_size)
     return {holder: encode_part(part) for holder, part in parts.items()}
 
@@ -281,7 +294,11 @@ def _hint(differences: list[str]) -> str:
 def check_stored(reader: CheckpointReader, name: str, param: nn.Parameter, global_name: str, vocab: int,
                  differences: list[str] = ()) -> None:
     """The checkpoint has tensor ``name`` at the shape the parameter needs."""
-    shape = stored_shape(global_name, full_shape(param), vocab)
+    check_shape(reader, name, stored_shape(global_name, full_shape(param), vocab), differences)
+
+
+def check_shape(reader: CheckpointReader, name: str, shape: tuple, differences: list[str] = ()) -> None:
+    """The checkpoint has tensor ``name`` at ``shape``."""
     if not reader.has(name):
         raise UserError(f"checkpoint {reader.directory} has no tensor {name!r}{_hint(differences)}; it was saved "
                         "from a different model: match the model flags or add --use-checkpoint-args")
@@ -307,17 +324,17 @@ def source_names(reader: CheckpointReader, global_name: str, state_names: tuple[
     return names
 
 
-def load_targets(trainer, sources: dict[str, dict[str, str]]) -> list[tuple[str, Box, torch.Tensor]]:
+def load_targets(run: CheckpointState, sources: dict[str, dict[str, str]]) -> list[tuple[str, Box, torch.Tensor]]:
     """(stored name, box, destination view) for everything this rank holds: its parameters and its
     optimizer ranges (master weights, and the Adam moments when ``sources`` names them)."""
-    buffer, optimizer, vocab = trainer.buffer, trainer.optimizer, trainer.config.model.vocab_size
+    buffer, optimizer, vocab = run.buffer, run.optimizer, run.config.model.vocab_size
     targets = []
 
     def add(name: str, place: Placement, lo: int, hi: int, flat: torch.Tensor) -> None:
         flat.zero_()                 # vocabulary padding rows are not stored: they stay zero
         targets.extend((name, box, box_view(flat, offset - lo, box)) for offset, box in boxes(place, lo, hi))
 
-    for entry in param_entries(trainer.chunks):
+    for entry in param_entries(run.chunks):
         names, slot = sources[entry.global_name], buffer.slots[entry.buffer_name]
         place = placement(entry.param, entry.global_name, vocab)
         for start, end, values in held_params(buffer, slot.start, slot.end):
@@ -330,31 +347,41 @@ def load_targets(trainer, sources: dict[str, dict[str, str]]) -> list[tuple[str,
 
 
 @torch.no_grad()
-def load_tensors(trainer, reader: CheckpointReader, load_optimizer: bool) -> None:
+def load_tensors(run: CheckpointState, reader: CheckpointReader, load_optimizer: bool) -> None:
     """Fill this rank's parameters and optimizer state from ``reader``, reading only what it holds."""
-    differences = architecture_differences(reader, trainer.config.model)
-    entries = param_entries(trainer.chunks)
-    state_names = trainer.optimizer.state_names if load_optimizer else ()
-    sources = {e.global_name: source_names(reader, e.global_name, state_names) for e in entries}
+    differences = architecture_differences(reader, run.config.model)
+    entries = param_entries(run.chunks)
+    states = run.optimizer.state_names if load_optimizer else ()
+    sources = {e.global_name: source_names(reader, e.global_name, states) for e in entries}
     for entry in entries:
         for name in sources[entry.global_name].values():
-            check_stored(reader, name, entry.param, entry.global_name, trainer.config.model.vocab_size, differences)
+            check_stored(reader, name, entry.param, entry.global_name, run.config.model.vocab_size, differences)
     if differences:          # every tensor fits, but the model differs (e.g. fewer layers, another rotary base)
         raise UserError(f"checkpoint {reader.directory} is from a different model: {differences[0]}; match the model "
                         "flags or add --use-checkpoint-args")
-    biases = [(name, (0, t.numel(), 0, 1), t.view(-1, 1)) for name, t in router_buffers(trainer) if reader.has(name)]
-    reader.read_into(load_targets(trainer, sources) + biases)       # a bias the checkpoint lacks starts at 0
-    load_stashed_versions(trainer, reader, load_optimizer)         # PipeDream's older weight versions
-    step = reader.metadata["optimizer"]["step"] if load_optimizer else 0.0
-    trainer.optimizer.step_count = step
-    for master in trainer.optimizer.master_pieces if not load_optimizer else []:
-        for tensor in trainer.optimizer.named_state(master).values():
-            tensor.zero_()
+    reader.read_into(load_targets(run, sources) + buffer_targets(run, reader))
+    load_stashed_versions(run, reader, load_optimizer)         # PipeDream's older weight versions
+    run.optimizer.set_step_count(reader.metadata["optimizer"]["step"] if load_optimizer else 0.0)
+    if not load_optimizer:
+        for master in run.optimizer.master_pieces:
+            for tensor in run.optimizer.named_state(master).values():
+                tensor.zero_()
 
 
-def load_checkpoint(trainer, path: str, load_optimizer: bool = True, load_rng: bool = True,
+def buffer_targets(run: CheckpointState, reader: CheckpointReader) -> list[tuple[str, Box, torch.Tensor]]:
+    """load_targets of the persistent buffers the checkpoint has; one it lacks (a converted Hugging Face
+    model has no MoE expert biases) keeps its initial value."""
+    targets, vocab = [], run.config.model.vocab_size
+    for name, shape, place, flat in buffer_parts(run.chunks, vocab):
+        if reader.has(name):
+            check_shape(reader, name, shape)
+            targets.extend((name, box, box_view(flat, offset, box)) for offset, box in boxes(place, 0, flat.numel()))
+    return targets
+
+
+def load_checkpoint(run: CheckpointState, path: str, load_optimizer: bool = True, load_rng: bool = True,
                     finetune: bool = False, log=print) -> dict | None:
-    """Load weights (and optimizer, scheduler, loss scaler, train state) into ``trainer``. Returns the
+    """Load weights (and optimizer, scheduler, loss scaler, train state) into ``run``. Returns the
     RNG tensors to restore after the data loaders are built (None when they must not be).
 
     Collective: ranks read different parts of the checkpoint, so a part that fails on one rank (a
@@ -364,36 +391,36 @@ def load_checkpoint(trainer, path: str, load_optimizer: bool = True, load_rng: b
         reader = CheckpointReader(path)
         meta = reader.metadata
         load_optimizer = load_optimizer and not finetune and meta.get("optimizer") is not None
-        load_tensors(trainer, reader, load_optimizer)
+        load_tensors(run, reader, load_optimizer)
         if load_rng and not finetune:
-            rng, rng_skipped = saved_rng(reader, trainer)
+            rng, rng_skipped = saved_rng(reader, run)
     except UserError as e:
         error = str(e)
-    agree(error is None, error or "", trainer.device)
-    trainer.checkpoint_source = meta.get("source")
+    agree(error is None, error or "", run.device)
+    run.source = meta.get("source")
     if finetune:
         log(f" > loaded weights from {reader.directory} (iteration {reader.iteration}); --finetune: starting at "
             "iteration 0 with a fresh optimizer")
         return None
     if load_optimizer:
-        trainer.scheduler.load_state_dict(meta["scheduler"])
-        if meta["scheduler"].get("decay_iters") not in (None, trainer.scheduler.decay):
-            log(f" > note: the learning rate now decays over {trainer.scheduler.decay:g} iterations "
+        run.scheduler.load_state_dict(meta["scheduler"])
+        if meta["scheduler"].get("decay_iters") not in (None, run.scheduler.decay):
+            log(f" > note: the learning rate now decays over {run.scheduler.decay:g} iterations "
                 f"({meta['scheduler']['decay_iters']:g} in the checkpoint's run); this run's flags apply")
-        if trainer.optimizer.loss_scaler is not None and meta.get("loss_scaler"):
-            trainer.optimizer.loss_scaler.load_state_dict(meta["loss_scaler"])
+        if run.optimizer.loss_scaler is not None and meta.get("loss_scaler"):
+            run.optimizer.loss_scaler.load_state_dict(meta["loss_scaler"])
     s = meta.get("train_state", {})
-    trainer.state.iteration = int(s.get("iteration", reader.iteration))
-    trainer.state.consumed_train_samples = int(s.get("consumed_train_samples", 0))
-    trainer.state.consumed_valid_samples = int(s.get("consumed_valid_samples", 0))
-    trainer.state.skipped_iterations = int(s.get("skipped_iterations", 0))
-    trainer.state.nan_iterations = int(s.get("nan_iterations", 0))
+    run.train_state.iteration = int(s.get("iteration", reader.iteration))
+    run.train_state.consumed_train_samples = int(s.get("consumed_train_samples", 0))
+    run.train_state.consumed_valid_samples = int(s.get("consumed_valid_samples", 0))
+    run.train_state.skipped_iterations = int(s.get("skipped_iterations", 0))
+    run.train_state.nan_iterations = int(s.get("nan_iterations", 0))
     if not load_optimizer:
-        trainer.scheduler.load_state_dict({"num_steps": trainer.state.iteration})
+        run.scheduler.load_state_dict({"num_steps": run.train_state.iteration})
     what = "weights, optimizer" if load_optimizer else "weights"
     note = "" if rng is not None or not load_rng else (f" (RNG state not restored: {rng_skipped}; dropout masks "
                                                        "start again from --seed)")
-    log(f" > loaded checkpoint {reader.directory} at iteration {trainer.state.iteration}: {what}{note}")
+    log(f" > loaded checkpoint {reader.directory} at iteration {run.train_state.iteration}: {what}{note}")
     return rng
 
 

@@ -6,25 +6,26 @@ from __future__ import annotations
 import torch
 
 from megalite.checkpoint.pieces import box_view, boxes, held_params, param_entries, placement
+from megalite.checkpoint.state import CheckpointState
 from megalite.errors import UserError
 from megalite.parallel.pipeline.pipedream import stashed_name
 
 
-def stashed_sources(trainer, global_name: str, start: int, end: int) -> dict[str, torch.Tensor]:
+def stashed_sources(run: CheckpointState, global_name: str, start: int, end: int) -> dict[str, torch.Tensor]:
     """For owned_parts: the flat range [start, end) of each stashed older version (pipedream.py)."""
-    runner = trainer.async_pipeline
+    runner = run.async_pipeline
     if runner is None:
         return {}
     return {stashed_name(k, global_name): flat[start:end] for k, flat in runner.stashed().items()}
 
 
 @torch.no_grad()
-def load_stashed_versions(trainer, reader, load_optimizer: bool, log=print) -> None:
+def load_stashed_versions(run: CheckpointState, reader, load_optimizer: bool, log=print) -> None:
     """After the weights are loaded: restart the stream at the checkpoint's iteration with the older
     versions it needs, read from the checkpoint. Without them (--no-load-optim, or a checkpoint of a
     synchronous schedule) they start as copies of the loaded weights; a checkpoint of the same schedule
     that lacks some was saved at a pipeline layout that kept fewer versions: one line."""
-    runner = trainer.async_pipeline
+    runner = run.async_pipeline
     if runner is None:
         return
     runner.restart_at(int(reader.metadata.get("train_state", {}).get("iteration", reader.iteration)))
@@ -32,7 +33,7 @@ def load_stashed_versions(trainer, reader, load_optimizer: bool, log=print) -> N
     if not needed:
         return
     versions = runner.versions
-    entries = param_entries(trainer.chunks)
+    entries = param_entries(run.chunks)
     names = [stashed_name(k, e.global_name) for k in needed for e in entries]
     if not load_optimizer or not all(reader.has(n) for n in names):
         saved = (reader.metadata.get("args") or {}).get("parallel", {})
@@ -45,7 +46,7 @@ def load_stashed_versions(trainer, reader, load_optimizer: bool, log=print) -> N
         log(f" > {runner.schedule}: no stashed weight versions in the checkpoint; the older versions start as "
             "copies of the loaded weights")
         return
-    buffer, vocab, targets = trainer.buffer, trainer.config.model.vocab_size, []
+    buffer, vocab, targets = run.buffer, run.config.model.vocab_size, []
     for k in needed:
         flat = torch.zeros_like(versions.flat)       # vocabulary padding rows are not stored: they stay zero
         versions.stash[versions.newest - k] = flat

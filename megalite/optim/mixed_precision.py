@@ -100,8 +100,8 @@ class MixedPrecisionOptimizer:
         """Updates taken (the rule's step counter)."""
         return self.rule.step_count
 
-    @step_count.setter
-    def step_count(self, value: float) -> None:
+    def set_step_count(self, value: float) -> None:
+        """Restore the rule's step counter (a checkpoint's, or 0 without its optimizer state)."""
         self.rule.step_count = value
 
     def state_tensors(self) -> list[torch.Tensor]:

@@ -35,7 +35,8 @@ def _glibc() -> ctypes.CDLL | None:
         libc = ctypes.CDLL(None)
     except OSError:
         return None
-    return libc if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt") else None
+    is_glibc = hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt")  # probe: the C library's own exports
+    return libc if is_glibc else None
 
 
 def policy_environment() -> dict[str, str]:

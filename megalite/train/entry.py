@@ -1,4 +1,4 @@
-"""pretrain_gpt.py's body: parse the flags, then Trainer(config).train(), as one process of a run.
+"""pretrain_gpt.py's body: parse the flags, then train in a Trainer's with block, as one process of a run.
 
 User mistakes end the run with one line on stderr and exit code 1; under torchrun the line is also
 its error file's message, so torchrun's "Root Cause" section shows it. The flags are parsed before
@@ -30,8 +30,8 @@ def main(argv: list[str]) -> int:
         if _is_logging_rank():
             for note in startup_notes(argv):
                 print(f" > {note}", flush=True)
-        Trainer(config).train()
-        shut_down_distributed()
+        with Trainer(config) as trainer:      # leaving it tears down the run and the process group
+            trainer.train()
     except CollectiveFailure as error:
         report(error)
         sys.stdout.flush()
@@ -87,11 +87,3 @@ def _launch() -> tuple[int, int]:
         return 0, 1
     return env.rank, env.world_size
 
-
-def shut_down_distributed() -> None:
-    """Every rank finishes its last collective, then the process groups are torn down before the
-    interpreter exits (a gloo worker thread still holding tensors at exit aborts the process)."""
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """The train loop: iterations until --train-iters or an exit condition, with the interval's log line,
 evaluation and periodic checkpoints after each iteration.
 
-Every function here takes the Trainer (trainer.py); the loop saves through ``trainer.save()``.
+Every function here takes the run (run.py's ``Run``: the Trainer); the loop saves through ``trainer.save()``.
 """
 from __future__ import annotations
 
@@ -20,14 +20,17 @@ from megalite.train.metrics import (MetricsSinks, MoEStats, format_timers, forma
                                     format_validation_lines, worst_load)
 from megalite.train.performance import Throughput, flops_per_iteration, memory_usage, peak_flops_per_device
 from megalite.train.profiler import StepProfiler
+from megalite.train.run import Run
 from megalite.train.step import forward_only_losses, mean_loss, release_cached_memory, reported_loss, train_step
 from megalite.train.straggler import StragglerDetector
 
 
-def train(trainer, train_iter, valid_iter, log, sinks: MetricsSinks | None) -> None:
+def train(trainer: Run, train_iter, valid_iter, log, sinks: MetricsSinks | None) -> None:
     """Train from ``trainer.state.iteration`` to --train-iters, or until an exit condition (then save)."""
     cfg, t, state = trainer.config, trainer.config.training, trainer.state
-    interval = IntervalStats(moe=MoEStats.of(trainer), stragglers=StragglerDetector.of(trainer, log))
+    moe = MoEStats(trainer.chunks, cfg.model, trainer.parallel, trainer.device) if cfg.model.num_experts else None
+    stragglers = StragglerDetector(t, trainer.parallel, trainer.device, log, trainer.print_fn)
+    interval = IntervalStats(moe=moe, stragglers=stragglers)
     throughput = start_throughput(trainer, log)
     interval_start = time.perf_counter()
     exits = ExitConditions(t.exit_signal_handler, t.exit_duration_in_mins, t.exit_interval, trainer.device,
@@ -75,16 +78,16 @@ def train(trainer, train_iter, valid_iter, log, sinks: MetricsSinks | None) -> N
             gc.enable()
 
 
-def accounted_step(trainer, train_iter):
+def accounted_step(trainer: Run, train_iter):
     """train_step with every byte of it accounted (memory_account.py); each rank prints its breakdown."""
-    with MemoryAccount(trainer) as account:
+    with MemoryAccount(trainer.chunks, trainer.ddp.buffer, trainer.optimizer) as account:
         out = train_step(trainer, train_iter)
     for line in format_breakdown(trainer.parallel.rank, account.breakdown):
         trainer.print_fn(line)
     return out
 
 
-def start_throughput(trainer, log) -> Throughput:
+def start_throughput(trainer: Run, log) -> Throughput:
     """The run's rate calculator; says once against which peak MFU is reported, or why it is not."""
     cfg, t = trainer.config, trainer.config.training
     peak, peak_source = peak_flops_per_device(t.peak_flops, trainer.device)
@@ -94,7 +97,7 @@ def start_throughput(trainer, log) -> Throughput:
     return Throughput(cfg.model, t.global_batch_size, trainer.parallel.world_size, peak, megatron_flops)
 
 
-def handle_nonfinite_step(trainer, loss: torch.Tensor, result, log) -> None:
+def handle_nonfinite_step(trainer: Run, loss: torch.Tensor, result, log) -> None:
     """A NaN/Inf gradient norm (bf16/fp32; a NaN/Inf loss makes one): the optimizer refused the update on
     every rank.
     Stop, with the ranks whose own loss went bad, unless --skip-nan-iterations."""
@@ -109,7 +112,7 @@ def handle_nonfinite_step(trainer, loss: torch.Tensor, result, log) -> None:
     log(f" > {message}")
 
 
-def after_iteration(trainer, interval, interval_start: float, throughput: Throughput, valid_iter, log,
+def after_iteration(trainer: Run, interval, interval_start: float, throughput: Throughput, valid_iter, log,
                     sinks: MetricsSinks | None) -> float:
     """Logging, evaluation and periodic checkpoints after an iteration; returns the new interval start."""
     t, state = trainer.config.training, trainer.state
@@ -140,7 +143,7 @@ def after_iteration(trainer, interval, interval_start: float, throughput: Throug
 
 
 # ---- evaluation ----------------------------------------------------------------------------------
-def evaluate(trainer, data_iterator, num_batches: int) -> float:
+def evaluate(trainer: Run, data_iterator, num_batches: int) -> float:
     """The mean loss over ``num_batches`` full global batches (per token with --calculate-per-token-loss),
     as the pipeline rank that computes the loss has it, on every rank."""
     t = trainer.config.training
@@ -154,7 +157,7 @@ def evaluate(trainer, data_iterator, num_batches: int) -> float:
     return loss
 
 
-def _evaluate(trainer, data_iterator, num_batches: int) -> float:
+def _evaluate(trainer: Run, data_iterator, num_batches: int) -> float:
     for chunk in trainer.chunks:
         chunk.eval()
     losses = []
@@ -207,7 +210,7 @@ class IntervalStats:
         self.iterations, self.losses, self.last_grad_norm, self.samples = 0, [], None, 0
 
 
-def log_iteration(trainer, interval: IntervalStats, seconds_per_iter: float, throughput: Throughput,
+def log_iteration(trainer: Run, interval: IntervalStats, seconds_per_iter: float, throughput: Throughput,
                   log) -> dict:
     """The interval's training line (and timer block) through ``log``; returns the metrics for the sinks."""
     t, state = trainer.config.training, trainer.state
@@ -244,7 +247,7 @@ def log_iteration(trainer, interval: IntervalStats, seconds_per_iter: float, thr
     return metrics
 
 
-def optional_norms(trainer) -> dict[str, float]:
+def optional_norms(trainer: Run) -> dict[str, float]:
     """--log-params-norm: L2 norm of the fp32 master weights; --log-num-zeros-in-grad: zero elements of the
     last step's (unscaled, clipped) gradients. Both count each parameter of the whole model once, with the
     global gradient norm's rules (clip_grads.py: TP-replicated parameters on TP rank 0, the tied
@@ -278,7 +281,7 @@ def line_extras(rates: dict[str, float], memory: dict[str, float]) -> dict[str, 
     return extras
 
 
-def memory_over_ranks(trainer) -> dict[str, float]:
+def memory_over_ranks(trainer: Run) -> dict[str, float]:
     """Each memory figure's maximum over all ranks (the device that runs out first), in MB.
     Every rank calls it at the same log iterations: one all-reduce of a few numbers."""
     memory = memory_usage(trainer.device)

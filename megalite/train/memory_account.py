@@ -64,12 +64,13 @@ def category_of(label: str) -> str:
 
 
 class MemoryAccount(TorchDispatchMode):
-    """Live bytes by label over one training step of ``trainer`` (module docstring). Use as a context
-    around the step; ``breakdown`` holds the result."""
+    """Live bytes by label over one training step of the model ``chunks``, their flat parameter
+    ``buffer`` and ``optimizer`` (module docstring). Use as a context around the step; ``breakdown``
+    holds the result."""
 
-    def __init__(self, trainer):
+    def __init__(self, chunks: list[torch.nn.Module], buffer, optimizer):
         super().__init__()
-        self.trainer = trainer           # dropped on exit
+        self.chunks, self.buffer, self.optimizer = chunks, buffer, optimizer      # dropped on exit
         self._finalizers: list[weakref.finalize] = []
         self._label_of = WeakIdKeyDictionary()      # storage -> [label, bytes]
         self.live: dict[str, int] = {}
@@ -80,7 +81,7 @@ class MemoryAccount(TorchDispatchMode):
 
     # ---- what exists when the step starts ------------------------------------------------------
     def _register_state(self) -> None:
-        buffer, optimizer = self.trainer.ddp.buffer, self.trainer.optimizer
+        buffer, optimizer = self.buffer, self.optimizer
         for label, tensors in (("parameters", buffer.state_tensors("parameters")),
                                ("gradients", buffer.state_tensors("gradients")),
                                ("optimizer state", optimizer.state_tensors())):
@@ -88,7 +89,7 @@ class MemoryAccount(TorchDispatchMode):
                 self._add(tensor.untyped_storage(), label)
         for label, transient in buffer.transients():
             self._add(transient.tensor.untyped_storage(), label)
-        for chunk in self.trainer.chunks:               # parameters outside the flat buffer, if any
+        for chunk in self.chunks:               # parameters outside the flat buffer, if any
             for param in chunk.parameters():
                 self._add(param.untyped_storage(), "parameters")
 
@@ -123,7 +124,7 @@ class MemoryAccount(TorchDispatchMode):
 
     def _hook_modules(self) -> None:
         """Forward hooks that label each chunk's, embedding's and layer's forward."""
-        for chunk in self.trainer.chunks:
+        for chunk in self.chunks:
             self._label_forward(chunk, "activations: head" if chunk.post_process else "activations: other")
             if chunk.pre_process:
                 self._label_forward(chunk.embedding, "activations: embedding")
@@ -162,7 +163,7 @@ class MemoryAccount(TorchDispatchMode):
             hook.remove()
         for finalizer in self._finalizers:        # the account is done: no storage keeps it alive
             finalizer.detach()
-        self.trainer = self._finalizers = self._label_of = None
+        self.chunks = self.buffer = self.optimizer = self._finalizers = self._label_of = None
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, _types, args=(), kwargs=None):

@@ -178,13 +178,6 @@ class MoEStats:
         if config.moe_z_loss_coeff:
             self.loss_names[1] = "z_loss"
 
-    @classmethod
-    def of(cls, trainer) -> MoEStats | None:
-        """The trainer's, or None for a model without MoE layers."""
-        if not trainer.config.model.num_experts:
-            return None
-        return cls(trainer.chunks, trainer.config.model, trainer.parallel, trainer.device)
-
     @torch.no_grad()
     def report(self) -> tuple[dict[str, float], dict[str, float]]:
         """(the interval's losses, the per-layer load figures), on every rank; starts the next interval.

@@ -4,9 +4,9 @@ The forward/backward dispatch picks the schedule: no pipeline, a synchronous pip
 (1F1B, interleaved 1F1B, GPipe, ZB-H1, ZB-V), or the asynchronous PipeDream schedules, which read
 ahead into the next batch. Evaluation runs the same dispatch forward only (forward_only_losses).
 
-Every function here but per_token_loss_weights takes the Trainer (trainer.py) and reads what it built:
-``.model``, ``.chunks``, ``.ddp``, ``.optimizer``, ``.scheduler``, ``.pipeline``, ``.async_pipeline``,
-``.timers``, ``.state``.
+Every function here but per_token_loss_weights takes the run (run.py's ``Run``: the Trainer) and reads
+what it built: ``.model``, ``.chunks``, ``.ddp``, ``.optimizer``, ``.scheduler``, ``.pipeline``,
+``.async_pipeline``, ``.timers``, ``.state``.
 """
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ from megalite.parallel.pipeline.orders import StageMap, stage_placement
 from megalite.parallel.pipeline.schedules import forward_backward_no_pipelining, forward_backward_pipelined
 from megalite.parallel.pipeline.stages import LOSS_WEIGHT
 from megalite.train.faults import collective_phase
+from megalite.train.run import Run
 
 
-def next_batches(trainer, data_iterator, num_microbatches: int) -> list[dict]:
+def next_batches(trainer: Run, data_iterator, num_microbatches: int) -> list[dict]:
     """One step's micro-batches, each with its loss weight under --calculate-per-token-loss."""
     batches = [next(data_iterator) for _ in range(num_microbatches)]   # pipeline stages stay in step
     if not trainer.config.training.calculate_per_token_loss:
@@ -53,7 +54,7 @@ def per_token_loss_weights(batches: list[dict], device: torch.device, parallel: 
     return [{**b, LOSS_WEIGHT: w} for b, w in zip(batches, weights.float().unbind())]
 
 
-def train_step(trainer, data_iterator) -> tuple[torch.Tensor, object]:
+def train_step(trainer: Run, data_iterator) -> tuple[torch.Tensor, object]:
     """One global batch: forward/backward over its micro-batches, gradient sync, optimizer step. Returns
     the step's loss averaged over data-parallel ranks (a 0-dim float64 tensor on the device; 0 on
     pipeline stages without the loss) and the optimizer's StepResult.
@@ -92,16 +93,15 @@ def train_step(trainer, data_iterator) -> tuple[torch.Tensor, object]:
         return loss, result
 
 
-def forward_backward(trainer, data_iterator) -> torch.Tensor | None:
+def forward_backward(trainer: Run, data_iterator) -> torch.Tensor | None:
     """Zero the gradients, then forward and backward over this step's micro-batches with the run's
     schedule; returns the micro-batch losses (none on pipeline stages without the loss)."""
     model, optimizer = trainer.model, trainer.optimizer
     model.train()
     num_microbatches = trainer.config.num_microbatches_at(trainer.state.consumed_train_samples)
-    trainer.ddp.num_microbatches = num_microbatches
-    if model.moe is not None:      # the MoE auxiliary losses backpropagate with the main loss's scale
-        model.moe.grad_scale = optimizer.loss_scale / num_microbatches
-    optimizer.zero_grad()
+    trainer.ddp.zero_grad(num_microbatches)       # the optimizer reads the gradients of its buffer
+    if model.moe is not None:
+        model.moe.start_step(optimizer.loss_scale, num_microbatches)
     for chunk in trainer.chunks:
         chunk.train()
     timeout = trainer.config.training.distributed_timeout_minutes
@@ -118,13 +118,13 @@ def forward_backward(trainer, data_iterator) -> torch.Tensor | None:
     return losses
 
 
-def forward_only_losses(trainer, data_iterator) -> torch.Tensor | None:
+def forward_only_losses(trainer: Run, data_iterator) -> torch.Tensor | None:
     """The micro-batch losses of one global batch, forward only (evaluation)."""
     return run_schedule(trainer, next_batches(trainer, data_iterator, trainer.config.num_microbatches), 1.0,
                         forward_only=True)
 
 
-def run_schedule(trainer, batches: list[dict], loss_scale: float, forward_only: bool = False) -> torch.Tensor | None:
+def run_schedule(trainer: Run, batches: list[dict], loss_scale: float, forward_only: bool = False) -> torch.Tensor | None:
     """``batches`` through the run's synchronous schedule (schedules.py): gradient accumulation without
     a pipeline, else this rank's stages, whose receive waits go to the timers."""
     if trainer.pipeline is None:
@@ -136,7 +136,7 @@ def run_schedule(trainer, batches: list[dict], loss_scale: float, forward_only: 
     return losses
 
 
-def advance_lr_schedule(trainer, batch_size: int) -> None:
+def advance_lr_schedule(trainer: Run, batch_size: int) -> None:
     """Megatron steps its schedule by the samples of each update (its lengths are iterations x the global
     batch size): a ramp-up step of a smaller batch advances megalite's schedule, counted in full-batch
     iterations, by batch_size / global batch size."""
@@ -162,7 +162,7 @@ def mean_loss(losses: torch.Tensor | None, device: torch.device) -> torch.Tensor
     return losses.to(torch.float64).mean()
 
 
-def loss_pipeline_rank(trainer) -> int:
+def loss_pipeline_rank(trainer: Run) -> int:
     """The pipeline rank holding the last virtual stage, the chunk that computes the loss (its
     post_process; build_model_chunks places chunks with the same stage_placement): the last rank, but
     rank 0 under zbv's V placement."""
@@ -171,7 +171,7 @@ def loss_pipeline_rank(trainer) -> int:
     return stages.where[stages.num_stages - 1][0]
 
 
-def reported_loss(trainer, value: float | torch.Tensor) -> float:
+def reported_loss(trainer: Run, value: float | torch.Tensor) -> float:
     """``value`` (a loss, or a sum of losses; a number or a 0-dim tensor) as the pipeline rank that
     computes the loss has it, on every rank, so that the logging rank reports it whichever rank that is.
     A broadcast over the pipeline group: every rank calls it at the same points (log iterations,

@@ -125,10 +125,6 @@ class StragglerDetector:
         port = config.straggler_ctrlr_port
         self.controller = ToggleServer(port, print_fn) if self.enabled and self.rank == 0 and port else None
 
-    @classmethod
-    def of(cls, trainer, log) -> StragglerDetector:
-        return cls(trainer.config.training, trainer.parallel, trainer.device, log, trainer.print_fn)
-
     @contextmanager
     def step(self):
         """One training step: its wall time, and the waits marked inside it."""

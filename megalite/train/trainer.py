@@ -1,13 +1,18 @@
 """The Trainer: one training run built from a MegaliteConfig, owning its lifecycle.
 
-    Trainer(config)            start the processes (ParallelState, device, seed), build the model chunks,
-                               the data-parallel wrapper, optimizer, LR schedule and pipeline exchange
-    .train()                   --load, the data loaders, the loop (loop.py: steps from step.py, logging,
-                               evaluation, periodic checkpoints), the final checkpoint and evaluations
+    with Trainer(config) as trainer:   start the processes (ParallelState, device, seed), build the model
+                                       chunks, the data-parallel wrapper, optimizer, LR schedule and
+                                       pipeline exchange
+        trainer.train()                --load, the data loaders, the loop (loop.py: steps from step.py,
+                                       logging, evaluation, periodic checkpoints), the final checkpoint and
+                                       evaluations
     .evaluate() .save() .load() .close()
+                                       leaving the block (any way but a broken process group): background
+                                       saves waited for, ddp closed, the process group it started destroyed
 
 build_trainer(config, print_fn) and pretrain(config, print_fn) are the two entry points tests and
-tools use: the built Trainer, and a whole run returning its TrainState.
+tools use: the built Trainer (whose caller tears down what it needs), and a whole run in a ``with``
+block returning its TrainState.
 """
 from __future__ import annotations
 
@@ -20,9 +25,9 @@ import signal
 import sys
 import time
 import weakref
-from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from megalite.checkpoint import locations
@@ -30,6 +35,7 @@ from megalite.checkpoint.background import BackgroundSaves
 from megalite.checkpoint.files import CheckpointReader, check_writable
 from megalite.checkpoint.save import save_checkpoint
 from megalite.checkpoint.sharded import full_shape, load_checkpoint, param_entries, restore_rng
+from megalite.checkpoint.state import CheckpointState
 from megalite.config import validate as rules
 from megalite.config.schema import MegaliteConfig
 from megalite.data.builder import build_train_valid_test_datasets
@@ -52,10 +58,11 @@ from megalite.parallel.expert.dispatch import build_moe_context
 from megalite.parallel.tensor.setup import build_tensor_parallel
 from megalite.train import loop
 from megalite.train.compile import compile_layers
-from megalite.train.faults import collective_phase
+from megalite.train.faults import CollectiveFailure, collective_phase
 from megalite.train.memory_account import MetaStandIns
 from megalite.train.metrics import MetricsSinks, format_validation_lines
 from megalite.train.performance import report_memory
+from megalite.train.run import TrainState
 
 
 def print_line(text: str) -> None:
@@ -69,45 +76,41 @@ def quiet(*_) -> None:
     """The log of ranks other than the logging rank."""
 
 
-@dataclass
-class TrainState:
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_valid_samples: int = 0
-    skipped_iterations: int = 0
-    nan_iterations: int = 0
-    exit_reason: str | None = None                   # why training stopped before --train-iters, if it did
-    last_local_loss: torch.Tensor | None = None      # this rank's own loss of the last step, on the device
-                                                     # (NaN diagnosis)
-    history: list = field(default_factory=list)      # per-iteration lm loss as this rank has it (0.0 on
-                                                     # pipeline ranks without the loss), for callers and
-                                                     # tests; filled when the loop logs and at its end
-
-
 class Trainer:
-    """Everything built for one run. Checkpointing (checkpoint/sharded.py), the step and the loop read its
-    attributes: ``config``, ``parallel`` (ParallelState), ``device``, ``model`` (the first chunk),
-    ``chunks`` (this rank's pipeline stages), ``ddp`` (data-parallel gradient sync / ZeRO sharding),
-    ``buffer``, ``optimizer``, ``scheduler``, ``timers``, ``state``, ``pipeline`` (stage-to-stage exchange
-    when pp > 1), ``async_pipeline`` (--pipeline-schedule pipedream / pipedream-2bw),
-    ``last_saved_iteration`` (of the checkpoint last saved or loaded), ``checkpoint_source``
-    (metadata["source"] of the loaded checkpoint, kept on save) and ``background_saves`` (--async-save).
+    """Everything built for one run: the step and the loop read it as a ``Run`` (run.py lists what they
+    read), checkpoints read and restore ``checkpoint_state`` (checkpoint/state.py); also ``buffer`` (the
+    flat parameter buffer) and ``background_saves`` (--async-save).
 
-    ``print_fn`` prints a line; ``log`` is print_fn on the logging rank and silent elsewhere."""
+    A context manager: leaving its block tears the run down (``shut_down``). ``print_fn`` prints a line;
+    ``log`` is print_fn on the logging rank and silent elsewhere."""
 
     def __init__(self, config: MegaliteConfig, print_fn=print_line):
         if config.training.save:
             check_writable(config.training.save)       # before any start-up time is spent
         self.config = config
         self.print_fn = print_fn
+        started_here = not dist.is_initialized()
         self.parallel, self.device = initialize_distributed(config.parallel,
                                                             config.training.distributed_timeout_minutes,
                                                             experts=bool(config.model.num_experts))
-        self.log = print_fn if self.parallel.is_logging_rank else quiet
+        self.owns_process_group = started_here and dist.is_initialized()
+        self.ddp, self.closed = None, False
+        self.background_saves: BackgroundSaves | None = None
+        try:
+            self._build()
+        except CollectiveFailure:
+            raise                                      # the group is broken: the caller exits without teardown
+        except BaseException:
+            self.shut_down(clean=False)
+            raise
+
+    def _build(self) -> None:
+        """Everything after the process group: model, optimizer, schedule, pipeline, checkpoint state."""
+        config = self.config
+        self.log = self.print_fn if self.parallel.is_logging_rank else quiet
         set_matmul_precision(config.training.tf32, self.device)
         self.state = TrainState()
         self.last_saved_iteration: int | None = None
-        self.checkpoint_source: dict | None = None
         self._build_model()
         # the global gradient norm is taken over TP/PP (and DP shards)
         self.optimizer = build_optimizer(self.ddp, config.optimizer, self.parallel)
@@ -117,6 +120,40 @@ class Trainer:
                                                    chunk_forward(self.chunks, self.device))
         self.timers = Timers(config.training.timing_log_level, self.device)
         self.background_saves = BackgroundSaves(self.log) if config.training.async_save else None
+        self.checkpoint_state = CheckpointState(config, self.parallel, self.device, self.chunks, self.ddp,
+                                                self.optimizer, self.scheduler, self.state, self.model.tp.rng,
+                                                self.async_pipeline)
+
+    # ---- the lifecycle ---------------------------------------------------------------------------
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        if kind is not None and issubclass(kind, CollectiveFailure):
+            return                       # the process group is broken: tearing it down would hang or abort
+        self.shut_down(clean=kind is None)
+
+    def shut_down(self, clean: bool = True) -> None:
+        """Tear the run down: wait for a background save, close the data-parallel backend (no collective
+        left in flight), and destroy the process group if this Trainer started it. ``clean``: every rank
+        got here (a normal end), so they first meet in a barrier; after an error a rank does not wait
+        for the others, and a background save's error does not hide the one being raised."""
+        try:
+            if clean:
+                self.poll_saves(wait=True)
+                self.close()
+            else:                        # the error being raised is the one to report, not the teardown's
+                if self.background_saves is not None:
+                    with contextlib.suppress(Exception):
+                        self.background_saves.wait()
+                with contextlib.suppress(Exception):
+                    self.close()
+        finally:
+            if self.owns_process_group and dist.is_initialized():
+                if clean:
+                    dist.barrier()
+                dist.destroy_process_group()
+            self.owns_process_group = False
 
     def _build_model(self) -> None:
         """This rank's model chunks inside the data-parallel wrapper (``chunks``, ``model``, ``ddp``,
@@ -172,6 +209,7 @@ class Trainer:
             if not self.state.exit_reason:       # on an early exit: saved already, no final evaluation
                 self._finish(valid_iter, test_iter)
             self.poll_saves(wait=True)
+            self.close()
         finally:
             if sinks is not None:
                 sinks.close()
@@ -180,7 +218,7 @@ class Trainer:
         return self.state
 
     def _finish(self, valid_iter, test_iter) -> None:
-        """After --train-iters: the last checkpoint, the end-of-training evaluations, then close."""
+        """After --train-iters: the last checkpoint and the end-of-training evaluations."""
         t = self.config.training
         if t.save and self.state.iteration > 0 and self.state.iteration != self.last_saved_iteration:
             self.save()
@@ -190,15 +228,16 @@ class Trainer:
         if test_iter is not None and t.eval_iters > 0:
             loss = self.evaluate(test_iter, t.eval_iters)
             self.log(format_validation_lines("at the end of training for test data", {"lm loss": loss}))
-        self.close()
 
     def evaluate(self, data_iterator, num_batches: int) -> float:
         """The mean loss over ``num_batches`` global batches, on every rank (loop.evaluate)."""
         return loop.evaluate(self, data_iterator, num_batches)
 
     def close(self) -> None:
-        """No collective left in flight when the process groups go."""
-        self.ddp.close()
+        """No collective left in flight when the process groups go (once; nothing before ddp is built)."""
+        if self.ddp is not None and not self.closed:
+            self.ddp.close()
+            self.closed = True
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def save(self, non_persistent: bool = False) -> None:
@@ -208,9 +247,9 @@ class Trainer:
         destination = locations.non_persistent(t) if non_persistent else locations.persistent(t)
         with collective_phase("saving a checkpoint", t.distributed_timeout_minutes):
             if self.background_saves is not None:
-                self.background_saves.save(self, destination)          # says when it is taken and published
+                self.background_saves.save(self.checkpoint_state, destination)    # says when taken and published
             else:
-                path = save_checkpoint(self, destination)
+                path = save_checkpoint(self.checkpoint_state, destination)
                 self.log(f" > saved checkpoint at iteration {self.state.iteration} to {path} "
                          f"({time.perf_counter() - start:.2f} s)")
         if not non_persistent:
@@ -238,8 +277,8 @@ class Trainer:
                 self.log(f" > no checkpoint in {t.load} yet: starting from scratch")
                 return None
             path = path or t.load              # load_checkpoint says what is wrong with it
-            rng = load_checkpoint(self, path, load_optimizer=not t.no_load_optim, load_rng=not t.no_load_rng,
-                                  finetune=t.finetune, log=self.log)
+            rng = load_checkpoint(self.checkpoint_state, path, load_optimizer=not t.no_load_optim,
+                                  load_rng=not t.no_load_rng, finetune=t.finetune, log=self.log)
         if not locations.is_non_persistent(t, path):       # else the final save must still be made
             self.last_saved_iteration = self.state.iteration
         if t.batch_size_schedule and not t.finetune:
@@ -265,8 +304,9 @@ def build_trainer(config: MegaliteConfig, print_fn=None) -> Trainer:
 
 
 def pretrain(config: MegaliteConfig, print_fn=print_line) -> TrainState:
-    """A whole run: Trainer(config).train()."""
-    return Trainer(config, print_fn).train()
+    """A whole run: Trainer(config).train() in its ``with`` block."""
+    with Trainer(config, print_fn) as trainer:
+        return trainer.train()
 
 
 def report_parameters(trainer: Trainer) -> None:

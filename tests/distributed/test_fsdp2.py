@@ -88,13 +88,13 @@ def save_and_go_on(argv, world: int, directory: str) -> list[float]:
         train_step(trainer, data)
     trainer.state.iteration = BEFORE
     trainer.state.consumed_train_samples = BEFORE * trainer.config.training.global_batch_size
-    save_checkpoint(trainer, directory)
+    save_checkpoint(trainer.checkpoint_state, directory)
     return [float(train_step(trainer, data)[0]) for _ in range(AFTER)]
 
 
 def resume(argv, world: int, directory: str) -> list[float]:
     trainer = build_trainer(parse_args(argv, world_size=world))
-    load_checkpoint(trainer, directory, log=lambda *_: None)
+    load_checkpoint(trainer.checkpoint_state, directory, log=lambda *_: None)
     assert trainer.state.iteration == BEFORE
     data = batches_from(trainer, BEFORE, AFTER)
     return [float(train_step(trainer, data)[0]) for _ in range(AFTER)]

@@ -81,7 +81,7 @@ def test_whole_parameter_optimizer_state_is_the_ranks_share(runs):
     """ZeRO-1, one bucket, fp32: a rank's optimizer state is m and v (master = weights) of the whole
     parameters it owns, not of its chunk's padding: together the ranks hold the single process's state,
     and each is within the largest parameter of total/d. The padding of the flat layout is measured."""
-    from megalite.config.megatron_cli import parse_args
+    from megalite.train.command_line import parse_args
     from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
     from megalite.train.trainer import build_trainer
     named = build_trainer(parse_args(ARGV, world_size=1)).ddp.named_params

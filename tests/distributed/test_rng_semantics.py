@@ -125,16 +125,16 @@ def test_rng_states_saved_on_another_kind_of_device_are_skipped():
     tracker = RNGTracker()
     tracker.add(MODEL_PARALLEL_RNG, 1)
     parallel = SimpleNamespace(rank=0, world_size=1, tp_size=1, pp_size=1, cp_size=1, dp_size=1)
-    trainer = SimpleNamespace(parallel=parallel, chunks=[None], model=SimpleNamespace(tp=SimpleNamespace(rng=tracker)),
-                              config=SimpleNamespace(parallel=SimpleNamespace(data_parallel_sharding_strategy="no_shard")))
+    run = SimpleNamespace(parallel=parallel, chunks=[None], rng=tracker,        # what a CheckpointState holds
+                          config=SimpleNamespace(parallel=SimpleNamespace(data_parallel_sharding_strategy="no_shard")))
     cuda_state = torch.zeros(16, dtype=torch.uint8)               # a CUDA generator's (seed, offset)
     saved = {"cpu": torch.get_rng_state(), f"tracker.{MODEL_PARALLEL_RNG}": cuda_state}
-    reader = SimpleNamespace(metadata={"layout": layout_of(trainer)}, rng_tensors=lambda name: saved)
-    assert saved_rng(reader, trainer) == (None, "it was saved on another kind of device")
+    reader = SimpleNamespace(metadata={"layout": layout_of(run)}, rng_tensors=lambda name: saved)
+    assert saved_rng(reader, run) == (None, "it was saved on another kind of device")
     saved[f"tracker.{MODEL_PARALLEL_RNG}"] = tracker.states[MODEL_PARALLEL_RNG].clone()
-    assert saved_rng(reader, trainer)[0] is saved
-    reader.metadata = {"layout": {**layout_of(trainer), "tensor_model_parallel_size": 2}}
-    assert saved_rng(reader, trainer) == (None, "the layout differs")
+    assert saved_rng(reader, run)[0] is saved
+    reader.metadata = {"layout": {**layout_of(run), "tensor_model_parallel_size": 2}}
+    assert saved_rng(reader, run) == (None, "the layout differs")
 
 
 def test_a_checkpoint_with_dropout_resumes_at_its_own_and_at_another_layout(tmp_path):

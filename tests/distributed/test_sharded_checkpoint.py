@@ -5,7 +5,7 @@ One 2-rank spawn serves every check: a ZeRO-3 run (DP=2) saves and trains on (th
 reference); the checkpoint is resumed at the same layout, at TP=2 and at CP=2 (those two save too),
 and a damaged copy is loaded; a bf16 ZeRO-3 run saves, and a run that loads it saves again. Spies
 record the bytes of every collective and of every stored piece a rank reads. The test process itself
-resumes the ZeRO-3 checkpoint at DP=1 (also rewritten in format 1) and inspects the files.
+resumes the ZeRO-3 checkpoint at DP=1 (also rewritten as whole tensors) and inspects the files.
 """
 import json
 import os
@@ -125,7 +125,7 @@ def save_resume_reshard(rank: int, world: int, tmp: str) -> dict:
         train_step(trainer, data)
     mark_trained(trainer, BEFORE)
     with spies() as out["save_zero3"]:
-        save_checkpoint(trainer, os.path.join(tmp, "zero3"))
+        save_checkpoint(trainer.checkpoint_state, os.path.join(tmp, "zero3"))
     out["owned_zero3"] = owned_elements(trainer)
     out["reference"] = [float(train_step(trainer, data)[0]) for _ in range(AFTER)]
 
@@ -133,13 +133,13 @@ def save_resume_reshard(rank: int, world: int, tmp: str) -> dict:
     for layout, argv in (("same", ZERO3), ("tp2", TP2), ("cp2", CP2)):
         trainer = build_trainer(parse_args(argv, world_size=world))
         with spies() as out[f"load_{layout}"]:
-            load_checkpoint(trainer, os.path.join(tmp, "zero3"), log=quiet)
+            load_checkpoint(trainer.checkpoint_state, os.path.join(tmp, "zero3"), log=quiet)
         data = batches_from(trainer, BEFORE, AFTER)
         out[layout] = [float(train_step(trainer, data)[0]) for _ in range(AFTER)]
         if layout != "same":
             mark_trained(trainer, BEFORE + AFTER)
             with spies() as out[f"save_{layout}"]:
-                save_checkpoint(trainer, os.path.join(tmp, layout))
+                save_checkpoint(trainer.checkpoint_state, os.path.join(tmp, layout))
             out[f"owned_{layout}"] = owned_elements(trainer)
         if layout == "tp2":
             out["tp_sharded"] = {e.global_name for e in param_entries(trainer.chunks)
@@ -155,7 +155,8 @@ def save_resume_reshard(rank: int, world: int, tmp: str) -> dict:
             f.write(bytes([last ^ 0xFF]))
     dist.barrier()
     try:
-        load_checkpoint(build_trainer(parse_args(ZERO3, world_size=world)), os.path.join(tmp, "damaged"), log=quiet)
+        damaged = build_trainer(parse_args(ZERO3, world_size=world))
+        load_checkpoint(damaged.checkpoint_state, os.path.join(tmp, "damaged"), log=quiet)
         out["damaged"] = None
     except UserError as e:
         out["damaged"] = str(e)
@@ -165,10 +166,10 @@ def save_resume_reshard(rank: int, world: int, tmp: str) -> dict:
     trainer = build_trainer(parse_args(bf16, world_size=world))
     train_step(trainer, batches_from(trainer, 0, 1))
     mark_trained(trainer, 1)
-    save_checkpoint(trainer, os.path.join(tmp, "bf16"))
+    save_checkpoint(trainer.checkpoint_state, os.path.join(tmp, "bf16"))
     again = build_trainer(parse_args(bf16, world_size=world))
-    load_checkpoint(again, os.path.join(tmp, "bf16"), log=quiet)
-    save_checkpoint(again, os.path.join(tmp, "bf16_again"))
+    load_checkpoint(again.checkpoint_state, os.path.join(tmp, "bf16"), log=quiet)
+    save_checkpoint(again.checkpoint_state, os.path.join(tmp, "bf16_again"))
     return out
 
 
@@ -281,13 +282,13 @@ def test_a_zero3_checkpoint_resumes_at_the_same_layout_at_tp2_and_serially(shard
 def serial_losses(checkpoint: str) -> list[float]:
     """The losses after resuming ``checkpoint`` in this process (DP=1)."""
     trainer = build_trainer(parse_args(SERIAL, world_size=1))
-    load_checkpoint(trainer, checkpoint, log=quiet)
+    load_checkpoint(trainer.checkpoint_state, checkpoint, log=quiet)
     data = batches_from(trainer, BEFORE, AFTER)
     return [float(train_step(trainer, data)[0]) for _ in range(AFTER)]
 
 
-def test_a_format_1_checkpoint_of_whole_tensors_still_loads(sharded, tmp_path):
-    """Format 1 stored whole tensors (earlier megalite; tools/convert_checkpoint.py still does): the
+def test_a_checkpoint_of_whole_tensors_loads(sharded, tmp_path):
+    """A single writer's checkpoint of whole tensors (as tools/convert_checkpoint.py writes them): the
     ZeRO-3 checkpoint rewritten that way, each tensor assembled by CheckpointReader.tensor, resumes to
     the same losses."""
     tmp, results = sharded
@@ -298,10 +299,8 @@ def test_a_format_1_checkpoint_of_whole_tensors_still_loads(sharded, tmp_path):
     kept = {k: v for k, v in reader.metadata.items() if k not in ("format", "version", "tensors", "files", "rng_files",
                                                                 "index")}
     write_checkpoint(str(tmp_path / "v1"), BEFORE, files, kept)
-    meta_path = tmp_path / "v1" / "iter_0000002" / "metadata.json"
-    meta = json.loads(meta_path.read_text())
+    meta = json.loads((tmp_path / "v1" / "iter_0000002" / "metadata.json").read_text())
     assert all("pieces" not in entry for entry in meta["tensors"].values())
-    meta_path.write_text(json.dumps({**meta, "version": 1}))
     assert serial_losses(str(tmp_path / "v1")) == pytest.approx(results[0]["reference"], rel=1e-5)
 
 

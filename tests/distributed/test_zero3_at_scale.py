@@ -63,7 +63,7 @@ def _train_save(rank, world, flags, directory, steps):
     data = global_batches(trainer, 0, steps + 1)
     losses = [float(train_step(trainer, data)[0]) for _ in range(steps)]
     trainer.state.iteration = steps
-    save_checkpoint(trainer, directory)
+    save_checkpoint(trainer.checkpoint_state, directory)
     losses.append(float(train_step(trainer, data)[0]))       # the step a resumed run must repeat
     trainer.ddp.close()
     return {"losses": losses, "peak": peak_rss_bytes(), "before": before, "psi": trainer.buffer.numel_unpadded,
@@ -80,7 +80,7 @@ def _load_train(rank, world, flags, directory, steps):
     reset_peak_rss()
     trainer = build_trainer(parse_args(flags, world_size=world))
     startup = window_peak_rss_bytes() - before
-    load_checkpoint(trainer, os.path.join(directory, f"iter_{steps:07d}"), log=lambda *_: None)
+    load_checkpoint(trainer.checkpoint_state, os.path.join(directory, f"iter_{steps:07d}"), log=lambda *_: None)
     loss = float(train_step(trainer, global_batches(trainer, steps, 1))[0])
     trainer.ddp.close()
     return {"loss": loss, "peak": peak_rss_bytes(), "before": before, "startup": startup}

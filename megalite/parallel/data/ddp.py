@@ -245,8 +245,10 @@ class DistributedDataParallel(DataParallel):
         self._remaining = {b.index: len(b.params) for b in self.buckets}
         self._grad_work = {}
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, num_microbatches: int | None = None) -> None:
         self.buffer.zero_grad()
+        if num_microbatches is not None:       # a batch-size schedule changes it from step to step
+            self.num_microbatches = num_microbatches
         self._reset_step_state()
 
     @torch.no_grad()

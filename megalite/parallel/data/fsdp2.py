@@ -233,8 +233,10 @@ class FullyShardedDataParallel(DataParallel):
         return named
 
     # ---- per step --------------------------------------------------------------------------------
-    def zero_grad(self) -> None:
+    def zero_grad(self, num_microbatches: int | None = None) -> None:
         self.buffer.zero_grad()
+        if num_microbatches is not None:
+            self.num_microbatches = num_microbatches
 
     def finish_grad_sync(self) -> None:
         """Nothing left to do: FSDP2's backward has reduce-scattered every layer (its final callback

@@ -112,8 +112,9 @@ class DataParallel(abc.ABC):
         return [p for _, p in self.named_params]
 
     @abc.abstractmethod
-    def zero_grad(self) -> None:
-        """Zero the gradients this rank holds and reset the per-step state."""
+    def zero_grad(self, num_microbatches: int | None = None) -> None:
+        """Zero the gradients this rank holds and reset the per-step state; the step that follows runs
+        ``num_microbatches`` backward passes (None: as many as the last)."""
 
     @abc.abstractmethod
     def finish_grad_sync(self) -> None:

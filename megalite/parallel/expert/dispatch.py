@@ -57,13 +57,18 @@ class MoEContext:
     size); the group of every token of the pipeline stage (``stage_group``: TP x CP x DP, for the
     per-step load counts); the CP size (each CP rank's loss share is scaled by it, as
     parallel/context/ring_attention.py's context_parallel_loss does); and this step's gradient scale of
-    the auxiliary losses (loss scale / micro-batches, set by the training step)."""
+    the auxiliary losses (``start_step``)."""
     ep: ExpertParallel
     sequence_group: object = None
     sequence_split: int = 1
     stage_group: object = None
     cp_size: int = 1
     grad_scale: float = 1.0
+
+    def start_step(self, loss_scale: float, num_microbatches: int) -> None:
+        """A training step of ``num_microbatches`` backward passes at ``loss_scale`` follows: the auxiliary
+        losses backpropagate with the main loss's scale, loss scale / micro-batches."""
+        self.grad_scale = loss_scale / num_microbatches
 
 
 def build_moe_context(state, dispatcher: str, sequence_parallel: bool) -> MoEContext:

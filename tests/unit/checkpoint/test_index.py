@@ -8,7 +8,6 @@ import os
 import pytest
 import torch
 
-from megalite.checkpoint import index as index_module
 from megalite.checkpoint.files import CheckpointReader, write_metadata
 from megalite.checkpoint.tensor_file import DTYPE_NAMES, write_tensor_file
 from megalite.checkpoint.index import (BANDS, IndexShards, band_holder, band_rows, encode, holder, index_filename,
@@ -95,25 +94,21 @@ def test_a_tensor_in_several_bands_is_read_from_the_bands_it_needs(tmp_path, mon
     assert all(torch.equal(reader.tensor(n), t) for n, t in full.items())
 
 
-def test_an_index_of_fixed_bands_without_headers_still_loads(tmp_path, monkeypatch):
-    """Format 3: bands of BAND_ELEMENTS elements, no tensor headers, as index.py wrote before per-tensor bands."""
-    monkeypatch.setattr(index_module, "BAND_ELEMENTS", 3 * COLS)           # 3 rows a band: 6 bands of 16 rows
-    full = tensors()
-    payloads = [encode(writer_parts(str(tmp_path), w, SHARDS, full, rows_per_band=3), SHARDS) for w in range(WRITERS)]
-    held = [merge([payloads[w][rank] for w in range(WRITERS)]) for rank in range(SHARDS)]
-    files = {name: size for h in held for name, size in h["files"].items()}
-    old = [{"tensors": {}, "rng": {}, "files": files} for _ in range(SHARDS)]       # each key at crc32(key)
-    for h in held:
-        for key, entry in h["tensors"].items():
-            old[holder(key, SHARDS)]["tensors"][key] = {k: v for k, v in entry.items() if k != "band_rows"}
-        for key, records in h["rng"].items():
-            old[holder(key, SHARDS)]["rng"][key] = records
-    for rank in range(SHARDS):
-        write_index_file(str(tmp_path), rank, old[rank])
-    write_metadata(str(tmp_path), {"iteration": 1, "index": {"shards": SHARDS, "band_elements": 3 * COLS}})
-    reader = CheckpointReader(str(tmp_path))
-    assert reader.has("decoder.layers.7.weight") and not reader.has("decoder.layers.70.weight")
-    assert all(torch.equal(reader.tensor(n), t) for n, t in full.items())
+@pytest.mark.parametrize("version", [1, 3, 5])
+def test_a_checkpoint_of_another_format_version_is_refused_in_one_line(sharded, version):
+    """Only the current format is read: a pre-release one (1: whole tensors, 3: fixed bands) or a newer
+    one is named, with what to do."""
+    directory = str(sharded[0])
+    path = os.path.join(directory, "metadata.json")
+    with open(path) as f:
+        meta = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**meta, "version": version}, f)
+    with pytest.raises(UserError) as error:
+        CheckpointReader(directory)
+    message = str(error.value)
+    assert "\n" not in message and f"format version {version}, this megalite reads version 4" in message
+    assert ("upgrade megalite" in message) == (version == 5)
 
 
 def test_what_a_rank_sends_does_not_grow_with_the_world(tmp_path):

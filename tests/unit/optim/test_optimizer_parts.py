@@ -56,7 +56,7 @@ def test_adamw_rule_steps_as_torch_adamw_and_names_its_state():
         for kind in optimizer.state_names:
             torch.testing.assert_close(state[kind][slot.start:slot.end].view(slot.shape), theirs[kind],
                                        rtol=1e-5, atol=1e-8)
-    optimizer.step_count = 7.0
+    optimizer.set_step_count(7.0)
     assert optimizer.step_count == 7.0
 
 
