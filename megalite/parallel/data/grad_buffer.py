@@ -43,8 +43,8 @@ Freeing the bytes never drops the object a collective was given, so the release 
 left to a communication thread.
 
 Sharded start-up: parameters built on the meta device (``GPTModel(meta=True)``) carry
-``init_values(start, end)`` in their record (``param_meta``); the buffer allocates only what this rank holds on ``device``, fills it from
-there and hands back real parameters (``replacements``, swapped into the modules by the data-parallel
+``init_values(start, end)`` in their record (``param_meta``); the buffer allocates only what this rank
+holds on ``device``, fills it from there (materialise.py) and hands back real parameters (``replacements``, swapped into the modules by the data-parallel
 wrapper), so no rank ever materialises a tensor it does not keep.
 """
 from __future__ import annotations
@@ -55,10 +55,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from megalite.parallel.data.materialise import fill_initial
 from megalite.parallel.data.protocol import FlatLayout
 from megalite.parallel.param_meta import mark, param_meta
-
-_INIT_CHUNK = 1 << 24          # elements initialised at a time (bounds start-up temporaries)
 
 
 class Transient:
@@ -464,19 +463,11 @@ class ParamAndGradBuffer(FlatLayout):
 
 def _fill(target: torch.Tensor, param: nn.Parameter, start: int, end: int) -> None:
     """target (1-D, end - start elements) <- elements [start, end) of ``param``: its current values, or for
-    a storage-less (meta) parameter its ``init_values``, generated a bounded chunk at a time. A target
-    without storage (a --no-storage dry run's) takes no values."""
-    if target.device.type == "meta":
-        return
-    if param.device.type != "meta":
+    a storage-less (meta) parameter its initial values (materialise.fill_initial)."""
+    if target.device.type != "meta" and param.device.type != "meta":
         target.copy_(param.detach().reshape(-1)[start:end])
-        return
-    init_values = param_meta(param).init_values
-    if init_values is None:
-        raise ValueError("a parameter on the meta device needs init_values(start, end) to be materialised")
-    for lo in range(start, end, _INIT_CHUNK):
-        hi = min(end, lo + _INIT_CHUNK)
-        target[lo - start:hi - start].copy_(init_values(lo, hi, device=target.device))     # drawn where kept
+    elif param.device.type == "meta":
+        fill_initial(target, param_meta(param).init_values, start, end)
 
 
 @functools.cache
