@@ -156,7 +156,7 @@ def chunk_ranges(run: CheckpointState, slot, data_rank: int):
     if not run.optimizer.grads_sharded or run.config.model.num_experts:
         raise ValueError("chunk_ranges describes dense ZeRO layouts only")
     for bucket in buffer.buckets:
-        start, end = overlap(slot.start, slot.end, *bucket.chunk(data_rank, bucket.shard_size))
+        start, end = overlap(slot.start, slot.end, *bucket.chunk(data_rank))
         if start < end:
             weights = torch.empty(end - start, dtype=buffer.param_dtype, device="meta")
             master = torch.empty(end - start, dtype=torch.float32, device="meta")
@@ -166,15 +166,15 @@ def chunk_ranges(run: CheckpointState, slot, data_rank: int):
 
 def writer_rows(run: CheckpointState, entry: ParamEntry, place: Placement) -> int:
     """Rows of a parameter's stored tensor that one writer writes at most at a time, the same number on
-    every writer of it (index.band_rows sizes the tensor's index bands by it): under ZeRO its chunk of
-    the parameter's bucket (every rank's chunk of a bucket has the same size), under FSDP2 its share of
+    every writer of it (index.band_rows sizes the tensor's index bands by it): under ZeRO the largest
+    rank's chunk of the parameter's bucket (the same for every rank), under FSDP2 its share of
     the rows, else the whole TP-local parameter; over the local row width."""
     buffer = run.buffer
     slot = buffer.slots[entry.buffer_name]
     numel = slot.end - slot.start
     if run.optimizer.grads_sharded:
         bucket = next((b for b in buffer.buckets if isinstance(b, Bucket) and b.start <= slot.start < b.end), None)
-        numel = min(numel, bucket.chunk_numel) if bucket else -(-numel // buffer.dp_size)
+        numel = min(numel, bucket.largest_chunk_numel) if bucket else -(-numel // buffer.dp_size)
     return -(-numel // place.width)
 
 

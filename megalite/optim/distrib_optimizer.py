@@ -1,11 +1,11 @@
 """The distributed optimizer (ZeRO): each data-parallel rank updates only its shard of the model.
 
-Data-parallel rank r of d owns the r-th of d equal contiguous chunks of every bucket of the flat
-buffer (one bucket: simply the r-th contiguous 1/d of the buffer); with the whole-parameter layout
-(--use-layer-wise-distributed-optimizer) a chunk holds whole parameters and then padding, which the
-optimizer leaves out. It keeps the fp32 master weights and the update rule's state (Adam: both
-moments) only for those chunks: 12 bytes per owned parameter (8 for fp32 models, whose own weights
-are the master copy), i.e. 12Ψ/d per rank instead of 12Ψ (ZeRO paper).
+Data-parallel rank r of d owns the r-th of d contiguous chunks of every bucket of the flat buffer:
+equal ones (one bucket: simply the r-th contiguous 1/d of the buffer), or with the whole-parameter
+layout (--use-layer-wise-distributed-optimizer) the whole parameters assigned to it, without padding.
+It keeps the fp32 master weights and the update rule's state (Adam: both moments) only for those
+chunks: 12 bytes per owned parameter (8 for fp32 models, whose own weights are the master copy), i.e.
+12Ψ/d per rank instead of 12Ψ (ZeRO paper).
 
 One step: the data-parallel wrapper has reduce-scattered the gradients (each rank holds the summed
 gradient of its chunks, divided by d); the global norm sums every rank's share over the data-parallel
@@ -31,16 +31,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         super().__init__(ddp.buffer, ddp.named_params, config, parallel=parallel, ddp=ddp)
 
     def _pieces(self) -> list[Piece]:
-        """This rank's chunk of every bucket: the flat range, its parameters, its reduced gradients; of a
-        whole-parameter chunk only the part holding parameters (FlatLayout.held_numel), not its padding."""
-        buf, pieces = self.buffer, []
-        for b in buf.buckets:
-            (start, end), held = buf.local_range(b), buf.held_numel(b)
-            param, grad = buf.local_param_chunk(b), buf.local_grad_chunk(b)
-            if held < end - start:
-                param, grad, end = param[:held], grad[:held], start + held
-            pieces.append(Piece(start, end, param, grad))
-        return pieces
+        """This rank's chunk of every bucket: the flat range, its parameters, its reduced gradients."""
+        buf = self.buffer
+        return [Piece(*buf.local_range(b), buf.local_param_chunk(b), buf.local_grad_chunk(b)) for b in buf.buckets]
 
     def _shard_groups(self) -> tuple:
         """The dense weights' shard group (replicas under hybrid sharding hold the same shards) and the

@@ -43,7 +43,7 @@ TIMEOUT = float(os.environ.get("MEGALITE_NCCL_SEMANTICS_TIMEOUT", "120"))
 # gloo tags of the emulation's own messages: (header, data, ready) for pair streams and for group streams
 PAIR_TAGS, GROUP_TAGS = (7101, 7102, 7103), (7111, 7112, 7113)
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
-               "reduce_scatter_single", "all_gather", "reduce_scatter", "broadcast", "barrier", "all_to_all_single",
+               "reduce_scatter_single", "all_gather", "reduce_scatter", "reduce", "broadcast", "barrier", "all_to_all_single",
                "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
 _original: dict = {}
 _streams: dict = {}

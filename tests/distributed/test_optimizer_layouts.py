@@ -3,9 +3,10 @@ parameters per rank (--use-layer-wise-distributed-optimizer).
 
 One set of runs serves every assertion: AdamW at ZeRO-1/2/3 on both layouts trains as the single
 process does (losses and gradient norms to fp32 rounding), the whole-parameter ZeRO-2/3 runs under the
-NCCL-semantics tier (every rank issues the same collectives in the same order), a checkpoint saved in
-either layout resumes in the other with the uninterrupted run's losses, and the whole-parameter layout's
-per-rank optimizer state covers the parameters it owns and no padding. --optimizer names only what exists.
+NCCL-semantics tier (every rank issues the same collectives in the same order: a reduce to each owner
+and a broadcast from each owner for unequal chunks), a checkpoint saved in either layout resumes in the
+other with the uninterrupted run's losses, and the whole-parameter layout's per-rank optimizer state,
+ZeRO-2/3 gradient shards and ZeRO-3 parameter shards cover the parameters the rank owns and no padding. --optimizer names only what exists.
 """
 import os
 
@@ -50,6 +51,11 @@ def runs(tmp_path_factory):
             proc = run_pretrain(2, ARGV + flags, nccl=layout == "param" and stage != "zero1")
             assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-3000:]
             out[name] = (proc.stdout, metrics(tmp / f"{name}.jsonl"))
+    hybrid = STAGES["zero3"] + LAYOUTS["param"] + ["--num-distributed-optimizer-instances", "2", "--overlap-grad-reduce",
+                                                   "--overlap-param-gather", "--metrics-file", str(tmp / "hsdp.jsonl")]
+    proc = run_pretrain(4, ARGV + hybrid, nccl=True)
+    assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-3000:]
+    out["zero3-param-hsdp"] = (proc.stdout, metrics(tmp / "hsdp.jsonl"))
     for saved, resumed in (("slice", "param"), ("param", "slice")):
         proc = run(2, ARGV + STAGES["zero1"] + LAYOUTS[resumed] + [
             "--load", os.path.join(tmp / f"zero1-{saved}", "iter_0000003"),
@@ -58,10 +64,11 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("stage", STAGES)
-def test_adamw_trains_as_the_single_process_on_both_layouts(runs, stage, layout):
-    reference, mine = runs["serial"][1], runs[f"{stage}-{layout}"][1]
+@pytest.mark.parametrize("name", [f"{stage}-{layout}" for stage in STAGES for layout in LAYOUTS] + ["zero3-param-hsdp"])
+def test_adamw_trains_as_the_single_process_on_both_layouts(runs, name):
+    """Every stage on both layouts, and the whole-parameter ZeRO-3 with overlap at DP=4 in two instances
+    (hybrid sharding: reduces within the instance, all-reduce of the owned region across)."""
+    reference, mine = runs["serial"][1], runs[name][1]
     assert sorted(reference) == list(range(1, 7)) and sorted(mine) == sorted(reference)
     for it, (loss, norm) in reference.items():
         assert mine[it][0] == pytest.approx(loss, rel=1e-5), f"loss, iteration {it}"
@@ -77,24 +84,40 @@ def test_a_checkpoint_resumes_in_the_other_layout(runs, saved, resumed):
         assert tail[it] == pytest.approx(full[it], rel=1e-5), f"iteration {it}"
 
 
-def test_whole_parameter_optimizer_state_is_the_ranks_share(runs):
-    """ZeRO-1, one bucket, fp32: a rank's optimizer state is m and v (master = weights) of the whole
-    parameters it owns, not of its chunk's padding: together the ranks hold the single process's state,
-    and each is within the largest parameter of total/d. The padding of the flat layout is measured."""
+def largest_parameter() -> tuple[int, int]:
+    """(elements of all trainable parameters, of the largest one) of the test model."""
     from megalite.train.command_line import parse_args
-    from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
     from megalite.train.trainer import build_trainer
     named = build_trainer(parse_args(ARGV, world_size=1)).ddp.named_params
-    layout = ParamAndGradBuffer(named, None, 0, 2, whole_params=True)
-    total, largest = layout.numel_unpadded, max(p.numel() for _, p in named)
-    padding = layout.numel - total
-    assert 0 < padding < 2 * largest
+    return sum(p.numel() for _, p in named), max(p.numel() for _, p in named)
+
+
+def test_whole_parameter_optimizer_state_is_the_ranks_share(runs):
+    """ZeRO-1, one bucket, fp32: a rank's optimizer state is m and v (master = weights) of the whole
+    parameters it owns: together the ranks hold the single process's state, and each is within the
+    largest parameter of total/d."""
+    _, largest = largest_parameter()
     serial = int(MEMORY_LINE.findall(runs["serial"][0])[0][3])
     per_rank = [int(line[3]) for line in MEMORY_LINE.findall(runs["zero1-param"][0])]
     assert len(per_rank) == 2 and sum(per_rank) == pytest.approx(serial, abs=64)       # step counters aside
     assert all(abs(state - serial / 2) <= 8 * largest for state in per_rank)
-    print(f"whole-parameter layout, DP=2, one bucket: padding {padding} of {total} elements "
-          f"({100 * padding / total:.2f}%); optimizer state per rank {per_rank} bytes, serial {serial}")
+
+
+@pytest.mark.parametrize("stage, kinds", [("zero2", (2,)), ("zero3", (1, 2))])
+def test_whole_parameter_zero_shards_hold_no_padding(runs, stage, kinds):
+    """ZeRO-2 gradients and ZeRO-3 parameters and gradients, per-unit buckets: the ranks' shards add up
+    to exactly the single process's bytes (no padding), and each rank holds within the largest
+    parameter of total/d (memory report, fp32)."""
+    total, largest = largest_parameter()
+    serial = [int(x) for x in MEMORY_LINE.findall(runs["serial"][0])[0]]
+    lines = MEMORY_LINE.findall(runs[f"{stage}-param"][0])
+    assert len(lines) == 2
+    for kind in kinds:                                     # 1: parameters, 2: gradients (bytes)
+        per_rank = [int(line[kind]) for line in lines]
+        assert serial[kind] == 4 * total and sum(per_rank) == serial[kind], (kind, per_rank, serial[kind])
+        assert all(abs(held - serial[kind] / 2) <= 4 * largest for held in per_rank), (kind, per_rank)
+        print(f"{stage} whole-parameter layout, DP=2: {('parameters', 'gradients')[kind - 1]} per rank "
+              f"{per_rank} bytes, max / (total/d) = {max(per_rank) / (serial[kind] / 2):.4f}")
 
 
 @pytest.mark.parametrize("name", ["sgd", "lion"])

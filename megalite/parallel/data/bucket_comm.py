@@ -66,11 +66,22 @@ class Comm:
         list forms' branch, collectives.bucket_list_form), not NCCL's (module docstring)."""
         return self.list_form
 
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, chunks: list, async_op: bool):
-        """Sum ``flat`` over the group, this rank keeping its chunk in ``out`` (and, with a replica group,
-        then sum ``out`` over it). gloo: list input (faster than its single-tensor form on CPU, same bytes
-        on the wire), in slices (see GlooSlices)."""
-        if self.list_form:
+        """Sum ``flat`` (cut into the ranks' ``chunks``) over the group, this rank keeping its chunk in
+        ``out`` (and, with a replica group, then sum ``out`` over it). Equal chunks: a reduce-scatter
+        (gloo: list input, faster than its single-tensor form on CPU, same bytes on the wire, in slices,
+        see GlooSlices). Unequal chunks: one reduce per non-empty chunk to its owner, in rank order on
+        every rank, in place; ``out`` is then this rank's chunk itself."""
+        if not _equal(chunks):
+            if out.data_ptr() != chunks[self.rank].data_ptr():
+                raise ValueError("an uneven reduction lands in place: pass this rank's chunk as out")
+            work = AllOf([dist.reduce(c, group_dst=r, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                          for r, c in enumerate(chunks) if c.numel()], async_op)
+        elif self.list_form:
             work = GlooSlices(out.numel(), lambda lo, hi: dist.reduce_scatter(
                 out[lo:hi], [c[lo:hi] for c in chunks], op=dist.ReduceOp.SUM, group=self.group, async_op=True),
                 async_op)
@@ -81,12 +92,37 @@ class Comm:
             return work
         return ThenAllReduce(work, out, self.replica, async_op)
 
-    def all_gather(self, out: torch.Tensor, local: torch.Tensor, async_op: bool):
+    def all_gather(self, out: torch.Tensor, chunks: list, local: torch.Tensor, async_op: bool):
+        """Every rank's ``local`` into its chunk of ``out`` (``chunks``: out cut into the ranks' chunks).
+        Equal chunks: an all-gather; unequal: one broadcast per non-empty chunk from its owner, in rank
+        order on every rank (``local`` first copied into this rank's chunk where it is not that chunk)."""
+        if not _equal(chunks):
+            mine = chunks[self.rank]
+            if mine.numel() and mine.data_ptr() != local.data_ptr():
+                mine.copy_(local)
+            return AllOf([dist.broadcast(c, group_src=r, group=self.group, async_op=True)
+                          for r, c in enumerate(chunks) if c.numel()], async_op)
         if self.list_form:
-            chunks = out.chunk(self.size)
             return GlooSlices(local.numel(), lambda lo, hi: dist.all_gather(
                 [c[lo:hi] for c in chunks], local[lo:hi], group=self.group, async_op=True), async_op)
         return collectives.all_gather_single(out, local, group=self.group, async_op=async_op)
+
+
+def _equal(chunks: list) -> bool:
+    return len({c.numel() for c in chunks}) == 1
+
+
+class AllOf:
+    """Several collectives completed as one (``wait`` waits for each, in issue order)."""
+
+    def __init__(self, works: list, async_op: bool):
+        self._works = works
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        while self._works:
+            self._works.pop(0).wait()
 
 
 def shard_comms(parallel, dp: tuple, reduce_dtype) -> tuple[Comm, Comm, tuple, tuple | None]:
@@ -186,8 +222,8 @@ class ParamGathers:
         for bucket in order:
             comm = comm_for(bucket, *self.comms)
             with traced("param all-gather", bucket):
-                work = comm.all_gather(self.buffer.bucket_params(bucket), self.buffer.local_param_chunk(bucket),
-                                       async_op=self.overlap)
+                work = comm.all_gather(self.buffer.bucket_params(bucket), self.buffer.bucket_param_chunks(bucket),
+                                       self.buffer.local_param_chunk(bucket), async_op=self.overlap)
             if self.overlap:
                 self.work[bucket.index] = work
                 self.window.add(lambda bucket=bucket: self.wait([bucket]), comm.holds_temporaries)
@@ -219,22 +255,24 @@ class ThenAllReduce:
         if self._first is not None:
             self._first.wait()
         self._first = None
-        dist.all_reduce(self._out, op=dist.ReduceOp.SUM, group=self._replica)
+        if self._out.numel():            # an empty chunk is empty on every replica (they share a layout)
+            dist.all_reduce(self._out, op=dist.ReduceOp.SUM, group=self._replica)
         self._done = True
 
 
 class GradReduction:
     """ZeRO-2/3: one bucket's gradients of one micro-batch, from the first gradient to the shard.
 
-    accumulate (allocates the full-size staging) -> start (reduce-scatter, asynchronous with overlap)
-    -> finish (wait, add the reduced chunk into this rank's gradient shard, free staging and output).
+    accumulate (allocates the full-size staging) -> start (reduce-scatter, asynchronous with overlap;
+    unequal chunks: reduced in place in the staging) -> finish (wait, add the reduced chunk into this
+    rank's gradient shard, free staging and output).
     A bucket's next micro-batch reuses the staging only after its previous reduction finished, and
     every reduction of a backward pass is finished when that pass ends, so no staging outlives it."""
 
     def __init__(self, bucket: Bucket, shard_chunk: torch.Tensor, comm: Comm):
         self.bucket, self.shard_chunk, self.comm = bucket, shard_chunk, comm
         self.arrived = 0
-        self.work = None
+        self.work = self.out = None
 
     def accumulate(self, offset: int, grad: torch.Tensor) -> bool:
         """Add one parameter's gradient; True when every parameter of the bucket has arrived."""
@@ -251,9 +289,10 @@ class GradReduction:
             self.shard_chunk.add_(self.bucket.staging.tensor)
             self.bucket.staging.free()
             return
-        out = self.bucket.reduced.allocate()
+        reduced = self.bucket.reduced
+        self.out = reduced.allocate() if reduced is not None else self.bucket.staging_chunks[self.bucket.shard_rank]
         with traced("reduce-scatter", self.bucket):
-            self.work = self.comm.reduce_scatter(out, self.bucket.staging.tensor, self.bucket.staging_chunks,
+            self.work = self.comm.reduce_scatter(self.out, self.bucket.staging.tensor, self.bucket.staging_chunks,
                                                  async_op) or DONE
         if not async_op:
             self.finish()
@@ -263,9 +302,11 @@ class GradReduction:
             return
         wait(self.work, "reduce-scatter", self.bucket)
         self.work = None
-        self.shard_chunk.add_(self.bucket.reduced.tensor)
+        self.shard_chunk.add_(self.out)
+        self.out = None
         self.bucket.staging.free()
-        self.bucket.reduced.free()
+        if self.bucket.reduced is not None:
+            self.bucket.reduced.free()
 
     @property
     def pending(self) -> bool:

@@ -46,7 +46,10 @@ one numerics for all four strategies (ZeRO-3 equals DP=1 to fp32 rounding) and c
 and interleaved PP as is.
 
 ``--use-layer-wise-distributed-optimizer`` (ZeRO-1/2/3): each rank's chunk of a bucket holds whole
-parameters instead of an equal slice of the bucket (grad_buffer.py); the collectives are the same.
+parameters instead of an equal slice of the bucket, the chunks of unequal lengths without padding
+(grad_buffer.py). Such a bucket's reduce-scatter is one reduce per owner rank (to it) and its all-gather
+one broadcast per owner rank (from it), issued in the same order on every rank (bucket_comm.Comm); the
+overlap, ZeRO-3 gathering and hybrid sharding above apply unchanged.
 
 Hybrid sharding (``--num-distributed-optimizer-instances`` K, Megatron's distributed-optimizer instances,
 PyTorch's HSDP): everything above happens within this rank's instance, a shard group of DP/K consecutive
@@ -302,8 +305,9 @@ class DistributedDataParallel(DataParallel):
         flat, comm = self.buffer.bucket_grads(bucket), self.comm_of(bucket)
         if comm.reduce_dtype is not None:               # travel in bf16; copied back in _complete
             flat = flat.to(comm.reduce_dtype)
-            out = torch.empty(bucket.chunk_numel, dtype=flat.dtype, device=flat.device)
-            chunks = list(flat.chunk(bucket.shard_size))
+            chunks = bucket.regions(flat)
+            out = torch.empty(bucket.chunk_numel, dtype=flat.dtype, device=flat.device) if bucket.even \
+                else chunks[bucket.shard_rank]             # unequal chunks are reduced in place
             self._comm_copies[bucket.index] = (flat, out, chunks)      # alive until the collective is done
         else:
             out = self.buffer.local_grad_chunk(bucket)
@@ -440,7 +444,8 @@ class DistributedDataParallel(DataParallel):
                 bucket.unsharded.tensor.copy_(chunk)
                 continue
             with traced("param all-gather", bucket):
-                work = self.comm_of(bucket).all_gather(bucket.unsharded.tensor, chunk, async_op=async_op)
+                work = self.comm_of(bucket).all_gather(bucket.unsharded.tensor, self.buffer.bucket_param_chunks(bucket),
+                                                       chunk, async_op=async_op)
             if async_op:
                 self._gather_work[bucket.index] = work
 

@@ -27,7 +27,8 @@ Megatron's flags:
 
 Start-up is memory-true: the chunks are built on the meta device, sharded there, materialised with
 ``to_empty`` (this rank's shards only) and filled from each parameter's ``init_values`` at the shard's
-position in the TP-local tensor, so the weights equal the single-process run's bit for bit.
+position in the TP-local tensor (materialise.py, as ddp.py's buffer fills its ZeRO-3 chunks), so the
+weights equal the single-process run's bit for bit.
 
 Everything else in megalite (optimizer, gradient clipping, NaN checks, TP/PP gradient fix-ups,
 checkpoints, the memory report) works on the rank's FlatLayout (protocol.py). ``ShardLayout`` is
@@ -57,13 +58,13 @@ from torch.distributed.tensor import DTensor, Shard
 from megalite.config.schema import ParallelConfig
 from megalite.errors import UserError
 from megalite.parallel.data.ddp import data_parallel_group
+from megalite.parallel.data.materialise import fill_initial
 from megalite.parallel.data.protocol import DataParallel, FlatLayout, UnitSource
 from megalite.parallel.param_meta import mark, param_meta
 from megalite.parallel.mesh import ParallelState
 
 # the chunk's forward returns the per-token losses transposed (a view); nothing writes into them in place
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGPTModel\) returned a view tensor")
-_INIT_CHUNK = 1 << 22          # elements of initial values generated at a time (bounds the temporaries)
 
 
 @dataclass
@@ -213,13 +214,8 @@ class FullyShardedDataParallel(DataParallel):
             mark(param, init_values=None)          # not kept: the shard is filled once, here
             local = param.to_local()
             if local.numel():
-                row = param.numel() // param.shape[0]
-                r0, _ = dim0_shard(param.shape[0], self.dp_rank, self.dp_size)
-                flat = local.view(-1)
-                start = r0 * row
-                for lo in range(0, flat.numel(), _INIT_CHUNK):
-                    hi = min(flat.numel(), lo + _INIT_CHUNK)
-                    flat[lo:hi].copy_(init_values(start + lo, start + hi, device=flat.device))
+                start = dim0_shard(param.shape[0], self.dp_rank, self.dp_size)[0] * (param.numel() // param.shape[0])
+                fill_initial(local.view(-1), init_values, start, start + local.numel())
             # the fp32 gradient shard lives for the whole run: FSDP2 accumulates every micro-batch into it
             param.grad = DTensor.from_local(torch.zeros_like(local), self.mesh, [Shard(0)], run_check=False,
                                             shape=param.shape, stride=param.stride())

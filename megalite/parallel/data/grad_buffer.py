@@ -13,30 +13,27 @@ it, so micro-batch accumulation happens in fp32 (Megatron's behaviour).
 has a mixed-dtype addmm on the device (CUDA). Not with ``shard_grads``: there main_grad is not kept.
 
 Buckets (data parallelism). The flat layout is split into buckets, each a run of whole parameters
-(about ``bucket_size`` elements; a parameter is never split) and padded to a multiple of the
-data-parallel size ``dp_size``. MoE expert weights (``expert`` in their record) are replicated over the
-expert-data-parallel ranks instead (``expert_dp``: that group's rank and size): they get buckets of their
-own, whose chunks are cut over that group, so every bucket belongs to one group. A bucket is the unit of communication: one all-reduce, or one
-reduce-scatter + all-gather, per bucket. Data-parallel rank r owns the r-th of the ``dp_size`` equal,
-contiguous chunks of every bucket (Megatron's distributed-optimizer layout); with one bucket that is
-simply the r-th contiguous chunk of the whole buffer.
+(about ``bucket_size`` elements; a parameter is never split). MoE expert weights (``expert`` in their
+record) are replicated over the expert-data-parallel ranks instead (``expert_dp``: that group's rank and
+size): they get buckets of their own, whose chunks are cut over that group, so every bucket belongs to one
+group. A bucket is the unit of communication: one all-reduce, or one reduction to the owners + one
+gather from them, per bucket. Data-parallel rank r owns the r-th of the ``dp_size`` contiguous chunks
+(regions) of every bucket, laid back to back in rank order (``Bucket.bounds``).
 
 Two layouts of a bucket's parameters (``whole_params``, --use-layer-wise-distributed-optimizer):
-- equal slices (default): parameters one after another, the bucket padded to a multiple of the group
-  size, so a chunk boundary may cut a parameter anywhere, mid-row included;
+- equal slices (default, Megatron's distributed-optimizer layout): parameters one after another, the
+  bucket padded to a multiple of the group size and cut into equal chunks, so a chunk boundary may cut
+  a parameter anywhere, mid-row included; the collectives are a reduce-scatter and an all-gather;
 - whole parameters (the layout of Megatron's LayerWiseDistributedOptimizer, which optimizers acting on
   whole matrices such as Muon need): each parameter is assigned to one rank, balanced by size
-  (``whole_param_offsets``), and laid out inside that rank's chunk; every chunk is as long as the
-  largest rank's share, the rest padding, so the collectives still move equal chunks. The padding is
-  ``numel - numel_unpadded``, below the largest parameter times the group size per bucket: small for
-  one bucket over the model (ZeRO-1 without --overlap-grad-reduce), large for ZeRO-2/3's per-unit
-  buckets, where a layer's few large matrices meet many ranks. The optimizer leaves it out
-  (``held_numel``: a rank's parameters fill a prefix of its chunk), so its state stays balanced.
+  (``whole_param_owners``), and rank r's parameters fill its region; regions have unequal lengths and
+  no padding, so a rank holds only its own parameters' elements. Unequal regions are reduced with one
+  reduce per owner and gathered with one broadcast per owner (bucket_comm.Comm).
 
 ZeRO sharding of the storage itself:
-- ``shard_grads`` (ZeRO-2/3): no full fp32 gradient buffer; only this rank's chunks (``grad_shard``,
-  numel / dp_size). Each bucket stages one micro-batch's gradients in a full-size tensor that exists
-  only from the bucket's first gradient to the end of its reduce-scatter (``Bucket.staging``).
+- ``shard_grads`` (ZeRO-2/3): no full fp32 gradient buffer; only this rank's chunks (``grad_shard``).
+  Each bucket stages one micro-batch's gradients in a full-size tensor that exists only from the
+  bucket's first gradient to the end of its reduction (``Bucket.staging``).
 - ``shard_params`` (ZeRO-3): no full parameter buffer; only this rank's chunks (``param_shard``). Each
   bucket's parameters view its ``unsharded`` tensor, which has storage only while gathered.
 
@@ -46,8 +43,8 @@ Freeing the bytes never drops the object a collective was given, so the release 
 left to a communication thread.
 
 Sharded start-up: parameters built on the meta device (``GPTModel(meta=True)``) carry
-``init_values(start, end)`` in their record (``param_meta``); the buffer allocates only what this rank holds on ``device``, fills it from
-there and hands back real parameters (``replacements``, swapped into the modules by the data-parallel
+``init_values(start, end)`` in their record (``param_meta``); the buffer allocates only what this rank
+holds on ``device``, fills it from there (materialise.py) and hands back real parameters (``replacements``, swapped into the modules by the data-parallel
 wrapper), so no rank ever materialises a tensor it does not keep.
 """
 from __future__ import annotations
@@ -58,10 +55,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from megalite.parallel.data.materialise import fill_initial
 from megalite.parallel.data.protocol import FlatLayout
 from megalite.parallel.param_meta import mark, param_meta
-
-_INIT_CHUNK = 1 << 24          # elements initialised at a time (bounds start-up temporaries)
 
 
 class Transient:
@@ -102,7 +98,7 @@ class BufferSlot:
 class Bucket:
     index: int
     start: int                       # offsets in the (padded) flat layout
-    end: int                         # (end - start) is a multiple of dp_size
+    end: int
     names: list = field(default_factory=list)
     params: list = field(default_factory=list)
     unit: int = 0                    # the module unit (ZeRO-3 gather granularity) its parameters belong to
@@ -110,47 +106,66 @@ class Bucket:
     shard_rank: int = 0              # this rank's place in the bucket's data-parallel group, and its size
     shard_size: int = 1
     shard_start: int = 0             # where this rank's chunk of the bucket starts in the shard tensors
-    held: int = 0                    # elements of this rank's chunk that hold parameters: a prefix of it
+    bounds: tuple = (0, 0)           # rank r's chunk is [start + bounds[r], start + bounds[r + 1])
     alone: bool = False              # holds one shared_embedding parameter and nothing else
     unsharded: Transient | None = None   # ZeRO-3: the full bucket of parameters while gathered
-    staging: Transient | None = None     # ZeRO-2/3: one micro-batch's gradients until reduce-scattered
-    reduced: Transient | None = None     # ZeRO-2/3: this rank's reduced chunk while the reduce-scatter runs
+    staging: Transient | None = None     # ZeRO-2/3: one micro-batch's gradients until reduced
+    reduced: Transient | None = None     # ZeRO-2/3, equal chunks: this rank's reduced chunk while reduced
     staging_chunks: list = field(default_factory=list)   # views of staging, one per data-parallel rank
 
     @property
     def numel(self) -> int:
         return self.end - self.start
 
-    def chunk(self, rank: int, size: int) -> tuple[int, int]:
+    def chunk(self, rank: int) -> tuple[int, int]:
         """[start, end) in the flat layout of data-parallel rank ``rank``'s chunk of this bucket."""
-        n = self.numel // size
-        return self.start + rank * n, self.start + (rank + 1) * n
+        return self.start + self.bounds[rank], self.start + self.bounds[rank + 1]
 
     @property
     def chunk_numel(self) -> int:
-        """Elements of one rank's chunk over the bucket's own group."""
-        return self.numel // self.shard_size
+        """Elements of this rank's chunk."""
+        return self.bounds[self.shard_rank + 1] - self.bounds[self.shard_rank]
+
+    @property
+    def largest_chunk_numel(self) -> int:
+        return max(b - a for a, b in zip(self.bounds, self.bounds[1:]))
+
+    @property
+    def even(self) -> bool:
+        """Whether every rank's chunk has the same length (reduce-scatter and all-gather apply)."""
+        return len({b - a for a, b in zip(self.bounds, self.bounds[1:])}) == 1
+
+    def regions(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """A bucket-sized 1-D tensor cut into the ranks' chunks (views)."""
+        return [flat[a:b] for a, b in zip(self.bounds, self.bounds[1:])]
 
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def whole_param_offsets(sizes: list[int], ranks: int, loads: list[int]) -> tuple[list[int], list[int]]:
-    """Whole-parameter layout of one bucket over ``ranks`` ranks: each parameter goes to one rank,
-    largest first, to the rank holding the fewest of this bucket's elements (ties: the fewest over the
-    buckets so far, ``loads``, updated here; then the lowest rank). Every rank's chunk is as long as the
-    largest share (at least 1), so the chunks stay equal for the reduce-scatter and all-gather. Returns
-    each parameter's offset in the bucket (a rank's parameters in their given order, from its chunk's
-    start) and each rank's share."""
-    owner, share = [0] * len(sizes), [0] * ranks
+def whole_param_owners(sizes: list[int], ranks: int) -> list[int]:
+    """The rank owning each parameter in the whole-parameter layout: largest first, each to the rank
+    holding the fewest elements so far (ties: the lowest rank), over all the parameters of one group,
+    so what a rank holds is within the largest parameter of the mean. How a bucket is split does not
+    change what its collectives move (every rank takes part in each owner's reduce and broadcast)."""
+    owner, loads = [0] * len(sizes), [0] * ranks
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        owner[i] = min(range(ranks), key=lambda r: (share[r], loads[r], r))
-        share[owner[i]] += sizes[i]
+        owner[i] = min(range(ranks), key=lambda r: (loads[r], r))
         loads[owner[i]] += sizes[i]
-    chunk, filled, offsets = max(max(share), 1), [0] * ranks, []
+    return owner
+
+
+def region_offsets(sizes: list[int], owner: list[int], ranks: int) -> tuple[list[int], list[int]]:
+    """One bucket in the whole-parameter layout: the ranks' regions back to back in rank order, each as
+    long as the parameters its rank owns (``owner``). Returns each parameter's offset in the bucket (a
+    rank's parameters in their given order from its region's start) and each rank's region length."""
+    share = [0] * ranks
     for size, r in zip(sizes, owner):
-        offsets.append(r * chunk + filled[r])
+        share[r] += size
+    filled, offsets = [sum(share[:r]) for r in range(ranks)], []
+    for size, r in zip(sizes, owner):
+        offsets.append(filled[r])
         filled[r] += size
     return offsets, share
 
@@ -228,10 +243,11 @@ class ParamAndGradBuffer(FlatLayout):
             self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
             for bucket in self.buckets:
                 bucket.staging = Transient(bucket.numel, staging_dtype, self.device)
-                bucket.staging_chunks = list(bucket.staging.tensor.chunk(bucket.shard_size))
-                bucket.reduced = Transient(bucket.chunk_numel, staging_dtype, self.device)
+                bucket.staging_chunks = bucket.regions(bucket.staging.tensor)
+                if bucket.even:                   # unequal chunks are reduced in place in the staging
+                    bucket.reduced = Transient(bucket.chunk_numel, staging_dtype, self.device)
+                    bucket.reduced.free()
                 bucket.staging.free()
-                bucket.reduced.free()
         self.grads_are_main_grads = self.param_dtype == torch.float32 and not self.shard_grads
         self._hooks = []
         if not self.grads_are_main_grads and not self.shard_grads:
@@ -241,14 +257,17 @@ class ParamAndGradBuffer(FlatLayout):
     # ---- layout ----------------------------------------------------------------------------------
     def _layout(self, named_params, bucket_size, units) -> None:
         """Reverse parameter order; a new bucket when the current one reaches ``bucket_size`` elements,
-        the module unit changes or expert weights meet dense ones; every bucket padded to a multiple of
-        its group's size (``_close`` places the parameters).
+        the module unit changes or expert weights meet dense ones (``_close`` places the parameters).
 
         A parameter marked ``shared_embedding`` (the word embedding that the first and last pipeline
         stages both hold) gets a bucket of its own when the buffer is sharded, so both stages shard it
         identically and its gradient can be summed across them after the data-parallel reduction."""
         limit = bucket_size if bucket_size else float("inf")
-        self._rank_loads = {False: [0] * self.dp_size, True: [0] * self.expert_dp[1]}    # dense, expert
+        self._owner = {}
+        for expert, ranks in ((False, self.dp_size), (True, self.expert_dp[1])):
+            params = [p for _, p in named_params if bool(param_meta(p).expert) == expert]
+            if self.whole_params and ranks > 1:
+                self._owner.update(zip(map(id, params), whole_param_owners([p.numel() for p in params], ranks)))
         offset, current, filled = 0, None, 0
         for (name, param), unit in reversed(list(zip(named_params, units))):
             alone = self.dp_size > 1 and param_meta(param).shared_embedding
@@ -270,21 +289,21 @@ class ParamAndGradBuffer(FlatLayout):
         self._close(current)
 
     def _close(self, bucket: Bucket) -> int:
-        """Give the bucket's parameters their slots and the bucket its end; returns the end. Equal slices:
-        one after another, the bucket padded to a multiple of its group's size. Whole parameters: each
-        in the chunk of the rank ``whole_param_offsets`` assigns it to."""
-        sizes = [p.numel() for p in bucket.params]
-        if self.whole_params and bucket.shard_size > 1:
-            offsets, share = whole_param_offsets(sizes, bucket.shard_size, self._rank_loads[bucket.expert])
-            numel, bucket.held = max(max(share), 1) * bucket.shard_size, share[bucket.shard_rank]
+        """Give the bucket's parameters their slots and the bucket its end and chunk bounds; returns the
+        end. Equal slices: one after another, the bucket padded to a multiple of its group's size. Whole
+        parameters: each in the region of the rank ``whole_param_owners`` assigns it to, no padding."""
+        sizes, ranks = [p.numel() for p in bucket.params], bucket.shard_size
+        if self.whole_params and ranks > 1:
+            offsets, share = region_offsets(sizes, [self._owner[id(p)] for p in bucket.params], ranks)
+            bucket.bounds = tuple(sum(share[:r]) for r in range(ranks + 1))
         else:
             offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-            numel = _round_up(max(sum(sizes), 1), bucket.shard_size)
-            bucket.held = numel // bucket.shard_size
+            numel = _round_up(max(sum(sizes), 1), ranks)
+            bucket.bounds = tuple(r * numel // ranks for r in range(ranks + 1))
         for name, param, offset in zip(bucket.names, bucket.params, offsets):
             self.slots[name] = BufferSlot(bucket.start + offset, bucket.start + offset + param.numel(),
                                           tuple(param.shape))
-        bucket.end = bucket.start + numel
+        bucket.end = bucket.start + bucket.bounds[-1]
         return bucket.end
 
     def _names(self) -> list[str]:
@@ -330,7 +349,7 @@ class ParamAndGradBuffer(FlatLayout):
 
     def local_range(self, bucket: Bucket) -> tuple[int, int]:
         """This rank's chunk of ``bucket`` in the flat layout."""
-        return bucket.chunk(bucket.shard_rank, bucket.shard_size)
+        return bucket.chunk(bucket.shard_rank)
 
     def _local_offsets(self, bucket: Bucket) -> tuple[int, int]:
         """Where this rank's chunk of ``bucket`` sits in the shard tensors (chunks in bucket order)."""
@@ -342,9 +361,6 @@ class ParamAndGradBuffer(FlatLayout):
         if key not in self._views:
             self._views[key] = make()
         return self._views[key]
-
-    def held_numel(self, bucket: Bucket) -> int:
-        return bucket.held
 
     def local_param_chunk(self, bucket: Bucket) -> torch.Tensor:
         if self.param_shard is not None:
@@ -366,8 +382,12 @@ class ParamAndGradBuffer(FlatLayout):
         return self._cached("grads", bucket, lambda: self.grad_data[bucket.start:bucket.end])
 
     def bucket_grad_chunks(self, bucket: Bucket) -> list[torch.Tensor]:
-        """``bucket_grads(bucket)`` cut into one chunk per data-parallel rank (a reduce-scatter's inputs)."""
-        return self._cached("grad_chunks", bucket, lambda: list(self.bucket_grads(bucket).chunk(bucket.shard_size)))
+        """``bucket_grads(bucket)`` cut into the ranks' chunks (the inputs of its reduction)."""
+        return self._cached("grad_chunks", bucket, lambda: bucket.regions(self.bucket_grads(bucket)))
+
+    def bucket_param_chunks(self, bucket: Bucket) -> list[torch.Tensor]:
+        """``bucket_params(bucket)`` cut into the ranks' chunks (the outputs of its gather)."""
+        return self._cached("param_chunks", bucket, lambda: bucket.regions(self.bucket_params(bucket)))
 
     # ---- ZeRO-3 parameter storage ----------------------------------------------------------------
     def is_gathered(self, bucket: Bucket) -> bool:
@@ -437,25 +457,17 @@ class ParamAndGradBuffer(FlatLayout):
     def grad_bytes(self) -> int:
         """Bytes of gradient storage held now (ZeRO-2/3: the shard plus buckets being reduced)."""
         flat = self.grad_data if self.grad_data is not None else self.grad_shard
-        transient = sum(b.staging.nbytes() + b.reduced.nbytes() for b in self.buckets if b.staging is not None)
+        transient = sum(t.nbytes() for b in self.buckets for t in (b.staging, b.reduced) if t is not None)
         return flat.untyped_storage().nbytes() + transient
 
 
 def _fill(target: torch.Tensor, param: nn.Parameter, start: int, end: int) -> None:
     """target (1-D, end - start elements) <- elements [start, end) of ``param``: its current values, or for
-    a storage-less (meta) parameter its ``init_values``, generated a bounded chunk at a time. A target
-    without storage (a --no-storage dry run's) takes no values."""
-    if target.device.type == "meta":
-        return
-    if param.device.type != "meta":
+    a storage-less (meta) parameter its initial values (materialise.fill_initial)."""
+    if target.device.type != "meta" and param.device.type != "meta":
         target.copy_(param.detach().reshape(-1)[start:end])
-        return
-    init_values = param_meta(param).init_values
-    if init_values is None:
-        raise ValueError("a parameter on the meta device needs init_values(start, end) to be materialised")
-    for lo in range(start, end, _INIT_CHUNK):
-        hi = min(end, lo + _INIT_CHUNK)
-        target[lo - start:hi - start].copy_(init_values(lo, hi, device=target.device))     # drawn where kept
+    elif param.device.type == "meta":
+        fill_initial(target, param_meta(param).init_values, start, end)
 
 
 @functools.cache

@@ -69,12 +69,6 @@ class FlatLayout(Protocol):
 
     def local_grad_chunk(self, bucket) -> torch.Tensor: ...
 
-    def held_numel(self, bucket) -> int:
-        """Elements at the start of this rank's chunk that hold parameters: all of them, less the padding
-        of a whole-parameter chunk (ParamAndGradBuffer)."""
-        start, end = self.local_range(bucket)
-        return end - start
-
     def zero_grad(self) -> None: ...
 
     def param_bytes(self) -> int: ...

@@ -1,7 +1,10 @@
 """The flat parameter/gradient buffer: views, fp32 accumulation, and equality with plain autograd."""
+import pytest
 import torch
 
+from megalite.parallel.data import materialise
 from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
+from megalite.parallel.param_meta import mark
 
 
 def make_params(dtype):
@@ -79,3 +82,45 @@ def test_the_data_parallel_wrapper_is_freed_without_the_garbage_collector():
         assert wrapper() is None
     finally:
         gc.enable()
+
+
+def test_zero3_start_up_materialises_each_ranks_elements_from_init_values(monkeypatch):
+    """Parameters on the meta device: each rank's ZeRO-3 shard (equal slices or whole parameters) holds
+    exactly its elements' initial values, drawn a bounded chunk at a time; together the ranks hold every
+    parameter once."""
+    monkeypatch.setattr(materialise, "INIT_CHUNK", 5)
+    shapes = {"a.weight": (4, 3), "a.bias": (4,), "b.weight": (7, 4)}
+    base = {name: 100.0 * i for i, name in enumerate(shapes)}
+    calls = []
+
+    def named():
+        params = []
+        for name, shape in shapes.items():
+            p = torch.nn.Parameter(torch.empty(shape, device="meta"))
+
+            def init_values(lo, hi, device, name=name):
+                calls.append(hi - lo)
+                return base[name] + torch.arange(lo, hi, dtype=torch.float32, device=device)
+            mark(p, init_values=init_values)
+            params.append((name, p))
+        return params
+
+    for whole in (False, True):
+        held = {name: torch.full((p.numel(),), -1.0) for name, p in named()}
+        for rank in range(3):
+            buf = ParamAndGradBuffer(named(), None, rank, 3, shard_params=True, device=torch.device("cpu"),
+                                     whole_params=whole)
+            for bucket in buf.buckets:
+                start, end = buf.local_range(bucket)
+                chunk = buf.local_param_chunk(bucket)
+                for name in bucket.names:
+                    slot = buf.slots[name]
+                    lo, hi = max(start, slot.start), min(end, slot.end)
+                    if lo < hi:
+                        assert bool((held[name][lo - slot.start:hi - slot.start] == -1).all()), name
+                        held[name][lo - slot.start:hi - slot.start] = chunk[lo - start:hi - start]
+        for name, values in held.items():
+            assert torch.equal(values, base[name] + torch.arange(values.numel(), dtype=torch.float32)), (whole, name)
+    assert calls and max(calls) <= 5
+    with pytest.raises(ValueError, match="init_values"):
+        materialise.fill_initial(torch.empty(3), None, 0, 3)
