@@ -111,7 +111,7 @@ class Bucket:
     shard_size: int = 1
     shard_start: int = 0             # where this rank's chunk of the bucket starts in the shard tensors
     held: int = 0                    # elements of this rank's chunk that hold parameters: a prefix of it
-    alone: bool = False              # holds one shared_embedding parameter and nothing else
+    own_bucket: bool = False         # holds one shared_embedding parameter and nothing else
     unsharded: Transient | None = None   # ZeRO-3: the full bucket of parameters while gathered
     staging: Transient | None = None     # ZeRO-2/3: one micro-batch's gradients until reduce-scattered
     reduced: Transient | None = None     # ZeRO-2/3: this rank's reduced chunk while the reduce-scatter runs
@@ -251,10 +251,10 @@ class ParamAndGradBuffer(FlatLayout):
         self._rank_loads = {False: [0] * self.dp_size, True: [0] * self.expert_dp[1]}    # dense, expert
         offset, current, filled = 0, None, 0
         for (name, param), unit in reversed(list(zip(named_params, units))):
-            alone = self.dp_size > 1 and param_meta(param).shared_embedding
+            own_bucket = self.dp_size > 1 and param_meta(param).shared_embedding
             expert = param_meta(param).expert
-            if current is not None and (filled >= limit or unit != current.unit or alone
-                                        or current.alone or expert != current.expert):
+            if current is not None and (filled >= limit or unit != current.unit or own_bucket
+                                        or current.own_bucket or expert != current.expert):
                 offset = self._close(current)
                 current = None
             if current is None:
@@ -262,7 +262,7 @@ class ParamAndGradBuffer(FlatLayout):
                 shard_start = self.buckets[-1].shard_start + self.buckets[-1].chunk_numel if self.buckets else 0
                 current = Bucket(len(self.buckets), offset, offset, unit=unit, expert=expert, shard_rank=rank,
                                  shard_size=size, shard_start=shard_start)
-                current.alone, filled = alone, 0
+                current.own_bucket, filled = own_bucket, 0
                 self.buckets.append(current)
             current.names.append(name)
             current.params.append(param)
@@ -444,7 +444,7 @@ class ParamAndGradBuffer(FlatLayout):
 def _fill(target: torch.Tensor, param: nn.Parameter, start: int, end: int) -> None:
     """target (1-D, end - start elements) <- elements [start, end) of ``param``: its current values, or for
     a storage-less (meta) parameter its ``init_values``, generated a bounded chunk at a time. A target
-    without storage (a --no-storage dry run's) takes no values."""
+    without storage (on the meta device) takes no values."""
     if target.device.type == "meta":
         return
     if param.device.type != "meta":
