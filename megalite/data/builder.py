@@ -15,7 +15,7 @@ wait at a barrier and then memory-map the cached files.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from megalite.data.gpt_dataset import SPLIT_NAMES, GPTDataset, default_cache_dir
 from megalite.data.indexed_dataset import IndexedDataset, normalize_prefix
 from megalite.data.mock_dataset import MockGPTDataset
 from megalite.errors import UserError
+
+if TYPE_CHECKING:
+    from megalite.parallel.dry_run import RealRun
 
 BLEND_MARGIN = 1.005  # extra samples per blend component, as in Megatron
 
@@ -52,16 +55,6 @@ def parse_data_path(tokens: Sequence[str], flag: str = "--data-path") -> tuple[l
     weights = [float(s) for s in items[0::2]]
     normalize_weights(weights)  # validates
     return items[1::2], weights
-
-
-def _rank_and_world():
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch is always there for training
-        return 0, 1, None
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), dist
-    return 0, 1, None
 
 
 class _Builder:
@@ -146,13 +139,13 @@ class _Builder:
 
 
 def build_train_valid_test_datasets(data: DataConfig, tokenizer, num_samples: tuple[int, int, int], seed: int,
-                                    alone: bool = False):
+                                    run: RealRun | None = None):
     """(train, valid, test): datasets of ``make_sample`` dicts, or None for an empty split / 0 samples.
 
     ``num_samples``: samples each split must provide (the datasets may hold more). With
-    torch.distributed initialised, rank 0 builds the index caches first and the other ranks then
-    memory-map them. ``alone``: this rank builds them itself (a --fake-process-group dry run, whose
-    rank 0 does not exist).
+    torch.distributed initialised, rank 0 of the ranks ``run`` says cooperate (parallel/dry_run.py; None:
+    the real run) builds the index caches first and the other ranks then memory-map them; a rank without
+    peers builds them itself.
     """
     num_samples = tuple(int(n) for n in num_samples)
     if len(num_samples) != 3:
@@ -161,7 +154,9 @@ def build_train_valid_test_datasets(data: DataConfig, tokenizer, num_samples: tu
         return tuple(MockGPTDataset(n, data.seq_length, tokenizer.eod, tokenizer.vocab_size, seed + i,
                                     data.eod_mask_loss) if n > 0 else None
                      for i, n in enumerate(num_samples))
-    rank, world, dist = (0, 1, None) if alone else _rank_and_world()
+    if run is None:      # the real run's; imported here: the data package needs no torch until it cooperates
+        from megalite.parallel.dry_run import REAL_RUN as run
+    rank, world, dist = run.cooperating_ranks()
     result, error = None, None
     if rank == 0:
         try:

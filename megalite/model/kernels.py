@@ -159,7 +159,7 @@ def sdpa_runs_gqa_fused(q, k, v, mask, dropout: float, causal: bool) -> bool:
 
 
 def attention_on_meta(q, k, v, mask, dropout: float, causal: bool, scale: float | None) -> torch.Tensor:
-    """[b, heads, s, d_v] output of attention on meta tensors (a --no-storage dry run). SDPA would take
+    """[b, heads, s, d_v] output of attention on meta tensors (no storage, shapes only). SDPA would take
     its math path there, which keeps the s x s scores; the fused kernel a GPU runs (with or without
     dropout) keeps the output and the log-sum-exp, as the CPU flash op does. That op takes one head dim:
     with d_v != d_qk the inputs are zero-padded to the larger, as the fused kernels' callers pad them."""

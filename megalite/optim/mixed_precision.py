@@ -24,6 +24,7 @@ from megalite.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megalite.optim.master_weights import MasterWeights, Piece
 from megalite.optim.rules import RULES
 from megalite.parallel.data.protocol import DataParallel, FlatLayout
+from megalite.parallel.dry_run import REAL_RUN
 from megalite.observe.clocks import waiting
 
 
@@ -119,13 +120,11 @@ class MixedPrecisionOptimizer:
         """One update at learning rate ``lr`` (``decoupled_lr`` for the input embedding and output layer
         with --decoupled-lr)."""
         grads = self.weights.grads
-        # a --fake-process-group dry run computes on what its absent peers never sent: its values mean
-        # nothing, and the update runs whatever they are, for the memory and time it takes
-        dry_run = self.parallel is not None and self.parallel.fake
-        if self.loss_scaler is not None and self._overflowed(grads) and not dry_run:
+        run = REAL_RUN if self.parallel is None else self.parallel.run     # whether the values mean anything
+        if self.loss_scaler is not None and run.heeds(self._overflowed(grads)):
             return StepResult(False, None)
         grad_norm = self.clipper.norm(grads)
-        if not math.isfinite(grad_norm) and not dry_run:     # the same on every rank: all refuse the update
+        if run.heeds(not math.isfinite(grad_norm)):     # the same on every rank: all refuse the update
             return StepResult(False, grad_norm, nonfinite=True)
         clip_pieces(grads, self.config.clip_grad, grad_norm)
         group_lr = {False: lr, True: lr if decoupled_lr is None else decoupled_lr}

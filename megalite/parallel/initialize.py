@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from megalite.config.schema import ParallelConfig
 from megalite.config.validate import check_world_size
-from megalite.parallel.launch_env import (LaunchEnv, exit_with_launcher, fake_launch_env, rank_error, read_launch_env,
-                                          restart_note, single_process_note)
+from megalite.parallel.dry_run import choose_run
+from megalite.parallel.launch_env import (LaunchEnv, exit_with_launcher, rank_error, read_launch_env, restart_note,
+                                          single_process_note)
 from megalite.parallel.mesh import ParallelState
 from megalite.parallel.tensor.random import stage_seed
 
@@ -46,13 +47,11 @@ def device_for(local_rank: int) -> torch.device:
 
 def initialize_distributed(parallel: ParallelConfig, timeout_minutes: float = 10,
                            env: LaunchEnv | None = None, experts: bool = False) -> tuple[ParallelState, torch.device]:
-    """Start the process group (NCCL with CUDA, gloo otherwise; torch's fake backend for
-    --fake-process-group) and build the rank grid (with the expert grid's groups when ``experts``: the
-    model has MoE layers)."""
-    if parallel.fake_process_group:
-        env = fake_launch_env(parallel.fake_world_size, parallel.fake_rank)
-        if not dist.is_initialized():
-            start_fake_process_group(env)
+    """Start the process group (NCCL with CUDA, gloo otherwise; the run backend's own for a dry run,
+    parallel/dry_run.py) and build the rank grid (with the expert grid's groups when ``experts``: the
+    model has MoE layers). The rank grid holds the run backend, chosen here once."""
+    run = choose_run(parallel)
+    env = run.start(env)
     if env is None:
         env = read_launch_env()
         for note in (single_process_note(os.environ), restart_note(os.environ) if env.rank == 0 else None):
@@ -60,7 +59,7 @@ def initialize_distributed(parallel: ParallelConfig, timeout_minutes: float = 10
                 print(note, flush=True)
         if env.launched:
             exit_with_launcher(env.rank)
-    device = torch.device("meta") if parallel.no_storage else device_for(env.local_rank)
+    device = run.device(lambda: device_for(env.local_rank))
     if (env.launched or env.world_size > 1) and not dist.is_initialized():   # torchrun/srun, even with one
         # process: size-1 groups take the same collective code paths as larger ones, so one GPU exercises
         # every collective
@@ -76,18 +75,9 @@ def initialize_distributed(parallel: ParallelConfig, timeout_minutes: float = 10
     state = ParallelState.build(env.world_size, env.rank, parallel.tensor_model_parallel_size,
                                 parallel.context_parallel_size, parallel.pipeline_model_parallel_size,
                                 timeout=timedelta(minutes=timeout_minutes), ep=parallel.expert_model_parallel_size,
-                                etp=parallel.expert_tp_size, experts=experts, fake=parallel.fake_process_group,
+                                etp=parallel.expert_tp_size, experts=experts, run=run,
                                 instances=parallel.num_distributed_optimizer_instances)
     return state, device
-
-
-def start_fake_process_group(env: LaunchEnv) -> None:
-    """torch's fake backend: every collective and point-to-point call returns at once and leaves its
-    output as it was; groups are created as usual (no peers to meet). It serves meta tensors too
-    (--no-storage)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore   # registers the "fake" backend
-    dist.init_process_group("cpu:fake,cuda:fake,meta:fake", store=FakeStore(), rank=env.rank,
-                            world_size=env.world_size)
 
 
 def process_group_options(device: torch.device) -> dict:

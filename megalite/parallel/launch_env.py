@@ -65,9 +65,9 @@ def read_launch_env(env=None) -> LaunchEnv:
     return launch
 
 
-def fake_launch_env(world_size: int | None, rank: int | None, env=None) -> LaunchEnv:
-    """The rank a --fake-process-group dry run plays: --fake-world-size/--fake-rank, or else WORLD_SIZE and
-    RANK; one line for a world that is not given or a rank outside it."""
+def played_launch_env(world_size: int | None, rank: int | None, env=None) -> LaunchEnv:
+    """The rank a dry run (--fake-process-group, parallel/dry_run.py) plays: --fake-world-size/--fake-rank,
+    or else WORLD_SIZE and RANK; one line for a world that is not given or a rank outside it."""
     env = os.environ if env is None else env
     if world_size is None and env.get("WORLD_SIZE", "").isdigit() and int(env["WORLD_SIZE"]) > 0:
         world_size = int(env["WORLD_SIZE"])
@@ -80,6 +80,14 @@ def fake_launch_env(world_size: int | None, rank: int | None, env=None) -> Launc
         raise UserError(f"--fake-rank {rank} is outside a world of {world_size} ranks; give a rank in "
                         f"0..{world_size - 1}")
     return LaunchEnv(rank, world_size, 0, launched=True)
+
+
+def launched_world_size(args, launched) -> int:
+    """The world size the parsed command line ``args`` trains in: the world a dry run plays, else
+    ``launched()``, the launcher's."""
+    if args.fake_process_group:
+        return played_launch_env(args.fake_world_size, args.fake_rank).world_size
+    return launched()
 
 
 def started_by_srun(env) -> bool:

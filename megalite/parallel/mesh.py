@@ -26,6 +26,8 @@ from itertools import product
 
 import torch.distributed as dist
 
+from megalite.parallel.dry_run import REAL_RUN, RealRun
+
 
 def rank_grid_groups(world_size: int, tp: int, cp: int, pp: int, varying: str) -> list[list[int]]:
     """All groups of ranks that differ only along ``varying`` (a subset of "tcdp": tp, cp, dp, pp).
@@ -74,7 +76,7 @@ class ParallelState:
     etp_size: int = 1
     groups: dict = field(default_factory=dict)   # name -> process group of this rank (None when size 1)
     timeout: timedelta | None = None              # of every group (new groups would get torch's 30 min)
-    fake: bool = False                            # --fake-process-group: this rank runs without its peers
+    run: RealRun = REAL_RUN                       # peers present or absent, storage or none (parallel/dry_run.py)
     instances: int = 1                            # --num-distributed-optimizer-instances (module docstring)
 
     def new_group(self, members: list[int]):
@@ -154,8 +156,8 @@ class ParallelState:
     def is_logging_rank(self) -> bool:
         """Megatron prints the training line from the last rank. It holds the loss unless the schedule puts the
         last virtual stage elsewhere (zbv: pipeline rank 0); train/step.py's reported_loss brings it there.
-        A --fake-process-group dry run logs from the one rank it plays."""
-        return self.fake or self.rank == self.world_size - 1
+        The run backend decides (a rank without peers logs itself)."""
+        return self.run.is_logging_rank(self.rank, self.world_size)
 
     def group(self, name: str):
         return self.groups.get(name)
@@ -163,13 +165,13 @@ class ParallelState:
     @classmethod
     def build(cls, world_size: int, rank: int, tp: int = 1, cp: int = 1, pp: int = 1,
               timeout: timedelta | None = None, ep: int = 1, etp: int | None = None,
-              experts: bool = False, fake: bool = False, instances: int = 1) -> "ParallelState":
+              experts: bool = False, run: RealRun = REAL_RUN, instances: int = 1) -> "ParallelState":
         """Create every process group (collectively: all ranks must call this in the same order).
         ``etp`` None: the tensor-parallel size (Megatron's default). ``experts``: the model has MoE
-        layers, so the expert grid's groups are created too. ``fake``: a --fake-process-group dry run.
+        layers, so the expert grid's groups are created too. ``run``: the run backend.
         ``instances``: distributed-optimizer instances (hybrid sharding, module docstring)."""
         etp = tp if etp is None else etp
-        state = cls(world_size, rank, tp, cp, pp, ep, etp, timeout=timeout, fake=fake, instances=instances)
+        state = cls(world_size, rank, tp, cp, pp, ep, etp, timeout=timeout, run=run, instances=instances)
         started = dist.is_initialized() and dist.get_world_size() == world_size
         if not started:          # a plain single process (or a 1-process reference inside a larger run)
             return state

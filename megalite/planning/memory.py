@@ -234,7 +234,7 @@ def bucket_size(layout: Layout) -> float:
 class Param:
     unit: int           # 0: the head, 1..: the layers top-down, then the embedding
     size: int
-    alone: bool = False     # a tied word embedding: a bucket of its own (grad_buffer.py, shared_embedding)
+    own_bucket: bool = False  # a tied word embedding: a bucket of its own (grad_buffer.py, shared_embedding)
     expert: bool = False    # an MoE expert weight: buckets hold expert or dense weights, never both
 
 
@@ -248,7 +248,7 @@ def backward_tensors(workload: Workload, layout: Layout, pp_rank: int) -> list[P
     tensors = []
     if params.head:
         if params.head > norm_parameters(model):
-            tensors.append(Param(0, vocab_rows * h, alone=tied))
+            tensors.append(Param(0, vocab_rows * h, own_bucket=tied))
         tensors += [Param(0, n) for n in [h] * (norm_parameters(model) // h)]
     numbers = top_down_layers(workload, layout, pp_rank)
     layers = len(numbers)
@@ -263,7 +263,7 @@ def backward_tensors(workload: Workload, layout: Layout, pp_rank: int) -> list[P
     if params.embedding:
         if not model.use_rope:
             tensors.append(Param(1 + layers, model.max_position_embeddings * h))
-        tensors.append(Param(1 + layers, vocab_rows * h, alone=tied))
+        tensors.append(Param(1 + layers, vocab_rows * h, own_bucket=tied))
     return tensors
 
 
@@ -278,8 +278,9 @@ def buckets_of(tensors: list[Param], layout: Layout, per_unit: bool) -> list[int
     weights meet dense ones, and, for ZeRO-2/3 (``per_unit``), where the unit changes."""
     limit, ends, size = bucket_size(layout), [], 0
     for i, tensor in enumerate(tensors):
-        if i and (size >= limit or tensor.alone or tensors[i - 1].alone or tensor.expert != tensors[i - 1].expert
-                  or (per_unit and tensor.unit != tensors[i - 1].unit)):
+        before = tensors[i - 1] if i else None
+        if i and (size >= limit or tensor.own_bucket or before.own_bucket or tensor.expert != before.expert
+                  or (per_unit and tensor.unit != before.unit)):
             ends.append(i)
             size = 0
         size += tensor.size

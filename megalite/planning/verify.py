@@ -1,7 +1,7 @@
 """tools/plan_parallelism.py --verify: the planner's memory estimate beside what a dry run measures.
 
-For a layout, one rank of each distinct role runs pretrain_gpt.py's dry run (--fake-process-group
---no-storage: the rank's own shards, its pipeline stage's schedule and one training step, all on the
+For a layout, one rank of each distinct role runs pretrain_gpt.py's dry run (``dry_run_flags``, without
+storage: the rank's own shards, its pipeline stage's schedule and one training step, all on the
 meta device) and prints its step's peak by category. Ranks of one pipeline stage hold the same shapes
 (their TP, CP, DP and EP positions differ only in which slice they hold), so a role is a pipeline
 rank: the first stage, the last, one in the middle, and the first rank of every other kind of stage
@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, fields, replace
 
 from megalite.config.schema import FLAG, ModelConfig
+from megalite.parallel.dry_run import dry_run_flags
 from megalite.planning.flags import pretrain_flags
 from megalite.planning.inputs import (GPU_KERNELS, GiB, Layout, Workload, holds_embedding, holds_head, rank_layers,
                                       rank_moe_layers)
@@ -84,13 +85,11 @@ def mock_data_flags(workload: Workload) -> list[str]:
             "--make-vocab-size-divisible-by", str(workload.make_vocab_size_divisible_by)]
 
 
-def dry_run_argv(workload: Workload, layout: Layout, role: Role) -> list[str]:
+def measuring_argv(workload: Workload, layout: Layout, role: Role) -> list[str]:
     """The command line of one role's dry run: the layout's flags on mock data, one step, no storage."""
     return [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *model_flags(workload),
             *pretrain_flags(workload, layout), *mock_data_flags(workload), "--train-iters", "1", "--lr", "1e-4",
-            "--eval-iters", "0", "--num-workers", "0",
-            "--fake-process-group", "--fake-world-size", str(layout.num_gpus), "--fake-rank", str(role.rank),
-            "--no-storage"]
+            "--eval-iters", "0", "--num-workers", "0", *dry_run_flags(layout.num_gpus, role.rank)]
 
 
 def measure(argv: list[str], rank: int, timeout: float = 1200) -> dict:
@@ -153,7 +152,7 @@ def verify(workload: Workload, layout: Layout, log=print) -> list[RoleCheck]:
     checks = []
     for role in roles(workload, layout):
         log(f"  dry run of rank {role.rank} of {layout.num_gpus}, {role.name} ...")
-        measured = measured_categories(measure(dry_run_argv(workload, layout, role), role.rank))
+        measured = measured_categories(measure(measuring_argv(workload, layout, role), role.rank))
         estimate = estimated_categories(rank_memory(workload, layout, role.pp_rank, GPU_KERNELS))
         checks.append(RoleCheck(role, estimate, measured))
     return checks

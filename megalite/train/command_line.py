@@ -1,5 +1,5 @@
 """pretrain_gpt.py's command line to a MegaliteConfig, with what the flags alone do not give: the world
-size from the launcher's environment (or the --fake-process-group world), the model flags of a --load
+size from the launcher's environment (or the world a rank without peers plays), the model flags of a --load
 checkpoint under --use-checkpoint-args, a check that --load is a readable checkpoint, and the tokenizer's
 vocabulary size. config/megatron_cli.py maps the flags and checks them; this module reads the outside
 world around it. It imports no torch (the flags are checked before torch loads); the checkpoint and
@@ -13,7 +13,7 @@ import os
 from megalite.config.megatron_cli import build_parser, config_from_args, with_vocabulary
 from megalite.config.schema import MegaliteConfig, TrainingConfig
 from megalite.errors import UserError
-from megalite.parallel.launch_env import fake_launch_env, read_launch_env
+from megalite.parallel.launch_env import launched_world_size, read_launch_env
 
 # the architecture fields --use-checkpoint-args does not take as they are (files.ARCHITECTURE_FIELDS has the
 # rest): the vocabulary comes with the tokenizer, GQA through its two flags, and --seq-length only when absent
@@ -27,8 +27,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None,
     parser = build_parser()
     args = parser.parse_args(argv)
     if world_size is None:
-        world_size = (fake_launch_env(args.fake_world_size, args.fake_rank).world_size if args.fake_process_group
-                      else world_size_from_env())
+        world_size = launched_world_size(args, world_size_from_env)
     checkpoint_vocab_size = apply_checkpoint_args(args, parser)
     config = config_from_args(args, world_size)
     check_load_dir(config.training)

@@ -45,7 +45,8 @@ def train(trainer: Run, train_iter, valid_iter, log, sinks: MetricsSinks | None)
             batch_size = cfg.global_batch_size_at(state.consumed_train_samples)
             profiler.before_step(state.iteration)
             Activity.iteration, Activity.phase = state.iteration + 1, "the training step"
-            accounted = state.iteration == first and (trainer.parallel.fake or t.log_memory_breakdown)
+            run = trainer.parallel.run
+            accounted = state.iteration == first and run.accounts_first_step(t.log_memory_breakdown)
             with interval.stragglers.step():
                 loss, result = accounted_step(trainer, train_iter) if accounted else train_step(trainer, train_iter)
             state.iteration += 1
@@ -54,7 +55,7 @@ def train(trainer: Run, train_iter, valid_iter, log, sinks: MetricsSinks | None)
             if t.manual_gc and t.manual_gc_interval and state.iteration % t.manual_gc_interval == 0:
                 gc.collect()
             interval.add(loss, result, batch_size)
-            if result.nonfinite and not trainer.parallel.fake:       # dry run: no meaning
+            if run.heeds(result.nonfinite):
                 state.nan_iterations += 1
                 handle_nonfinite_step(trainer, loss, result, log)
             elif not result.update_successful:

@@ -1,5 +1,5 @@
-"""Every byte of one training step by what it is for, and the step's peak: the accounting of a
---fake-process-group dry run (with or without storage) and of --log-memory-breakdown in a real run.
+"""Every byte of one training step by what it is for, and the step's peak: the accounting of a run
+without peers (with or without storage, parallel/dry_run.py) and of --log-memory-breakdown in a real run.
 
 ``MemoryAccount`` is a dispatch mode over one step: it sees every tensor an operator creates and every
 storage resize (ZeRO's gathered parameters and gradient staging come and go that way), and keeps the
@@ -23,9 +23,9 @@ Labels, the first that applies:
 - ``backward temporaries``: created while autograd runs a backward node (activation gradients);
 - ``optimizer step``: temporaries of the update; anything else is ``activations: other``.
 
-On the meta device (--no-storage) every storage still has its size, so the same accounting runs
-without memory or arithmetic. Values read back to the host there (a loss, the gradient norm) are
-stand-ins: ``MetaStandIns`` answers them with zeros, which a dry run's meaningless values allow.
+On the meta device every storage still has its size, so the same accounting runs without memory or
+arithmetic. Values read back to the host there (a loss, the gradient norm) are stand-ins: the run
+backend's ``value_reads`` answers them with zeros.
 """
 from __future__ import annotations
 
@@ -214,18 +214,3 @@ def _fields(text: str) -> dict[str, int]:
             fields[name] = int(value)
     return fields
 
-
-class MetaStandIns(TorchDispatchMode):
-    """--no-storage: a value read back from a meta tensor (``.item()``, ``float()``, ``bool()``, a copy
-    to the CPU) is zero, in place of the error the meta device raises. A dry run's values mean nothing
-    (its peers never send theirs); zero keeps every check quiet (a zero loss and gradient norm are
-    finite, no overflow is found) so the step runs its whole course."""
-
-    def __torch_dispatch__(self, func, _types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
-            return False if args[0].dtype == torch.bool else 0
-        if (func is torch.ops.aten._to_copy.default and args[0].device.type == "meta"
-                and kwargs.get("device") is not None and torch.device(kwargs["device"]).type != "meta"):
-            return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device=kwargs["device"])
-        return func(*args, **kwargs)

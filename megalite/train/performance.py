@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from megalite.config.schema import ModelConfig
 from megalite.parallel import collectives
+from megalite.parallel.dry_run import REAL_RUN, RealRun
 from megalite.parallel.param_meta import param_meta
 
 # Dense (no sparsity) bf16 tensor-core peaks in FLOP/s, from the vendors' datasheets. Matched as
@@ -272,12 +273,13 @@ def gather_memory(ddp, optimizer) -> list[dict[str, int]]:
     return [dict(zip(keys, row)) for row in rows]
 
 
-def report_memory(ddp, optimizer, rank: int, print_fn=print, alone: bool = False) -> None:
-    """Rank 0 prints the line of every rank (with MoE expert weights, then its expert and its dense
-    share). ``alone`` (a --fake-process-group dry run, whose peers do not exist): this rank prints its own."""
-    per_rank = {rank: measure(ddp, optimizer)} if alone else dict(enumerate(gather_memory(ddp, optimizer)))
+def report_memory(ddp, optimizer, rank: int, print_fn=print, run: RealRun = REAL_RUN) -> None:
+    """The reporting rank prints the line of every rank (with MoE expert weights, then its expert and its
+    dense share); ``run`` (parallel/dry_run.py) says which rank reports and whose lines it has: rank 0
+    every rank's, or a rank without peers its own."""
+    per_rank = run.per_rank(rank, lambda: measure(ddp, optimizer), lambda: gather_memory(ddp, optimizer))
     moe = any(m["expert parameters"] for m in per_rank.values())
-    if rank == 0 or alone:
+    if run.reports_here(rank):
         for r, m in per_rank.items():
             print_fn(format_memory_line(r, m))
             if moe:

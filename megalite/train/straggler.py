@@ -110,12 +110,12 @@ class ToggleServer:
 
 class StragglerDetector:
     """Per rank and log interval: the training steps' wall time and waiting (WaitClock), gathered at each
-    log interval into one report on the logging rank. Off without --log-straggler, and in a
-    --fake-process-group dry run (its peers do not exist): then ``step`` only yields and ``report``
+    log interval into one report on the logging rank. Off without --log-straggler, and where the run
+    backend has no peers to compare with (parallel/dry_run.py): then ``step`` only yields and ``report``
     returns {}, with no collective."""
 
     def __init__(self, config, parallel, device: torch.device, log, print_fn=print):
-        self.enabled = config.log_straggler and not parallel.fake
+        self.enabled = parallel.run.compares_peers(config.log_straggler)
         self.reporting = not config.disable_straggler_on_startup
         self.count, self.factor = config.straggler_minmax_count, config.straggler_factor
         self.rank, self.world_size, self.device = parallel.rank, parallel.world_size, device

@@ -59,7 +59,6 @@ from megalite.parallel.tensor.setup import build_tensor_parallel
 from megalite.train import loop
 from megalite.train.compile import compile_layers
 from megalite.train.faults import CollectiveFailure, collective_phase
-from megalite.train.memory_account import MetaStandIns
 from megalite.train.metrics import MetricsSinks, format_validation_lines
 from megalite.train.performance import report_memory
 from megalite.train.run import TrainState
@@ -201,9 +200,9 @@ class Trainer:
         sinks = (MetricsSinks(config.training, dataclasses.asdict(config), self.log) if self.parallel.is_logging_rank
                  else None)
         report_parameters(self)
-        report_memory(self.ddp, self.optimizer, self.parallel.rank, self.print_fn, alone=self.parallel.fake)
+        report_memory(self.ddp, self.optimizer, self.parallel.rank, self.print_fn, self.parallel.run)
         try:
-            with MetaStandIns() if self.device.type == "meta" else contextlib.nullcontext():
+            with self.parallel.run.value_reads():
                 loop.train(self, train_iter, valid_iter, self.log, sinks)
             self.ddp.wait_for_param_gather()
             if not self.state.exit_reason:       # on an early exit: saved already, no final evaluation
@@ -310,15 +309,12 @@ def pretrain(config: MegaliteConfig, print_fn=print_line) -> TrainState:
 
 
 def report_parameters(trainer: Trainer) -> None:
-    if trainer.parallel.fake:     # the whole model's count would need the other stages' counts
-        n = trainer.ddp.buffer.numel_unpadded
-        trainer.log(f" > dry run as rank {trainer.parallel.rank} of {trainer.parallel.world_size} "
-                    f"(--fake-process-group): {n} parameters ({n / 1e6:.2f}M) in this rank's model-parallel part")
-        return
-    n = count_model_parameters(trainer)
-    trainer.log(f" > number of parameters: {n} ({n / 1e6:.2f}M); global batch "
-                f"{trainer.config.training.global_batch_size} = {trainer.config.num_microbatches} micro-batches "
-                f"of {trainer.config.training.micro_batch_size} x data-parallel {trainer.parallel.dp_size}")
+    """The parameter count's start-up line: the whole model's, or this rank's part where the run backend
+    has no peers to count the rest."""
+    batch = (f"global batch {trainer.config.training.global_batch_size} = {trainer.config.num_microbatches} "
+             f"micro-batches of {trainer.config.training.micro_batch_size} x data-parallel {trainer.parallel.dp_size}")
+    trainer.log(trainer.parallel.run.parameter_line(lambda: trainer.ddp.buffer.numel_unpadded,
+                                                    lambda: count_model_parameters(trainer), batch))
 
 
 def count_model_parameters(trainer: Trainer) -> int:
@@ -355,7 +351,7 @@ def build_data_iterators(trainer: Trainer, tokenizer):
                    evaluations * t.eval_iters * t.global_batch_size,
                    t.eval_iters * t.global_batch_size)
     train, valid, test = build_train_valid_test_datasets(cfg.data, tokenizer, num_samples, t.seed,
-                                                         alone=trainer.parallel.fake)
+                                                         trainer.parallel.run)
     workers = cfg.data.num_workers
 
     def iterator(dataset, consumed: int):

@@ -3,7 +3,7 @@ recomputation of it pays.
 
 Backends, in the order they are chosen:
 - ring context parallelism (``cp``): parallel/context/ring_attention.py, fused blocks merged by log-sum-exp;
-- the meta device (a --no-storage dry run): the shapes and saved tensors of a fused kernel;
+- the meta device (no storage): the shapes and saved tensors of a fused kernel;
 - scaled_dot_product_attention, which runs a fused kernel (CPU flash, CUDA flash or memory-efficient)
   or its math path; K/V stay grouped where the kernel takes them so (GQA), else are expanded first.
 

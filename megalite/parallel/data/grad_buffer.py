@@ -107,7 +107,7 @@ class Bucket:
     shard_size: int = 1
     shard_start: int = 0             # where this rank's chunk of the bucket starts in the shard tensors
     bounds: tuple = (0, 0)           # rank r's chunk is [start + bounds[r], start + bounds[r + 1])
-    alone: bool = False              # holds one shared_embedding parameter and nothing else
+    own_bucket: bool = False         # holds one shared_embedding parameter and nothing else
     unsharded: Transient | None = None   # ZeRO-3: the full bucket of parameters while gathered
     staging: Transient | None = None     # ZeRO-2/3: one micro-batch's gradients until reduced
     reduced: Transient | None = None     # ZeRO-2/3, equal chunks: this rank's reduced chunk while reduced
@@ -270,10 +270,10 @@ class ParamAndGradBuffer(FlatLayout):
                 self._owner.update(zip(map(id, params), whole_param_owners([p.numel() for p in params], ranks)))
         offset, current, filled = 0, None, 0
         for (name, param), unit in reversed(list(zip(named_params, units))):
-            alone = self.dp_size > 1 and param_meta(param).shared_embedding
+            own_bucket = self.dp_size > 1 and param_meta(param).shared_embedding
             expert = param_meta(param).expert
-            if current is not None and (filled >= limit or unit != current.unit or alone
-                                        or current.alone or expert != current.expert):
+            if current is not None and (filled >= limit or unit != current.unit or own_bucket
+                                        or current.own_bucket or expert != current.expert):
                 offset = self._close(current)
                 current = None
             if current is None:
@@ -281,7 +281,7 @@ class ParamAndGradBuffer(FlatLayout):
                 shard_start = self.buckets[-1].shard_start + self.buckets[-1].chunk_numel if self.buckets else 0
                 current = Bucket(len(self.buckets), offset, offset, unit=unit, expert=expert, shard_rank=rank,
                                  shard_size=size, shard_start=shard_start)
-                current.alone, filled = alone, 0
+                current.own_bucket, filled = own_bucket, 0
                 self.buckets.append(current)
             current.names.append(name)
             current.params.append(param)

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from megalite.parallel.tensor.mappings import all_gather, gather_from_sp_region, reduce_scatter_to_sp_region
+from megalite.parallel.dry_run import REAL_RUN, RealRun
+from megalite.parallel.tensor.mappings import gather_from_sp_region, reduce_scatter_to_sp_region
 
 
 @dataclass
@@ -43,7 +44,7 @@ class ExpertParallel:
     etp_size: int = 1
     ep_etp_group: object = None
     dispatcher: str = "alltoall"
-    fake: bool = False           # a --fake-process-group dry run: counts from absent peers are stand-ins
+    run: RealRun = REAL_RUN      # the run backend: the count exchanges' results (parallel/dry_run.py)
 
     def local_experts(self, num_experts: int) -> range:
         per_rank = num_experts // self.ep_size
@@ -77,7 +78,7 @@ def build_moe_context(state, dispatcher: str, sequence_parallel: bool) -> MoECon
         return state.group(name) if size > 1 else None
     ep = ExpertParallel(group("ep", state.ep_size), state.ep_rank, state.ep_size,
                         group("etp", state.etp_size), state.etp_rank, state.etp_size,
-                        group("ep_etp", state.ep_size * state.etp_size), dispatcher, state.fake)
+                        group("ep_etp", state.ep_size * state.etp_size), dispatcher, state.run)
     split = (state.tp_size if sequence_parallel else 1) * state.cp_size
     stage = state.tp_size * state.cp_size * state.dp_size
     return MoEContext(ep, group("tp_cp", split), split, group("stage", stage), state.cp_size)
@@ -126,32 +127,9 @@ def scatter_rows(y: torch.Tensor, sizes: list, rank: int, group) -> torch.Tensor
     return received.view(len(sizes), sizes[rank], *y.shape[1:]).sum(0)
 
 
-def exchange_counts(counts: torch.Tensor, group, mirror: int | None = None) -> torch.Tensor:
-    """[size, n] integer counts, row j for rank j -> [size, n], row j from rank j (no autograd).
-    ``mirror`` (a dry run, this rank's place in the group): the absent peers send what this rank sends
-    itself, as if they routed alike."""
-    if group is None:
-        return counts
-    if mirror is not None:
-        return counts[mirror].expand_as(counts).clone()
-    out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts.contiguous(), group=group)
-    return out
-
-
-def gather_counts(counts: torch.Tensor, group, mirror: bool = False) -> torch.Tensor:
-    """[n] counts of every rank of the group -> [size, n] (no autograd); ``mirror`` (a dry run): every
-    absent peer's are this rank's."""
-    if group is None:
-        return counts[None]
-    if mirror:
-        return counts[None].expand(dist.get_world_size(group), -1).clone()
-    return all_gather(counts[None], group, dim=0)
-
-
 def expert_counts(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Assignments per expert [num_experts] of ``expert`` (expert ids). Without storage (a --no-storage
-    dry run) the router's choices have no values: a balanced router's counts stand in, on the host."""
+    """Assignments per expert [num_experts] of ``expert`` (expert ids). Without storage (the meta device)
+    the router's choices have no values: a balanced router's counts stand in, on the host."""
     if expert.device.type == "meta":
         base, extra = divmod(expert.numel(), num_experts)
         return torch.tensor([base + (e < extra) for e in range(num_experts)])
@@ -195,10 +173,10 @@ def dispatch_alltoall(routed: Routed, run_experts, num_experts: int, ep: ExpertP
         return combine(out, token, weight, routed.tokens.shape[0])
     local = num_experts // ep.ep_size
     with record_function("moe/dispatch/counts"):
-        recv_counts = exchange_counts(per_expert.view(ep.ep_size, local), ep.ep_group,
-                                      ep.ep_rank if ep.fake else None)                       # [src, local]
-        etp_counts = gather_counts(recv_counts.reshape(-1), ep.etp_group, ep.fake).view(ep.etp_size, ep.ep_size,
-                                                                                        local)
+        recv_counts = ep.run.exchange_counts(per_expert.view(ep.ep_size, local), ep.ep_group,
+                                             ep.ep_rank)                                     # [src, local]
+        etp_counts = ep.run.gather_counts(recv_counts.reshape(-1), ep.etp_group).view(ep.etp_size, ep.ep_size,
+                                                                                      local)
         # the one host read: the split sizes of the exchanges below (what arrives, then what this rank sends)
         host = torch.cat([etp_counts.reshape(-1), per_expert.view(ep.ep_size, local).sum(1)]).tolist()
     send = host[-ep.ep_size:]

@@ -10,6 +10,8 @@ import megalite.train.straggler as straggler
 from harness import free_port
 from megalite.train.command_line import parse_args
 from megalite.observe.clocks import WaitClock, waiting
+from megalite.parallel.dry_run import REAL_RUN, DryRun
+from megalite.parallel.launch_env import LaunchEnv
 from megalite.train.straggler import StragglerDetector, ToggleServer, named_stragglers, report_line, report_metrics
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 
@@ -65,7 +67,7 @@ def test_waits_count_once_and_only_while_the_clock_runs(monkeypatch):
 def detector(*flags):
     config = parse_args(with_flags(TINY_LLAMA_ARGS, log_straggler=True, **dict(flags)), world_size=1)
     lines = []
-    parallel = SimpleNamespace(rank=0, world_size=1, fake=False)
+    parallel = SimpleNamespace(rank=0, world_size=1, run=REAL_RUN)
     return StragglerDetector(config.training, parallel, torch.device("cpu"), lines.append, lines.append), lines
 
 
@@ -103,14 +105,15 @@ def test_two_requests_cancel_out_and_a_taken_port_is_one_line():
 
 def test_without_the_flag_or_in_a_dry_run_nothing_is_measured_or_gathered():
     config = parse_args(TINY_LLAMA_ARGS, world_size=1)
-    off = StragglerDetector(config.training, SimpleNamespace(rank=0, world_size=1, fake=False),
+    off = StragglerDetector(config.training, SimpleNamespace(rank=0, world_size=1, run=REAL_RUN),
                             torch.device("cpu"), print)
     with off.step():
         with waiting():
             pass
     assert off.report() == {} and off.controller is None
+    peerless = SimpleNamespace(rank=0, world_size=8, run=DryRun(LaunchEnv(0, 8, 0), storage=True))
     dry = StragglerDetector(parse_args(with_flags(TINY_LLAMA_ARGS, log_straggler=True), world_size=1).training,
-                            SimpleNamespace(rank=0, world_size=8, fake=True), torch.device("cpu"), print)
+                            peerless, torch.device("cpu"), print)
     with dry.step():
         pass
     assert dry.report() == {} and dry.controller is None
