@@ -18,7 +18,7 @@ INIT_CHUNK = 1 << 22          # elements drawn at a time: bounds the start-up te
 @torch.no_grad()
 def fill_initial(target: torch.Tensor, init_values, start: int, end: int) -> None:
     """target (1-D, end - start elements) <- initial values [start, end) of one parameter, drawn on the
-    target's device a bounded chunk at a time. A target without storage (a --no-storage dry run's)
+    target's device a bounded chunk at a time. A target without storage (on the meta device)
     takes no values."""
     if target.device.type == "meta":
         return
