@@ -114,6 +114,11 @@ def options(jemalloc: str | None, baseline: str) -> dict[str, Option]:
                                                                         "glibc.malloc.trim_threshold=4294967296"},
                              "this tree, glibc with a fixed 32 MiB mmap threshold and no trimming"),
     }
+    for mib in (4, 8, 16, 32):       # a fixed threshold above small activations, the heap's top kept up to 2x it
+        found[f"glibc-{mib}mib-trim"] = Option(
+            f"glibc-{mib}mib-trim", "after", {"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={mib * MiB}:"
+                                                             f"glibc.malloc.trim_threshold={2 * mib * MiB}"},
+            f"this tree, glibc with a fixed {mib} MiB mmap threshold and a {2 * mib} MiB trim threshold")
     if jemalloc:
         def jemalloc_option(name, conf, what, extra=None):
             env = {"LD_PRELOAD": jemalloc, **({"MALLOC_CONF": conf} if conf else {}), **(extra or {})}
@@ -129,6 +134,11 @@ def options(jemalloc: str | None, baseline: str) -> dict[str, Option]:
         jemalloc_option("jemalloc-decay1s", "oversize_threshold:0,background_thread:true,dirty_decay_ms:1000,"
                         "muzzy_decay_ms:0", "without the large-block arena, freed pages purged after 1 s")
         jemalloc_option("jemalloc-bare", "", "preloaded with its default settings")
+        jemalloc_option("jemalloc-decay1s-a1", "oversize_threshold:0,background_thread:true,dirty_decay_ms:1000,"
+                        "muzzy_decay_ms:0,narenas:1", "without the large-block arena, one arena for every thread, "
+                        "freed pages purged after 1 s")
+        jemalloc_option("jemalloc-decay0", "oversize_threshold:0,background_thread:true,dirty_decay_ms:0,"
+                        "muzzy_decay_ms:0", "without the large-block arena, freed pages purged at once")
     return found
 
 
