@@ -137,6 +137,8 @@ def options(jemalloc: str | None, baseline: str) -> dict[str, Option]:
         jemalloc_option("jemalloc-decay1s-a1", "oversize_threshold:0,background_thread:true,dirty_decay_ms:1000,"
                         "muzzy_decay_ms:0,narenas:1", "without the large-block arena, one arena for every thread, "
                         "freed pages purged after 1 s")
+        jemalloc_option("jemalloc-keep0", "oversize_threshold:0,dirty_decay_ms:-1,muzzy_decay_ms:-1",
+                        "without the large-block arena, never handing freed pages back to the OS")
         jemalloc_option("jemalloc-decay0", "oversize_threshold:0,background_thread:true,dirty_decay_ms:0,"
                         "muzzy_decay_ms:0", "without the large-block arena, freed pages purged at once")
     return found
