@@ -14,6 +14,8 @@ Options (``--options``, comma-separated; the first is the baseline of the step-t
   madvise'd, so a fresh block faults in 2 MiB at a time);
 - glibc-4mib-thp: a fixed 4 MiB mmap threshold, torch's tensors on huge pages (THP_MEM_ALLOC_ENABLE);
 - glibc-keep: a fixed 32 MiB mmap threshold and no trimming: freed blocks stay in the heap;
+- glibc-4mib-trim, glibc-8mib-trim, glibc-16mib-trim, glibc-32mib-trim: a fixed 4/8/16/32 MiB mmap threshold
+  and a trim threshold twice that: blocks below the threshold stay in the heap for the next step's reuse;
 - jemalloc: LD_PRELOAD of libjemalloc.so.2 with MALLOC_CONF=oversize_threshold:1,background_thread:true,
   metadata_thp:auto (torch.backends.xeon.run_cpu's, which the Makefile preloaded before the policy);
 - jemalloc-thp: the same, torch's tensors on huge pages;
@@ -22,6 +24,9 @@ Options (``--options``, comma-separated; the first is the baseline of the step-t
   in its arena for reuse and is purged after the decay time (10 s by default);
 - jemalloc-decay1s: the same, purged after 1 s;
 - jemalloc-bare: jemalloc's default settings;
+- jemalloc-decay1s-a1: jemalloc-decay1s with one arena for every thread (narenas:1);
+- jemalloc-decay0: oversize_threshold:0, freed pages purged at once (dirty_decay_ms:0, muzzy_decay_ms:0);
+- jemalloc-keep0: oversize_threshold:0 and never purging (dirty_decay_ms:-1, muzzy_decay_ms:-1);
 - before: revision ``--baseline`` (default d50f0c9) in a git worktree, run with this venv and PYTHONPATH at
   the worktree; its start-up installs its caching CPU allocator (a worktree is made only for this option).
 
@@ -114,6 +119,11 @@ def options(jemalloc: str | None, baseline: str) -> dict[str, Option]:
                                                                         "glibc.malloc.trim_threshold=4294967296"},
                              "this tree, glibc with a fixed 32 MiB mmap threshold and no trimming"),
     }
+    for mib in (4, 8, 16, 32):       # a fixed threshold above small activations, the heap's top kept up to 2x it
+        found[f"glibc-{mib}mib-trim"] = Option(
+            f"glibc-{mib}mib-trim", "after", {"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={mib * MiB}:"
+                                                             f"glibc.malloc.trim_threshold={2 * mib * MiB}"},
+            f"this tree, glibc with a fixed {mib} MiB mmap threshold and a {2 * mib} MiB trim threshold")
     if jemalloc:
         def jemalloc_option(name, conf, what, extra=None):
             env = {"LD_PRELOAD": jemalloc, **({"MALLOC_CONF": conf} if conf else {}), **(extra or {})}
@@ -129,6 +139,13 @@ def options(jemalloc: str | None, baseline: str) -> dict[str, Option]:
         jemalloc_option("jemalloc-decay1s", "oversize_threshold:0,background_thread:true,dirty_decay_ms:1000,"
                         "muzzy_decay_ms:0", "without the large-block arena, freed pages purged after 1 s")
         jemalloc_option("jemalloc-bare", "", "preloaded with its default settings")
+        jemalloc_option("jemalloc-decay1s-a1", "oversize_threshold:0,background_thread:true,dirty_decay_ms:1000,"
+                        "muzzy_decay_ms:0,narenas:1", "without the large-block arena, one arena for every thread, "
+                        "freed pages purged after 1 s")
+        jemalloc_option("jemalloc-keep0", "oversize_threshold:0,dirty_decay_ms:-1,muzzy_decay_ms:-1",
+                        "without the large-block arena, never handing freed pages back to the OS")
+        jemalloc_option("jemalloc-decay0", "oversize_threshold:0,background_thread:true,dirty_decay_ms:0,"
+                        "muzzy_decay_ms:0", "without the large-block arena, freed pages purged at once")
     return found
 
 

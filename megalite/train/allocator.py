@@ -8,8 +8,11 @@ peak grows past what is alive, and a ZeRO stage's saving stops showing in the pe
 
 The policy: ``mallopt(M_MMAP_THRESHOLD, 1 MiB)``, which also turns the adaptive threshold off. Blocks of
 1 MiB or more are mmap'd and unmapped when freed, so RSS follows what is alive; the price is that each
-step's fresh blocks are faulted in again. The process's children (loader workers, spawned ranks) get the
-same policy from the environment, where it is exported as glibc's tunable (read at a process's start).
+step's fresh blocks are faulted in again. What would spare those faults (a larger fixed threshold that keeps
+the step's smaller blocks in the heap, an allocator that keeps freed pages for reuse) keeps the freed blocks
+in the peak as well, and a ZeRO stage's saving hides in it again (bench/RESULTS.md, "CPU allocator"). The
+process's children (loader workers, spawned ranks) get the same policy from the environment, where it is
+exported as glibc's tunable (read at a process's start).
 
 Where the user chose an allocator (``LD_PRELOAD`` names one, ``MALLOC_CONF`` or a glibc malloc tunable is
 set), or the C library is not glibc, the process keeps what it was given.

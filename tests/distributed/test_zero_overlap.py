@@ -139,3 +139,56 @@ def test_nccl_leaves_the_last_reduction_of_a_backward_in_flight_into_the_next_fo
                 bucket = events[last][1]
                 waited = events.index(("wait reduce-scatter", bucket), last)
                 assert (waited > start) is nccl, (strategy, nccl, events[last:waited + 1])
+
+
+# ---- a bucket of one parameter larger than the bucket size: reduced in pieces --------------------------
+PIECE_BUCKET = 4000        # elements: the embedding and output layer (200 x 64) each exceed it
+
+
+def pieces_run(rank: int, world: int) -> dict:
+    """ZeRO-2/3 with a bucket size below the largest parameters, on both paths: losses, and the most
+    staging elements any piecewise reduction held at once; then the same with every bucket reduced whole
+    (the same layout), whose losses the pieces must reproduce bit for bit."""
+    from megalite.parallel.data import bucket_comm, ddp
+    from megalite.train.command_line import parse_args
+    from megalite.train.step import train_step
+    from megalite.train.trainer import build_trainer
+    out = {}
+    for strategy in ("optim_grads", "optim_grads_params"):
+        for nccl, whole in ((True, False), (False, False), (True, True)):
+            os.environ[ENV] = "1" if nccl else "0"
+            if whole:
+                ddp.grad_reduction = lambda b, chunk, comm, size: bucket_comm.GradReduction(b, chunk, comm)
+            try:
+                trainer = build_trainer(parse_args(layout_flags(strategy, True, bucket_size=PIECE_BUCKET),
+                                                   world_size=world))
+            finally:
+                ddp.grad_reduction = bucket_comm.grad_reduction
+            data = batches(trainer, STEPS)
+            losses = [float(train_step(trainer, data)[0]) for _ in range(STEPS)]
+            trainer.ddp.wait_for_param_gather()
+            pieces = [r for r in trainer.ddp._reductions.values() if isinstance(r, bucket_comm.PiecewiseReduction)]
+            out[(strategy, nccl, whole)] = {"losses": losses, "pieces": len(pieces),
+                                            "staged": max((r.staged_peak for r in pieces), default=0),
+                                            "largest": max(b.numel for b in trainer.ddp.buckets)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def pieces():
+    return run_ranks(2, pieces_run, nccl=True)
+
+
+def test_a_parameter_larger_than_the_bucket_is_reduced_in_bounded_pieces_bit_identically(runs, pieces):
+    serial = runs[0]
+    for rank, result in enumerate(pieces):
+        for strategy in ("optim_grads", "optim_grads_params"):
+            what = f"rank {rank} {strategy}"
+            whole = result[(strategy, True, True)]
+            assert whole["pieces"] == 0 and whole["largest"] > PIECE_BUCKET, what
+            for nccl in (True, False):
+                r = result[(strategy, nccl, False)]
+                assert r["pieces"] >= 2, what          # the embedding, the output layer, the MLP weights
+                assert 0 < r["staged"] <= PIECE_BUCKET, what           # not the 12,800-element bucket
+                assert r["losses"] == whole["losses"], f"{what} nccl={nccl}: pieces changed the sums"
+            assert whole["losses"] == pytest.approx(serial, rel=1e-5), what

@@ -311,3 +311,72 @@ class GradReduction:
     @property
     def pending(self) -> bool:
         return self.arrived > 0
+
+
+class PiecewiseReduction(GradReduction):
+    """ZeRO-2/3: a bucket holding one parameter larger than the bucket size (a bucket never splits a
+    parameter, so only the bucket size bounds the others), reduce-scattered in pieces of at most ``piece``
+    elements of every rank's chunk: piece j stages, in the staging dtype, the j-th piece of each rank's
+    chunk (``reduce_scatter(out[j], [chunk_i[j] for i in ranks])``), so each element gets the same sums
+    as the whole bucket's reduce-scatter and the staging is bounded by the bucket size, not the largest
+    parameter. The gradient is held from its arrival to ``start``; each piece is waited on before the
+    next is staged, the last one as the whole bucket's is (``finish``). Every rank issues the same
+    collectives in the same order."""
+
+    def __init__(self, bucket: Bucket, shard_chunk: torch.Tensor, comm: Comm, piece: int):
+        super().__init__(bucket, shard_chunk, comm)
+        self.piece = piece
+        self.grad, self.offset = None, 0
+        self._in_flight = None        # (staging, out, first element of the piece in this rank's chunk)
+        self.staged_peak = 0          # the most staging elements alive at once (tests read it)
+
+    def accumulate(self, offset: int, grad: torch.Tensor) -> bool:
+        if self.work is not None:
+            self.finish()
+        self.offset, self.grad = offset, grad.reshape(-1)
+        self.arrived = 1
+        return True
+
+    def start(self, async_op: bool) -> None:
+        self.arrived = 0
+        grad, self.grad = self.grad, None
+        n = self.bucket.chunk_numel
+        for lo in range(0, n, self.piece):
+            self.finish()
+            staging = self._stage(grad, lo, min(n, lo + self.piece))
+            out = torch.empty(staging.shape[1], dtype=staging.dtype, device=staging.device)
+            with traced("reduce-scatter", self.bucket):
+                self.work = self.comm.reduce_scatter(out, staging.view(-1), list(staging), async_op) or DONE
+            self._in_flight = (staging, out, lo)
+        if not async_op:
+            self.finish()
+
+    def _stage(self, grad: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of every rank's chunk of the bucket's gradients, one row per rank: the
+        parameter's gradient where it lies (at ``offset`` in the bucket), zeros elsewhere (padding)."""
+        n, end = self.bucket.chunk_numel, self.offset + grad.numel()
+        staging = torch.zeros(self.bucket.shard_size, hi - lo, dtype=self.bucket.staging.tensor.dtype,
+                              device=grad.device)
+        for rank, row in enumerate(staging):
+            first, last = max(rank * n + lo, self.offset), min(rank * n + hi, end)
+            if first < last:
+                row[first - rank * n - lo:last - rank * n - lo].add_(grad[first - self.offset:last - self.offset])
+        self.staged_peak = max(self.staged_peak, staging.numel())
+        return staging
+
+    def finish(self) -> None:
+        if self.work is None:
+            return
+        wait(self.work, "reduce-scatter", self.bucket)
+        (staging, out, lo), self.work, self._in_flight = self._in_flight, None, None
+        self.shard_chunk[lo:lo + out.numel()].add_(out)
+
+
+def grad_reduction(bucket: Bucket, shard_chunk: torch.Tensor, comm: Comm, bucket_size: int | None) -> GradReduction:
+    """The reduction of one ZeRO-2/3 bucket: in pieces (``PiecewiseReduction``) when it holds a single
+    parameter whose chunk per rank exceeds ``bucket_size`` / the group's size, else whole."""
+    piece = bucket_size // bucket.shard_size if bucket_size else 0
+    if comm.group is not None and len(bucket.params) == 1 and 0 < piece < bucket.chunk_numel:
+        return PiecewiseReduction(bucket, shard_chunk, comm, piece)
+    return GradReduction(bucket, shard_chunk, comm)
+

@@ -84,6 +84,7 @@ from torch import nn
 
 from megalite.config.schema import SHARDING_STRATEGIES, ParallelConfig
 from megalite.parallel.data.bucket_comm import (DONE, Comm, GradReduction, InFlight, ParamGathers, comm_for,
+                                              grad_reduction,
                                               shard_comms, traced, wait)
 from megalite.parallel.data.grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.parallel.data.protocol import DataParallel
@@ -173,7 +174,7 @@ class DistributedDataParallel(DataParallel):
             ids = {id(p) for p in unit.params}
             unit.buckets = [b for b in self.buckets if any(id(p) in ids for p in b.params)]
 
-        self._reductions = {b.index: GradReduction(b, self.buffer.local_grad_chunk(b), self.comm_of(b))
+        self._reductions = {b.index: grad_reduction(b, self.buffer.local_grad_chunk(b), self.comm_of(b), bucket_size)
                             for b in self.buckets} if self.shard_grads else {}
         self._in_flight: deque[GradReduction] = deque()
         self._end_of_backward_queued = False
