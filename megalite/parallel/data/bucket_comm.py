@@ -374,9 +374,10 @@ class PiecewiseReduction(GradReduction):
 
 def grad_reduction(bucket: Bucket, shard_chunk: torch.Tensor, comm: Comm, bucket_size: int | None) -> GradReduction:
     """The reduction of one ZeRO-2/3 bucket: in pieces (``PiecewiseReduction``) when it holds a single
-    parameter whose chunk per rank exceeds ``bucket_size`` / the group's size, else whole."""
+    parameter whose chunk per rank exceeds ``bucket_size`` / the group's size and every rank's chunk has
+    the same length (reduce-scatter applies; a whole-parameter bucket's owner reduces it whole), else whole."""
     piece = bucket_size // bucket.shard_size if bucket_size else 0
-    if comm.group is not None and len(bucket.params) == 1 and 0 < piece < bucket.chunk_numel:
+    if comm.group is not None and bucket.even and len(bucket.params) == 1 and 0 < piece < bucket.chunk_numel:
         return PiecewiseReduction(bucket, shard_chunk, comm, piece)
     return GradReduction(bucket, shard_chunk, comm)
 
