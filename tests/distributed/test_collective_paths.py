@@ -102,7 +102,10 @@ def comm_operations(comm, world: int) -> tuple:
     """bucket_comm.Comm's reduce-scatter and all-gather as both_right calls them."""
     def reduce_scatter(result, flat, async_op):
         return comm.reduce_scatter(result, flat, flat.chunk(world), async_op)
-    return reduce_scatter, comm.all_gather
+
+    def all_gather(out, local, async_op):
+        return comm.all_gather(out, out.chunk(world), local, async_op)
+    return reduce_scatter, all_gather
 
 
 def bucket_comm(rank: int, world: int) -> dict:

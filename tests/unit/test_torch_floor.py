@@ -36,7 +36,7 @@ NAMES_AT_FLOOR = frozenset({
     # errors
     "DistError", "DistStoreError", "DistBackendError",
     # collectives
-    "ReduceOp", "ReduceOp.SUM", "ReduceOp.MAX", "ReduceOp.MIN", "all_reduce", "broadcast", "all_gather",
+    "ReduceOp", "ReduceOp.SUM", "ReduceOp.MAX", "ReduceOp.MIN", "all_reduce", "reduce", "broadcast", "all_gather",
     "reduce_scatter", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
     "all_gather_object", "broadcast_object_list",
     # point to point
