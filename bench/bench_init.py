@@ -8,7 +8,7 @@ values against, bit for bit.
 The shard: the weights of one rank of Llama-2 70B at TP8 x PP8 (TP rank 3 of pipeline stage 3, layers
 30-39, no embedding): 1.07 B elements, parameters on the meta device with their tensor-parallel layout
 (fused QKV and SwiGLU rows, row-parallel column blocks), each filled as the data-parallel buffer fills
-this rank's storage at start-up (grad_buffer._fill: ``init_values`` over 16M-element ranges).
+this rank's storage at start-up (materialise.fill_initial: ``init_values`` a bounded chunk at a time).
 
 megalite's generator runs on the whole shard, with its threads (one per core here) and with one thread
 (what each rank gets when torchrun starts one rank per core). The reference takes minutes for the whole
@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from results import Headline, add_common_args, command_line, publish  # noqa: E402
 
 from megalite.model import init  # noqa: E402
-from megalite.parallel.data.grad_buffer import _fill  # noqa: E402
-from megalite.parallel.param_meta import mark  # noqa: E402
+from megalite.parallel.data.materialise import fill_initial  # noqa: E402
+from megalite.parallel.param_meta import mark, param_meta  # noqa: E402
 from megalite.parallel.tensor.layers import shard_positions  # noqa: E402
 
 HIDDEN, FFN, HEADS, GROUPS, HEAD_DIM, LAYERS = 8192, 28672, 64, 8, 128, 80      # Llama-2 70B
@@ -130,7 +130,7 @@ def fill(weights: dict[str, torch.nn.Parameter], values, count: int | None = Non
         n = param.numel() if count is None else min(count, param.numel())
         target = torch.zeros(n)             # allocated and zeroed before the fill, as the buffer's storage is
         start = time.perf_counter()
-        _fill(target, param, 0, n)
+        fill_initial(target, param_meta(param).init_values, 0, n)
         seconds.append(time.perf_counter() - start)
         filled.append(target if count is not None else None)
     return seconds, filled

@@ -87,6 +87,7 @@ from megalite.parallel.data.bucket_comm import (DONE, Comm, GradReduction, InFli
                                               grad_reduction,
                                               shard_comms, traced, wait)
 from megalite.parallel.data.grad_buffer import Bucket, ParamAndGradBuffer
+from megalite.parallel.data.materialise import LocalElements
 from megalite.parallel.data.protocol import DataParallel
 from megalite.parallel.data.units import Unit, model_units, tensors_in
 from megalite.parallel.mesh import ParallelState
@@ -129,8 +130,8 @@ class DistributedDataParallel(DataParallel):
     collective still in flight).
 
     ``device``: where the buffer's storage lives; needed when the models were built on the meta device
-    (sharded start-up), whose parameters are then materialised (only this rank's part) and swapped in;
-    the modules' other buffers are moved there too.
+    (sharded start-up): their parameters are swapped for ones viewing the buffer (this rank's part only),
+    whose values materialise.py fills from ``local_elements()`` (build.py).
     """
 
     def __init__(self, model: nn.Module | list[nn.Module], config: ParallelConfig, parallel: ParallelState,
@@ -161,9 +162,7 @@ class DistributedDataParallel(DataParallel):
             units=unit_of if self.shard_grads else None, device=device,
             staging_dtype=self.comm.reduce_dtype or torch.float32, expert_dp=expert_dp,
             whole_params=config.use_layer_wise_distributed_optimizer and self.shard_optimizer)
-        named = self._swap_materialised(named)
-        for module in self.models if device is not None else []:
-            module.to(device)                 # the remaining buffers (rotary tables); parameters are there
+        named = self._swap_replacements(named)
         if config.gradient_accumulation_fusion:
             self.buffer.fuse_weight_grads()
         self.named_params = named
@@ -228,8 +227,8 @@ class DistributedDataParallel(DataParallel):
             units += chain
         return named, unit_of, units
 
-    def _swap_materialised(self, named):
-        """Put the buffer's materialised parameters in place of the meta ones, in the modules and in
+    def _swap_replacements(self, named):
+        """Put the buffer's parameters (with storage) in place of the meta ones, in the modules and in
         every list kept here."""
         new = self.buffer.replacements
         if not new:
@@ -242,6 +241,10 @@ class DistributedDataParallel(DataParallel):
         for unit in self.units:
             unit.params = [new.get(id(p), p) for p in unit.params]
         return [(n, new.get(id(p), p)) for n, p in named]
+
+    def local_elements(self) -> list[LocalElements]:
+        """This rank's elements of the storage-less parameters, in the buffer (materialise.py fills them)."""
+        return self.buffer.local_elements()
 
     # ---- per step --------------------------------------------------------------------------------
     def _reset_step_state(self) -> None:

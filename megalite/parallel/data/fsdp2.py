@@ -25,10 +25,10 @@ Megatron's flags:
   are the optimizer's master weights. fp16 uses megalite's loss scaler (the gradients it unscales and
   checks are the fp32 shards).
 
-Start-up is memory-true: the chunks are built on the meta device, sharded there, materialised with
-``to_empty`` (this rank's shards only) and filled from each parameter's ``init_values`` at the shard's
-position in the TP-local tensor (materialise.py, as ddp.py's buffer fills its ZeRO-3 chunks), so the
-weights equal the single-process run's bit for bit.
+Start-up is memory-true: the chunks are built on the meta device and sharded there; materialise.py
+then gives the shards storage (this rank's only) and fills each at its position in the TP-local tensor,
+as ``local_elements`` states it (as it fills ddp.py's ZeRO-3 chunks), so the weights equal the
+single-process run's bit for bit. The shards' FlatLayout (``buffer``) is built from that storage.
 
 Everything else in megalite (optimizer, gradient clipping, NaN checks, TP/PP gradient fix-ups,
 checkpoints, the memory report) works on the rank's FlatLayout (protocol.py). ``ShardLayout`` is
@@ -45,6 +45,7 @@ between backends). With fp32 this equals the single-process run to fp32 rounding
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ from torch.distributed.tensor import DTensor, Shard
 from megalite.config.schema import ParallelConfig
 from megalite.errors import UserError
 from megalite.parallel.data.ddp import data_parallel_group
-from megalite.parallel.data.materialise import fill_initial
+from megalite.parallel.data.materialise import LocalElements
 from megalite.parallel.data.protocol import DataParallel, FlatLayout, UnitSource
 from megalite.parallel.param_meta import mark, param_meta
 from megalite.parallel.mesh import ParallelState
@@ -152,8 +153,8 @@ def mixed_precision_policy(params_dtype: torch.dtype, grad_reduce_in_bf16: bool)
 class FullyShardedDataParallel(DataParallel):
     """FSDP2 over a rank's model chunks, as a DataParallel backend.
 
-    ``models``: the rank's chunks, built on the meta device with ``init_values`` (GPTModel(meta=True)).
-    Per step: ``zero_grad()`` -> forward/backward (FSDP2 gathers and reduce-scatters per layer) ->
+    ``models``: the rank's chunks, built on the meta device with ``init_values`` (GPTModel(meta=True)),
+    given storage and values by materialise.py once this backend is built (build.py). Per step: ``zero_grad()`` -> forward/backward (FSDP2 gathers and reduce-scatters per layer) ->
     ``finish_grad_sync()`` -> optimizer step on the local shards."""
 
     def __init__(self, models: list[nn.Module], config: ParallelConfig, parallel: ParallelState,
@@ -166,24 +167,19 @@ class FullyShardedDataParallel(DataParallel):
         self.group, self.dp_size, self.dp_rank = data_parallel_group(parallel)
         if self.group is None:
             raise UserError("--use-torch-fsdp2 needs torch.distributed: launch with torchrun (even one process)")
-        device = device or torch.device("cpu")
-        self.mesh = DeviceMesh.from_group(self.group, device.type)
-        compute_dtype = next(self.models[0].parameters()).dtype
-        policy = mixed_precision_policy(compute_dtype, config.grad_reduce_in_bf16)
-        saved = [self._shard(model, policy, config.overlap_param_gather) for model in self.models]
-        for model, attributes in zip(self.models, saved):
-            self._materialise(model, attributes, device)
+        self.device = device or torch.device("cpu")
+        self.mesh = DeviceMesh.from_group(self.group, self.device.type)
+        self.compute_dtype = next(self.models[0].parameters()).dtype
+        policy = mixed_precision_policy(self.compute_dtype, config.grad_reduce_in_bf16)
+        for model in self.models:
+            self._shard(model, policy, config.overlap_param_gather)
         self.named_params = self._named_params()
-        self.buffer = ShardLayout(self.named_params, self.dp_rank, self.dp_size, compute_dtype)
-        self._by_param = {id(s.param): s for s in self.buffer.buckets}
-        self._slot_of = {id(p): self.buffer.slots[n] for n, p in self.named_params}
 
     # ---- start-up ----------------------------------------------------------------------------------
-    def _shard(self, model: nn.Module, policy: MixedPrecisionPolicy, prefetch: bool) -> dict[str, dict]:
-        """fully_shard every transformer layer and the chunk, still on the meta device. Returns each
-        parameter's attributes (its ``param_meta`` record: TP layout, init_values, markers), which the new
-        DTensor parameters do not carry."""
-        attributes = {name: dict(p.__dict__) for name, p in model.named_parameters()}
+    def _shard(self, model: nn.Module, policy: MixedPrecisionPolicy, prefetch: bool) -> None:
+        """fully_shard every transformer layer and the chunk, still on the meta device. The new DTensor
+        parameters get the old ones' records (TP layout, init_values, markers), which they do not carry."""
+        records = {name: param_meta(p) for name, p in model.named_parameters()}
         for p in model.parameters():                     # sharded parameters are the fp32 master weights
             p.data = p.data.float()
         units = model.data_parallel_units() if isinstance(model, UnitSource) else []
@@ -197,28 +193,26 @@ class FullyShardedDataParallel(DataParallel):
             for a, b in zip(layers, layers[1:]):
                 a.set_modules_to_forward_prefetch([b])
                 b.set_modules_to_backward_prefetch([a])
-        return attributes
+        for name, p in model.named_parameters():
+            mark(p, **vars(records[name]))
 
-    @torch.no_grad()
-    def _materialise(self, model: nn.Module, attributes: dict[str, dict], device: torch.device) -> None:
-        """Allocate this rank's shards and fill them with their initial values; buffers (rotary tables,
-        built for real) are kept."""
-        buffers = {name: b for name, b in model.named_buffers() if b.device.type != "meta"}
-        model.to_empty(device=device)
-        for name, b in buffers.items():
-            owner, _, key = name.rpartition(".")
-            model.get_submodule(owner)._buffers[key] = b.to(device)
-        for name, param in model.named_parameters():
-            param.__dict__.update(attributes[name])
-            init_values = param_meta(param).init_values
-            mark(param, init_values=None)          # not kept: the shard is filled once, here
-            local = param.to_local()
-            if local.numel():
-                start = dim0_shard(param.shape[0], self.dp_rank, self.dp_size)[0] * (param.numel() // param.shape[0])
-                fill_initial(local.view(-1), init_values, start, start + local.numel())
-            # the fp32 gradient shard lives for the whole run: FSDP2 accumulates every micro-batch into it
-            param.grad = DTensor.from_local(torch.zeros_like(local), self.mesh, [Shard(0)], run_check=False,
-                                            shape=param.shape, stride=param.stride())
+    @functools.cached_property
+    def buffer(self) -> ShardLayout:
+        """This rank's shards as a FlatLayout, built on first use, from the shards' storage: materialise.py
+        gives it to them once this backend is built. Each parameter also gets its fp32 gradient shard,
+        which lives for the whole run: FSDP2 accumulates every micro-batch into it."""
+        if self.device.type != "meta" and any(p.device.type == "meta" for _, p in self.named_params):
+            raise RuntimeError("FSDP2's shards have no storage yet: materialise the model chunks first")
+        with torch.no_grad():
+            for _, param in self.named_params:
+                param.grad = DTensor.from_local(torch.zeros_like(param.to_local()), self.mesh, [Shard(0)],
+                                                run_check=False, shape=param.shape, stride=param.stride())
+        return ShardLayout(self.named_params, self.dp_rank, self.dp_size, self.compute_dtype)
+
+    def local_elements(self) -> list[LocalElements]:
+        """This rank's row shard of each parameter, in FSDP2's sharded storage (materialise.py fills it)."""
+        return [LocalElements(s.param, s.start - self.buffer.slots[s.name].start,
+                              s.end - self.buffer.slots[s.name].start, s.values) for s in self.buffer.buckets]
 
     def _named_params(self) -> list[tuple[str, nn.Parameter]]:
         """(name, parameter) over the chunks, names prefixed ``chunk{i}.`` with several (as ddp.py names them)."""
@@ -251,7 +245,11 @@ class FullyShardedDataParallel(DataParallel):
     def grad_views(self, param: nn.Parameter) -> list[tuple[torch.Tensor, int]]:
         """The reduced gradient of ``param`` this rank holds, as (1-D view, offset of its first element
         in the flattened TP-local parameter); empty when this rank holds none of it."""
-        shard = self._by_param.get(id(param))
+        shard = self._shard_of.get(id(param))
         if shard is None:
             return []
-        return [(shard.grad, shard.start - self._slot_of[id(param)].start)]
+        return [(shard.grad, shard.start - self.buffer.slots[shard.name].start)]
+
+    @functools.cached_property
+    def _shard_of(self) -> dict[int, LocalShard]:
+        return {id(s.param): s for s in self.buffer.buckets}

@@ -42,20 +42,22 @@ collective) lives as long as the bucket, while its storage is allocated and free
 Freeing the bytes never drops the object a collective was given, so the release of a tensor is never
 left to a communication thread.
 
-Sharded start-up: parameters built on the meta device (``GPTModel(meta=True)``) carry
-``init_values(start, end)`` in their record (``param_meta``); the buffer allocates only what this rank
-holds on ``device``, fills it from there (materialise.py) and hands back real parameters (``replacements``, swapped into the modules by the data-parallel
-wrapper), so no rank ever materialises a tensor it does not keep.
+Sharded start-up: for parameters built on the meta device (``GPTModel(meta=True)``) the buffer allocates
+only what this rank holds on ``device`` and hands back parameters with that storage (``replacements``,
+swapped into the modules by the data-parallel wrapper, each carrying its record); which elements of each
+landed where is stated (``local_elements``) and filled once by materialise.py, so no rank ever
+materialises a tensor it does not keep. Parameters that already have storage bring their values along.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from megalite.parallel.data.materialise import fill_initial
+from megalite.parallel.data.materialise import LocalElements
 from megalite.parallel.data.protocol import FlatLayout
 from megalite.parallel.param_meta import mark, param_meta
 
@@ -207,8 +209,9 @@ class ParamAndGradBuffer(FlatLayout):
         self.numel = self.buckets[-1].end
         self.shard_numel = sum(b.chunk_numel for b in self.buckets)
 
-        # ---- parameters (storage-less meta parameters are replaced by materialised ones: ``replacements``)
+        # ---- parameters (storage-less meta parameters are replaced by ones with storage: ``replacements``)
         self.replacements: dict[int, nn.Parameter] = {}
+        self._elements: list[LocalElements] = []
         self.param_data = self.param_shard = None
         if not shard_params:
             self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=self.device)
@@ -216,14 +219,13 @@ class ParamAndGradBuffer(FlatLayout):
                 for name, param in zip(bucket.names, bucket.params):
                     slot = self.slots[name]
                     target = self.param_data[slot.start:slot.end]
-                    with torch.no_grad():
-                        _fill(target, param, 0, param.numel())
+                    self._place(param, 0, param.numel(), target)
                     self._set_storage(param, target.view(slot.shape))
         else:
             self.param_shard = torch.zeros(self.shard_numel, dtype=self.param_dtype, device=self.device)
             for bucket in self.buckets:
                 bucket.unsharded = Transient(bucket.numel, self.param_dtype, self.device)
-                self._fill_local_chunk(bucket)
+                self._place_local_chunk(bucket)
                 for name, param in zip(bucket.names, bucket.params):
                     slot = self.slots[name]
                     self._set_storage(param, bucket.unsharded.tensor[slot.start - bucket.start:slot.end - bucket.start]
@@ -316,8 +318,7 @@ class ParamAndGradBuffer(FlatLayout):
 
     def _set_storage(self, param: nn.Parameter, view: torch.Tensor) -> None:
         """Make ``param`` a view into the buffer. A meta parameter cannot take real data, so it is replaced
-        by a new Parameter carrying its attributes and record, less ``init_values`` (the caller swaps it
-        into the module)."""
+        by a new Parameter carrying its attributes and record (the caller swaps it into the module)."""
         if param.device.type != "meta":
             param.data = view
             return
@@ -326,20 +327,31 @@ class ParamAndGradBuffer(FlatLayout):
         new = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device), requires_grad=param.requires_grad)
         new.data = view
         new.__dict__.update(param.__dict__)
-        mark(new, init_values=None)
         self.replacements[id(param)] = new
 
-    @torch.no_grad()
-    def _fill_local_chunk(self, bucket: Bucket) -> None:
-        """ZeRO-3: this rank's chunk of ``bucket`` from the parameters' values (or initial values),
-        touching only the elements of the chunk."""
+    def _place_local_chunk(self, bucket: Bucket) -> None:
+        """ZeRO-3: this rank's chunk of ``bucket``, touching only the elements of the chunk."""
         start, end = self.local_range(bucket)
         chunk = self.local_param_chunk(bucket)
         for name, param in zip(bucket.names, bucket.params):
             slot = self.slots[name]
             lo, hi = max(start, slot.start), min(end, slot.end)
             if lo < hi:
-                _fill(chunk[lo - start:hi - start], param, lo - slot.start, hi - slot.start)
+                self._place(param, lo - slot.start, hi - slot.start, chunk[lo - start:hi - start])
+
+    @torch.no_grad()
+    def _place(self, param: nn.Parameter, start: int, end: int, target: torch.Tensor) -> None:
+        """Elements [start, end) of ``param`` go to ``target`` (1-D): a parameter with storage brings its
+        values now; a storage-less one's are stated for materialise to fill (``local_elements``)."""
+        if param.device.type == "meta":
+            self._elements.append(LocalElements(param, start, end, target))
+        elif target.device.type != "meta":
+            target.copy_(param.detach().reshape(-1)[start:end])
+
+    def local_elements(self) -> list[LocalElements]:
+        """The elements of each storage-less parameter this rank keeps and where they are, named by the
+        parameter that holds them now (its replacement): what materialise.py fills."""
+        return [dataclasses.replace(e, param=self.replacements[id(e.param)]) for e in self._elements]
 
     # ---- views -----------------------------------------------------------------------------------
     def view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
@@ -459,15 +471,6 @@ class ParamAndGradBuffer(FlatLayout):
         flat = self.grad_data if self.grad_data is not None else self.grad_shard
         transient = sum(t.nbytes() for b in self.buckets for t in (b.staging, b.reduced) if t is not None)
         return flat.untyped_storage().nbytes() + transient
-
-
-def _fill(target: torch.Tensor, param: nn.Parameter, start: int, end: int) -> None:
-    """target (1-D, end - start elements) <- elements [start, end) of ``param``: its current values, or for
-    a storage-less (meta) parameter its initial values (materialise.fill_initial)."""
-    if target.device.type != "meta" and param.device.type != "meta":
-        target.copy_(param.detach().reshape(-1)[start:end])
-    elif param.device.type == "meta":
-        fill_initial(target, param_meta(param).init_values, start, end)
 
 
 @functools.cache

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.parallel.data.materialise import LocalElements
+
 
 @dataclass(frozen=True)
 class ModuleUnit:
@@ -125,6 +127,12 @@ class DataParallel(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Wait for every collective in flight and remove the hooks (end of training)."""
+
+    @abc.abstractmethod
+    def local_elements(self) -> list[LocalElements]:
+        """The elements of each storage-less (meta) parameter this rank keeps and the 1-D storage they
+        land in, which materialise.py fills once at start-up; asked after it has given storage to what
+        was still on the meta device."""
 
     @abc.abstractmethod
     def grad_views(self, param: nn.Parameter) -> list[tuple[torch.Tensor, int]]:

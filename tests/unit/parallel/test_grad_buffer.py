@@ -110,6 +110,7 @@ def test_zero3_start_up_materialises_each_ranks_elements_from_init_values(monkey
         for rank in range(3):
             buf = ParamAndGradBuffer(named(), None, rank, 3, shard_params=True, device=torch.device("cpu"),
                                      whole_params=whole)
+            materialise.materialise([], buf, torch.device("cpu"))
             for bucket in buf.buckets:
                 start, end = buf.local_range(bucket)
                 chunk = buf.local_param_chunk(bucket)
