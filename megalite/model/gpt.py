@@ -69,8 +69,8 @@ class GPTModel(nn.Module):
                  tp: TensorParallel | None = None, cp: ContextParallel | None = None, meta: bool = False,
                  moe: MoEContext | None = None):
         """``meta``: build the parameters without storage (sharded start-up); each gets ``init_values(start,
-        end)`` and the data-parallel buffer materialises only this rank's elements on its device. ``moe``:
-        the expert grid of the MoE layers (default: all experts in this process)."""
+        end)`` and building the data-parallel backend materialises only this rank's elements on its
+        device. ``moe``: the expert grid of the MoE layers (default: all experts in this process)."""
         super().__init__()
         self.config = config
         self.tp = tp = tp or TensorParallel()

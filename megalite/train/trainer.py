@@ -165,8 +165,8 @@ class Trainer:
         moe = build_moe_context(parallel, config.model.moe_token_dispatcher_type, tp.sequence_parallel) \
             if config.model.num_experts else None
         num_chunks = rules.check_layout(config)
-        # sharded start-up: the chunks are built without storage; the data-parallel buffer materialises only
-        # this rank's elements (its TP shard, or its ZeRO-3 chunk of it) directly on the device
+        # sharded start-up: the chunks are built without storage; building the data-parallel backend
+        # materialises only this rank's elements (its TP shard, or its ZeRO-3 chunk of it) on the device
         chunks = build_model_chunks(config.model, config.training.seed, tp, parallel.pp_rank, parallel.pp_size,
                                     num_chunks, cp, meta=True,
                                     stage_layers=stage_layers_of(config.model.num_layers, config.parallel),

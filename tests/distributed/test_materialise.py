@@ -52,7 +52,8 @@ def ranks():
 
 def test_every_layout_starts_from_the_single_process_values(ranks):
     config = parse_args(DP_ARGS, world_size=1)
-    serial = {n: p.detach().reshape(-1) for n, p in GPTModel(config.model, seed=config.training.seed).named_parameters()}
+    model = GPTModel(config.model, seed=config.training.seed)
+    serial = {n: p.detach().reshape(-1) for n, p in model.named_parameters()}
     total = sum(p.numel() for p in serial.values())
     for layout in LAYOUTS:
         covered = {n: torch.zeros(p.numel(), dtype=torch.int32) for n, p in serial.items()}

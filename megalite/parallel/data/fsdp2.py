@@ -154,7 +154,8 @@ class FullyShardedDataParallel(DataParallel):
     """FSDP2 over a rank's model chunks, as a DataParallel backend.
 
     ``models``: the rank's chunks, built on the meta device with ``init_values`` (GPTModel(meta=True)),
-    given storage and values by materialise.py once this backend is built (build.py). Per step: ``zero_grad()`` -> forward/backward (FSDP2 gathers and reduce-scatters per layer) ->
+    given storage and values by materialise.py once this backend is built (build.py).
+    Per step: ``zero_grad()`` -> forward/backward (FSDP2 gathers and reduce-scatters per layer) ->
     ``finish_grad_sync()`` -> optimizer step on the local shards."""
 
     def __init__(self, models: list[nn.Module], config: ParallelConfig, parallel: ParallelState,
