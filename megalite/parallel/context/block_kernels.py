@@ -27,6 +27,12 @@ by device and dtype:
   rows, and its backward reads the output as [b, c, heads, d] with rows heads x d apart (a per-block
   copy here).
 
+A block may carry ``mask``, bool [c_q, c_k] (True: the query sees the key), for the blocks a window or
+a document boundary cuts. It goes to the kernel as an additive mask in q's dtype (CPU flash, CUDA
+memory-efficient attention; flash attention on CUDA takes none, so such a block runs the
+memory-efficient kernel). A query that sees no key of the block gets log-sum-exp -inf (the kernels
+report 0 there), so merging ignores it.
+
 Attention dropout is not supported (the caller refuses it with context parallelism).
 """
 from __future__ import annotations
@@ -59,43 +65,58 @@ def equal_head_dims(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1])) for t in tensors)
 
 
-def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(q, k, v, causal: bool, scale: float,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(softmax(q k^T scale) v, log-sum-exp fp32 [b, heads, c]) of one block."""
     d_v = v.shape[-1]
+    bias = _additive(mask, q.dtype)
     if d_v != q.shape[-1]:
-        out, lse = _forward(*equal_head_dims(q, k, v), causal, scale)
-        return out[..., :d_v], lse
-    return _forward(q, k, v, causal, scale)
+        out, lse = _forward(*equal_head_dims(q, k, v), causal, scale, bias)
+        out = out[..., :d_v]
+    else:
+        out, lse = _forward(q, k, v, causal, scale, bias)
+    if mask is not None:
+        lse = lse.masked_fill(~mask.any(dim=1), float("-inf"))
+    return out, lse
 
 
-def block_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+def block_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, mask: torch.Tensor | None = None):
     """(dq, dk, dv) of one block given the final ``out`` / ``lse`` of its queries and ``grad_out``."""
     d, d_v = q.shape[-1], v.shape[-1]
+    bias = _additive(mask, q.dtype)
     if d_v != d:
         q, k, v, grad_out, out = equal_head_dims(q, k, v, grad_out, out)
-        dq, dk, dv = _backward(grad_out, q, k, v, out, lse, causal, scale)
+        dq, dk, dv = _backward(grad_out, q, k, v, out, lse, causal, scale, bias)
         return dq[..., :d], dk[..., :d], dv[..., :d_v]
-    return _backward(grad_out, q, k, v, out, lse, causal, scale)
+    return _backward(grad_out, q, k, v, out, lse, causal, scale, bias)
 
 
-def _forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The kernels' form of a bool mask: 0 where a query sees a key, -inf where it does not."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _forward(q, k, v, causal: bool, scale: float, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
     if q.device.type != "cuda":
-        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    if _flash_on_cuda(q):
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+    if _flash_on_cuda(q) and bias is None:
         out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
         return out, lse
     heads = q.shape[1]
-    out, lse = aten._scaled_dot_product_efficient_attention(q, _repeat_kv(k, heads), _repeat_kv(v, heads), None,
+    bias = None if bias is None else bias.expand(q.shape[0], heads, *bias.shape)
+    out, lse = aten._scaled_dot_product_efficient_attention(q, _repeat_kv(k, heads), _repeat_kv(v, heads), bias,
                                                             True, 0.0, causal, scale=scale)[:2]
     return out, lse[:, :, :q.shape[2]]
 
 
-def _backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+def _backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, bias=None):
     if q.device.type != "cuda":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal,
-                                                                         scale=scale)
+                                                                         attn_mask=bias, scale=scale)
     c = q.shape[2]
-    if _flash_on_cuda(q):
+    if _flash_on_cuda(q) and bias is None:
         # without dropout the kernel reads no random state: placeholders of the forward's shapes
         seed = torch.empty(2, dtype=torch.uint64, device=q.device)
         offset = torch.empty((), dtype=torch.uint64, device=q.device)
@@ -105,7 +126,8 @@ def _backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
     padded = F.pad(lse, (0, -c % LSE_ALIGN))
     seed = torch.empty((), dtype=torch.int64, device=q.device)
     out = out.transpose(1, 2).contiguous().transpose(1, 2)
+    bias = None if bias is None else bias.expand(q.shape[0], heads, *bias.shape)
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        grad_out, q, _repeat_kv(k, heads), _repeat_kv(v, heads), None, out, padded, seed, seed, 0.0,
+        grad_out, q, _repeat_kv(k, heads), _repeat_kv(v, heads), bias, out, padded, seed, seed, 0.0,
         [True, True, True, False], causal, scale=scale)
     return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
