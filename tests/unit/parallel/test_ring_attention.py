@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.cross_entropy_memory import LiveBytes
-from megalite.parallel.context.ring_attention import (ContextParallel, KVBlock, _attend, _attend_backward, _pairs,
+from megalite.model.attention.mask import MaskSpec
+from megalite.parallel.context.ring_attention import (ContextParallel, KVBlock, _attend, _attend_backward, _blocks,
                                                       local_positions)
 
 B, NH, D = 2, 4, 16
@@ -47,7 +48,8 @@ def emulated_ring(q, k, v, grad, cp_size: int):
     out, dq = torch.empty(grad.shape, dtype=q.dtype, device=q.device), torch.empty_like(q)
     for r, p in enumerate(positions):
         cp = ContextParallel(rank=r, size=cp_size)
-        steps = [(src, list(_pairs(cp.chunk_ids(), cp.chunk_ids(src), True))) for src in range(cp_size)]
+        steps = [(src, list(_blocks(MaskSpec(), cp.chunk_ids(), cp.chunk_ids(src), s // (2 * cp_size), B)))
+                 for src in range(cp_size)]
         q_local = q[p]
         acc = torch.empty(q_local.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, NH, len(p), dtype=torch.float32, device=q.device)
@@ -90,8 +92,8 @@ def ring_step(chunk: int, dtype=torch.float32, device="cpu"):
     cp = ContextParallel(rank=0, size=2)
     p = local_positions(q.shape[0], 0, 2, q.device)
     q, kv, grad = q[p], KVBlock.of(k[p], v[p]), grad[p].view(2 * chunk, B, NH, D)
-    blocks = list(_pairs(cp.chunk_ids(), cp.chunk_ids(), True))
-    assert [causal for *_, causal in blocks] == [True, False, True]
+    blocks = list(_blocks(MaskSpec(), cp.chunk_ids(), cp.chunk_ids(), chunk, B))
+    assert [blk.causal for blk in blocks] == [True, False, True]
 
     def run():
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
