@@ -124,3 +124,18 @@ def test_ring_step_memory_is_linear_in_the_chunk_length():
     assert peaks[1024] / peaks[256] == pytest.approx(4.0, rel=0.1)          # c x 4: memory x 4, not x 16
     scores = B * NH * 1024 * 1024 * 4                                      # one block's fp32 scores at c = 1024
     assert peaks[1024] < scores / 4
+
+
+def test_blocks_follow_the_mask_by_global_chunk_positions():
+    """Rank 0 of 4 holds chunks 0 and 7 (c = 4), rank 3 chunks 3 and 4: a 3-token window empties every pair
+    (no kernel runs); documents make per-sample blocks, cut ones carrying the mask of their positions."""
+    assert list(_blocks(MaskSpec(window=(3, 0)), (0, 7), (3, 4), 4, B)) == []
+    assert [(b.qi, b.ki, b.causal) for b in _blocks(MaskSpec(), (0, 7), (3, 4), 4, B)] == [(1, 0, False), (1, 1, False)]
+    cu = torch.tensor([[0, 20, 32], [0, 14, 32]], dtype=torch.int32)
+    blocks = list(_blocks(MaskSpec(cu_seqlens=cu), (0, 7), (3, 4), 4, B))
+    # queries [28, 32): sample 0's keys [12, 20) are another document; sample 1's document starts at 14
+    assert [(b.qi, b.ki, b.rows.start, b.mask is None) for b in blocks] == [(1, 0, 1, False), (1, 1, 1, True)]
+    blocks = list(_blocks(MaskSpec(cu_seqlens=cu), (3, 4), (3, 4), 4, B))
+    cut = [b for b in blocks if b.rows.start == 1 and b.qi == 0 and b.ki == 0][0]       # chunk 3 = [12, 16)
+    assert cut.mask.tolist() == MaskSpec(cu_seqlens=cu).visible(1, torch.arange(12, 16), torch.arange(12, 16)).tolist()
+    assert not cut.mask[2, 1]                                                 # 14 does not see 13
