@@ -224,6 +224,25 @@ def check_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
     if m.attention_dropout > 0:
         raise UserError(f"--context-parallel-size {cp} needs --attention-dropout 0 (ring attention has no "
                         f"attention dropout; got {m.attention_dropout})")
+    check_cp_comm_type(m, p)
+
+
+def check_cp_comm_type(m: ModelConfig, p: ParallelConfig) -> None:
+    """One --cp-comm-type or one per layer; a2a splits every TP rank's query heads and KV groups over the
+    ranks of its all-to-all (CP, or the first --hierarchical-context-parallel-sizes), whose product is CP."""
+    cp, tp, kinds = p.context_parallel_size, p.tensor_model_parallel_size, p.cp_comm_type
+    if len(kinds) not in (1, m.num_layers):
+        raise UserError(f"--cp-comm-type takes one value or one per layer ({m.num_layers}); got {len(kinds)}")
+    sizes = p.hierarchical_context_parallel_sizes
+    if "a2a+p2p" in kinds and (sizes is None or len(sizes) != 2 or sizes[0] * sizes[1] != cp):
+        raise UserError(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A B (all-to-all "
+                        f"size, ring size) with A x B = --context-parallel-size {cp}; got {sizes}")
+    heads, groups = m.num_attention_heads // tp, max(m.num_query_groups // tp, 1)
+    for kind, size in (("a2a", cp), ("a2a+p2p", sizes[0] if sizes else cp)):
+        if kind in kinds and (heads % size or groups % size):
+            raise UserError(f"--cp-comm-type {kind} splits heads over {size} ranks: --num-attention-heads "
+                            f"{m.num_attention_heads} and --num-query-groups {m.num_query_groups} per "
+                            f"--tensor-model-parallel-size {tp} rank ({heads}, {groups}) must divide by {size}")
 
 
 def check_batch(micro_batch_size: int, global_batch_size: int, dp: int) -> None:

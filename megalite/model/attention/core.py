@@ -2,7 +2,8 @@
 recomputation of it pays.
 
 Backends, in the order they are chosen:
-- ring context parallelism (``cp``): parallel/context/ring_attention.py, fused blocks merged by log-sum-exp;
+- context parallelism (``cp``): the layer's --cp-comm-type, parallel/context/ulysses.py (the ring's fused
+  blocks merged by log-sum-exp, or Ulysses' all-to-all around this function's own path);
 - the meta device (no storage): the shapes and saved tensors of a fused kernel;
 - scaled_dot_product_attention, which runs a fused kernel (CPU flash, CUDA flash or memory-efficient)
   or its math path; K/V stay grouped where the kernel takes them so (GQA), else are expanded first.
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 
 from megalite.model.attention.mask import MaskSpec
 from megalite.model.kernels import attention_on_meta, compiling, sdpa_runs_fused, sdpa_runs_gqa_fused
-from megalite.parallel.context.ring_attention import ContextParallel, ring_attention
+from megalite.parallel.context.ring_attention import ContextParallel
+from megalite.parallel.context.ulysses import context_attention
 from megalite.parallel.tensor.random import RNGTracker, checkpoint
 
 
@@ -39,7 +41,7 @@ def core_attention(q, k, v, mask: MaskSpec, *, scale: float | None = None, dropo
     view and the kernel's saved output is also the projection's saved input.
     """
     if cp is not None:
-        return ring_attention(q, k, v, cp, causal=mask.causal, scale=scale)
+        return context_attention(q, k, v, cp, mask, partial(core_attention, mask=mask, scale=scale), scale=scale)
     s, b, heads = q.shape[:3]
     q, k, v, bias, causal, gqa = _sdpa_inputs(q, k, v, mask)
     if gqa and not sdpa_runs_gqa_fused(q, k, v, bias, dropout, causal):
