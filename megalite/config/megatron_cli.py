@@ -17,9 +17,10 @@ from dataclasses import MISSING, fields, replace
 from megalite.config import validate as rules
 from megalite.config.batch_schedule import parse_step_schedule, rampup_schedule, train_iters_for_samples
 from megalite.config.cli import OneLineArgumentParser, non_negative_int, number, positive_int
-from megalite.config.schema import (CONFIG_SECTIONS, FIELD_DEFAULT, FLAG, DataConfig, MegaliteConfig, ModelConfig,
-                                    OptimizerConfig, ParallelConfig, TrainingConfig, default_ffn_hidden_size,
-                                    default_kv_channels, padded_vocab_size)
+from megalite.config.fields import FIELD_DEFAULT, FLAG
+from megalite.config.schema import (CONFIG_SECTIONS, DataConfig, MegaliteConfig, ModelConfig, OptimizerConfig,
+                                    ParallelConfig, TrainingConfig, default_ffn_hidden_size, default_kv_channels,
+                                    padded_vocab_size)
 from megalite.errors import UserError
 
 SECTION_TITLES = {ModelConfig: "model", ParallelConfig: "parallelism", OptimizerConfig: "optimizer and learning rate",

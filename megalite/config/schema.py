@@ -8,10 +8,11 @@ from other inputs says how (``derived(...)``).
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Optional
 
 from megalite.config.cli import integer, moe_layer_pattern, non_negative_int, number, positive_float, positive_int
+from megalite.config.fields import derived, flag
 from megalite.errors import UserError
 
 # ---- the pipeline schedules --pipeline-schedule names, in one place ------------------------------------
@@ -24,37 +25,6 @@ PIPELINE_SCHEDULES = SYNCHRONOUS_SCHEDULES + ASYNC_SCHEDULES
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # --optimizer: the update rules megalite implements (optim/rules/: one module each, registered by this name)
 OPTIMIZERS = ("adam",)
-
-FLAG, DERIVED = "megatron_flag", "derived"
-FIELD_DEFAULT = object()       # Flag.cli_default: the parser's default is the field's own
-
-
-@dataclass(frozen=True)
-class Flag:
-    """How one field appears on Megatron's command line. A bool field is a switch: ``--x`` sets a
-    False default, ``--no-x`` / ``--disable-x`` clears a True one."""
-    name: str
-    type: Optional[Callable] = None
-    help: Optional[str] = None
-    choices: Optional[tuple] = None
-    nargs: Optional[str] = None
-    cli_default: object = FIELD_DEFAULT      # None: absent means "not given" (a default is derived)
-
-
-def flag(name: str, type: Optional[Callable] = None, *, default=MISSING, factory=MISSING, help: str | None = None,
-         choices: tuple | None = None, nargs: str | None = None, cli_default=FIELD_DEFAULT):
-    meta = {FLAG: Flag(name, type, help, choices, nargs, cli_default)}
-    if factory is not MISSING:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def derived(reason: str, default=MISSING, factory=MISSING):
-    """A field no flag sets directly: ``reason`` says what it is computed from."""
-    if factory is not MISSING:
-        return field(default_factory=factory, metadata={DERIVED: reason})
-    return field(default=default, metadata={DERIVED: reason})
-
 
 # ---- derived sizes, in one place ------------------------------------------------------------------------
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
