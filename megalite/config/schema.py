@@ -350,10 +350,8 @@ class DataConfig:
                                      help="vocabulary of NullTokenizer (eod is one past it)")
     num_workers: int = flag("--num-workers", non_negative_int, default=2)
     eod_mask_loss: bool = flag("--eod-mask-loss", default=False)
-    reset_position_ids: bool = flag("--reset-position-ids", default=False,
-                                    help="positions (RoPE's too) restart at 0 after each end-of-document token")
-    reset_attention_mask: bool = flag("--reset-attention-mask", default=False,
-                                      help="attention stays within documents; each end-of-document token ends one")
+    reset_position_ids: bool = flag("--reset-position-ids", default=False, help="positions restart at 0 after each EOD")
+    reset_attention_mask: bool = flag("--reset-attention-mask", default=False, help="attention stays within documents")
     seq_length: int = derived("ModelConfig.seq_length (--seq-length): the samples' length", 1024)
     mmap_bin_files: bool = flag("--no-mmap-bin-files", default=True,
                                 help="read each .bin file into memory instead of memory-mapping it")
