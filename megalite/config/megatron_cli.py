@@ -221,7 +221,8 @@ def model_config(args) -> ModelConfig:
         kv_channels=args.kv_channels or default_kv_channels(args.hidden_size, args.num_attention_heads),
         num_query_groups=args.num_query_groups if args.group_query_attention else args.num_attention_heads,
         max_position_embeddings=args.max_position_embeddings or args.seq_length,
-        params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32")
+        params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
+        reset_position_ids=args.reset_position_ids)
 
 
 def _parallel_config(args, world_size: int) -> ParallelConfig:

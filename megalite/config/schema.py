@@ -88,6 +88,7 @@ class ModelConfig:
     attention_dropout: float = flag("--attention-dropout", number, default=0.1)
     hidden_dropout: float = flag("--hidden-dropout", number, default=0.1)
     params_dtype: str = derived("--bf16 / --fp16 / neither: the dtype compute runs in", "float32")
+    reset_position_ids: bool = derived("--reset-position-ids: RoPE at the batch's positions, not 0..s-1", False)
     recompute_granularity: Optional[str] = flag("--recompute-granularity", default=None, choices=("full", "selective"))
     recompute_method: Optional[str] = flag("--recompute-method", default=None, choices=("uniform", "block"))
     recompute_num_layers: Optional[int] = flag("--recompute-num-layers", positive_int, default=None)
@@ -323,6 +324,8 @@ class DataConfig:
                                      help="vocabulary of NullTokenizer (eod is one past it)")
     num_workers: int = flag("--num-workers", non_negative_int, default=2)
     eod_mask_loss: bool = flag("--eod-mask-loss", default=False)
+    reset_position_ids: bool = flag("--reset-position-ids", default=False, help="positions restart at 0 after each EOD")
+    reset_attention_mask: bool = flag("--reset-attention-mask", default=False, help="attention stays within documents")
     seq_length: int = derived("ModelConfig.seq_length (--seq-length): the samples' length", 1024)
     mmap_bin_files: bool = flag("--no-mmap-bin-files", default=True,
                                 help="read each .bin file into memory instead of memory-mapping it")

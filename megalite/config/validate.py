@@ -35,6 +35,7 @@ def validate(config: MegaliteConfig, world_size: int) -> None:
     _check_data_parallel(config.parallel)
     _check_learning_rate(config.optimizer)
     _check_data(config.data)
+    _check_documents(config)
     _check_checkpointing(config.training)
     _check_logging(config.training)
     _check_dry_run(config)
@@ -426,6 +427,14 @@ def _check_data(d: DataConfig) -> None:
         weights = []
     if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
         raise UserError(f'--split {d.split!r} must be up to 3 non-negative weights like "969,30,1"')
+
+
+def _check_documents(config: MegaliteConfig) -> None:
+    """Attention kept within documents runs the masked attention kernels, which draw no attention dropout."""
+    dropout = config.model.attention_dropout
+    if config.data.reset_attention_mask and dropout > 0:
+        raise UserError(f"--reset-attention-mask runs attention without dropout, but --attention-dropout is "
+                        f"{dropout:g}: add --attention-dropout 0")
 
 
 def _check_checkpointing(t: TrainingConfig) -> None:
