@@ -1,6 +1,7 @@
 """What every megalite command line shares: a parser whose mistakes are one-line UserErrors, the
-wrapper that turns a tool's UserError into one ``error: ...`` line and exit code 1, and the number
-types its flags use (finite, range-checked when parsed)."""
+wrapper that turns a tool's UserError into one ``error: ...`` line and exit code 1, how a config field
+declares its flag (``flag`` / ``derived``: the metadata schema.py's fields carry), and the value types its
+flags use (finite, range-checked when parsed)."""
 from __future__ import annotations
 
 import argparse
@@ -8,9 +9,41 @@ import ast
 import functools
 import math
 import sys
-from typing import Callable
+from dataclasses import MISSING, dataclass, field
+from typing import Callable, Optional
 
 from megalite.errors import UserError
+
+# ---- how a config field (config/schema.py) declares its command-line flag --------------------------------
+FLAG, DERIVED = "megatron_flag", "derived"
+FIELD_DEFAULT = object()       # Flag.cli_default: the parser's default is the field's own
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one field appears on Megatron's command line. A bool field is a switch: ``--x`` sets a
+    False default, ``--no-x`` / ``--disable-x`` clears a True one."""
+    name: str
+    type: Optional[Callable] = None
+    help: Optional[str] = None
+    choices: Optional[tuple] = None
+    nargs: Optional[str] = None
+    cli_default: object = FIELD_DEFAULT      # None: absent means "not given" (a default is derived)
+
+
+def flag(name: str, type: Optional[Callable] = None, *, default=MISSING, factory=MISSING, help: str | None = None,
+         choices: tuple | None = None, nargs: str | None = None, cli_default=FIELD_DEFAULT):
+    meta = {FLAG: Flag(name, type, help, choices, nargs, cli_default)}
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def derived(reason: str, default=MISSING, factory=MISSING):
+    """A field no flag sets directly: ``reason`` says what it is computed from."""
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata={DERIVED: reason})
+    return field(default=default, metadata={DERIVED: reason})
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -95,3 +128,15 @@ def moe_layer_pattern(text: str):
     if isinstance(result, list) and result and all(v in (0, 1) for v in result):
         return result
     raise argparse.ArgumentTypeError(f"expected a positive int or a list of 0/1 per layer, got {text!r}")
+
+
+def window_pair(text: str) -> list[int]:
+    """--window-size as Megatron writes it: "LEFT,RIGHT" (or "(LEFT,RIGHT)"), each >= 0 or -1 (unbounded);
+    [LEFT, RIGHT], a list as a checkpoint's JSON metadata gives it back."""
+    try:
+        left, right = (int(v) for v in text.strip().strip("()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected "LEFT,RIGHT" such as "4095,0", got {text!r}') from None
+    if left < -1 or right < -1:
+        raise argparse.ArgumentTypeError(f"each side must be >= 0, or -1 for unbounded; got {text!r}")
+    return [left, right]

@@ -64,6 +64,7 @@ def check_model(m: ModelConfig) -> None:
         raise UserError(f"rope needs an even head dimension, got {m.kv_channels} (--kv-channels or "
                         "--hidden-size/--num-attention-heads)")
     _check_rotary_percent(m)
+    _check_window(m)
     if m.max_position_embeddings < m.seq_length:
         raise UserError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
                         f"{m.max_position_embeddings}; raise --max-position-embeddings")
@@ -89,6 +90,25 @@ def _check_rotary_percent(m: ModelConfig) -> None:
     if dim < 2 or dim % 2:
         raise UserError(f"--rotary-percent {m.rotary_percent:g} rotates {dim} of the head's {m.kv_channels} "
                         "dimensions; RoPE needs an even number >= 2: choose a percent giving an even count")
+
+
+def _check_window(m: ModelConfig) -> None:
+    """--window-size and --window-attn-skip-freq (ModelConfig.attention_window)."""
+    skip = m.window_attn_skip_freq
+    if m.window_size is None:
+        if skip is not None:
+            raise UserError("--window-attn-skip-freq picks the layers without a window; add --window-size LEFT,0")
+        return
+    left, right = m.window_size
+    if right > 0:
+        raise UserError(f"--window-size {left},{right}: a causal model sees no key to the right of the query; "
+                        f"give {left},0")
+    if left >= m.seq_length:
+        raise UserError(f"--window-size {left},{right}: the window is longer than --seq-length {m.seq_length} and "
+                        f"would be full attention; give LEFT < {m.seq_length}, or drop --window-size")
+    if isinstance(skip, list) and len(skip) != m.num_layers:
+        raise UserError(f"--window-attn-skip-freq lists {len(skip)} layers but --num-layers is {m.num_layers}; "
+                        "give one 1 (window) or 0 (full) per layer")
 
 
 def _check_ranges(config: MegaliteConfig) -> None:
