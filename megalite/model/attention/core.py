@@ -3,6 +3,8 @@ recomputation of it pays.
 
 Backends, in the order they are chosen:
 - ring context parallelism (``cp``): parallel/context/ring_attention.py, fused blocks merged by log-sum-exp;
+- a mask that is not plain (documents, a window) or attention sinks: masked.py (varlen flash attention on
+  CUDA, fused blocks merged by log-sum-exp elsewhere), in O(block) memory;
 - the meta device (no storage): the shapes and saved tensors of a fused kernel;
 - scaled_dot_product_attention, which runs a fused kernel (CPU flash, CUDA flash or memory-efficient)
   or its math path; K/V stay grouped where the kernel takes them so (GQA), else are expanded first.
@@ -21,13 +23,15 @@ import torch
 import torch.nn.functional as F
 
 from megalite.model.attention.mask import MaskSpec
+from megalite.model.attention.masked import masked_attention
 from megalite.model.kernels import attention_on_meta, compiling, sdpa_runs_fused, sdpa_runs_gqa_fused
 from megalite.parallel.context.ring_attention import ContextParallel, ring_attention
 from megalite.parallel.tensor.random import RNGTracker, checkpoint
 
 
 def core_attention(q, k, v, mask: MaskSpec, *, scale: float | None = None, dropout: float = 0.0,
-                   cp: ContextParallel | None = None, rng: RNGTracker | None = None) -> torch.Tensor:
+                   cp: ContextParallel | None = None, rng: RNGTracker | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """[s, b, heads, d_qk] queries, [t, b, groups, d_qk] keys, [t, b, groups, d_v] values -> [s, b, heads * d_v].
 
     t > s only with a KV cache: the queries are the last s of t positions. ``dropout``: attention dropout
@@ -37,9 +41,16 @@ def core_attention(q, k, v, mask: MaskSpec, *, scale: float | None = None, dropo
     repeated to every query head. The kernel's output keeps heads and features adjacent (CPU: in q's
     [s, b, heads, d] layout; CUDA flash: [b, s, heads, d]), so the reshape for the output projection is a
     view and the kernel's saved output is also the projection's saved input.
+
+    ``sinks``: fp32 [heads], one logit per query head added to the softmax denominator (no value).
+    Masks that are not plain and sinks take no attention dropout.
     """
     if cp is not None:
         return ring_attention(q, k, v, cp, causal=mask.causal, scale=scale)
+    if sinks is not None or not mask.plain:
+        if dropout > 0:
+            raise ValueError("attention dropout with documents, a window or sinks: set --attention-dropout 0")
+        return masked_attention(q, k, v, mask, scale=scale, sinks=sinks)
     s, b, heads = q.shape[:3]
     q, k, v, bias, causal, gqa = _sdpa_inputs(q, k, v, mask)
     if gqa and not sdpa_runs_gqa_fused(q, k, v, bias, dropout, causal):
@@ -68,15 +79,17 @@ def _sdpa_inputs(q, k, v, mask: MaskSpec):
     return q, k, v, bias, causal, gqa
 
 
-def recomputing_pays(q, k, v, mask: MaskSpec, *, dropout: float, cp: ContextParallel | None) -> bool:
+def recomputing_pays(q, k, v, mask: MaskSpec, *, dropout: float, cp: ContextParallel | None,
+                     sinks: torch.Tensor | None = None) -> bool:
     """Whether recomputing core_attention in backward (selective recomputation) keeps less than running
     it once. The recomputed region keeps q, the unexpanded k and v (its inputs) and the output (the
     output projection's input); so do ring attention and SDPA's fused kernels on grouped K/V, plus a
     log-sum-exp: recomputing them would only run their forward twice. It pays for SDPA's math path,
     which keeps the s x s scores (CPU with attention dropout or unequal head dims; CUDA where no fused
     kernel takes the call), and for K/V expanded to every query head for a kernel that cannot take them
-    grouped (CUDA's memory-efficient kernel, e.g. in fp32), which that kernel keeps expanded."""
-    if cp is not None:
+    grouped (CUDA's memory-efficient kernel, e.g. in fp32), which that kernel keeps expanded. Masked
+    attention (masked.py) keeps what the fused kernels keep."""
+    if cp is not None or sinks is not None or not mask.plain:
         return False
     q, k, v, bias, causal, gqa = _sdpa_inputs(q, k, v, mask)
     if gqa and not sdpa_runs_gqa_fused(q, k, v, bias, dropout, causal):
@@ -86,13 +99,13 @@ def recomputing_pays(q, k, v, mask: MaskSpec, *, dropout: float, cp: ContextPara
 
 def run_core_attention(q, k, v, mask: MaskSpec, *, scale: float | None = None, dropout: float = 0.0,
                        cp: ContextParallel | None = None, rng: RNGTracker | None = None,
-                       selective_recompute: bool = False) -> torch.Tensor:
+                       selective_recompute: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """core_attention, recomputed in backward when ``selective_recompute`` (--recompute-granularity
     selective, in training) asks for it and it pays. Eager, megalite's checkpoint replays ``rng``'s
     streams so dropout draws the same masks; compiled, it is traced as a recomputed region of the graph
     (no RNG stream to replay: --compile runs selective recomputation with attention dropout eager)."""
-    attend = partial(core_attention, mask=mask, scale=scale, dropout=dropout, cp=cp, rng=rng)
-    if not (selective_recompute and recomputing_pays(q, k, v, mask, dropout=dropout, cp=cp)):
+    attend = partial(core_attention, mask=mask, scale=scale, dropout=dropout, cp=cp, rng=rng, sinks=sinks)
+    if not (selective_recompute and recomputing_pays(q, k, v, mask, dropout=dropout, cp=cp, sinks=sinks)):
         return attend(q, k, v)
     if compiling():
         return torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False)
