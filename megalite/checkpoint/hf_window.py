@@ -17,6 +17,7 @@ refused on export.
 """
 from __future__ import annotations
 
+from megalite.config.schema import is_window_layer
 from megalite.errors import UserError
 
 EVERY_LAYER = ("mistral", "mixtral", "phi3", "qwen3_moe")      # config.sliding_window on every layer
@@ -27,12 +28,12 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 def _hf_layer_windows(config) -> list[int | None]:
     """The window W each layer of a transformers config applies (None: full attention)."""
     n, model_type = config.num_hidden_layers, config.model_type
-    window = getattr(config, "sliding_window", None) or None
+    window = getattr(config, "sliding_window", None) or None      # probe: a transformers config (Llama has none)
     if model_type in EVERY_LAYER:
         return [window] * n
     if model_type not in LAYER_TYPED:
         return [None] * n
-    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)      # probe: a transformers config
     unknown = sorted(set(types) - set(LAYER_TYPES))
     if unknown:
         raise UserError(f"{model_type} layer_types {', '.join(unknown)} are not supported: megalite has sliding-window "
@@ -64,9 +65,8 @@ def check_window_convertible(config) -> None:
 
 def windowed_layers(m: dict) -> list[bool] | None:
     """Per layer whether it has the window, from metadata["model"] ``m``; None when no layer does."""
-    from megalite.checkpoint.files import model_config_from_metadata
-    config = model_config_from_metadata(m)
-    flags = [config.attention_window(i + 1)[0] >= 0 for i in range(config.num_layers)]
+    window, skip = m.get("window_size"), m.get("window_attn_skip_freq")
+    flags = [is_window_layer(window, skip, i + 1) and window[0] >= 0 for i in range(m["num_layers"])]
     return flags if any(flags) else None
 
 

@@ -55,6 +55,14 @@ def rotary_dim(head_dim: int, rotary_percent: float) -> int:
     return int(head_dim * rotary_percent)
 
 
+def is_window_layer(window_size, window_attn_skip_freq, layer_number: int) -> bool:
+    """Whether 1-based layer ``layer_number`` has the --window-size window (Megatron's
+    --window-attn-skip-freq: N keeps layers N, 2N, ... full; a list marks window layers 1, full ones 0)."""
+    skip = window_attn_skip_freq
+    return window_size is not None and (
+        skip is None or (layer_number % skip != 0 if isinstance(skip, int) else bool(skip[layer_number - 1])))
+
+
 @dataclass
 class ModelConfig:
     num_layers: int = flag("--num-layers", positive_int)
@@ -167,11 +175,8 @@ class ModelConfig:
         return bool(self.moe_layer_freq[layer_number - 1])
 
     def attention_window(self, layer_number: int) -> tuple[int, int]:
-        """(left, right) window of 1-based layer ``layer_number``, (-1, -1) for full attention (Megatron's
-        --window-attn-skip-freq: N keeps layers N, 2N, ... full; a list marks window layers 1, full ones 0)."""
-        skip = self.window_attn_skip_freq
-        windowed = self.window_size is not None and (
-            skip is None or (layer_number % skip != 0 if isinstance(skip, int) else bool(skip[layer_number - 1])))
+        """(left, right) window of 1-based layer ``layer_number``, (-1, -1) for full attention."""
+        windowed = is_window_layer(self.window_size, self.window_attn_skip_freq, layer_number)
         return tuple(self.window_size) if windowed else (-1, -1)
 
     @property

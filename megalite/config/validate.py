@@ -93,8 +93,12 @@ def _check_rotary_percent(m: ModelConfig) -> None:
 
 
 def _check_window(m: ModelConfig) -> None:
-    """--window-size and --window-attn-skip-freq (ModelConfig.attention_window)."""
+    """--window-size, --window-attn-skip-freq (ModelConfig.attention_window) and --softmax-type."""
     skip = m.window_attn_skip_freq
+    if (m.window_size is not None or m.softmax_type != "vanilla") and m.attention_dropout > 0:
+        given = "--window-size" if m.window_size is not None else f"--softmax-type {m.softmax_type}"
+        raise UserError(f"{given} runs the masked attention kernel, which has no attention dropout: add "
+                        "--attention-dropout 0")
     if m.window_size is None:
         if skip is not None:
             raise UserError("--window-attn-skip-freq picks the layers without a window; add --window-size LEFT,0")

@@ -79,11 +79,11 @@ class SelfAttention(nn.Module):
         return q.reshape(s, b, self.num_heads, self.head_dim), k.squeeze(3), v.squeeze(3)
 
     def sinks(self, q: torch.Tensor) -> torch.Tensor | None:
-        """The logit each local head adds to its softmax denominator (--softmax-type): the learned
-        ``softmax_offset``, 0 for off-by-one, None for vanilla (plain softmax)."""
+        """fp32 [local heads]: the logit each head adds to its softmax denominator (--softmax-type): the
+        learned ``softmax_offset``, 0 for off-by-one; None for vanilla (plain softmax)."""
         if self.softmax_type == "off-by-one":
-            return q.new_zeros(self.num_heads)
-        return self.softmax_offset
+            return q.new_zeros(self.num_heads, dtype=torch.float32)
+        return None if self.softmax_offset is None else self.softmax_offset.float()
 
     def forward(self, x: torch.Tensor, rotary=None, kv_cache: KVCache | None = None,
                 layer_number: int = 0) -> torch.Tensor:

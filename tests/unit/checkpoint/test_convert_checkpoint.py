@@ -349,12 +349,15 @@ def test_cli_converts_both_ways(tmp_path):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     result = run_tool("--from", "hf", "--to", "megalite", "--input", str(tmp_path / "hf"), "--output", ckpt)
     assert result.returncode == 0, result.stderr
-    assert result.stderr.startswith("warning: mistral sliding_window=32") and len(result.stderr.splitlines()) == 1
+    assert result.stderr == ""                  # the window converts: nothing to warn about
     assert os.path.join(ckpt, "iter_0000000") in result.stdout
     result = run_tool("--from", "megalite", "--to", "hf", "--input", ckpt, "--output", out, "--model-type", "llama")
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1
+    assert "--model-type llama cannot represent this checkpoint: llama has no sliding window" in result.stderr
+    result = run_tool("--from", "megalite", "--to", "hf", "--input", ckpt, "--output", out)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(exported).__name__ == "LlamaForCausalLM"       # Mistral without a window is a Llama
+    assert type(exported).__name__ == "MistralForCausalLM" and exported.config.sliding_window == 4
     ids = input_ids()
     assert (logits(exported, ids) - logits(model, ids)).abs().max().item() <= 1e-5
 

@@ -36,6 +36,8 @@ def test_every_nth_layer_stays_full_as_megatron_counts():
     (dict(window_attn_skip_freq="2"), "--window-attn-skip-freq picks the layers without a window; add --window-size"),
     (dict(window_size="7,0", window_attn_skip_freq="[1,0,1]"), "--window-attn-skip-freq lists 3 layers but"),
     (dict(softmax_type="sigmoid"), "argument --softmax-type: invalid choice"),
+    (dict(softmax_type="learnable", attention_dropout="0.1"), "--softmax-type learnable runs the masked attention"),
+    (dict(window_size="7,0", attention_dropout="0.1"), "--window-size runs the masked attention kernel, which has"),
 ])
 def test_bad_windows_are_one_line(flags, message):
     with pytest.raises(UserError) as err:
