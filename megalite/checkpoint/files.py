@@ -394,13 +394,16 @@ MOE_DEFAULTS = {"num_experts": None, "moe_layer_freq": 1, "moe_ffn_hidden_size":
                 "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
                 "moe_router_topk_scaling_factor": None, "moe_router_enable_expert_bias": False}
 MOE_FIELDS = tuple(MOE_DEFAULTS)
+# the attention's shape (ModelConfig: --window-size, --window-attn-skip-freq, --softmax-type)
+ATTENTION_DEFAULTS = {"window_size": None, "window_attn_skip_freq": None, "softmax_type": "vanilla"}
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
                        "num_query_groups", "seq_length", "max_position_embeddings", "vocab_size",
                        "position_embedding_type", "rotary_base", "normalization", "norm_epsilon", "swiglu",
                        "openai_gelu", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
-                       "rotary_percent", "apply_layernorm_1p", "qk_layernorm", *MOE_FIELDS)
+                       "rotary_percent", "apply_layernorm_1p", "qk_layernorm", *MOE_FIELDS, *ATTENTION_DEFAULTS)
 # values for metadata that lacks these fields (the model they describe has none of the feature)
-ARCHITECTURE_DEFAULTS = {"rotary_percent": 1.0, "apply_layernorm_1p": False, "qk_layernorm": False, **MOE_DEFAULTS}
+ARCHITECTURE_DEFAULTS = {"rotary_percent": 1.0, "apply_layernorm_1p": False, "qk_layernorm": False, **MOE_DEFAULTS,
+                         **ATTENTION_DEFAULTS}
 
 
 def with_architecture_defaults(model: dict) -> dict:

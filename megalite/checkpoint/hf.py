@@ -27,10 +27,10 @@ Both directions are exact: tensors are only renamed, transposed, concatenated or
   the + 1 into the weights (exact: one rounding of the exact sum, as the norm itself computes it).
 
 What megalite cannot represent is refused with one line (UserError) before anything is written: rope
-scaling (rope_type other than "default"), Llama o_proj / MLP biases, other activations. A sliding
-attention window is converted with a warning: megalite attention is full causal, which is exact for
-sequences no longer than the window. The config mapping lives in hf_config.py, the reading of HF weight
-files in hf_weights.py.
+scaling (rope_type other than "default"), Llama o_proj / MLP biases, other activations, windows that
+differ between layers. A sliding attention window becomes --window-size (and --window-attn-skip-freq for
+the layers without it) and is written back on export (hf_window.py). The config mapping lives in
+hf_config.py, the reading of HF weight files in hf_weights.py.
 """
 from __future__ import annotations
 

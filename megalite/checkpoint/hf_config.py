@@ -25,8 +25,11 @@ import json
 import os
 import sys
 
+from megalite.checkpoint.files import ATTENTION_DEFAULTS
 from megalite.checkpoint.hf_moe import (MOE_MODEL_TYPES, build_moe_config, check_moe_convertible,
                                         check_moe_representable, moe_fields)
+from megalite.checkpoint.hf_window import (check_window_convertible, check_window_representable, window_config,
+                                           window_fields)
 from megalite.errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
@@ -36,8 +39,6 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")            # RMSNorm of each q and k head (q_norm, k_norm)
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
-# families whose sliding window applies only when use_sliding_window (and a layer type says so)
-LAYER_TYPED_WINDOW = ("qwen2", "qwen2_moe", "qwen3")
 # metadata["model"] fields a conversion records beyond files.ARCHITECTURE_FIELDS (the MoE layer, QK-norm);
 # ModelConfig's defaults stand for a checkpoint that lacks them
 EXTRA_FIELDS = ("qk_layernorm", "num_experts", "moe_layer_freq", "moe_ffn_hidden_size",
@@ -179,21 +180,8 @@ def rotary_factor(config) -> float:
     return float(factor) if factor is not None else 1.0
 
 
-def _sliding_window(config, model_type: str) -> int | None:
-    """The attention window a Mistral/Qwen2 model actually applies, or None for full attention."""
-    window = getattr(config, "sliding_window", None)
-    if model_type in LAYER_TYPED_WINDOW:
-        layer_types = getattr(config, "layer_types", None) or []
-        uses = getattr(config, "use_sliding_window", False) and (not layer_types or "sliding_attention" in layer_types)
-        window = window if uses else None
-    if window is None or window >= config.max_position_embeddings:
-        return None
-    return int(window)
-
-
 def check_convertible(config, log=warn) -> None:
-    """Refuse (one line) what megalite cannot represent exactly; warn about a sliding attention window,
-    which megalite's full causal attention matches only on sequences no longer than the window."""
+    """Refuse (one line) what megalite cannot represent exactly."""
     model_type = config.model_type
     if model_type == "gpt2":
         act = config.activation_function
@@ -221,10 +209,7 @@ def check_convertible(config, log=warn) -> None:
                         "megalite needs an even number >= 2")
     if model_type in MOE_MODEL_TYPES:
         check_moe_convertible(config, log)
-    window = _sliding_window(config, model_type)
-    if window is not None:
-        log(f"{model_type} sliding_window={window} < max_position_embeddings={config.max_position_embeddings}: "
-            f"megalite attention is full causal, exact only for sequences of up to {window} tokens")
+    check_window_convertible(config)
 
 
 def _head_dim(config) -> int:
@@ -239,8 +224,8 @@ def model_fields(config) -> dict:
     """metadata["model"] (megalite's architecture fields) for a supported transformers config; the
     sequence length is the model's ``max_position_embeddings``."""
     if config.model_type == "gpt2":
-        return gpt2_fields(config)
-    return llama_like_fields(config)
+        return {**ATTENTION_DEFAULTS, **gpt2_fields(config)}
+    return {**ATTENTION_DEFAULTS, **llama_like_fields(config), **window_fields(config)}
 
 
 def llama_like_fields(config) -> dict:
@@ -342,6 +327,7 @@ def check_representable(m: dict, model_type: str) -> None:
         need(not m["qk_layernorm"], f"{model_type} has no q/k norms (--qk-layernorm); use --model-type qwen3 or "
              "qwen3_moe")
     check_moe_representable(m, model_type, need)
+    check_window_representable(m, model_type, need)
 
 
 def build_hf_config(m: dict, model_type: str, token_ids: dict, moe_training: dict | None = None):
@@ -363,22 +349,22 @@ def build_hf_config(m: dict, model_type: str, token_ids: dict, moe_training: dic
                       num_hidden_layers=m["num_layers"], num_attention_heads=m["num_attention_heads"],
                       num_key_value_heads=m["num_query_groups"], head_dim=m["kv_channels"],
                       max_position_embeddings=m["max_position_embeddings"], rms_norm_eps=m["norm_epsilon"],
-                      hidden_act="silu", rope_parameters=rope, **common)
+                      hidden_act="silu", rope_parameters=rope, **window_config(m, model_type), **common)
         if model_type == "phi3":
             rope["partial_rotary_factor"] = float(m["rotary_percent"])
             # Phi3Config's own token ids (eos/pad 32000) belong to Phi-3's vocabulary, not this model's
             ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-            return Phi3Config(sliding_window=None, original_max_position_embeddings=m["max_position_embeddings"],
+            return Phi3Config(original_max_position_embeddings=m["max_position_embeddings"],
                               **{**ids, **fields})
         if model_type in MOE_MODEL_TYPES:
             return build_moe_config(m, model_type, fields, moe_training or {})
         if model_type == "llama":
             return LlamaConfig(attention_bias=False, mlp_bias=False, **fields)
         if model_type == "mistral":
-            return MistralConfig(sliding_window=None, **fields)     # megalite attention is full causal
+            return MistralConfig(**fields)
         if model_type == "qwen3":
-            return Qwen3Config(attention_bias=False, use_sliding_window=False, sliding_window=None, **fields)
-        return Qwen2Config(use_sliding_window=False, sliding_window=None, **fields)
+            return Qwen3Config(attention_bias=False, **fields)
+        return Qwen2Config(**fields)
 
 
 def token_ids_from_tokenizer(directory: str) -> dict:

@@ -121,12 +121,11 @@ def build_moe_config(m: dict, model_type: str, fields: dict, moe_training: dict)
     expert_ffn = m["moe_ffn_hidden_size"] or m["ffn_hidden_size"]
     if model_type == "mixtral":
         # every layer is sparse (checked): intermediate_size is the experts' hidden size
-        return MixtralConfig(num_local_experts=experts, num_experts_per_tok=topk, sliding_window=None,
-                             router_jitter_noise=0.0, **training, **{**fields, "intermediate_size": expert_ffn})
+        return MixtralConfig(num_local_experts=experts, num_experts_per_tok=topk, router_jitter_noise=0.0, **training, **{**fields, "intermediate_size": expert_ffn})
     step, dense = sparse_layers(m)
     moe = dict(num_experts=experts, num_experts_per_tok=topk, moe_intermediate_size=expert_ffn,
                norm_topk_prob=not m["moe_router_pre_softmax"], decoder_sparse_step=step, mlp_only_layers=dense,
-               use_sliding_window=False, sliding_window=None, **training)
+               **training)
     if model_type == "qwen2_moe":
         # q/k/v biases always (zeros when megalite has none), as transformers 4 builds Qwen2-MoE
         return Qwen2MoeConfig(shared_expert_intermediate_size=m["moe_shared_expert_intermediate_size"], qkv_bias=True,

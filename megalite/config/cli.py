@@ -1,6 +1,6 @@
 """What every megalite command line shares: a parser whose mistakes are one-line UserErrors, the
-wrapper that turns a tool's UserError into one ``error: ...`` line and exit code 1, and the number
-types its flags use (finite, range-checked when parsed)."""
+wrapper that turns a tool's UserError into one ``error: ...`` line and exit code 1, and the value types
+its flags use (finite, range-checked when parsed)."""
 from __future__ import annotations
 
 import argparse
@@ -95,3 +95,15 @@ def moe_layer_pattern(text: str):
     if isinstance(result, list) and result and all(v in (0, 1) for v in result):
         return result
     raise argparse.ArgumentTypeError(f"expected a positive int or a list of 0/1 per layer, got {text!r}")
+
+
+def window_pair(text: str) -> list[int]:
+    """--window-size as Megatron writes it: "LEFT,RIGHT" (or "(LEFT,RIGHT)"), each >= 0 or -1 (unbounded);
+    [LEFT, RIGHT], a list as a checkpoint's JSON metadata gives it back."""
+    try:
+        left, right = (int(v) for v in text.strip().strip("()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected "LEFT,RIGHT" such as "4095,0", got {text!r}') from None
+    if left < -1 or right < -1:
+        raise argparse.ArgumentTypeError(f"each side must be >= 0, or -1 for unbounded; got {text!r}")
+    return [left, right]

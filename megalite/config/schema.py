@@ -8,10 +8,11 @@ from other inputs says how (``derived(...)``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
-from megalite.config.cli import integer, moe_layer_pattern, non_negative_int, number, positive_float, positive_int
+from megalite.config.cli import (integer, moe_layer_pattern, non_negative_int, number, positive_float, positive_int,
+                                 window_pair)
 from megalite.config.fields import derived, flag
 from megalite.errors import UserError
 
@@ -25,6 +26,8 @@ PIPELINE_SCHEDULES = SYNCHRONOUS_SCHEDULES + ASYNC_SCHEDULES
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # --optimizer: the update rules megalite implements (optim/rules/: one module each, registered by this name)
 OPTIMIZERS = ("adam",)
+# --softmax-type: plain softmax, a fixed extra logit 0 in every denominator, or a learned one per head
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 # ---- derived sizes, in one place ------------------------------------------------------------------------
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
@@ -51,6 +54,14 @@ def default_kv_channels(hidden_size: int, num_attention_heads: int) -> int:
 def rotary_dim(head_dim: int, rotary_percent: float) -> int:
     """Dimensions of each head that RoPE rotates (Megatron: int(kv_channels * rotary_percent))."""
     return int(head_dim * rotary_percent)
+
+
+def is_window_layer(window_size, window_attn_skip_freq, layer_number: int) -> bool:
+    """Whether 1-based layer ``layer_number`` has the --window-size window (Megatron's
+    --window-attn-skip-freq: N keeps layers N, 2N, ... full; a list marks window layers 1, full ones 0)."""
+    skip = window_attn_skip_freq
+    return window_size is not None and (
+        skip is None or (layer_number % skip != 0 if isinstance(skip, int) else bool(skip[layer_number - 1])))
 
 
 @dataclass
@@ -92,6 +103,15 @@ class ModelConfig:
     recompute_granularity: Optional[str] = flag("--recompute-granularity", default=None, choices=("full", "selective"))
     recompute_method: Optional[str] = flag("--recompute-method", default=None, choices=("uniform", "block"))
     recompute_num_layers: Optional[int] = flag("--recompute-num-layers", positive_int, default=None)
+    # ---- attention shape (model/attention): a sliding window on some layers, and a softmax sink
+    window_size: Optional[list] = flag("--window-size", window_pair, default=None, help=(
+        '"LEFT,RIGHT": query i sees keys i-LEFT..i+RIGHT (-1: unbounded; RIGHT is 0 in a causal model); '
+        "absent: full attention"))
+    window_attn_skip_freq: object = flag("--window-attn-skip-freq", moe_layer_pattern, default=None, help=(
+        "with --window-size: every N-th layer (N, 2N, ...) keeps full attention (int), or a 1 (window) / "
+        '0 (full) list per layer such as "([1]*3+[0])*2"; absent: every layer has the window'))
+    softmax_type: str = flag("--softmax-type", default="vanilla", choices=SOFTMAX_TYPES, help=(
+        "off-by-one: a logit 0 added to every softmax denominator; learnable: one learned logit per head (a sink)"))
     cross_entropy_loss_fusion: bool = flag("--cross-entropy-loss-fusion", default=False, help=(
         "chunked vocabulary-parallel cross-entropy: fp32 logits of a chunk of tokens at a time"))
     # ---- Mixture of Experts (model/moe.py): the MLP of the layers --moe-layer-freq selects
@@ -156,10 +176,14 @@ class ModelConfig:
             return (layer_number - 1) % self.moe_layer_freq == 0
         return bool(self.moe_layer_freq[layer_number - 1])
 
+    def attention_window(self, layer_number: int) -> tuple[int, int]:
+        """(left, right) window of 1-based layer ``layer_number``, (-1, -1) for full attention."""
+        windowed = is_window_layer(self.window_size, self.window_attn_skip_freq, layer_number)
+        return tuple(self.window_size) if windowed else (-1, -1)
+
     @property
     def expert_ffn_hidden_size(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
-
 
     @property
     def kv_projection_size(self) -> int:

@@ -32,7 +32,8 @@ class TransformerLayer(nn.Module):
         self.layer_number = layer_number          # global, 1-based (as Megatron)
         self.hidden_dropout = config.hidden_dropout
         self.input_layernorm = build_norm(config, dtype, tp)
-        self.self_attention = build_attention(config, dtype, tp, cp.for_layer(layer_number) if cp else cp)
+        self.self_attention = build_attention(config, dtype, tp, cp.for_layer(layer_number) if cp else cp,
+                                              layer_number)
         self.pre_mlp_layernorm = build_norm(config, dtype, tp)
         if config.is_moe_layer(layer_number):
             self.mlp = MoELayer(config, dtype, tp, moe or MoEContext(ExpertParallel()))

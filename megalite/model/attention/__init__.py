@@ -1,10 +1,12 @@
 """Attention: the modules that project heads (chosen by ModelConfig.attention_type) and core_attention,
 which runs softmax(q k^T scale + mask) v on the backend that fits (core.py).
 
-An attention module is built as ``cls(config, dtype, tp, cp)`` and called as
+An attention module is built as ``cls(config, dtype, tp, cp, layer_number)`` (the 1-based layer number
+picks the layer's window, ModelConfig.attention_window) and called as
 ``module(x, inputs, kv_cache, layer_number)`` on [s, b, hidden] -> [s, b, hidden], ``inputs`` the
 forward's AttentionInputs (RoPE tables, document boundaries: inputs.py); it owns its projections and
-hands q, k, v to core.run_core_attention with its MaskSpec (with the batch's documents) and scale. A new variant is
+hands q, k, v to core.run_core_attention with its MaskSpec (its window, the batch's documents), its
+sinks and scale. A new variant is
 one module file and one line in ATTENTION.
 """
 from __future__ import annotations
@@ -21,6 +23,6 @@ ATTENTION = {"self": SelfAttention}             # ModelConfig.attention_type -> 
 
 
 def build_attention(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel,
-                    cp: ContextParallel | None = None) -> nn.Module:
-    """The attention module ``config`` names, for one layer."""
-    return ATTENTION[config.attention_type](config, dtype, tp, cp)
+                    cp: ContextParallel | None = None, layer_number: int = 1) -> nn.Module:
+    """The attention module ``config`` names, for 1-based layer ``layer_number``."""
+    return ATTENTION[config.attention_type](config, dtype, tp, cp, layer_number)

@@ -1,4 +1,5 @@
-"""SelfAttention: causal self-attention with a fused QKV projection (GQA, RoPE, qk-layernorm, KV cache)."""
+"""SelfAttention: causal self-attention with a fused QKV projection (GQA, RoPE, qk-layernorm, KV cache), a
+sliding window on the layers --window-size / --window-attn-skip-freq pick, and softmax sinks (--softmax-type)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -29,12 +30,13 @@ class SelfAttention(nn.Module):
     replicated across the ranks sharing the group (their gradients are summed over those ranks).
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel, cp: ContextParallel | None = None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel, cp: ContextParallel | None = None,
+                 layer_number: int = 1):
         super().__init__()
         nq, nkv, d, h = config.num_attention_heads, config.num_query_groups, config.kv_channels, config.hidden_size
         self.tp = tp
         self.cp = cp if cp is not None and cp.size > 1 else None
-        self.mask = MaskSpec(causal=True)
+        self.mask = MaskSpec(causal=True, window=config.attention_window(layer_number))
         self.head_dim = d
         self.num_heads = nq // tp.size                              # local to this rank
         self.num_groups = max(1, nkv // tp.size)
@@ -52,6 +54,8 @@ class SelfAttention(nn.Module):
             for param in self.linear_qkv.parameters():
                 mark(param, replicated_rows=kv_rows)
         self.linear_proj = RowParallelLinear(nq * d, h, config.add_bias_linear, dtype, tp)
+        self.softmax_type = config.softmax_type
+        self.softmax_offset = _learnable_offset(nq, dtype, tp) if config.softmax_type == "learnable" else None
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:         # --qk-layernorm: per-head norms of q and k, weights [head_dim]
             self.q_layernorm = build_norm(replace(config, hidden_size=d), dtype, tp)
@@ -75,6 +79,13 @@ class SelfAttention(nn.Module):
         q, k, v = torch.split(qkv, [self.heads_per_group, 1, 1], dim=3)
         return q.reshape(s, b, self.num_heads, self.head_dim), k.squeeze(3), v.squeeze(3)
 
+    def sinks(self, q: torch.Tensor) -> torch.Tensor | None:
+        """fp32 [local heads]: the logit each head adds to its softmax denominator (--softmax-type): the
+        learned ``softmax_offset``, 0 for off-by-one; None for vanilla (plain softmax)."""
+        if self.softmax_type == "off-by-one":
+            return q.new_zeros(self.num_heads, dtype=torch.float32)
+        return None if self.softmax_offset is None else self.softmax_offset.float()
+
     def forward(self, x: torch.Tensor, inputs: AttentionInputs | None = None, kv_cache: KVCache | None = None,
                 layer_number: int = 0) -> torch.Tensor:
         rotary, documents = (inputs.rotary, inputs.cu_seqlens) if inputs is not None else (None, None)
@@ -93,8 +104,18 @@ class SelfAttention(nn.Module):
             k, v = kv_cache.update(layer_number, k, v)
         mask = self.mask if documents is None else self.mask.with_documents(documents)
         out = run_core_attention(q, k, v, mask, dropout=self.dropout if self.training else 0.0, cp=self.cp,
-                                 rng=self.tp.rng, selective_recompute=self.selective_recompute and self.training)
+                                 rng=self.tp.rng, selective_recompute=self.selective_recompute and self.training,
+                                 sinks=self.sinks(q))
         return self.linear_proj(out)
+
+
+def _learnable_offset(num_heads: int, dtype: torch.dtype, tp: TensorParallel) -> nn.Parameter:
+    """--softmax-type learnable: one sink logit per head, [heads / TP] on each rank, sharded by heads as the
+    query heads are (a contiguous chunk per rank); initialised N(0, --init-method-std) and without weight
+    decay (a 1-D parameter), as Megatron's ``softmax_offset``."""
+    offset = nn.Parameter(torch.empty(num_heads // tp.size, dtype=dtype))
+    return mark(offset, full_shape=(num_heads,), take_shard=tp.chunk, partition_dim=0,
+                tensor_model_parallel=tp.size > 1)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

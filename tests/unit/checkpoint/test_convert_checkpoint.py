@@ -44,9 +44,12 @@ FAMILIES = {
     "llama_mqa_untied": (lambda: llama(num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-5, tie_word_embeddings=False,
                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), False),
     "mistral": (lambda: (transformers.MistralForCausalLM, transformers.MistralConfig(
-        **SMALL, num_key_value_heads=2, sliding_window=32, rope_theta=1e6)), True),
+        **SMALL, num_key_value_heads=2, sliding_window=4, rope_theta=1e6)), True),
     "qwen2": (lambda: (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
         **SMALL, num_key_value_heads=2, tie_word_embeddings=True)), False),
+    # the first max_window_layers layers full, the window on the others
+    "qwen2_window": (lambda: (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+        **SMALL, num_key_value_heads=2, use_sliding_window=True, sliding_window=5, max_window_layers=1)), False),
     "gpt2": (lambda: (transformers.GPT2LMHeadModel, transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, initializer_range=0.1,
         bos_token_id=1, eos_token_id=2)), True),
@@ -91,7 +94,7 @@ def logits(hf_model, ids):
         return hf_model(ids).logits
 
 
-def input_ids(batch=2, seq=16):     # seq <= Mistral's sliding window: full causal attention is exact
+def input_ids(batch=2, seq=16):     # longer than the windows: they cut the attention
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(7))
 
 
@@ -135,16 +138,14 @@ def test_checkpoint_metadata(converted):
                                        untie_embeddings_and_output_weights=False),
                 "llama_mqa_untied": dict(num_query_groups=1, kv_channels=32, norm_epsilon=1e-5,
                                          untie_embeddings_and_output_weights=True),
-                "mistral": dict(num_query_groups=2, rotary_base=1e6, swiglu=True, add_qkv_bias=False),
-                "qwen2": dict(add_qkv_bias=True, add_bias_linear=False, normalization="RMSNorm"),
+                "mistral": dict(num_query_groups=2, rotary_base=1e6, swiglu=True, add_qkv_bias=False,
+                                window_size=[3, 0], window_attn_skip_freq=None),
+                "qwen2": dict(add_qkv_bias=True, add_bias_linear=False, normalization="RMSNorm", window_size=None),
+                "qwen2_window": dict(window_size=[4, 0], window_attn_skip_freq=[0, 1], softmax_type="vanilla"),
                 "gpt2": dict(position_embedding_type="learned_absolute", normalization="LayerNorm", openai_gelu=True,
                              add_bias_linear=True, swiglu=False, ffn_hidden_size=256)}[converted.family]
     assert {k: meta["model"][k] for k in expected} == expected
-    # only Mistral's window is shorter than its positions: converted, with one warning
-    if converted.family == "mistral":
-        assert len(converted.warnings) == 1 and "sliding_window=32" in converted.warnings[0]
-    else:
-        assert converted.warnings == []
+    assert converted.warnings == []            # windows convert exactly, without a warning
 
 
 # ---- HF -> megalite -> HF ----------------------------------------------------------------------------
@@ -152,7 +153,7 @@ CONFIG_FIELDS = {
     "llama": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
               "tie_word_embeddings", "hidden_act", "bos_token_id", "eos_token_id", "pad_token_id", "dtype",
-              "architectures"),
+              "architectures", "sliding_window", "use_sliding_window", "layer_types"),
     "gpt2": ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "n_inner", "activation_function",
              "layer_norm_epsilon", "tie_word_embeddings", "bos_token_id", "eos_token_id", "dtype", "architectures"),
 }
@@ -175,8 +176,6 @@ def test_round_trip_gives_identical_tensors_config_and_logits(converted):
         [n for n in original if not torch.equal(again[n], original[n])]
     config = transformers.AutoConfig.from_pretrained(converted.out)
     assert config_fields(config) == config_fields(transformers.AutoConfig.from_pretrained(converted.hf_dir))
-    if converted.family == "mistral":
-        assert config.sliding_window is None        # what megalite computes: full causal attention
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(converted.out).eval()
     assert type(reloaded) is type(converted.model)
     ids = input_ids()
@@ -350,12 +349,15 @@ def test_cli_converts_both_ways(tmp_path):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     result = run_tool("--from", "hf", "--to", "megalite", "--input", str(tmp_path / "hf"), "--output", ckpt)
     assert result.returncode == 0, result.stderr
-    assert result.stderr.startswith("warning: mistral sliding_window=32") and len(result.stderr.splitlines()) == 1
+    assert result.stderr == ""                  # the window converts: nothing to warn about
     assert os.path.join(ckpt, "iter_0000000") in result.stdout
     result = run_tool("--from", "megalite", "--to", "hf", "--input", ckpt, "--output", out, "--model-type", "llama")
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1
+    assert "--model-type llama cannot represent this checkpoint: llama has no sliding window" in result.stderr
+    result = run_tool("--from", "megalite", "--to", "hf", "--input", ckpt, "--output", out)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(exported).__name__ == "LlamaForCausalLM"       # Mistral without a window is a Llama
+    assert type(exported).__name__ == "MistralForCausalLM" and exported.config.sliding_window == 4
     ids = input_ids()
     assert (logits(exported, ids) - logits(model, ids)).abs().max().item() <= 1e-5
 
