@@ -15,8 +15,9 @@ in O(block) memory: no s x s tensor is ever built.
 
 Tiles follow the documents: each document is a tile of its own (one causal flash call on its diagonal),
 cut into near-equal pieces of at most ``TILE`` tokens where it is longer (its diagonal blocks causal,
-the others full), so a block's partial output, a cut block's mask and the work a window skips stay
-TILE rows. Consecutive documents shorter than ``PACK`` tokens share tiles of at most PACK tokens (one
+the others full), so a block's partial output stays TILE rows; with a window the pieces are at most
+``WINDOW_TILE`` tokens, which bounds a cut block's mask and lets whole pairs outside the window be
+skipped. Consecutive documents shorter than ``PACK`` tokens share tiles of at most PACK tokens (one
 small block with a block-diagonal mask instead of many tiny calls). No other tile spans a document
 boundary, so the pairs of tiles of different documents are skipped without a look. Samples without
 documents share one mask: every tile runs the whole batch at once.
@@ -40,7 +41,8 @@ from megalite.model.attention.mask import MaskSpec, Relation, documents_of
 from megalite.model.kernels import attention_on_meta
 from megalite.parallel.context.block_kernels import block_backward, block_forward
 
-TILE = 512                      # the most tokens of a tile
+TILE = 1024                     # the most tokens of a tile: the CPU flash kernel slows down on shorter blocks
+WINDOW_TILE = 512               # ... with a window, whose cut blocks each carry a mask of this size squared
 PACK = 64                       # documents shorter than this share tiles of at most this many tokens
 
 
@@ -55,6 +57,8 @@ class Tile:
 def boundaries(mask: MaskSpec, sample: int, t: int) -> list[int]:
     """The tile boundaries 0 = b_0 < ... = t of one sample's t key positions (see the module docstring)."""
     docs = documents_of(mask.cu_seqlens[sample]) if mask.cu_seqlens is not None else [(0, t)]
+    left, right = mask.window
+    size = WINDOW_TILE if left >= 0 or (right >= 0 and not mask.causal) else TILE
     bounds = [0]
     for start, end in docs:
         if end - start < PACK:                      # joins the open tile of very short documents if it fits
@@ -63,7 +67,7 @@ def boundaries(mask: MaskSpec, sample: int, t: int) -> list[int]:
             continue
         if bounds[-1] < start:                      # close the open tile of very short documents
             bounds.append(start)
-        pieces = -(-(end - start) // TILE)
+        pieces = -(-(end - start) // size)
         bounds += [start + (end - start) * i // pieces for i in range(1, pieces + 1)]
     if bounds[-1] < t:
         bounds.append(t)
@@ -106,7 +110,7 @@ def _heads_view(x: torch.Tensor) -> torch.Tensor:
 
 def _forward_tile(tile: Tile, q, k, v, out, lse, sinks, scale: float, offset: int) -> None:
     """Merge the blocks of one query tile into ``out`` [b, heads, s, d_v] and ``lse`` [b, heads, s]."""
-    (q0, q1), rows = tile.q, slice(tile.q[0] - offset, tile.q[1] - offset)
+    rows = slice(tile.q[0] - offset, tile.q[1] - offset)
     q_t, out_t, lse_t = q[tile.samples, :, rows], out[tile.samples, :, rows], lse[tile.samples, :, rows]
     acc = acc_lse = None
     for (k0, k1), relation in tile.blocks:
@@ -120,11 +124,12 @@ def _forward_tile(tile: Tile, q, k, v, out, lse, sinks, scale: float, offset: in
             acc = out_t if out.dtype == torch.float32 else torch.empty(o.shape, dtype=torch.float32, device=o.device)
             acc.copy_(o)
             acc_lse = l.clone()
-            continue
-        merged = torch.logaddexp(acc_lse, l)
-        ref = merged.masked_fill(merged == float("-inf"), 0.0)      # rows no block has reached yet stay 0
-        acc.mul_(torch.exp(acc_lse - ref).unsqueeze(-1)).addcmul_(o, torch.exp(l - ref).unsqueeze(-1))
-        acc_lse = merged
+        else:
+            merged = torch.logaddexp(acc_lse, l)
+            ref = merged.masked_fill(merged == float("-inf"), 0.0)      # rows no block has reached yet stay 0
+            acc.mul_(torch.exp(acc_lse - ref).unsqueeze(-1)).addcmul_(o, torch.exp(l - ref).unsqueeze(-1))
+            acc_lse = merged
+        del o                                       # one block's output alive at a time
     if acc is None:                                 # no key visible to any query of the tile
         out_t.zero_()
         acc_lse = torch.full(lse_t.shape, float("-inf"), device=lse.device)

@@ -16,13 +16,14 @@ S, B, NH, D_QK, D_V = 40, 2, 4, 12, 8
 SCALE = 0.3
 # per-sample boundaries: documents of length 1, documents crossing the (test) tile boundaries 8, 16, ...
 CU = torch.tensor([[0, 3, 4, 20, 40, 40], [0, 17, 18, 30, 33, 40]], dtype=torch.int32)
+DEFAULT_SIZES = {name: getattr(masked, name) for name in ("TILE", "WINDOW_TILE", "PACK")}
 
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
     """Tiles of 8 tokens and packing below 3, so 40 tokens make many tiles, cut and packed blocks."""
-    monkeypatch.setattr(masked, "TILE", 8)
-    monkeypatch.setattr(masked, "PACK", 3)
+    for name, size in (("TILE", 8), ("WINDOW_TILE", 8), ("PACK", 3)):
+        monkeypatch.setattr(masked, name, size)
 
 
 def _inputs(groups: int, dtype=torch.float32, heads: int = NH):
@@ -172,8 +173,8 @@ def _document_rows(batch: int, seq: int, lengths: list[int]) -> torch.Tensor:
 
 
 def _assert_within_flash_memory(batch, heads, groups, d, cu, monkeypatch):
-    monkeypatch.setattr(masked, "TILE", 512)
-    monkeypatch.setattr(masked, "PACK", 64)
+    for name in ("TILE", "WINDOW_TILE", "PACK"):
+        monkeypatch.setattr(masked, name, DEFAULT_SIZES[name])
     seq = int(cu[0, -1])
     g = torch.Generator().manual_seed(0)
     q = torch.randn(seq, batch, heads, d, generator=g).requires_grad_()
