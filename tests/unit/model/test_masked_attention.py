@@ -193,3 +193,19 @@ def test_masked_attention_memory_with_uneven_documents_is_within_flash(monkeypat
     g = torch.Generator().manual_seed(1)
     lengths = (torch.rand(15, generator=g) * 1000 + 40).long().tolist()
     _assert_within_flash_memory(2, 8, 2, 64, _document_rows(2, 8192, lengths + [8192 - sum(lengths)]), monkeypatch)
+
+
+@pytest.mark.parametrize("mask", [MaskSpec(window=(5, 0)), MaskSpec(cu_seqlens=CU)], ids=["window", "documents"])
+def test_queries_that_are_the_last_of_the_keys_see_what_their_positions_see(mask):
+    """With a KV cache the s queries are the last s of t positions (generation with a window)."""
+    s = 13
+    q, k, v, _, sinks = _inputs(2)
+    q = q[-s:]
+    out = core_attention(q, k, v, mask, scale=SCALE, sinks=sinks)
+    kk, vv = (t.double().repeat_interleave(NH // 2, dim=2) for t in (k, v))
+    scores = torch.einsum("sbhd,tbhd->bhst", q.double(), kk) * SCALE
+    seen = torch.stack([mask.visible(i, torch.arange(S - s, S), torch.arange(S)) for i in range(B)])[:, None]
+    scores = torch.cat([scores.masked_fill(~seen, float("-inf")), sinks.double().view(1, NH, 1, 1).expand(B, NH, s, 1)],
+                       dim=-1)
+    want = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1)[..., :S], vv).reshape(s, B, NH * D_V)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-6)
