@@ -13,10 +13,15 @@ math ring attention used to run per block (kept below as the baseline: it materi
 [b, groups, c x heads_per_group, c] scores, probabilities and their gradients); "after" is the fused
 kernel pair of megalite/parallel/context/block_kernels.py. Each runs in a fresh process; memory is the
 peak of the tensors the block's ops create alive at once (LiveBytes) and the growth of the process's
-peak RSS, which also counts the kernels' internal buffers. Writes a section of bench/RESULTS.md.
+peak RSS, which also counts the kernels' internal buffers.
+
+The third table sets the ring (--cp-comm-type p2p) and Ulysses (a2a) side by side at cp = 2 and 4 on
+gloo: the time of one attention layer's forward and backward over the whole sequence (the only part of
+a training step where they differ), causal, with their communication. Writes a section of bench/RESULTS.md.
 
     python bench/bench_context_parallel.py
-    python bench/bench_context_parallel.py --quick      # smoke test: seq 256 and 512, cp 1 and 2, chunk 1024
+    python bench/bench_context_parallel.py --quick      # smoke test: seq 256 and 512, cp 1 and 2, chunk 1024,
+                                                        # comm types at seq 1024
 """
 import argparse
 import math
@@ -38,6 +43,9 @@ import torch.multiprocessing as mp  # noqa: E402
 from cross_entropy_memory import LiveBytes  # noqa: E402
 from megalite.parallel.context import build_context_parallel, context_parallel_loss, slice_for_context_parallel  # noqa: E402,E501
 from megalite.parallel.context.block_kernels import block_backward, block_forward  # noqa: E402
+from megalite.parallel.context.ulysses import context_attention  # noqa: E402
+from megalite.model.attention.core import core_attention  # noqa: E402
+from megalite.model.attention.mask import MaskSpec  # noqa: E402
 from megalite.train.performance import current_rss_bytes, reset_peak_rss, window_peak_rss_bytes  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.train.command_line import parse_args  # noqa: E402
@@ -53,6 +61,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "352"
          "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
 CHUNK, QUICK_CHUNK = 8192, 1024
 BLOCK_HEADS, BLOCK_GROUPS, BLOCK_HEAD_DIM = 8, 2, 64            # hidden 512, GQA 4 query heads per KV group
+COMM_SEQ, QUICK_COMM_SEQ, COMM_CPS, COMM_REPEATS = 8192, 1024, (2, 4), 3
+COMM_HEADS, COMM_GROUPS = 8, 4                                  # divisible by every cp of COMM_CPS (Ulysses)
 
 
 def saved_activation_bytes(cp_size: int, rank: int, seq: int) -> int:
@@ -97,17 +107,59 @@ def _rank(rank: int, cp_size: int, port: int, seq_lengths: tuple, queue) -> None
         dist.destroy_process_group()
 
 
-def measure(cp_size: int, seq_lengths: tuple) -> dict:
+def measure(cp_size: int, seq_lengths: tuple, rank_fn=_rank) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_rank, args=(cp_size, port, seq_lengths, queue), nprocs=cp_size, join=True)
+    mp.spawn(rank_fn, args=(cp_size, port, seq_lengths, queue), nprocs=cp_size, join=True)
     results = {}
     while not queue.empty():
         seq, value = queue.get()
         results[seq] = value
     return results
+
+
+# ---- ring vs Ulysses: one attention layer, forward and backward -------------------------------------
+def attention_seconds(cp_size: int, rank: int, seq: int, comm_type: str) -> float:
+    """Best of COMM_REPEATS timings (after one warm-up) of one causal attention forward + backward at ``seq``
+    tokens over ``cp_size`` ranks (fp32, batch 1, head dim BLOCK_HEAD_DIM)."""
+    cp = build_context_parallel(ParallelState.build(cp_size, rank, cp=cp_size), (comm_type,)).for_layer(1)
+    g = torch.Generator().manual_seed(rank)
+    local = seq // cp_size
+    q, dout = (torch.randn(local, 1, COMM_HEADS, BLOCK_HEAD_DIM, generator=g) for _ in range(2))
+    k, v = (torch.randn(local, 1, COMM_GROUPS, BLOCK_HEAD_DIM, generator=g) for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    mask = MaskSpec()
+    times = []
+    for _ in range(COMM_REPEATS + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        context_attention(q, k, v, cp, mask, lambda *t: core_attention(*t, mask)).backward(dout.view(local, 1, -1))
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def _comm_rank(rank: int, cp_size: int, port: int, seq: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=cp_size)
+    torch.set_num_threads(1)
+    try:
+        for comm_type in ("p2p", "a2a"):
+            seconds = attention_seconds(cp_size, rank, seq, comm_type)
+            if rank == 0:
+                queue.put((comm_type, seconds))
+    finally:
+        dist.destroy_process_group()
+
+
+def comm_type_rows(seq: int) -> tuple[list[str], dict]:
+    table = {cp: measure(cp, seq, _comm_rank) for cp in COMM_CPS}
+    rows = [f"| {cp} | {t['p2p'] * 1e3:.0f} ms | {t['a2a'] * 1e3:.0f} ms | {t['a2a'] / t['p2p']:.2f}x |"
+            for cp, t in table.items()]
+    print(*rows, sep="\n", flush=True)
+    return rows, table
 
 
 # ---- one ring block: before (explicit fp32 math, the baseline) and after (fused kernels) -----------
@@ -201,6 +253,8 @@ def main(argv: list[str]) -> None:
     seq_lengths, cps = (QUICK_SEQ_LENGTHS, QUICK_CPS) if args.quick else (SEQ_LENGTHS, CPS)
     chunk = QUICK_CHUNK if args.quick else CHUNK
     block, before, after = block_rows(chunk)
+    comm_seq = QUICK_COMM_SEQ if args.quick else COMM_SEQ
+    comm_rows, comm_table = comm_type_rows(comm_seq)
     table = {cp: measure(cp, seq_lengths) for cp in cps}
     rows = []
     for seq in seq_lengths:
@@ -219,6 +273,8 @@ def main(argv: list[str]) -> None:
                            "the explicit fp32 math blocks",
                            f"{(after['forward_s'] + after['backward_s']) / (before['forward_s'] + before['backward_s']):.2f}x",
                            command)]
+    headlines += [Headline(f"Ulysses (a2a) attention forward + backward, cp={cp}, seq {comm_seq}, gloo",
+                           "the ring (p2p)", f"{t['a2a'] / t['p2p']:.2f}x", command) for cp, t in comm_table.items()]
     body = ["Llama-style GPTModel, 2 layers, hidden 128, 4 heads / 2 KV groups, vocab 1000, micro-batch 1, fp32; one "
             "forward with its loss on cp gloo ranks. Figure: bytes of the tensors autograd saves for backward on CP "
             "rank 0 (parameters excluded), in brackets relative to cp=1. Ring attention saves only the local "
@@ -231,7 +287,11 @@ def main(argv: list[str]) -> None:
             f"alive at once, in brackets relative to one fp32 [heads, c, c] score matrix "
             f"({BLOCK_HEADS * chunk * chunk * 4 / 2**30:.2f} GiB); the block's inputs (q, k, v, dout) are "
             f"{after['input_bytes'] / 2**20:.0f} MiB. Peak RSS growth also counts the kernels' internal buffers.",
-            "", "| block | peak live tensors | peak RSS growth | forward | backward |", "|---|---|---|---|---|", *block]
+            "", "| block | peak live tensors | peak RSS growth | forward | backward |", "|---|---|---|---|---|", *block,
+            "", f"Ring (p2p) vs Ulysses (a2a): one causal attention layer's forward and backward at {comm_seq} tokens, "
+            f"{COMM_HEADS} query heads / {COMM_GROUPS} KV groups, head dim {BLOCK_HEAD_DIM}, batch 1, fp32, on cp gloo "
+            f"ranks of one thread each (best of {COMM_REPEATS}, CP rank 0).",
+            "", "| cp | ring (p2p) | Ulysses (a2a) | a2a / p2p |", "|---|---|---|---|", *comm_rows]
     publish(args, "bench_context_parallel", "Context parallelism: activation memory per rank vs sequence length",
             command, headlines, body)
 

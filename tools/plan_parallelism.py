@@ -58,7 +58,8 @@ from megalite.planning import inputs, search, verify  # noqa: E402
 from megalite.config import megatron_cli  # noqa: E402
 from megalite.config.cli import OneLineArgumentParser, one_line_errors, positive_float, positive_int  # noqa: E402
 from megalite.config import validate as checks  # noqa: E402
-from megalite.config.schema import FLAG, ModelConfig  # noqa: E402
+from megalite.config.fields import FLAG  # noqa: E402
+from megalite.config.schema import ModelConfig  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")

@@ -17,9 +17,10 @@ from dataclasses import MISSING, fields, replace
 from megalite.config import validate as rules
 from megalite.config.batch_schedule import parse_step_schedule, rampup_schedule, train_iters_for_samples
 from megalite.config.cli import OneLineArgumentParser, non_negative_int, number, positive_int
-from megalite.config.schema import (CONFIG_SECTIONS, FIELD_DEFAULT, FLAG, DataConfig, MegaliteConfig, ModelConfig,
-                                    OptimizerConfig, ParallelConfig, TrainingConfig, default_ffn_hidden_size,
-                                    default_kv_channels, padded_vocab_size)
+from megalite.config.fields import FIELD_DEFAULT, FLAG
+from megalite.config.schema import (CONFIG_SECTIONS, DataConfig, MegaliteConfig, ModelConfig, OptimizerConfig,
+                                    ParallelConfig, TrainingConfig, default_ffn_hidden_size, default_kv_channels,
+                                    padded_vocab_size)
 from megalite.errors import UserError
 
 SECTION_TITLES = {ModelConfig: "model", ParallelConfig: "parallelism", OptimizerConfig: "optimizer and learning rate",
@@ -220,7 +221,8 @@ def model_config(args) -> ModelConfig:
         kv_channels=args.kv_channels or default_kv_channels(args.hidden_size, args.num_attention_heads),
         num_query_groups=args.num_query_groups if args.group_query_attention else args.num_attention_heads,
         max_position_embeddings=args.max_position_embeddings or args.seq_length,
-        params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32")
+        params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
+        reset_position_ids=args.reset_position_ids)
 
 
 def _parallel_config(args, world_size: int) -> ParallelConfig:

@@ -8,10 +8,11 @@ from other inputs says how (``derived(...)``).
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Optional
 
 from megalite.config.cli import integer, moe_layer_pattern, non_negative_int, number, positive_float, positive_int
+from megalite.config.fields import derived, flag
 from megalite.errors import UserError
 
 # ---- the pipeline schedules --pipeline-schedule names, in one place ------------------------------------
@@ -24,37 +25,6 @@ PIPELINE_SCHEDULES = SYNCHRONOUS_SCHEDULES + ASYNC_SCHEDULES
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # --optimizer: the update rules megalite implements (optim/rules/: one module each, registered by this name)
 OPTIMIZERS = ("adam",)
-
-FLAG, DERIVED = "megatron_flag", "derived"
-FIELD_DEFAULT = object()       # Flag.cli_default: the parser's default is the field's own
-
-
-@dataclass(frozen=True)
-class Flag:
-    """How one field appears on Megatron's command line. A bool field is a switch: ``--x`` sets a
-    False default, ``--no-x`` / ``--disable-x`` clears a True one."""
-    name: str
-    type: Optional[Callable] = None
-    help: Optional[str] = None
-    choices: Optional[tuple] = None
-    nargs: Optional[str] = None
-    cli_default: object = FIELD_DEFAULT      # None: absent means "not given" (a default is derived)
-
-
-def flag(name: str, type: Optional[Callable] = None, *, default=MISSING, factory=MISSING, help: str | None = None,
-         choices: tuple | None = None, nargs: str | None = None, cli_default=FIELD_DEFAULT):
-    meta = {FLAG: Flag(name, type, help, choices, nargs, cli_default)}
-    if factory is not MISSING:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def derived(reason: str, default=MISSING, factory=MISSING):
-    """A field no flag sets directly: ``reason`` says what it is computed from."""
-    if factory is not MISSING:
-        return field(default_factory=factory, metadata={DERIVED: reason})
-    return field(default=default, metadata={DERIVED: reason})
-
 
 # ---- derived sizes, in one place ------------------------------------------------------------------------
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
@@ -118,6 +88,7 @@ class ModelConfig:
     attention_dropout: float = flag("--attention-dropout", number, default=0.1)
     hidden_dropout: float = flag("--hidden-dropout", number, default=0.1)
     params_dtype: str = derived("--bf16 / --fp16 / neither: the dtype compute runs in", "float32")
+    reset_position_ids: bool = derived("--reset-position-ids: RoPE at the batch's positions, not 0..s-1", False)
     recompute_granularity: Optional[str] = flag("--recompute-granularity", default=None, choices=("full", "selective"))
     recompute_method: Optional[str] = flag("--recompute-method", default=None, choices=("uniform", "block"))
     recompute_num_layers: Optional[int] = flag("--recompute-num-layers", positive_int, default=None)
@@ -201,6 +172,10 @@ class ParallelConfig:
     tensor_model_parallel_size: int = flag("--tensor-model-parallel-size", positive_int, default=1)
     pipeline_model_parallel_size: int = flag("--pipeline-model-parallel-size", positive_int, default=1)
     context_parallel_size: int = flag("--context-parallel-size", positive_int, default=1)
+    # the ring, Ulysses, or Ulysses inside rings (parallel/context/ulysses.py); one value or one per layer
+    cp_comm_type: list[str] = flag("--cp-comm-type", factory=lambda: ["p2p"], nargs="+", choices=("p2p", "a2a", "a2a+p2p"))
+    hierarchical_context_parallel_sizes: Optional[list[int]] = flag("--hierarchical-context-parallel-sizes", positive_int,
+                                                                    default=None, nargs="+")
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag("--num-layers-per-virtual-pipeline-stage",
                                                                 positive_int, default=None)
     # uneven pipeline splits (config/pipeline_split.py: virtual_stage_layers)
@@ -349,6 +324,8 @@ class DataConfig:
                                      help="vocabulary of NullTokenizer (eod is one past it)")
     num_workers: int = flag("--num-workers", non_negative_int, default=2)
     eod_mask_loss: bool = flag("--eod-mask-loss", default=False)
+    reset_position_ids: bool = flag("--reset-position-ids", default=False, help="positions restart at 0 after each EOD")
+    reset_attention_mask: bool = flag("--reset-attention-mask", default=False, help="attention stays within documents")
     seq_length: int = derived("ModelConfig.seq_length (--seq-length): the samples' length", 1024)
     mmap_bin_files: bool = flag("--no-mmap-bin-files", default=True,
                                 help="read each .bin file into memory instead of memory-mapping it")

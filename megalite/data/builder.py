@@ -57,6 +57,12 @@ def parse_data_path(tokens: Sequence[str], flag: str = "--data-path") -> tuple[l
     return items[1::2], weights
 
 
+def sample_flags(data: DataConfig) -> dict:
+    """The data flags that change what each sample emits (gpt_sample.make_sample), not the index."""
+    return dict(eod_mask_loss=data.eod_mask_loss, reset_position_ids=data.reset_position_ids,
+                reset_attention_mask=data.reset_attention_mask)
+
+
 class _Builder:
     def __init__(self, data: DataConfig, tokenizer, seed: int, verbose: bool):
         self.data = data
@@ -83,7 +89,8 @@ class _Builder:
     def gpt(self, prefix: str, rng: tuple[int, int], num_samples: int, split: str) -> GPTDataset:
         ds = self.indexed(prefix)
         return GPTDataset(ds, rng, num_samples, self.data.seq_length, self.seed, self.tokenizer.eod,
-                          self.data.eod_mask_loss, split, self.cache_dir(ds.prefix), self.verbose)
+                          split_name=split, cache_dir=self.cache_dir(ds.prefix), verbose=self.verbose,
+                          **sample_flags(self.data))
 
     def split_of(self, prefixes: list[str], weights: Optional[list[float]], fractions: list[float], i: int,
                  num_samples: int, name: Optional[str] = None):
@@ -152,7 +159,7 @@ def build_train_valid_test_datasets(data: DataConfig, tokenizer, num_samples: tu
         raise ValueError("num_samples must be (train, valid, test)")
     if data.mock_data:
         return tuple(MockGPTDataset(n, data.seq_length, tokenizer.eod, tokenizer.vocab_size, seed + i,
-                                    data.eod_mask_loss) if n > 0 else None
+                                    **sample_flags(data)) if n > 0 else None
                      for i, n in enumerate(num_samples))
     if run is None:      # the real run's; imported here: the data package needs no torch until it cooperates
         from megalite.parallel.dry_run import REAL_RUN as run

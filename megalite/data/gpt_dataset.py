@@ -248,7 +248,8 @@ class GPTDataset(CachedArrays):
     """Samples of ``seq_length + 1`` tokens from documents ``[start, end)`` of an indexed dataset.
 
     ``len()`` is the number of samples the indices hold (at least ``num_samples``); item i is a
-    ``make_sample`` dict. ``cache_dir``: folder for the index cache (None: ``cache/`` beside the
+    ``make_sample`` dict under the flags ``eod_mask_loss``, ``reset_position_ids`` and
+    ``reset_attention_mask``. ``cache_dir``: folder for the index cache (None: ``cache/`` beside the
     data; False: never cache).
     """
 
@@ -256,7 +257,8 @@ class GPTDataset(CachedArrays):
 
     def __init__(self, indexed: IndexedDataset, document_range: tuple[int, int], num_samples: Optional[int],
                  seq_length: int, seed: int, eod: int, eod_mask_loss: bool = False, split_name: str = "train",
-                 cache_dir=None, verbose: bool = True):
+                 cache_dir=None, verbose: bool = True, reset_position_ids: bool = False,
+                 reset_attention_mask: bool = False):
         start, end = int(document_range[0]), int(document_range[1])
         if not 0 <= start < end <= len(indexed):
             raise UserError(f"{indexed.prefix}: document range [{start}, {end}) is empty or outside its "
@@ -267,7 +269,9 @@ class GPTDataset(CachedArrays):
         self.seq_length = int(seq_length)
         self.seed = int(seed)
         self.eod = int(eod)
-        self.eod_mask_loss = bool(eod_mask_loss)
+        # what each sample emits (gpt_sample.py); not part of the index, which serves every setting
+        self.sample_flags = dict(eod_mask_loss=bool(eod_mask_loss), reset_position_ids=bool(reset_position_ids),
+                                 reset_attention_mask=bool(reset_attention_mask))
         self.split_name = split_name
         sizes = indexed.sequence_lengths
         description = {
@@ -333,4 +337,4 @@ class GPTDataset(CachedArrays):
         if tokens.size != self.seq_length + 1:  # an index/data mismatch would otherwise train silently
             raise RuntimeError(f"sample {idx} of {self.indexed.prefix} has {tokens.size} tokens, expected "
                                f"{self.seq_length + 1}; delete the index cache and retry")
-        return make_sample(tokens, self.eod, self.eod_mask_loss)
+        return make_sample(tokens, self.eod, **self.sample_flags)

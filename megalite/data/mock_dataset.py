@@ -15,11 +15,12 @@ MOCK_NUM_DOCUMENTS = 1 << 16
 
 class MockGPTDataset:
     def __init__(self, num_samples: int, seq_length: int, eod: int, vocab_size: int, seed: int,
-                 eod_mask_loss: bool = False):
+                 eod_mask_loss: bool = False, reset_position_ids: bool = False, reset_attention_mask: bool = False):
         self.num_samples = num_samples
         self.seq_length = seq_length
         self.eod = eod
-        self.eod_mask_loss = eod_mask_loss
+        self.sample_flags = dict(eod_mask_loss=eod_mask_loss, reset_position_ids=reset_position_ids,
+                                 reset_attention_mask=reset_attention_mask)
         rng = np.random.default_rng(seed)
         lengths = rng.integers(2, max(3, 2 * seq_length), size=MOCK_NUM_DOCUMENTS)
         # keep enough documents for 1024 distinct samples, then lay them out as one token stream
@@ -38,4 +39,4 @@ class MockGPTDataset:
     def __getitem__(self, idx: int) -> dict:
         span = self.seq_length + 1
         start = (idx * self.seq_length) % (len(self.stream) - span)
-        return make_sample(self.stream[start:start + span], self.eod, self.eod_mask_loss)
+        return make_sample(self.stream[start:start + span], self.eod, **self.sample_flags)

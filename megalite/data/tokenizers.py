@@ -154,7 +154,8 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         except Exception as e:
             raise UserError(f"--tokenizer-model {path}: cannot load a Hugging Face tokenizer from it ({_first_line(e)})")
         if tok.eos_token_id is None:
-            raise UserError(f"--tokenizer-model {path}: the tokenizer has no eos token to use as end of document")
+            raise UserError(f"--tokenizer-model {path}: the tokenizer has no eos token to use as end of document "
+                            "(documents are packed, and --reset-attention-mask split, at it); save it with one")
         tok.model_max_length = sys.maxsize  # documents are long; no truncation warnings
         self._tok = tok
         self.eod = int(tok.eos_token_id)

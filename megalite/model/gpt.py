@@ -18,6 +18,7 @@ from megalite.parallel.context.ring_attention import ContextParallel, local_posi
 from megalite.errors import UserError
 from megalite.model.init import initial_values, initialize_parameter
 from megalite.model.moe import MoELayer
+from megalite.model.attention.inputs import AttentionInputs
 from megalite.model.attention.kv_cache import KVCache
 from megalite.model.attention.rotary import RotaryEmbedding
 from megalite.model.norms import build_norm
@@ -166,8 +167,13 @@ class GPTModel(nn.Module):
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None):
+                kv_cache: KVCache | None = None, cu_seqlens: torch.Tensor | None = None):
         """First stage takes ``input_ids`` [b, s]; later stages take ``hidden_states`` [s, b, h].
+
+        ``position_ids`` [b, s]: the learned position embeddings' positions, and with
+        --reset-position-ids RoPE's too (every stage needs them then). ``cu_seqlens``: the batch's
+        document boundaries (int32 [b, n + 1], whole under context parallelism), which every attention
+        call keeps each token within; None: each sample is one document.
 
         Last stage returns per-token losses [b, s] when ``labels`` are given, else logits [b, s, V];
         other stages return hidden states [s, b, h].
@@ -182,17 +188,11 @@ class GPTModel(nn.Module):
             if position_ids is None:
                 position_ids = positions[None]
         x = self.embedding(input_ids, position_ids) if self.pre_process else hidden_states
-        full_seq = x.shape[0] * (self.tp.size if self.tp.sequence_parallel else 1)
-        rotary = None
-        if self.rotary is not None and self.cp.size > 1:     # this rank's two chunks of the sequence
-            positions = local_positions(full_seq * self.cp.size, self.cp.rank, self.cp.size, self.rotary.cos.device)
-            rotary = self.rotary.tables(positions, full_seq, x.dtype)
-        elif self.rotary is not None:
-            rotary = self.rotary.tables(positions, full_seq, x.dtype)
+        inputs = AttentionInputs(self.rotary_tables(x, positions, position_ids, kv_cache), cu_seqlens)
         # sequence parallelism: each TP rank's hidden dropout acts on its own sequence shard, so the whole
         # stack draws from the rank's model-parallel stream, not the default one shared by the TP ranks
         with self.tp.rng.fork() if self.tp.sequence_parallel and self.tp.rng is not None else nullcontext():
-            x = self.run_layers(x, rotary, kv_cache)
+            x = self.run_layers(x, inputs, kv_cache)
         if kv_cache is not None:
             kv_cache.length += x.shape[0]
         if not self.post_process:
@@ -207,6 +207,21 @@ class GPTModel(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels.t(), self.tp.group, vocab_start,
                                             fused=self.config.cross_entropy_loss_fusion).t()
 
+    def rotary_tables(self, x: torch.Tensor, cached: torch.Tensor | None, position_ids: torch.Tensor | None,
+                      kv_cache: KVCache | None):
+        """RoPE's (cos, sin) for this rank's tokens (None without RoPE): per sample from ``position_ids``
+        with --reset-position-ids (already this rank's chunks under context parallelism); else shared by
+        the batch: this rank's two chunks of the sequence under context parallelism, the ``cached``
+        positions after a KV cache, or 0..s-1."""
+        if self.rotary is None:
+            return None
+        if self.config.reset_position_ids and position_ids is not None and kv_cache is None:
+            return self.rotary.batch_tables(position_ids, x.dtype)
+        full_seq = x.shape[0] * (self.tp.size if self.tp.sequence_parallel else 1)
+        if self.cp.size > 1:
+            cached = local_positions(full_seq * self.cp.size, self.cp.rank, self.cp.size, self.rotary.cos.device)
+        return self.rotary.tables(cached, full_seq, x.dtype)
+
     def cached_positions(self, input_ids: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         """Absolute positions [s] of the tokens following the cached ones (checked to fit)."""
         if self.tp.size > 1 or self.cp.size > 1 or not (self.pre_process and self.post_process):
@@ -219,7 +234,7 @@ class GPTModel(nn.Module):
                             f"{self.config.max_position_embeddings} and the KV cache holds {kv_cache.max_length}")
         return torch.arange(start, end, device=input_ids.device)
 
-    def run_layers(self, x: torch.Tensor, rotary, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, inputs: AttentionInputs, kv_cache: KVCache | None = None) -> torch.Tensor:
         """The layer stack, with full activation recomputation where --recompute-granularity full asks.
 
         uniform: every chunk of --recompute-num-layers layers is checkpointed as one unit;
@@ -229,16 +244,16 @@ class GPTModel(nn.Module):
         cfg = self.config
         if cfg.recompute_granularity != "full" or not self.training or kv_cache is not None:
             for layer in layers:
-                x = layer(x, rotary, kv_cache)
+                x = layer(x, inputs, kv_cache)
             return x
         n = cfg.recompute_num_layers or 1
         if cfg.recompute_method == "block":
             for i, layer in enumerate(layers):
-                x = checkpoint(layer, x, rotary, tracker=self.tp.rng) if i < n else layer(x, rotary)
+                x = checkpoint(layer, x, inputs, tracker=self.tp.rng) if i < n else layer(x, inputs)
             return x
         for start in range(0, len(layers), n):
             chunk = layers[start:start + n]
-            x = checkpoint(_run_chunk(chunk), x, rotary, tracker=self.tp.rng)
+            x = checkpoint(_run_chunk(chunk), x, inputs, tracker=self.tp.rng)
         return x
 
 
@@ -257,8 +272,8 @@ def mask_padded_vocabulary(logits: torch.Tensor, vocab_start: int, true_vocab_si
 
 
 def _run_chunk(layers):
-    def run(x, rotary):
+    def run(x, inputs):
         for layer in layers:
-            x = layer(x, rotary)
+            x = layer(x, inputs)
         return x
     return run

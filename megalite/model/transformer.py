@@ -11,6 +11,7 @@ from torch import nn
 
 from megalite.config.schema import ModelConfig
 from megalite.model.attention import build_attention
+from megalite.model.attention.inputs import AttentionInputs
 from megalite.model.attention.kv_cache import KVCache
 from megalite.model.kernels import dropout
 from megalite.model.mlp import MLP
@@ -31,18 +32,19 @@ class TransformerLayer(nn.Module):
         self.layer_number = layer_number          # global, 1-based (as Megatron)
         self.hidden_dropout = config.hidden_dropout
         self.input_layernorm = build_norm(config, dtype, tp)
-        self.self_attention = build_attention(config, dtype, tp, cp)
+        self.self_attention = build_attention(config, dtype, tp, cp.for_layer(layer_number) if cp else cp)
         self.pre_mlp_layernorm = build_norm(config, dtype, tp)
         if config.is_moe_layer(layer_number):
             self.mlp = MoELayer(config, dtype, tp, moe or MoEContext(ExpertParallel()))
         else:
             self.mlp = MLP(config, dtype, tp)
 
-    def forward(self, x: torch.Tensor, rotary=None, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, inputs: AttentionInputs | None = None,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
         # the layer number only keys the KV cache; not read without one, so torch.compile does not
         # specialise (and recompile) each layer on it
         layer_number = self.layer_number if kv_cache is not None else 0
-        attn = self.self_attention(self.input_layernorm(x), rotary, kv_cache, layer_number)
+        attn = self.self_attention(self.input_layernorm(x), inputs, kv_cache, layer_number)
         x = x + dropout(attn, self.hidden_dropout, self.training)
         mlp = self.mlp(self.pre_mlp_layernorm(x))
         return x + dropout(mlp, self.hidden_dropout, self.training)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megalite.config.schema import ParallelConfig
 from megalite.config.validate import check_world_size
+from megalite.parallel.context.ring_attention import a2a_group_size
 from megalite.parallel.dry_run import choose_run
 from megalite.parallel.launch_env import (LaunchEnv, exit_with_launcher, rank_error, read_launch_env, restart_note,
                                           single_process_note)
@@ -76,7 +77,8 @@ def initialize_distributed(parallel: ParallelConfig, timeout_minutes: float = 10
                                 parallel.context_parallel_size, parallel.pipeline_model_parallel_size,
                                 timeout=timedelta(minutes=timeout_minutes), ep=parallel.expert_model_parallel_size,
                                 etp=parallel.expert_tp_size, experts=experts, run=run,
-                                instances=parallel.num_distributed_optimizer_instances)
+                                instances=parallel.num_distributed_optimizer_instances,
+                                cp_a2a=a2a_group_size(parallel))
     return state, device
 
 

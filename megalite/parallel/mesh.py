@@ -165,11 +165,13 @@ class ParallelState:
     @classmethod
     def build(cls, world_size: int, rank: int, tp: int = 1, cp: int = 1, pp: int = 1,
               timeout: timedelta | None = None, ep: int = 1, etp: int | None = None,
-              experts: bool = False, run: RealRun = REAL_RUN, instances: int = 1) -> "ParallelState":
+              experts: bool = False, run: RealRun = REAL_RUN, instances: int = 1,
+              cp_a2a: int | None = None) -> "ParallelState":
         """Create every process group (collectively: all ranks must call this in the same order).
         ``etp`` None: the tensor-parallel size (Megatron's default). ``experts``: the model has MoE
         layers, so the expert grid's groups are created too. ``run``: the run backend.
-        ``instances``: distributed-optimizer instances (hybrid sharding, module docstring)."""
+        ``instances``: distributed-optimizer instances (hybrid sharding, module docstring). ``cp_a2a``: the
+        all-to-all size of hierarchical context parallelism (``build_hierarchical_cp_groups``)."""
         etp = tp if etp is None else etp
         state = cls(world_size, rank, tp, cp, pp, ep, etp, timeout=timeout, run=run, instances=instances)
         started = dist.is_initialized() and dist.get_world_size() == world_size
@@ -188,6 +190,8 @@ class ParallelState:
             if rank in ends:
                 state.groups["embedding"] = group
         state.build_hybrid_groups("dp_cp", rank_grid_groups(world_size, tp, cp, pp, "cd"))
+        if cp_a2a is not None:
+            state.build_hierarchical_cp_groups(cp_a2a)
         if experts:
             state.build_expert_groups()
         return state
@@ -206,6 +210,16 @@ class ParallelState:
                 if self.rank in members:
                     self.groups[name] = group
         self.build_hybrid_groups("edp", grid_groups(sizes, "tedp", "d"))
+
+    def build_hierarchical_cp_groups(self, a2a: int) -> None:
+        """--hierarchical-context-parallel-sizes: each CP group cut into "cp_a2a" groups of ``a2a`` consecutive
+        CP ranks (the all-to-all) and "cp_ring" groups of the CP ranks at the same place in each (the ring)."""
+        for members in rank_grid_groups(self.world_size, self.tp_size, self.cp_size, self.pp_size, "c"):
+            for kind, split in zip(("cp_a2a", "cp_ring"), hybrid_groups(members, self.cp_size // a2a)):
+                for part in split:
+                    group = self.new_group(part)
+                    if self.rank in part:
+                        self.groups[kind] = group
 
     def build_hybrid_groups(self, name: str, groups: list[list[int]]) -> None:
         """``{name}_shard`` and ``{name}_replica`` of each of ``groups`` (the data-parallel groups whose members

@@ -19,7 +19,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, fields, replace
 
-from megalite.config.schema import FLAG, ModelConfig
+from megalite.config.fields import FLAG
+from megalite.config.schema import ModelConfig
 from megalite.parallel.dry_run import dry_run_flags
 from megalite.planning.flags import pretrain_flags
 from megalite.planning.inputs import (GPU_KERNELS, GiB, Layout, Workload, holds_embedding, holds_head, rank_layers,

@@ -73,10 +73,10 @@ def compile_layer(layer: nn.Module) -> None:
     eager = layer.forward
     compiled = torch.compile(eager, dynamic=False)
 
-    def forward(x: torch.Tensor, rotary=None, kv_cache=None) -> torch.Tensor:
+    def forward(x: torch.Tensor, inputs=None, kv_cache=None) -> torch.Tensor:
         if kv_cache is not None:
-            return eager(x, rotary, kv_cache)
-        return compiled(x, rotary)
+            return eager(x, inputs, kv_cache)
+        return compiled(x, inputs)
 
     layer.forward = forward
     layer.compiled = True

@@ -161,7 +161,8 @@ class Trainer:
         seed = set_seed(config.training.seed, parallel.pp_rank)     # dropout's: each pipeline stage its own
         tp = build_tensor_parallel(parallel, config.parallel.sequence_parallel, seed, device,
                                    config.model.num_query_groups)
-        cp = build_context_parallel(parallel)
+        cp = build_context_parallel(parallel, tuple(config.parallel.cp_comm_type),
+                                    config.parallel.hierarchical_context_parallel_sizes)
         moe = build_moe_context(parallel, config.model.moe_token_dispatcher_type, tp.sequence_parallel) \
             if config.model.num_experts else None
         num_chunks = rules.check_layout(config)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from bench.activation_memory import LLAMA, count_saved, megalite_layer_bytes
 from harness import run_ranks
+from megalite.model.attention.mask import MaskSpec
 from megalite.parallel.context import build_context_parallel, local_positions, ring_attention
 from megalite.parallel.mesh import ParallelState
 from megalite.parallel.param_meta import param_meta
@@ -71,7 +72,7 @@ def _ring(state: ParallelState) -> None:
     mine = local_positions(s, cp.rank, cp.size)
     local = [t.index_select(0, mine).to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
     with count_saved() as saved:
-        out = ring_attention(*local, cp)
+        out = ring_attention(*local, cp, MaskSpec())
     lse = b * nh * len(mine) * 4
     assert saved.bytes() == sum(t.numel() * 2 for t in local) + out.numel() * 2 + lse
     out.backward(grad.index_select(0, mine).to(torch.bfloat16))

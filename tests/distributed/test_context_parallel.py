@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from harness import run_ranks
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 from megalite.train.command_line import parse_args
+from megalite.model.attention.mask import MaskSpec
 from megalite.parallel.context import (ContextParallel, build_context_parallel, local_positions, ring_attention,
                                        slice_for_context_parallel)
 from megalite.errors import UserError
@@ -50,7 +51,7 @@ def _ring_ranks(rank, world):
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            out = ring_attention(q, k, v, cp)
+            out = ring_attention(q, k, v, cp, MaskSpec())
         # what flash attention keeps: q, the unexpanded k and v, the output and the fp32 log-sum-exp
         theory = sum(t.numel() * t.element_size() for t in (q, k, v, out)) + B * NH * q.shape[0] * 4
         out.backward(grad)

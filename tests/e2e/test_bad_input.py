@@ -40,6 +40,12 @@ DATA = "data/small_text_document"        # ids < 150 and eod 200: fits --vocab-s
 BIG = "data/big_text_document"           # ids up to 900 and eod 1000: made with --vocab-size 1000
 
 
+WORD_LEVEL_WITHOUT_EOS = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+                          "normalizer": None, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None,
+                          "decoder": None, "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "a": 1, "b": 2},
+                                                     "unk_token": "<unk>"}}
+
+
 @dataclass
 class Case:
     id: str
@@ -214,6 +220,14 @@ CASES = [
     Case("merge-file-missing",
          pretrain(vocab_size=None, tokenizer_type="GPT2BPETokenizer", vocab_file="vocab.json", merge_file="merges.txt"),
          ("--merge-file merges.txt: no such file",), setup=write("vocab.json", '{"a": 0}')),
+    Case("documents-with-a-tokenizer-without-eod",
+         pretrain(vocab_size=None, tokenizer_type="HuggingFaceTokenizer", tokenizer_model="hf_tok",
+                  reset_attention_mask=True, reset_position_ids=True),
+         ("--tokenizer-model hf_tok", "no eos token", "--reset-attention-mask"),
+         setup=then(write("hf_tok/tokenizer.json", json.dumps(WORD_LEVEL_WITHOUT_EOS)),
+                    write("hf_tok/tokenizer_config.json", '{"tokenizer_class": "PreTrainedTokenizerFast"}'))),
+    Case("documents-with-attention-dropout", pretrain(reset_attention_mask=True, attention_dropout=0.1),
+         ("--reset-attention-mask", "--attention-dropout 0")),
     Case("hf-tokenizer-folder-missing",
          pretrain(vocab_size=None, tokenizer_type="HuggingFaceTokenizer", tokenizer_model="hf_tok"),
          ("--tokenizer-model hf_tok",)),

@@ -2,8 +2,9 @@
 which runs softmax(q k^T scale + mask) v on the backend that fits (core.py).
 
 An attention module is built as ``cls(config, dtype, tp, cp)`` and called as
-``module(x, rotary, kv_cache, layer_number)`` on [s, b, hidden] -> [s, b, hidden]; it owns its
-projections and hands q, k, v to core.run_core_attention with its MaskSpec and scale. A new variant is
+``module(x, inputs, kv_cache, layer_number)`` on [s, b, hidden] -> [s, b, hidden], ``inputs`` the
+forward's AttentionInputs (RoPE tables, document boundaries: inputs.py); it owns its projections and
+hands q, k, v to core.run_core_attention with its MaskSpec (with the batch's documents) and scale. A new variant is
 one module file and one line in ATTENTION.
 """
 from __future__ import annotations

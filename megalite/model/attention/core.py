@@ -2,7 +2,8 @@
 recomputation of it pays.
 
 Backends, in the order they are chosen:
-- ring context parallelism (``cp``): parallel/context/ring_attention.py, fused blocks merged by log-sum-exp;
+- context parallelism (``cp``): the layer's --cp-comm-type, parallel/context/ulysses.py (the ring's fused
+  blocks merged by log-sum-exp, or Ulysses' all-to-all around this function's own path);
 - a mask that is not plain (documents, a window) or attention sinks: masked.py (varlen flash attention on
   CUDA, fused blocks merged by log-sum-exp elsewhere), in O(block) memory;
 - the meta device (no storage): the shapes and saved tensors of a fused kernel;
@@ -25,7 +26,8 @@ import torch.nn.functional as F
 from megalite.model.attention.mask import MaskSpec
 from megalite.model.attention.masked import masked_attention
 from megalite.model.kernels import attention_on_meta, compiling, sdpa_runs_fused, sdpa_runs_gqa_fused
-from megalite.parallel.context.ring_attention import ContextParallel, ring_attention
+from megalite.parallel.context.ring_attention import ContextParallel
+from megalite.parallel.context.ulysses import context_attention
 from megalite.parallel.tensor.random import RNGTracker, checkpoint
 
 
@@ -46,7 +48,8 @@ def core_attention(q, k, v, mask: MaskSpec, *, scale: float | None = None, dropo
     Masks that are not plain and sinks take no attention dropout.
     """
     if cp is not None:
-        return ring_attention(q, k, v, cp, causal=mask.causal, scale=scale)
+        return context_attention(q, k, v, cp, mask, partial(core_attention, mask=mask, scale=scale), scale=scale,
+                                 sinks=sinks)
     if sinks is not None or not mask.plain:
         if dropout > 0:
             raise ValueError("attention dropout with documents, a window or sinks: set --attention-dropout 0")

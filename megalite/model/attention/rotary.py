@@ -26,3 +26,8 @@ class RotaryEmbedding(nn.Module):
         cos, sin = (self.cos[:seq_len], self.sin[:seq_len]) if positions is None else \
             (self.cos[positions], self.sin[positions])
         return cos.to(dtype)[:, None, None, :], sin.to(dtype)[:, None, None, :]
+
+    def batch_tables(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        """[s, b, 1, d] tables for each sample's own positions ``position_ids`` [b, s]."""
+        index = position_ids.t().to(self.cos.device)
+        return self.cos[index].to(dtype)[:, :, None, :], self.sin[index].to(dtype)[:, :, None, :]

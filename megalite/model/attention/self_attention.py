@@ -9,6 +9,7 @@ from torch import nn
 
 from megalite.config.schema import ModelConfig
 from megalite.model.attention.core import run_core_attention
+from megalite.model.attention.inputs import AttentionInputs
 from megalite.model.attention.kv_cache import KVCache
 from megalite.model.attention.mask import MaskSpec
 from megalite.model.kernels import apply_rotary, records_autograd
@@ -74,8 +75,9 @@ class SelfAttention(nn.Module):
         q, k, v = torch.split(qkv, [self.heads_per_group, 1, 1], dim=3)
         return q.reshape(s, b, self.num_heads, self.head_dim), k.squeeze(3), v.squeeze(3)
 
-    def forward(self, x: torch.Tensor, rotary=None, kv_cache: KVCache | None = None,
+    def forward(self, x: torch.Tensor, inputs: AttentionInputs | None = None, kv_cache: KVCache | None = None,
                 layer_number: int = 0) -> torch.Tensor:
+        rotary, documents = (inputs.rotary, inputs.cu_seqlens) if inputs is not None else (None, None)
         qkv = self.linear_qkv(x)
         q, k, v = self.split_qkv(qkv)
         if self.q_layernorm is not None:
@@ -89,7 +91,8 @@ class SelfAttention(nn.Module):
             k, v = (t.contiguous() if _same_storage(t, qkv) else t for t in (k, v))
         if kv_cache is not None:
             k, v = kv_cache.update(layer_number, k, v)
-        out = run_core_attention(q, k, v, self.mask, dropout=self.dropout if self.training else 0.0, cp=self.cp,
+        mask = self.mask if documents is None else self.mask.with_documents(documents)
+        out = run_core_attention(q, k, v, mask, dropout=self.dropout if self.training else 0.0, cp=self.cp,
                                  rng=self.tp.rng, selective_recompute=self.selective_recompute and self.training)
         return self.linear_proj(out)
 

@@ -7,6 +7,14 @@ query chunks against that rank's two KV chunks (full block when the query chunk 
 sequence, causal block on the diagonal, nothing when it comes earlier) while the next KV block is
 already in flight (batched isend/irecv), and merges the partial outputs with their log-sum-exp.
 
+The ring asks the attention mask (mask_protocol.py) how each (query chunk, KV chunk) pair relates, by
+the chunks' global positions: a document may cross chunk boundaries and a window may reach back over
+several chunks. Pairs the mask empties run no kernel; pairs it cuts pass its bool block mask to the
+kernels, per sample when samples have documents of their own; plain causal is the full / diagonal /
+nothing choice above. Attention sinks (one logit per head in every softmax denominator) are merged
+once, after every block, by log-sum-exp. Under a2a+p2p (ulysses.py) a rank holds the chunks of its
+all-to-all group, 2 per member, and the ring runs across those groups.
+
 Each block runs a fused attention kernel that returns its log-sum-exp (block_kernels.py: the CPU flash
 kernel, flash or memory-efficient attention on CUDA), so no block materialises its c x c scores: a step
 holds O(c) memory (the travelling KV block, fp32 output and log-sum-exp accumulators, one block's
@@ -18,38 +26,75 @@ and values.
 
 What is kept for backward is what flash attention keeps: q, the unexpanded GQA k and v, in their own
 dtype, the output (the very tensor returned, which the output projection saves as its input too) and the
-fp32 log-sum-exp [b, heads, s_local].
+fp32 log-sum-exp [b, heads, s_local] (and the sinks).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
 from megalite.parallel.context.block_kernels import block_backward, block_forward
+from megalite.parallel.context.mask_protocol import CAUSAL, EMPTY, AttentionMask
 
 
 @dataclass
 class ContextParallel:
-    """This rank's place in its context-parallel group (size 1: whole sequences, plain attention)."""
+    """This rank's place in its context-parallel group (size 1: whole sequences, plain attention).
+
+    ``chunks``: the sequence chunk ids each rank of the group holds, in the order its tensors hold them
+    (empty: the load-balanced pair r, 2 size - 1 - r of 2 size chunks). ``comm_type``: how this layer's
+    attention crosses the group (--cp-comm-type: p2p, a2a, a2a+p2p); ``comm_types``: every layer's choice
+    (one value: all layers).
+    ``inner`` / ``outer``: for a2a+p2p, the all-to-all group of consecutive CP ranks and the ring across
+    those groups (ulysses.py)."""
     group: object = None
     rank: int = 0
     size: int = 1
     ranks: tuple = field(default_factory=tuple)     # global ranks of the group, in CP-rank order
+    chunks: tuple = ()
+    comm_type: str = "p2p"
+    comm_types: tuple = ("p2p",)
+    inner: "ContextParallel | None" = None
+    outer: "ContextParallel | None" = None
 
-    def chunk_ids(self, rank: int | None = None) -> tuple[int, int]:
+    def chunk_ids(self, rank: int | None = None) -> tuple[int, ...]:
         rank = self.rank if rank is None else rank
-        return rank, 2 * self.size - 1 - rank
+        return self.chunks[rank] if self.chunks else (rank, 2 * self.size - 1 - rank)
+
+    def for_layer(self, layer_number: int) -> "ContextParallel":
+        """This group as layer ``layer_number`` (1-based) uses it: that layer's comm type."""
+        kinds = self.comm_types
+        return replace(self, comm_type=kinds[(layer_number - 1) if len(kinds) > 1 else 0])
 
 
-def build_context_parallel(state) -> ContextParallel:
-    """The ContextParallel of this rank from a ParallelState."""
+def a2a_group_size(parallel) -> int | None:
+    """The all-to-all group size of --cp-comm-type a2a+p2p in a ParallelConfig (None when no layer uses it)."""
+    if parallel.context_parallel_size == 1 or "a2a+p2p" not in parallel.cp_comm_type:
+        return None
+    return parallel.hierarchical_context_parallel_sizes[0]
+
+
+def build_context_parallel(state, comm_types: tuple = ("p2p",),
+                           hierarchical: tuple | None = None) -> ContextParallel:
+    """The ContextParallel of this rank from a ParallelState, with every layer's --cp-comm-type
+    ``comm_types`` and, for a2a+p2p, the sub-groups of --hierarchical-context-parallel-sizes
+    ``hierarchical`` (a2a size, ring size) that the state created."""
     if state.cp_size == 1:
         return ContextParallel()
     group = state.group("cp")
-    return ContextParallel(group, state.cp_rank, state.cp_size, tuple(dist.get_process_group_ranks(group)))
+    inner = outer = None
+    if "a2a+p2p" in comm_types:
+        a, rings = hierarchical
+        inner_group, outer_group = state.group("cp_a2a"), state.group("cp_ring")
+        inner = ContextParallel(inner_group, state.cp_rank % a, a, tuple(dist.get_process_group_ranks(inner_group)))
+        outer = ContextParallel(outer_group, state.cp_rank // a, rings, tuple(dist.get_process_group_ranks(outer_group)),
+                                chunks=tuple(sum((ContextParallel(size=state.cp_size).chunk_ids(g * a + m)
+                                                  for m in range(a)), ()) for g in range(rings)))
+    return ContextParallel(group, state.cp_rank, state.cp_size, tuple(dist.get_process_group_ranks(group)),
+                           comm_types=tuple(comm_types), inner=inner, outer=outer)
 
 
 def local_positions(full_seq: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
@@ -98,17 +143,18 @@ def context_parallel_loss(per_token: torch.Tensor, loss_mask: torch.Tensor, cp: 
 
 
 # ---- blocks ---------------------------------------------------------------------------------------
-# Tensors stay in the caller's [s_local, b, heads, d] layout; a block is a [b, heads, c, d] view of one
-# chunk of them (the kernels take any strides with a contiguous last dimension).
-def _chunk(x: torch.Tensor, slot: int) -> torch.Tensor:
-    """Chunk ``slot`` (0 or 1) of an [s_local, b, heads, d] tensor as a [b, heads, c, d] view."""
-    c = x.shape[0] // 2
+# Tensors stay in the caller's [s_local, b, heads, d] layout, which holds n equal chunks (two on a plain
+# ring); a block is a [b, heads, c, d] view of one chunk of them, or of one sample's rows of it (the
+# kernels take any strides with a contiguous last dimension).
+def _chunk(x: torch.Tensor, slot: int, n: int = 2) -> torch.Tensor:
+    """Chunk ``slot`` of the ``n`` of an [s_local, b, heads, d] tensor as a [b, heads, c, d] view."""
+    c = x.shape[0] // n
     return x[slot * c:(slot + 1) * c].permute(1, 2, 0, 3)
 
 
-def _lse_chunk(lse: torch.Tensor, slot: int) -> torch.Tensor:
-    """Chunk ``slot`` of a [b, heads, s_local] log-sum-exp (a view)."""
-    c = lse.shape[-1] // 2
+def _lse_chunk(lse: torch.Tensor, slot: int, n: int = 2) -> torch.Tensor:
+    """Chunk ``slot`` of the ``n`` of a [b, heads, s_local] log-sum-exp (a view)."""
+    c = lse.shape[-1] // n
     return lse[..., slot * c:(slot + 1) * c]
 
 
@@ -132,44 +178,69 @@ class KVBlock:
         return KVBlock(flat, self.k.shape, self.v.shape)
 
 
-def _pairs(mine: tuple[int, int], theirs: tuple[int, int], causal: bool):
-    """(query chunk slot, kv chunk slot, causal) of the blocks between this rank's query chunks ``mine``
-    and the KV chunks ``theirs``. Causal: full where the query chunk comes later, causal on the diagonal,
-    none where it comes earlier. Without the causal mask every block is full."""
-    for qi in range(2):
-        for ki in range(2):
-            if mine[qi] > theirs[ki] or not causal:
-                yield qi, ki, False
-            elif mine[qi] == theirs[ki]:
-                yield qi, ki, True
+@dataclass(frozen=True)
+class Block:
+    """Query chunk slot ``qi`` against KV chunk slot ``ki``, for the batch rows ``rows``: ``causal`` on the
+    diagonal, else full unless ``mask`` (bool [c, c], True: the query sees the key) cuts it."""
+    qi: int
+    ki: int
+    rows: slice
+    causal: bool
+    mask: torch.Tensor | None = None
+
+
+def _blocks(mask: AttentionMask, mine: tuple[int, ...], theirs: tuple[int, ...], c: int, batch: int):
+    """The Blocks between this rank's query chunks ``mine`` and the KV chunks ``theirs`` (chunk ids: chunk t
+    covers sequence positions [t c, (t + 1) c)), asking ``mask`` about each pair, per sample when samples
+    have masks of their own; blocks the mask empties are left out. Plain causal: full where the query
+    chunk comes later, causal on the diagonal, none where it comes earlier."""
+    samples = [slice(None)] if mask.same_for_every_sample() else [slice(i, i + 1) for i in range(batch)]
+    for qi, q_chunk in enumerate(mine):
+        for ki, k_chunk in enumerate(theirs):
+            for rows in samples:
+                relation = mask.relation(rows.start or 0, (q_chunk * c, (q_chunk + 1) * c),
+                                         (k_chunk * c, (k_chunk + 1) * c))
+                if isinstance(relation, torch.Tensor):
+                    yield Block(qi, ki, rows, False, relation)
+                elif relation != EMPTY:
+                    yield Block(qi, ki, rows, relation == CAUSAL)
 
 
 def _attend(q, kv: KVBlock, blocks, out, lse, filled: list, scale: float) -> None:
     """Merge the blocks of ``q`` [s_local, b, heads, d] against ``kv`` into the fp32 accumulators ``out``
     [s_local, b, heads, d_v] and ``lse`` [b, heads, s_local]; ``filled[slot]`` says whether that query
-    chunk has a partial result yet."""
-    for qi, ki, causal in blocks:
-        o, l = block_forward(_chunk(q, qi), _chunk(kv.k, ki), _chunk(kv.v, ki), causal, scale)
-        acc, acc_lse = _chunk(out, qi), _lse_chunk(lse, qi)
-        if not filled[qi]:
+    chunk has a partial result yet (always, for a mask beyond plain: its accumulators start at 0 and -inf,
+    as rows that have seen no key yet must)."""
+    n = len(filled)
+    for blk in blocks:
+        o, l = block_forward(_chunk(q, blk.qi, n)[blk.rows], _chunk(kv.k, blk.ki, n)[blk.rows],
+                             _chunk(kv.v, blk.ki, n)[blk.rows], blk.causal, scale, blk.mask)
+        acc, acc_lse = _chunk(out, blk.qi, n)[blk.rows], _lse_chunk(lse, blk.qi, n)[blk.rows]
+        if not filled[blk.qi]:
             acc.copy_(o)
             acc_lse.copy_(l)
-            filled[qi] = True
+            filled[blk.qi] = True
             continue
         merged = torch.logaddexp(acc_lse, l)
-        acc.mul_(torch.exp(acc_lse - merged).unsqueeze(-1)).add_(o.float() * torch.exp(l - merged).unsqueeze(-1))
+        # rows that have seen no key on either side stay (0, -inf) instead of exp(-inf - -inf) = nan; where
+        # merged is finite (always, for plain causal) base is merged, bit for bit
+        base = merged.masked_fill(merged == -math.inf, 0.0)
+        acc.mul_(torch.exp(acc_lse - base).unsqueeze(-1)).add_(o.float() * torch.exp(l - base).unsqueeze(-1))
         acc_lse.copy_(merged)
 
 
-def _attend_backward(grad_out, q, kv: KVBlock, out, lse, blocks, dq, dkv: KVBlock, scale: float) -> None:
+def _attend_backward(grad_out, q, kv: KVBlock, out, lse, blocks, dq, dkv: KVBlock, scale: float, n: int = 2) -> None:
     """Add the blocks' gradients to ``dq`` [s_local, b, heads, d] and ``dkv`` (fp32), given the final
     ``out`` and ``lse`` of the queries and the gradient ``grad_out`` of out."""
-    for qi, ki, causal in blocks:
-        dq_b, dk_b, dv_b = block_backward(_chunk(grad_out, qi), _chunk(q, qi), _chunk(kv.k, ki), _chunk(kv.v, ki),
-                                          _chunk(out, qi), _lse_chunk(lse, qi), causal, scale)
-        _chunk(dq, qi).add_(dq_b)
-        _chunk(dkv.k, ki).add_(dk_b)
-        _chunk(dkv.v, ki).add_(dv_b)
+    for blk in blocks:
+        r = blk.rows
+        dq_b, dk_b, dv_b = block_backward(_chunk(grad_out, blk.qi, n)[r], _chunk(q, blk.qi, n)[r],
+                                          _chunk(kv.k, blk.ki, n)[r], _chunk(kv.v, blk.ki, n)[r],
+                                          _chunk(out, blk.qi, n)[r], _lse_chunk(lse, blk.qi, n)[r], blk.causal, scale,
+                                          blk.mask)
+        _chunk(dq, blk.qi, n)[r].add_(dq_b)
+        _chunk(dkv.k, blk.ki, n)[r].add_(dk_b)
+        _chunk(dkv.v, blk.ki, n)[r].add_(dv_b)
 
 
 def _exchange(send: KVBlock, recv: KVBlock, cp: ContextParallel):
@@ -185,49 +256,78 @@ def _wait(requests) -> None:
         req.wait()
 
 
+def _step_blocks(cp: ContextParallel, mask: AttentionMask, step: int, q: torch.Tensor) -> list:
+    """The Blocks of ring step ``step``: this rank's queries against the KV of rank (rank - step) mod size."""
+    mine = cp.chunk_ids()
+    return list(_blocks(mask, mine, cp.chunk_ids((cp.rank - step) % cp.size), q.shape[0] // len(mine), q.shape[1]))
+
+
+def merge_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Add one sink logit per head (``sinks`` [heads], fp32) to the softmax denominator of the merged ``out``
+    [s, b, heads, d_v] (scaled in place by sigmoid(lse - sink)) and return the new log-sum-exp
+    logaddexp(lse, sink) of ``lse`` [b, heads, s]. The sink carries no value."""
+    sink = sinks.float().view(1, -1, 1)
+    out.mul_(torch.sigmoid(lse - sink).permute(2, 0, 1).unsqueeze(-1))
+    return torch.logaddexp(lse, sink)
+
+
+def sinks_grad(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks over these queries: -sum p_sink rowsum(dO * O), p_sink = exp(sink - lse) with the
+    final (sink-merged) ``lse`` [b, heads, s]; ``grad_out`` and ``out`` are [s, b, heads, d_v]. Each CP rank
+    returns its queries' share; the data-parallel reduction over dp x cp sums the shares, as for every
+    replicated weight."""
+    p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
+    rowsum = (grad_out.float() * out.float()).sum(-1).permute(1, 2, 0)
+    return -(p_sink * rowsum).sum(dim=(0, 2)).to(sinks.dtype)
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel, causal: bool, scale: float):
+    def forward(ctx, q, k, v, sinks, cp: ContextParallel, mask: AttentionMask, scale: float):
         s, b, nh = q.shape[:3]
-        d_v = v.shape[-1]
-        out = torch.empty(s, b, nh, d_v, dtype=torch.float32, device=q.device)
-        lse = torch.empty(b, nh, s, dtype=torch.float32, device=q.device)
-        filled = [False, False]
+        d_v, n = v.shape[-1], len(cp.chunk_ids())
+        if mask.plain:      # every query chunk gets a block at the first step (its own diagonal)
+            out = torch.empty(s, b, nh, d_v, dtype=torch.float32, device=q.device)
+            lse = torch.empty(b, nh, s, dtype=torch.float32, device=q.device)
+            filled = [False] * n
+        else:
+            out = torch.zeros(s, b, nh, d_v, dtype=torch.float32, device=q.device)
+            lse = torch.full((b, nh, s), -math.inf, dtype=torch.float32, device=q.device)
+            filled = [True] * n
         current = KVBlock.of(k, v)
         for step in range(cp.size):
-            src = (cp.rank - step) % cp.size
             requests = []
             if step < cp.size - 1:
                 incoming = current.new()
                 requests = _exchange(current, incoming, cp)                       # prefetch the next block
-            _attend(q, current, _pairs(cp.chunk_ids(), cp.chunk_ids(src), causal), out, lse, filled, scale)
+            _attend(q, current, _step_blocks(cp, mask, step, q), out, lse, filled, scale)
             if requests:
                 _wait(requests)
                 current = incoming
+        if sinks is not None:
+            lse = merge_sinks(out, lse, sinks)
         result = out.view(s, b, nh * d_v).to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse)
-        ctx.cp, ctx.causal, ctx.scale = cp, causal, scale
+        ctx.save_for_backward(q, k, v, sinks, result, lse)
+        ctx.cp, ctx.mask, ctx.scale = cp, mask, scale
         return result
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, result, lse = ctx.saved_tensors
-        cp, causal, scale = ctx.cp, ctx.causal, ctx.scale
+        q, k, v, sinks, result, lse = ctx.saved_tensors
+        cp, mask, scale = ctx.cp, ctx.mask, ctx.scale
         s, b, nh, d = q.shape
-        d_v = v.shape[-1]
+        d_v, n = v.shape[-1], len(cp.chunk_ids())
         grad_out, out = grad_out.reshape(s, b, nh, d_v), result.view(s, b, nh, d_v)
         dq = torch.zeros(s, b, nh, d, dtype=torch.float32, device=q.device)
         current = KVBlock.of(k, v)
         travelling = None               # (requests, sent, received) of the dK/dV accumulator in flight
         for step in range(cp.size):
-            src = (cp.rank - step) % cp.size
             requests = []
             if step < cp.size - 1:
                 incoming = current.new()
                 requests = _exchange(current, incoming, cp)
             dkv = current.new(torch.float32, zeros=True)
-            _attend_backward(grad_out, q, current, out, lse, _pairs(cp.chunk_ids(), cp.chunk_ids(src), causal), dq,
-                             dkv, scale)
+            _attend_backward(grad_out, q, current, out, lse, _step_blocks(cp, mask, step, q), dq, dkv, scale, n)
             if travelling is not None:  # what the ranks before this one added to this KV block's gradients
                 _wait(travelling[0])
                 dkv.flat += travelling[2].flat
@@ -239,16 +339,18 @@ class RingAttention(torch.autograd.Function):
                 current = incoming
         _wait(travelling[0])
         dk, dv = (g.to(k.dtype) for g in (travelling[2].k, travelling[2].v))
-        return dq.to(q.dtype), dk, dv, None, None, None
+        dsinks = None if sinks is None else sinks_grad(grad_out, out, lse, sinks)
+        return dq.to(q.dtype), dk, dv, dsinks, None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, *, causal: bool = True,
-                   scale: float | None = None) -> torch.Tensor:
-    """Attention of this rank's [s_local, b, heads, d] queries over the whole sequence, causal or full.
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, mask: AttentionMask,
+                   scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of this rank's [s_local, b, heads, d] queries over the whole sequence, as ``mask`` allows.
 
-    ``k`` is [s_local, b, kv groups, d], ``v`` [s_local, b, kv groups, d_v]; s_local holds this rank's two
-    chunks (see module doc). ``scale`` multiplies q k^T (default 1/sqrt(d)). A mask beyond causal (document
-    boundaries, a sliding window) enters through ``_pairs``, which picks each block's mask from the
-    chunks' sequence positions. Returns [s_local, b, heads * d_v]."""
+    ``k`` is [s_local, b, kv groups, d], ``v`` [s_local, b, kv groups, d_v]; s_local holds this rank's
+    chunks ``cp.chunk_ids()`` (see module doc). ``mask`` (mask_protocol.py) is asked about every pair of
+    chunks by their global positions: blocks it empties run nothing, blocks it cuts take its bool mask.
+    ``scale`` multiplies q k^T (default 1/sqrt(d)); ``sinks`` ([heads] logits, or None) join every query's
+    softmax denominator. Returns [s_local, b, heads * d_v]."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return RingAttention.apply(q, k, v, cp, causal, scale)
+    return RingAttention.apply(q, k, v, sinks, cp, mask, scale)

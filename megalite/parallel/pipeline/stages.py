@@ -25,9 +25,12 @@ def forward_step(model, batch: dict, device: torch.device, hidden_states: torch.
     activation, None). ``hidden_states``: the previous stage's output, for chunks without the embedding."""
     batch = slice_for_context_parallel(batch, model.cp.rank, model.cp.size)
     tokens = batch["tokens"].to(device, non_blocking=True) if model.pre_process else None
-    positions = batch["position_ids"].to(device, non_blocking=True) if model.pre_process else None
     labels = batch["labels"].to(device, non_blocking=True) if model.post_process else None
-    out = model(tokens, positions, labels=labels, hidden_states=hidden_states)
+    # every stage: the positions (RoPE reads them with --reset-position-ids) and the document boundaries
+    # (--reset-attention-mask), which every attention call needs
+    positions, documents = (batch[key].to(device, non_blocking=True) if key in batch else None
+                            for key in ("position_ids", "cu_seqlens"))
+    out = model(tokens, positions, labels=labels, hidden_states=hidden_states, cu_seqlens=documents)
     if not is_last_stage:
         return out, None
     loss_mask = batch["loss_mask"].to(device, non_blocking=True).float()

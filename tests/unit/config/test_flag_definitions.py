@@ -6,7 +6,8 @@ from collections import Counter
 from dataclasses import fields
 
 from megalite.config.megatron_cli import COMPAT_FLAGS, MEGATRON_INPUTS, build_parser, field_flags
-from megalite.config.schema import CONFIG_SECTIONS, DERIVED, FLAG
+from megalite.config.fields import DERIVED, FLAG
+from megalite.config.schema import CONFIG_SECTIONS
 
 ACCEPTED = os.path.join(os.path.dirname(__file__), "megatron_flags_accepted.txt")
 

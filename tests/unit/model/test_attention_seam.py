@@ -13,7 +13,7 @@ from megalite.model.attention.core import core_attention, recomputing_pays
 from megalite.model.attention.mask import MaskSpec
 from megalite.model.attention.self_attention import SelfAttention
 from megalite.model.gpt import GPTModel
-from megalite.parallel.context.ring_attention import (ContextParallel, KVBlock, _attend, _attend_backward, _pairs,
+from megalite.parallel.context.ring_attention import (ContextParallel, KVBlock, _attend, _attend_backward, _blocks,
                                                       build_context_parallel, local_positions)
 from megalite.parallel.mesh import ParallelState
 from megalite_test_utils import TINY_LLAMA_ARGS
@@ -84,7 +84,8 @@ def _emulated_ring(q, k, v, grad, causal: bool, cp_size: int = 2):
     out, dq = torch.empty(grad.shape), torch.empty_like(q)
     for r, p in enumerate(positions):
         cp = ContextParallel(rank=r, size=cp_size)
-        steps = [list(_pairs(cp.chunk_ids(), cp.chunk_ids(src), causal)) for src in range(cp_size)]
+        steps = [list(_blocks(MaskSpec(causal=causal), cp.chunk_ids(), cp.chunk_ids(src), len(p) // 2, B))
+                 for src in range(cp_size)]
         acc, lse = torch.empty(len(p), B, NH, D_V), torch.empty(B, NH, len(p))
         filled = [False, False]
         for src, blocks in enumerate(steps):

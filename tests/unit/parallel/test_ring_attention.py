@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.cross_entropy_memory import LiveBytes
-from megalite.parallel.context.ring_attention import (ContextParallel, KVBlock, _attend, _attend_backward, _pairs,
+from megalite.model.attention.mask import MaskSpec
+from megalite.parallel.context.ring_attention import (ContextParallel, KVBlock, _attend, _attend_backward, _blocks,
                                                       local_positions)
 
 B, NH, D = 2, 4, 16
@@ -47,7 +48,8 @@ def emulated_ring(q, k, v, grad, cp_size: int):
     out, dq = torch.empty(grad.shape, dtype=q.dtype, device=q.device), torch.empty_like(q)
     for r, p in enumerate(positions):
         cp = ContextParallel(rank=r, size=cp_size)
-        steps = [(src, list(_pairs(cp.chunk_ids(), cp.chunk_ids(src), True))) for src in range(cp_size)]
+        steps = [(src, list(_blocks(MaskSpec(), cp.chunk_ids(), cp.chunk_ids(src), s // (2 * cp_size), B)))
+                 for src in range(cp_size)]
         q_local = q[p]
         acc = torch.empty(q_local.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, NH, len(p), dtype=torch.float32, device=q.device)
@@ -90,8 +92,8 @@ def ring_step(chunk: int, dtype=torch.float32, device="cpu"):
     cp = ContextParallel(rank=0, size=2)
     p = local_positions(q.shape[0], 0, 2, q.device)
     q, kv, grad = q[p], KVBlock.of(k[p], v[p]), grad[p].view(2 * chunk, B, NH, D)
-    blocks = list(_pairs(cp.chunk_ids(), cp.chunk_ids(), True))
-    assert [causal for *_, causal in blocks] == [True, False, True]
+    blocks = list(_blocks(MaskSpec(), cp.chunk_ids(), cp.chunk_ids(), chunk, B))
+    assert [blk.causal for blk in blocks] == [True, False, True]
 
     def run():
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -122,3 +124,18 @@ def test_ring_step_memory_is_linear_in_the_chunk_length():
     assert peaks[1024] / peaks[256] == pytest.approx(4.0, rel=0.1)          # c x 4: memory x 4, not x 16
     scores = B * NH * 1024 * 1024 * 4                                      # one block's fp32 scores at c = 1024
     assert peaks[1024] < scores / 4
+
+
+def test_blocks_follow_the_mask_by_global_chunk_positions():
+    """Rank 0 of 4 holds chunks 0 and 7 (c = 4), rank 3 chunks 3 and 4: a 3-token window empties every pair
+    (no kernel runs); documents make per-sample blocks, cut ones carrying the mask of their positions."""
+    assert list(_blocks(MaskSpec(window=(3, 0)), (0, 7), (3, 4), 4, B)) == []
+    assert [(b.qi, b.ki, b.causal) for b in _blocks(MaskSpec(), (0, 7), (3, 4), 4, B)] == [(1, 0, False), (1, 1, False)]
+    cu = torch.tensor([[0, 20, 32], [0, 14, 32]], dtype=torch.int32)
+    blocks = list(_blocks(MaskSpec(cu_seqlens=cu), (0, 7), (3, 4), 4, B))
+    # queries [28, 32): sample 0's keys [12, 20) are another document; sample 1's document starts at 14
+    assert [(b.qi, b.ki, b.rows.start, b.mask is None) for b in blocks] == [(1, 0, 1, False), (1, 1, 1, True)]
+    blocks = list(_blocks(MaskSpec(cu_seqlens=cu), (3, 4), (3, 4), 4, B))
+    cut = [b for b in blocks if b.rows.start == 1 and b.qi == 0 and b.ki == 0][0]       # chunk 3 = [12, 16)
+    assert cut.mask.tolist() == MaskSpec(cu_seqlens=cu).visible(1, torch.arange(12, 16), torch.arange(12, 16)).tolist()
+    assert not cut.mask[2, 1]                                                 # 14 does not see 13

@@ -14,7 +14,8 @@ from dataclasses import fields, replace
 import pytest
 
 from megalite.train.command_line import parse_args
-from megalite.config.schema import FLAG, ModelConfig
+from megalite.config.fields import FLAG
+from megalite.config.schema import ModelConfig
 from megalite.config.pipeline_split import SplitFlags
 from megalite.planning import flags as plan_flags
 from megalite.planning import verify
