@@ -13,11 +13,14 @@ in O(block) memory: no s x s tensor is ever built.
   pairs with the final output and log-sum-exp, as flash attention does; only q, k, v, the output and
   the log-sum-exp are kept for it.
 
-Tiles: without a window, every document is a tile of its own (one causal flash call per document, none
-across documents), except that documents shorter than ``TILE`` are packed together into tiles of at most
-``TILE`` tokens (one block with a block-diagonal mask instead of many tiny calls). With a window, tiles
-are at most ``TILE`` tokens, so the pairs wholly outside the window are skipped and a cut block's mask
-stays TILE x TILE. Samples without documents share one mask: every tile runs the whole batch at once.
+Tiles follow the documents: each document is a tile of its own (one causal flash call on its diagonal),
+cut into near-equal pieces of at most ``TILE`` tokens where it is longer (its diagonal blocks causal,
+the others full), so a block's partial output stays TILE rows; with a window the pieces are at most
+``WINDOW_TILE`` tokens, which bounds a cut block's mask and lets whole pairs outside the window be
+skipped. Consecutive documents shorter than ``PACK`` tokens share tiles of at most PACK tokens (one
+small block with a block-diagonal mask instead of many tiny calls). No other tile spans a document
+boundary, so the pairs of tiles of different documents are skipped without a look. Samples without
+documents share one mask: every tile runs the whole batch at once.
 
 Sinks (GPT-OSS; Megatron's ``--softmax-type off-by-one`` is a fixed logit 0, ``learnable`` a parameter):
 one fp32 logit per query head in the softmax denominator that carries no value. With the unsunk
@@ -38,7 +41,9 @@ from megalite.model.attention.mask import MaskSpec, Relation, documents_of
 from megalite.model.kernels import attention_on_meta
 from megalite.parallel.context.block_kernels import block_backward, block_forward
 
-TILE = 512                      # tokens per tile where a tile must be cut (windows, packed short documents)
+TILE = 1024                     # the most tokens of a tile: the CPU flash kernel slows down on shorter blocks
+WINDOW_TILE = 512               # ... with a window, whose cut blocks each carry a mask of this size squared
+PACK = 64                       # documents shorter than this share tiles of at most this many tokens
 
 
 @dataclass
@@ -49,39 +54,34 @@ class Tile:
     blocks: list[tuple[tuple[int, int], str | torch.Tensor]]
 
 
-def windowed(mask: MaskSpec) -> bool:
-    """Whether the window cuts anything (causality already bounds the right side)."""
-    left, right = mask.window
-    return left >= 0 or (right >= 0 and not mask.causal)
-
-
-def boundaries(mask: MaskSpec, sample: int, t: int, size: int = TILE) -> list[int]:
+def boundaries(mask: MaskSpec, sample: int, t: int) -> list[int]:
     """The tile boundaries 0 = b_0 < ... = t of one sample's t key positions (see the module docstring)."""
     docs = documents_of(mask.cu_seqlens[sample]) if mask.cu_seqlens is not None else [(0, t)]
-    cut = windowed(mask)
+    left, right = mask.window
+    size = WINDOW_TILE if left >= 0 or (right >= 0 and not mask.causal) else TILE
     bounds = [0]
     for start, end in docs:
-        if end - start < size:                      # a short document joins the open tile if it fits
-            if end - bounds[-1] > size:
+        if end - start < PACK:                      # joins the open tile of very short documents if it fits
+            if end - bounds[-1] > PACK:
                 bounds.append(start)
             continue
-        if bounds[-1] < start:                      # close the tile of the short documents before it
+        if bounds[-1] < start:                      # close the open tile of very short documents
             bounds.append(start)
-        pieces = -(-(end - start) // size) if cut else 1
+        pieces = -(-(end - start) // size)
         bounds += [start + (end - start) * i // pieces for i in range(1, pieces + 1)]
     if bounds[-1] < t:
         bounds.append(t)
     return bounds
 
 
-def tiles(mask: MaskSpec, s: int, t: int, batch: int, size: int = TILE) -> Iterator[Tile]:
+def tiles(mask: MaskSpec, s: int, t: int, batch: int) -> Iterator[Tile]:
     """Every query tile of the batch with the key tiles it sees. The s queries are the last s of the t
     key positions (t > s with a KV cache)."""
     offset = t - s
     shared = mask.same_for_every_sample()
     for sample in range(1 if shared else batch):
         samples = slice(None) if shared else slice(sample, sample + 1)
-        bounds = boundaries(mask, sample, t, size)
+        bounds = boundaries(mask, sample, t)
         docs = [0, t] if mask.cu_seqlens is None else sorted(set(mask.cu_seqlens[sample].tolist()) | {0, t})
         q_bounds = [offset] + [x for x in bounds if x > offset]
         for q0, q1 in zip(q_bounds, q_bounds[1:]):
@@ -110,7 +110,7 @@ def _heads_view(x: torch.Tensor) -> torch.Tensor:
 
 def _forward_tile(tile: Tile, q, k, v, out, lse, sinks, scale: float, offset: int) -> None:
     """Merge the blocks of one query tile into ``out`` [b, heads, s, d_v] and ``lse`` [b, heads, s]."""
-    (q0, q1), rows = tile.q, slice(tile.q[0] - offset, tile.q[1] - offset)
+    rows = slice(tile.q[0] - offset, tile.q[1] - offset)
     q_t, out_t, lse_t = q[tile.samples, :, rows], out[tile.samples, :, rows], lse[tile.samples, :, rows]
     acc = acc_lse = None
     for (k0, k1), relation in tile.blocks:
@@ -124,11 +124,12 @@ def _forward_tile(tile: Tile, q, k, v, out, lse, sinks, scale: float, offset: in
             acc = out_t if out.dtype == torch.float32 else torch.empty(o.shape, dtype=torch.float32, device=o.device)
             acc.copy_(o)
             acc_lse = l.clone()
-            continue
-        merged = torch.logaddexp(acc_lse, l)
-        ref = merged.masked_fill(merged == float("-inf"), 0.0)      # rows no block has reached yet stay 0
-        acc.mul_(torch.exp(acc_lse - ref).unsqueeze(-1)).addcmul_(o, torch.exp(l - ref).unsqueeze(-1))
-        acc_lse = merged
+        else:
+            merged = torch.logaddexp(acc_lse, l)
+            ref = merged.masked_fill(merged == float("-inf"), 0.0)      # rows no block has reached yet stay 0
+            acc.mul_(torch.exp(acc_lse - ref).unsqueeze(-1)).addcmul_(o, torch.exp(l - ref).unsqueeze(-1))
+            acc_lse = merged
+        del o                                       # one block's output alive at a time
     if acc is None:                                 # no key visible to any query of the tile
         out_t.zero_()
         acc_lse = torch.full(lse_t.shape, float("-inf"), device=lse.device)
