@@ -1,7 +1,7 @@
 """Packed documents through pretrain_gpt.py: with --reset-position-ids --reset-attention-mask
 --eod-mask-loss, iteration 1's loss on packed samples is transformers' loss on each document run alone
-(positions from 0, the EOD position's loss masked), in one process, at TP=2 with sequence parallelism
-and at PP=2; without the reset flags the documents see each other and the loss differs."""
+(positions from 0, the EOD position's loss masked), in one process, at TP=2 with sequence parallelism,
+at PP=2 and at CP=2 (ring and all-to-all: the documents cross the load-balanced chunks); without the reset flags the documents see each other and the loss differs."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,9 @@ FLAGS = ["--use-checkpoint-args", "--finetune", "--mock-data", "--tokenizer-type
          "--seed", "2"]          # whose mock samples hold 1 to 3 documents each
 RESET = ["--reset-position-ids", "--reset-attention-mask"]
 LAYOUTS = {"tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-           "pp2": ["--pipeline-model-parallel-size", "2"]}
+           "pp2": ["--pipeline-model-parallel-size", "2"],
+           "cp2-ring": ["--context-parallel-size", "2"],
+           "cp2-a2a": ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]}
 
 
 @pytest.fixture(scope="module")
