@@ -48,6 +48,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -55,6 +56,7 @@ from megalite.checkpoint.hf_config import read_hf_config_file  # noqa: E402
 from megalite.config.pipeline_split import SplitFlags  # noqa: E402
 from megalite.planning import flags as plan_flags  # noqa: E402
 from megalite.planning import inputs, search, verify  # noqa: E402
+from megalite.planning.attention import corpus_document_lengths, model_attended_fraction  # noqa: E402
 from megalite.config import megatron_cli  # noqa: E402
 from megalite.config.cli import OneLineArgumentParser, one_line_errors, positive_float, positive_int  # noqa: E402
 from megalite.config import validate as checks  # noqa: E402
@@ -90,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dropless routing: the busiest expert rank's rows over the mean, for its dispatched rows, "
                         f"expert activations and expert compute (default {inputs.MOE_IMBALANCE_MARGIN}: the "
                         "headroom capacity-factor recipes leave a balanced router)")
+    g.add_argument("--document-length", type=positive_int, help=(
+        "with --reset-attention-mask: the corpus's mean document length in tokens, for the attention FLOPs "
+        "of document masks (default: the length histogram of --data-path's corpus)"))
     g.add_argument("--top", type=positive_int, default=5, help="how many layouts to print (default 5)")
     g.add_argument("--verify", action="store_true", help=(
         "run pretrain_gpt.py's dry run (--fake-process-group --no-storage) for one rank of each distinct role of "
@@ -188,8 +193,11 @@ def planner_inputs(args):
     if args.moe_imbalance_margin < 1:
         raise UserError(f"--moe-imbalance-margin is the busiest rank's rows over the mean, at least 1; got "
                         f"{args.moe_imbalance_margin}")
-    workload = inputs.Workload(model_config(args), args.global_batch_size, precision(args),
-                                 args.make_vocab_size_divisible_by, args.moe_imbalance_margin)
+    model = model_config(args)
+    sizes = args.hierarchical_context_parallel_sizes
+    workload = inputs.Workload(model, args.global_batch_size, precision(args), args.make_vocab_size_divisible_by,
+                               args.moe_imbalance_margin, model_attended_fraction(model, document_lengths(args)),
+                               tuple(args.cp_comm_type), sizes[0] if sizes else None)
     for flag in ("usable_memory_fraction", "compute_efficiency"):
         if vars(args)[flag] > 1:
             raise UserError(f"--{flag.replace('_', '-')} is a fraction in (0, 1], got {vars(args)[flag]}")
@@ -215,6 +223,28 @@ def planner_inputs(args):
                          split if pinned_split else None, args.expert_model_parallel_size,
                          args.expert_tensor_parallel_size, args.num_distributed_optimizer_instances)
     return workload, hardware, pins
+
+
+def document_lengths(args):
+    """The document lengths that --reset-attention-mask masks by: --document-length's, else the length
+    histogram of the first documents of each --data-path corpus; None without document masks."""
+    if not args.reset_attention_mask:
+        return None
+    if args.document_length:
+        return [args.document_length] * (64 * args.seq_length // args.document_length + 1)   # 64 samples
+    prefixes = [p for p in args.data_path if not _is_number(p)]
+    if not prefixes:
+        raise UserError("--reset-attention-mask: the planner counts the attended pairs from the corpus's document "
+                        "lengths; give --data-path, or --document-length N (the mean document length)")
+    return np.concatenate([corpus_document_lengths(p) for p in prefixes])
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
 
 
 # ---- output ----------------------------------------------------------------------------------------

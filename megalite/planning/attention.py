@@ -62,3 +62,11 @@ def corpus_document_lengths(prefix: str, tokens: int = TOKENS_SAMPLED) -> np.nda
     lengths = ends[bounds[1:]] - ends[bounds[:-1]]
     keep = np.searchsorted(np.cumsum(lengths), tokens) + 1
     return lengths[:keep]
+
+
+def model_attended_fraction(model, document_lengths=None) -> float:
+    """``attended_fraction`` averaged over the layers of ``model`` (a ModelConfig), each with its window
+    (ModelConfig.attention_window: --window-size, --window-attn-skip-freq)."""
+    lefts = [model.attention_window(n)[0] for n in range(1, model.num_layers + 1)]
+    by_left = {left: attended_fraction(model.seq_length, left, document_lengths) for left in set(lefts)}
+    return sum(by_left[left] for left in lefts) / len(lefts)

@@ -33,6 +33,9 @@ class Workload:
     precision: str = "bf16"     # "bf16", "fp16" or "fp32"
     make_vocab_size_divisible_by: int = 128
     moe_imbalance_margin: float = MOE_IMBALANCE_MARGIN   # busiest rank's dispatched rows / the mean (dropless)
+    attended_fraction: float = 1.0    # share of causal attention's pairs kept (documents, windows: attention.py)
+    cp_comm_types: tuple = ("p2p",)   # --cp-comm-type, one or one per layer
+    cp_a2a_size: int | None = None    # a2a+p2p: the all-to-all's size (--hierarchical-context-parallel-sizes A B)
 
     @property
     def dispatch_margin(self) -> float:
@@ -42,6 +45,14 @@ class Workload:
         if self.model.moe_router_force_load_balancing:
             return 1.0
         return self.model.moe_expert_capacity_factor or self.moe_imbalance_margin
+
+    def cp_sizes(self, kind: str, cp: int) -> tuple[int, int]:
+        """(all-to-all size, ring size) of --cp-comm-type ``kind`` at context-parallel size ``cp``."""
+        if kind == "a2a":
+            return cp, 1
+        if kind == "a2a+p2p" and self.cp_a2a_size and cp % self.cp_a2a_size == 0:
+            return self.cp_a2a_size, cp // self.cp_a2a_size
+        return 1, cp
 
     @property
     def dtype_bytes(self) -> int:

@@ -75,11 +75,33 @@ def dense_part(workload: Workload, layout: Layout):
 
 
 def _dense_hardware_flops(workload: Workload, layout: Layout, model) -> tuple[float, float]:
-    model_flops = flops_per_iteration(model, workload.global_batch_size)
+    model_flops = flops_per_iteration(model, workload.global_batch_size, workload.attended_fraction)
     if layout.recompute == "full":
         head_only = flops_per_iteration(dataclasses.replace(model, num_layers=0), workload.global_batch_size)
         return model_flops, model_flops + (model_flops - head_only) / 3
     return model_flops, model_flops
+
+
+def context_parallel_time(workload: Workload, layout: Layout, hardware: Hardware, tokens: float) -> float:
+    """Seconds of CP traffic on the critical path, over ``tokens`` = the rank's tokens x its layers x its
+    micro-batches, averaged over the layers' --cp-comm-type. The ring (p2p) passes the rank's K and V
+    cp - 1 times forward, K, V and their gradients cp - 1 times backward, each step behind a block of
+    attention compute (the share of it the mask keeps). Ulysses (a2a) sends (cp - 1)/cp of q, k and v and
+    gets the output back forward, the reverse backward, with nothing to hide behind. a2a+p2p: the
+    all-to-all within A ranks (--hierarchical-context-parallel-sizes A B), then a ring of B over the
+    all-to-all's head shards, which passes as many K/V bytes per step as the whole ring does."""
+    model, e, d = workload.model, workload.dtype_bytes, workload.model.kv_channels
+    heads, groups = local_attention_heads(model, layout.tp)
+    attention_flops = 3 * 4 * model.seq_length * heads * d * tokens * workload.attended_fraction
+    attention = attention_flops / (hardware.peak_flops(workload.precision) * hardware.compute_efficiency)
+    total = 0.0
+    for kind in workload.cp_comm_types:
+        a2a, ring = workload.cp_sizes(kind, layout.cp)
+        exchanged = tokens * (2 * heads + 2 * groups) * d * e
+        total += 2 * ring_bytes("all_gather", exchanged, a2a) / link_bandwidth(hardware, layout.tp * a2a)
+        passes = 3 * (ring - 1) * tokens * 2 * groups * d * e / link_bandwidth(hardware, layout.tp * layout.cp)
+        total += max(0.0, passes - attention)
+    return total / len(workload.cp_comm_types)
 
 
 def ring_bytes(kind: str, size_bytes: float, ranks: int) -> float:
@@ -168,17 +190,7 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
     ep_bytes = dispatch_bytes(workload, layout) * repeat * moe_layers * m
     expert_parallel = ep_bytes / link_bandwidth(hardware, layout.ep * layout.expert_tp) if moe_layers else 0.0
 
-    # CP: ring attention passes the rank's K and V cp - 1 times forward, K, V and their gradients cp - 1
-    # times backward, per layer and micro-batch, each step behind a block of attention compute
-    context_parallel = 0.0
-    if layout.cp > 1:
-        _, groups = local_attention_heads(model, layout.tp)
-        kv = tokens * 2 * groups * model.kv_channels * e
-        seconds = 3 * (layout.cp - 1) * kv * layers * m / link_bandwidth(hardware, layout.tp * layout.cp)
-        heads, _ = local_attention_heads(model, layout.tp)
-        attention_flops = 3 * 4 * model.seq_length * heads * model.kv_channels * tokens * layers * m
-        attention = attention_flops / (hardware.peak_flops(workload.precision) * hardware.compute_efficiency)
-        context_parallel = max(0.0, seconds - attention)
+    context_parallel = context_parallel_time(workload, layout, hardware, tokens * layers * m) if layout.cp > 1 else 0.0
 
     # PP: each chunk of each micro-batch sends its activation forward and receives a gradient back
     boundary = activation / (layout.tp if layout.sp else 1)

@@ -78,18 +78,19 @@ def model_flops_per_token(model: ModelConfig) -> float:
     return 6.0 * matmul_parameters(model) + 12.0 * model.num_layers * model.hidden_size * model.seq_length
 
 
-def flops_per_iteration(model: ModelConfig, batch_size: int) -> float:
+def flops_per_iteration(model: ModelConfig, batch_size: int, attended_fraction: float = 1.0) -> float:
     """Model FLOPs of one training iteration (forward + backward = 3 x forward, no recomputation).
 
     Per token and layer, forward: QKV 2*h*(nq+2*nkv)*d, attention scores and values 4*s*nq*d (no causal
     discount), output projection 2*nq*d*h, MLP 2*h*ffn*(3 if SwiGLU else 2); plus logits 2*h*V per token.
     For GPT with a 4h MLP and no GQA this equals Megatron's
     72*B*s*L*h^2 * (1 + s/(6h) + V/(12*L*h)). An MoE layer counts the FLOPs its tokens run instead of
-    the MLP's (``moe_extra_flops_per_token``).
+    the MLP's (``moe_extra_flops_per_token``). ``attended_fraction``: the share of a causal mask's query/key
+    pairs that document masks or a window keep (planning/attention.py), which scales the attention term.
     """
     h, s, d = model.hidden_size, model.seq_length, model.kv_channels
     nq, nkv = model.num_attention_heads, model.num_query_groups
-    per_layer = (2 * h * (nq + 2 * nkv) * d + 4 * s * nq * d + 2 * nq * d * h
+    per_layer = (2 * h * (nq + 2 * nkv) * d + 4 * s * nq * d * attended_fraction + 2 * nq * d * h
                  + mlp_flops_per_token(model, model.ffn_hidden_size))
     per_token = model.num_layers * per_layer + 2 * h * model.padded_vocab_size
     if model.num_experts:

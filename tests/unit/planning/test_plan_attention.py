@@ -1,9 +1,15 @@
 """The attended fraction of masked attention: pair counts by hand, packing as Megatron packs, a corpus."""
+import os
+import sys
+
 import numpy as np
 import pytest
 
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.planning.attention import attended_fraction, causal_pairs, corpus_document_lengths, packed_pieces
+from megalite_test_utils import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
 def brute_pairs(length, left):
@@ -40,3 +46,53 @@ def test_a_corpus_gives_its_document_lengths(tmp_path):
     builder.finalize()
     assert corpus_document_lengths(prefix).tolist() == [5, 5, 7]
     assert corpus_document_lengths(prefix, tokens=6).tolist() == [5, 5]
+
+
+# ---- the planner: masked attention's FLOPs, a2a's traffic against the ring's ------------------------------
+def _llama_8k(**flags):
+    from megalite.planning import flags as plan_flags
+    return plan_flags.model_from_flags(32, 4096, 32, 128256, seq_length=8192, ffn_hidden_size=14336,
+                                       num_query_groups=8, swiglu=True, **flags)
+
+
+def test_document_masks_and_windows_count_only_the_attended_pairs():
+    from megalite.planning import inputs, time as timing
+    from megalite.planning.attention import model_attended_fraction
+    from megalite.train.performance import flops_per_iteration
+    model = _llama_8k()
+    fraction = model_attended_fraction(model, [1024] * 600)
+    assert fraction == pytest.approx(causal_pairs([1024])[0] * 8 / causal_pairs([8192])[0], rel=1e-3)
+    plain = flops_per_iteration(model, 8)
+    masked = flops_per_iteration(model, 8, fraction)
+    assert plain - masked == pytest.approx(3 * 4 * 8192 * 32 * 128 * 32 * 8 * 8192 * (1 - fraction))
+    workload = inputs.Workload(model, 8, attended_fraction=fraction)
+    assert timing.hardware_flops(workload, inputs.Layout(dp=8))[0] == pytest.approx(masked)
+    # a window on every other layer: the mean of the windowed and the full layers' fractions
+    windowed = _llama_8k(window_size=[127, 0], window_attn_skip_freq=2, attention_dropout=0.0)
+    assert model_attended_fraction(windowed) == pytest.approx((1 + attended_fraction(8192, 127)) / 2)
+
+
+def test_ulysses_traffic_is_all_to_all_volume_and_is_not_hidden():
+    from megalite.planning import inputs, time as timing
+    model = _llama_8k()
+    hardware = inputs.Hardware(num_gpus=8, gpu_memory_gb=80)
+    layout = inputs.Layout(tp=1, cp=8, dp=1, micro_batch_size=1)
+    ring = timing.step_time(inputs.Workload(model, 8), layout, hardware).context_parallel
+    a2a = timing.step_time(inputs.Workload(model, 8, cp_comm_types=("a2a",)), layout, hardware).context_parallel
+    tokens = 8192 // 8 * 32 * 8                          # the rank's tokens x layers x micro-batches
+    exchanged = tokens * (2 * 32 + 2 * 8) * 128 * 2      # q, k, v and the output, bf16
+    assert a2a == pytest.approx(2 * exchanged * 7 / 8 / (hardware.intra_node_gbps * 1e9))
+    assert ring == 0.0                                   # at 8K the ring hides behind attention on NVLink
+    hybrid = inputs.Workload(model, 8, cp_comm_types=("a2a+p2p",), cp_a2a_size=2)
+    assert 0 < timing.step_time(hybrid, layout, hardware).context_parallel < a2a
+
+
+def test_the_planner_refuses_document_masks_it_cannot_count(capsys):
+    import plan_parallelism
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "100",
+            "--num-gpus", "8", "--gpu-memory-gb", "80", "--seq-length", "64", "--global-batch-size", "64",
+            "--reset-attention-mask", "--attention-dropout", "0"]
+    assert plan_parallelism.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--document-length" in err
+    assert plan_parallelism.main(argv + ["--document-length", "16", "--top", "1"]) == 0
