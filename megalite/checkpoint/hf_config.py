@@ -25,7 +25,7 @@ import json
 import os
 import sys
 
-from megalite.checkpoint.files import ATTENTION_DEFAULTS
+from megalite.checkpoint.files import ATTENTION_DEFAULTS, VARIANT_DEFAULTS
 from megalite.checkpoint.hf_moe import (MOE_MODEL_TYPES, build_moe_config, check_moe_convertible,
                                         check_moe_representable, moe_fields)
 from megalite.checkpoint.hf_window import (check_window_convertible, check_window_representable, window_config,
@@ -224,8 +224,8 @@ def model_fields(config) -> dict:
     """metadata["model"] (megalite's architecture fields) for a supported transformers config; the
     sequence length is the model's ``max_position_embeddings``."""
     if config.model_type == "gpt2":
-        return {**ATTENTION_DEFAULTS, **gpt2_fields(config)}
-    return {**ATTENTION_DEFAULTS, **llama_like_fields(config), **window_fields(config)}
+        return {**ATTENTION_DEFAULTS, **VARIANT_DEFAULTS, **gpt2_fields(config)}
+    return {**ATTENTION_DEFAULTS, **VARIANT_DEFAULTS, **llama_like_fields(config), **window_fields(config)}
 
 
 def llama_like_fields(config) -> dict:

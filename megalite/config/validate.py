@@ -169,8 +169,6 @@ def check_moe(m: ModelConfig) -> None:
         if moe_flags:
             raise UserError(f"{moe_flags[0]} applies to MoE layers; add --num-experts N")
         return
-    if m.add_bias_linear:
-        raise UserError("MoE experts have no biases: add --disable-bias-linear")
     if m.moe_router_topk > m.num_experts:
         raise UserError(f"--moe-router-topk {m.moe_router_topk} exceeds --num-experts {m.num_experts}; "
                         "route each token to at most every expert")
@@ -202,6 +200,9 @@ def check_experts(m: ModelConfig, p: ParallelConfig) -> None:
     if m.expert_ffn_hidden_size % etp:
         raise UserError(f"--expert-tensor-parallel-size {etp} does not divide the experts' hidden size "
                         f"{m.expert_ffn_hidden_size} (--moe-ffn-hidden-size); choose a divisor")
+    if m.add_bias_linear and etp > 1:
+        raise UserError(f"expert biases (MoE without --disable-bias-linear) need whole experts on each rank: "
+                        f"add --expert-tensor-parallel-size 1 (now {etp})")
     if tp > 1 and not p.sequence_parallel:
         raise UserError("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel "
                         "(each rank routes its own tokens)")
