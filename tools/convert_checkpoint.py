@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Convert checkpoints between Hugging Face and megalite, both ways: Llama, Mistral, Qwen2, Qwen3, Phi-3,
-GPT-2 and the Mixture-of-Experts Mixtral, Qwen2-MoE and Qwen3-MoE.
+GPT-2 and the Mixture-of-Experts Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS (sinks, alternating windows,
+YaRN, biases, clamped quick-GEGLU experts; unquantised weights).
 
     python tools/convert_checkpoint.py --from hf --to megalite --input HF_DIR --output CKPT_DIR
     python tools/convert_checkpoint.py --from megalite --to hf --input CKPT_DIR --output HF_DIR \\
-        [--model-type llama|mistral|qwen2|qwen3|phi3|gpt2|mixtral|qwen2_moe|qwen3_moe] [--overwrite]
+        [--model-type llama|mistral|qwen2|qwen3|phi3|gpt2|mixtral|qwen2_moe|qwen3_moe|gpt_oss] [--overwrite]
 
 HF -> megalite writes CKPT_DIR/iter_0000000 and its tracker file, with the tokenizer files (when the
 model directory has them) in iter_0000000/tokenizer; train from it with
@@ -15,7 +16,7 @@ checkpoint may be a save directory (its latest iteration) or an iter_N directory
 defaults to the family the checkpoint was converted from, else the one its architecture implies.
 
 The conversion is exact (tensors are renamed, transposed, fused or split, never rounded). Anything
-megalite cannot represent (scaled RoPE, Llama o_proj/MLP biases, ...) is refused before writing, and
+megalite cannot represent (scaled RoPE other than GPT-OSS's YaRN, Llama o_proj/MLP biases, ...) is refused before writing, and
 so is an export to a family that cannot hold the checkpoint (an MoE checkpoint as a dense family, a
 dense one as an MoE family).
 Nothing is overwritten without --overwrite.

@@ -47,6 +47,7 @@ from megalite.checkpoint.hf_config import (EXTRA_FIELDS, QKV_BIAS_MODEL_TYPES, S
                                            build_hf_config, check_convertible, check_representable, config_token_ids,
                                            default_model_type, dtype_name, extra_defaults, model_fields,
                                            quiet_transformers, read_hf_config, token_ids_from_tokenizer, warn)
+from megalite.checkpoint.hf_gpt_oss import GPT_OSS, gpt_oss_moe_to_megalite, megalite_to_gpt_oss_moe
 from megalite.checkpoint.hf_moe import (MOE_TRAINING_KEYS, is_sparse, megalite_to_moe, moe_to_megalite,
                                         moe_training_settings)
 from megalite.checkpoint.hf_weights import HFWeights
@@ -129,16 +130,22 @@ def llama_like_to_megalite(w: HFWeights, m: dict, model_type: str = "llama") -> 
             continue
         out[mg + "self_attention.linear_qkv.weight"] = fuse_qkv(
             *(w.take(attn + f"{p}_proj.weight") for p in "qkv"), nq, nkv, d)
-        if m["add_qkv_bias"]:
+        if m["add_qkv_bias"] or m["add_bias_linear"]:
             out[mg + "self_attention.linear_qkv.bias"] = fuse_qkv(
                 *(w.take(attn + f"{p}_proj.bias") for p in "qkv"), nq, nkv, d)
         if m["qk_layernorm"]:
             out[mg + "self_attention.q_layernorm.weight"] = w.take(attn + "q_norm.weight")
             out[mg + "self_attention.k_layernorm.weight"] = w.take(attn + "k_norm.weight")
         out[mg + "self_attention.linear_proj.weight"] = w.take(attn + "o_proj.weight")
+        if m["add_bias_linear"]:
+            out[mg + "self_attention.linear_proj.bias"] = w.take(attn + "o_proj.bias")
+        if m["softmax_type"] == "learnable":
+            out[mg + "self_attention.softmax_offset"] = w.take(attn + "sinks")
         out[mg + "pre_mlp_layernorm.weight"] = w.take(hf + "post_attention_layernorm.weight")
         if is_sparse(m, i):
-            out.update(moe_to_megalite(w, hf, mg, m, model_type))
+            sparse = gpt_oss_moe_to_megalite(w, hf, mg, m) if model_type == GPT_OSS else \
+                moe_to_megalite(w, hf, mg, m, model_type)
+            out.update(sparse)
             continue
         out[mg + "mlp.linear_fc1.weight"] = fuse_swiglu(w.take(hf + "mlp.gate_proj.weight"),
                                                         w.take(hf + "mlp.up_proj.weight"))
@@ -220,12 +227,17 @@ def megalite_to_llama_like(t: _MegaliteTensors, m: dict, model_type: str) -> dic
         if m["qk_layernorm"]:
             out[attn + "q_norm.weight"] = t.norm(mg + "self_attention.q_layernorm.weight", one_p)
             out[attn + "k_norm.weight"] = t.norm(mg + "self_attention.k_layernorm.weight", one_p)
-        if model_type in QKV_BIAS_MODEL_TYPES:
+        if model_type in QKV_BIAS_MODEL_TYPES + (GPT_OSS,):
             bias = t.bias(mg + "self_attention.linear_qkv.bias", (nq + 2 * nkv) * d)
             q, k, v = split_qkv(bias, nq, nkv, d)
             out.update({attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v})
         out[attn + "o_proj.weight"] = t.get(mg + "self_attention.linear_proj.weight")
         out[hf + "post_attention_layernorm.weight"] = t.norm(mg + "pre_mlp_layernorm.weight", one_p)
+        if model_type == GPT_OSS:
+            out[attn + "o_proj.bias"] = t.get(mg + "self_attention.linear_proj.bias")
+            out[attn + "sinks"] = t.get(mg + "self_attention.softmax_offset")
+            out.update(megalite_to_gpt_oss_moe(t, hf, mg, m))
+            continue
         if is_sparse(m, i):
             out.update(megalite_to_moe(t, hf, mg, m, model_type))
             continue

@@ -8,7 +8,8 @@ exported checkpoint.
 
 Families: Llama 1/2/3, Mistral, Qwen2 (q/k/v biases), Qwen3 (QK-norm), Phi-3 (fused projections, partial
 rotary) and the Mixture-of-Experts Mixtral, Qwen2-MoE (gated shared expert) and Qwen3-MoE share one mapping
-(RoPE, RMSNorm, SwiGLU, GQA); GPT-2 (learned positions, LayerNorm, GELU, biases) has its own.
+(RoPE, RMSNorm, SwiGLU, GQA); GPT-OSS shares it with its own differences (hf_gpt_oss.py); GPT-2 (learned
+positions, LayerNorm, GELU, biases) has its own.
 
 MoE (``moe_fields``): HF layer i (0-based) is sparse when i is not in ``mlp_only_layers`` and (i + 1) is a
 multiple of ``decoder_sparse_step``; megalite's --moe-layer-freq is that 0/1 list (1 when every layer is).
@@ -25,18 +26,21 @@ import json
 import os
 import sys
 
-from megalite.checkpoint.files import ATTENTION_DEFAULTS
+from megalite.checkpoint.files import ATTENTION_DEFAULTS, VARIANT_DEFAULTS
+from megalite.checkpoint.hf_gpt_oss import (GPT_OSS, build_gpt_oss_config, check_gpt_oss_convertible,
+                                            check_gpt_oss_representable, gpt_oss_fields)
 from megalite.checkpoint.hf_moe import (MOE_MODEL_TYPES, build_moe_config, check_moe_convertible,
                                         check_moe_representable, moe_fields)
 from megalite.checkpoint.hf_window import (check_window_convertible, check_window_representable, window_config,
                                            window_fields)
 from megalite.errors import UserError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe",
+                         GPT_OSS)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel",
                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", GPT_OSS: "GptOssForCausalLM"}
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")            # RMSNorm of each q and k head (q_norm, k_norm)
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
 # metadata["model"] fields a conversion records beyond files.ARCHITECTURE_FIELDS (the MoE layer, QK-norm);
@@ -194,6 +198,10 @@ def check_convertible(config, log=warn) -> None:
         if getattr(config, "add_cross_attention", False):
             raise UserError("gpt2 add_cross_attention=True (an encoder-decoder variant) is not supported")
         return
+    if model_type == GPT_OSS:          # hf_gpt_oss.py: its biases, YaRN, experts
+        check_gpt_oss_convertible(config, rope_parameters(config))
+        check_window_convertible(config)
+        return
     if getattr(config, "hidden_act", "silu") != "silu":
         raise UserError(f"hidden_act={config.hidden_act!r} is not supported: megalite's SwiGLU uses silu")
     if getattr(config, "attention_bias", False):
@@ -224,8 +232,11 @@ def model_fields(config) -> dict:
     """metadata["model"] (megalite's architecture fields) for a supported transformers config; the
     sequence length is the model's ``max_position_embeddings``."""
     if config.model_type == "gpt2":
-        return {**ATTENTION_DEFAULTS, **gpt2_fields(config)}
-    return {**ATTENTION_DEFAULTS, **llama_like_fields(config), **window_fields(config)}
+        return {**ATTENTION_DEFAULTS, **VARIANT_DEFAULTS, **gpt2_fields(config)}
+    fields = {**ATTENTION_DEFAULTS, **VARIANT_DEFAULTS, **llama_like_fields(config), **window_fields(config)}
+    if config.model_type == GPT_OSS:
+        fields.update(gpt_oss_fields(config, rope_parameters(config)))
+    return fields
 
 
 def llama_like_fields(config) -> dict:
@@ -288,6 +299,8 @@ def default_model_type(metadata: dict) -> str:
         return "gpt2"
     if m.get("rotary_percent", 1.0) != 1.0:
         return "phi3"
+    if m.get("softmax_type") == "learnable" or m.get("quick_geglu"):
+        return GPT_OSS
     if m.get("num_experts"):
         return "qwen3_moe" if m.get("qk_layernorm") else "qwen2_moe" if m.get("moe_shared_expert_intermediate_size") \
             else "mixtral"
@@ -309,6 +322,10 @@ def check_representable(m: dict, model_type: str) -> None:
         need(m["num_query_groups"] == m["num_attention_heads"], "GPT-2 has no grouped-query attention")
         need(m["kv_channels"] * m["num_attention_heads"] == m["hidden_size"],
              "GPT-2 needs kv_channels x num_attention_heads == hidden_size")
+        return
+    if model_type == GPT_OSS:
+        check_gpt_oss_representable(m, need)
+        check_window_representable(m, model_type, need)
         return
     need(m["position_embedding_type"] == "rope", f"{model_type} uses RoPE, the checkpoint "
          f"{m['position_embedding_type']} position embeddings")
@@ -356,6 +373,8 @@ def build_hf_config(m: dict, model_type: str, token_ids: dict, moe_training: dic
             ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
             return Phi3Config(original_max_position_embeddings=m["max_position_embeddings"],
                               **{**ids, **fields})
+        if model_type == GPT_OSS:
+            return build_gpt_oss_config(m, fields, moe_training or {})
         if model_type in MOE_MODEL_TYPES:
             return build_moe_config(m, model_type, fields, moe_training or {})
         if model_type == "llama":

@@ -135,7 +135,7 @@ def build_moe_config(m: dict, model_type: str, fields: dict, moe_training: dict)
 
 def moe_training_settings(config) -> dict:
     """HF's load-balancing settings of an MoE config (MOE_TRAINING_KEYS), empty for a dense one."""
-    if config.model_type not in MOE_MODEL_TYPES:
+    if config.model_type not in MOE_MODEL_TYPES + ("gpt_oss",):
         return {}
     return {"router_aux_loss_coef": config.router_aux_loss_coef, "output_router_logits": config.output_router_logits}
 

@@ -7,13 +7,14 @@ of at least ``max_position_embeddings`` cuts nothing and is full attention.
 Which layers have the window, as transformers 5 applies it:
 - Mistral, Mixtral, Phi-3 and Qwen3-MoE: every layer (Qwen3-MoE only with ``use_sliding_window``);
 - Qwen2, Qwen3 and Qwen2-MoE: the layers whose ``layer_types`` entry is "sliding_attention" (transformers
-  derives the list from ``use_sliding_window`` and ``max_window_layers`` when config.json has none).
+  derives the list from ``use_sliding_window`` and ``max_window_layers`` when config.json has none);
+- GPT-OSS: likewise by ``layer_types`` (alternating sliding and full unless config.json says otherwise).
 megalite has one window for all windowed layers, the others full: --window-attn-skip-freq is the 0/1
 list per layer (1: window), absent when every layer has it. Other layer types (chunked attention, say)
 and windows that differ between layers are refused.
 
-No family converted here has attention sinks, so a model with --softmax-type other than vanilla is
-refused on export.
+Only GPT-OSS has attention sinks (--softmax-type learnable); a model with sinks is refused on export to
+any other family.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from megalite.config.schema import is_window_layer
 from megalite.errors import UserError
 
 EVERY_LAYER = ("mistral", "mixtral", "phi3", "qwen3_moe")      # config.sliding_window on every layer
-LAYER_TYPED = ("qwen2", "qwen3", "qwen2_moe")                  # on the "sliding_attention" layer types
+LAYER_TYPED = ("qwen2", "qwen3", "qwen2_moe", "gpt_oss")                # on the "sliding_attention" layer types
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -72,7 +73,7 @@ def windowed_layers(m: dict) -> list[bool] | None:
 
 def check_window_representable(m: dict, model_type: str, need) -> None:
     """Refuse (``need``) a window or sink the chosen Hugging Face family cannot express."""
-    need(m.get("softmax_type", "vanilla") == "vanilla", f"{model_type} has no attention sinks, the checkpoint "
+    need(m.get("softmax_type", "vanilla") == "vanilla" or model_type == "gpt_oss", f"{model_type} has no attention sinks, the checkpoint "
          f"--softmax-type {m.get('softmax_type')}")
     layers = windowed_layers(m)
     if layers is None:
@@ -91,7 +92,7 @@ def window_config(m: dict, model_type: str) -> dict:
     layers = windowed_layers(m)
     use = layers is not None
     fields = {"sliding_window": m["window_size"][0] + 1 if use else None}
-    if model_type in ("qwen3_moe",) + LAYER_TYPED:
+    if model_type in ("qwen3_moe", "qwen2", "qwen3", "qwen2_moe"):
         fields["use_sliding_window"] = use
     if model_type in LAYER_TYPED:
         layers = layers or [False] * m["num_layers"]

@@ -14,6 +14,7 @@ from typing import Optional
 from megalite.config.cli import (integer, moe_layer_pattern, non_negative_int, number, positive_float, positive_int,
                                  window_pair)
 from megalite.config.fields import derived, flag
+from megalite.config.model_variants import ModelVariantFields
 from megalite.errors import UserError
 
 # ---- the pipeline schedules --pipeline-schedule names, in one place ------------------------------------
@@ -65,7 +66,7 @@ def is_window_layer(window_size, window_attn_skip_freq, layer_number: int) -> bo
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(ModelVariantFields):
     num_layers: int = flag("--num-layers", positive_int)
     hidden_size: int = flag("--hidden-size", positive_int)
     num_attention_heads: int = flag("--num-attention-heads", positive_int)
@@ -79,7 +80,7 @@ class ModelConfig:
     padded_vocab_size: int = derived("the tokenizer's vocabulary padded to --make-vocab-size-divisible-by x TP size")
     vocab_size: int = derived("the tokenizer's true vocabulary (logits are trimmed to it on export)", 0)
     position_embedding_type: str = flag("--position-embedding-type", default="learned_absolute",
-                                        choices=("learned_absolute", "rope"))
+                                        choices=("learned_absolute", "rope", "yarn"))
     rotary_base: float = flag("--rotary-base", number, default=10000.0)
     rotary_percent: float = flag("--rotary-percent", number, default=1.0, help=(
         "RoPE on this fraction of each head's dimensions, the rest pass through (partial rotary)"))
@@ -159,7 +160,7 @@ class ModelConfig:
 
     @property
     def use_rope(self) -> bool:
-        return self.position_embedding_type == "rope"
+        return self.position_embedding_type in ("rope", "yarn")
 
     @property
     def attention_type(self) -> str:

@@ -67,6 +67,7 @@ def check_model(m: ModelConfig) -> None:
         raise UserError(f"rope needs an even head dimension, got {m.kv_channels} (--kv-channels or "
                         "--hidden-size/--num-attention-heads)")
     _check_rotary_percent(m)
+    check_variants(m)
     check_window(m)
     if m.max_position_embeddings < m.seq_length:
         raise UserError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
@@ -80,6 +81,21 @@ def check_model(m: ModelConfig) -> None:
         raise UserError("--recompute-granularity full needs --recompute-method uniform or block")
     if m.recompute_granularity != "full" and (m.recompute_method or m.recompute_num_layers):
         raise UserError("--recompute-method and --recompute-num-layers apply only to --recompute-granularity full")
+
+
+def check_variants(m: ModelConfig) -> None:
+    """YaRN's flags need --position-embedding-type yarn; the quick GEGLU's need --quick-geglu, not --swiglu."""
+    yarn = [f for f, on in (("--rotary-scaling-factor", m.rotary_scaling_factor != 1.0),
+                            ("--yarn-original-max-position-embeddings", m.yarn_original_max_position_embeddings))
+            if on]
+    if yarn and m.position_embedding_type != "yarn":
+        raise UserError(f"{yarn[0]} scales RoPE by YaRN: add --position-embedding-type yarn")
+    glu = [f for f, on in (("--glu-linear-offset", m.glu_linear_offset != 0.0),
+                           ("--activation-func-clamp-value", m.activation_func_clamp_value is not None)) if on]
+    if glu and not m.quick_geglu:
+        raise UserError(f"{glu[0]} applies to the quick GEGLU activation: add --quick-geglu")
+    if m.quick_geglu and m.swiglu:
+        raise UserError("--quick-geglu and --swiglu are two gated activations: give one")
 
 
 def _check_rotary_percent(m: ModelConfig) -> None:
@@ -153,8 +169,6 @@ def check_moe(m: ModelConfig) -> None:
         if moe_flags:
             raise UserError(f"{moe_flags[0]} applies to MoE layers; add --num-experts N")
         return
-    if m.add_bias_linear:
-        raise UserError("MoE experts have no biases: add --disable-bias-linear")
     if m.moe_router_topk > m.num_experts:
         raise UserError(f"--moe-router-topk {m.moe_router_topk} exceeds --num-experts {m.num_experts}; "
                         "route each token to at most every expert")
@@ -186,6 +200,9 @@ def check_experts(m: ModelConfig, p: ParallelConfig) -> None:
     if m.expert_ffn_hidden_size % etp:
         raise UserError(f"--expert-tensor-parallel-size {etp} does not divide the experts' hidden size "
                         f"{m.expert_ffn_hidden_size} (--moe-ffn-hidden-size); choose a divisor")
+    if m.add_bias_linear and etp > 1:
+        raise UserError(f"expert biases (MoE without --disable-bias-linear) need whole experts on each rank: "
+                        f"add --expert-tensor-parallel-size 1 (now {etp})")
     if tp > 1 and not p.sequence_parallel:
         raise UserError("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel "
                         "(each rank routes its own tokens)")

@@ -20,7 +20,7 @@ from megalite.model.init import initial_values, initialize_parameter
 from megalite.model.moe import MoELayer
 from megalite.model.attention.inputs import AttentionInputs
 from megalite.model.attention.kv_cache import KVCache
-from megalite.model.attention.rotary import RotaryEmbedding
+from megalite.model.attention.rotary import RotaryEmbedding, Yarn
 from megalite.model.norms import build_norm
 from megalite.model.transformer import TransformerLayer
 from megalite.parallel.data.protocol import ModuleUnit
@@ -83,8 +83,9 @@ class GPTModel(nn.Module):
         dtype = DTYPES[config.params_dtype]
         n_local = config.num_layers if num_local_layers is None else num_local_layers
 
+        yarn = Yarn.from_config(config) if config.position_embedding_type == "yarn" else None
         self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_base, config.max_position_embeddings,
-                                       config.rotary_percent)
+                                       config.rotary_percent, yarn)
                        if config.use_rope else None)
         with torch.device("meta") if meta else nullcontext():
             self.embedding = Embedding(config, dtype, tp) if pre_process else None

@@ -1,6 +1,8 @@
-"""The dense MLP: fc1 -> GELU or SwiGLU -> fc2, tensor-parallel (column then row), with a SwiGLU that keeps
-only fc1's output for backward."""
+"""The dense MLP: fc1 -> GELU, SwiGLU or quick GEGLU -> fc2, tensor-parallel (column then row), with a SwiGLU
+that keeps only fc1's output for backward."""
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -12,23 +14,27 @@ from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLin
 
 
 class MLP(nn.Module):
-    """fc1 -> activation -> fc2. With SwiGLU, fc1 rows are [gate ; up] (Megatron's layout); a TP shard is
-    [gate_r ; up_r], so each rank applies silu(gate) * up to its own columns."""
+    """fc1 -> activation -> fc2. With a gated activation (SwiGLU, quick GEGLU), fc1 rows are [gate ; up]
+    (Megatron's layout); a TP shard is [gate_r ; up_r], so each rank applies it to its own columns."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
         ffn = config.ffn_hidden_size
         self.swiglu = config.swiglu
+        self.quick_geglu = quick_geglu_of(config) if config.quick_geglu else None
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
-        fc1_out = 2 * ffn if config.swiglu else ffn
+        gated = config.gated_linear_unit
+        fc1_out = 2 * ffn if gated else ffn
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, fc1_out, config.add_bias_linear, dtype, tp,
-                                               local_rows=_swiglu_rows(ffn, tp) if config.swiglu else None)
+                                               local_rows=_swiglu_rows(ffn, tp) if gated else None)
         self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, config.add_bias_linear, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)
         if self.swiglu:
             h = swiglu(h)
+        elif self.quick_geglu is not None:
+            h = self.quick_geglu(h)
         else:
             h = F.gelu(h, approximate=self.gelu_approximate)
         return self.linear_fc2(h)
@@ -69,6 +75,21 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
         return _SwiGLUFunction.apply(h)           # compiled: the plain ops, fused and partitioned by inductor
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def quick_geglu(h: torch.Tensor, offset: float = 0.0, clamp: float | None = None) -> torch.Tensor:
+    """[..., 2f] fc1 output [gate | linear] -> gate sigmoid(1.702 gate) (linear + offset) [..., f] (Megatron's
+    quick GEGLU); with ``clamp`` v the gate is first clamped to <= v and the linear half to [-v, v]. GPT-OSS's
+    experts: offset 1, v = 7."""
+    gate, linear = h.chunk(2, dim=-1)
+    if clamp is not None:
+        gate, linear = gate.clamp(max=clamp), linear.clamp(min=-clamp, max=clamp)
+    return (linear + offset) * (gate * torch.sigmoid(gate * 1.702))
+
+
+def quick_geglu_of(config: ModelConfig):
+    """The quick GEGLU of --glu-linear-offset and --activation-func-clamp-value."""
+    return partial(quick_geglu, offset=config.glu_linear_offset, clamp=config.activation_func_clamp_value)
 
 
 def _swiglu_rows(ffn: int, tp: TensorParallel):

@@ -6,7 +6,9 @@ Router (``Router``), in fp32 (--moe-router-dtype): logits = x W^T [T, E], then
   over all experts and the top-k of those, not renormalised (Qwen2-MoE);
 - sigmoid (DeepSeek-V3): sigmoid scores, top-k on scores + expert bias, weights = the top-k scores
   normalised to sum 1 (k > 1);
-then x --moe-router-topk-scaling-factor.
+then x --moe-router-topk-scaling-factor. Without --disable-bias-linear the logits have a bias, and each
+expert's two GEMMs theirs (GPT-OSS, as Megatron's --add-bias-linear); the second bias is added before the
+routing weight multiplies the expert's output.
 
 Load balancing, added to the loss through the gradient of the layer's output (``_AttachLoss``) with the
 loss's own scale (loss scale / micro-batches, set per step on ``MoEContext``):
@@ -28,7 +30,8 @@ Experts are stacked: a rank holds [E/EP, 2f/ETP (f/ETP without SwiGLU), h] and [
 rank's experts and its ETP rank's part of f (parallel/expert/dispatch.py). Checkpoints and conversions
 see one 2-D tensor per layer, each expert's rows at its offset: ``mlp.experts.linear_fc1.weight``
 [E x 2f, h] (expert e's [gate; up] at rows e x 2f) and ``mlp.experts.linear_fc2.weight`` [E x h, f]
-(expert e's fc2 weight at rows e x h), so they reshard like any other tensor.
+(expert e's fc2 weight at rows e x h), so they reshard like any other tensor; their biases
+``linear_fc1.bias`` [E x 2f] and ``linear_fc2.bias`` [E x h] likewise.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from megalite.config.schema import ModelConfig
-from megalite.model.mlp import MLP
+from megalite.model.mlp import MLP, quick_geglu_of
 from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext, Routed, dispatch
 from megalite.parallel.param_meta import mark
 from megalite.parallel.pipeline.split_backward import input_grads_to_compute
@@ -72,6 +75,10 @@ class Router(nn.Module):
         self.dtype = torch.float64 if config.moe_router_dtype == "fp64" else torch.float32
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=dtype))
         mark(self.weight, sequence_parallel=sequence_parallel)    # each TP rank routes its own tokens
+        self.bias = None
+        if config.add_bias_linear:
+            self.bias = mark(nn.Parameter(torch.empty(config.num_experts, dtype=dtype)),
+                             sequence_parallel=sequence_parallel)
         # buffers have storage even when the model is built on the meta device (the trainer moves them)
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(config.num_experts, device="cpu"))
@@ -85,7 +92,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, seq_shape: tuple) -> tuple[Routed, torch.Tensor]:
         """x [T, h] (T = s x b, sequence-major) -> (the routing, the scalar auxiliary loss to attach)."""
-        logits = F.linear(x.to(self.dtype), self.weight.to(self.dtype))
+        bias = None if self.bias is None else self.bias.to(self.dtype)
+        logits = F.linear(x.to(self.dtype), self.weight.to(self.dtype), bias)
         scores, experts, weights = self.top_k(logits)
         routing = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, experts, True)
         if self.training:
@@ -194,10 +202,10 @@ class GroupedExperts(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, ep: ExpertParallel, gemm_recipe: str = DEFAULT_RECIPE):
         super().__init__()
         E, h, f = config.num_experts, config.hidden_size, config.expert_ffn_hidden_size
-        self.swiglu = config.swiglu
-        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+        self.activation = "swiglu" if config.swiglu else quick_geglu_of(config) if config.quick_geglu else \
+            "tanh" if config.openai_gelu else "none"
         mine, etp, r = ep.local_experts(E), ep.etp_size, ep.etp_rank
-        local_f, halves = f // etp, 2 if config.swiglu else 1
+        local_f, halves = f // etp, 2 if config.gated_linear_unit else 1
 
         def fc1_rows(rows: torch.Tensor) -> torch.Tensor:        # [E * halves * f] -> this rank's
             block = rows.view(E, halves, f)[mine.start:mine.stop]
@@ -214,17 +222,43 @@ class GroupedExperts(nn.Module):
                                                  fc1_rows)
         self.linear_fc2 = nn.Module()
         self.linear_fc2.weight = _stacked_weight((len(mine), h, local_f), (E * h, f), dtype, fc2_rows, fc2_cols)
+        self.linear_fc1.bias = self.linear_fc2.bias = None
+        if config.add_bias_linear:      # whole experts only (ETP 1: config/validate.py), so fc2's bias added once
+            self.linear_fc1.bias = _stacked_weight((len(mine), halves * local_f), (E * halves * f,), dtype, fc1_rows)
+            self.linear_fc2.bias = _stacked_weight((len(mine), h), (E * h,), dtype, fc2_rows)
         self.precision = build_gemm_precision(gemm_recipe)
 
     def forward(self, rows: torch.Tensor, counts: list) -> torch.Tensor:
         """rows [N, h] grouped by local expert, ``counts`` rows per expert -> partial outputs [N, h]."""
-        activation = "swiglu" if self.swiglu else self.gelu_approximate
-        return _ExpertMLP.apply(rows, self.linear_fc1.weight, self.linear_fc2.weight, counts, activation,
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        return _ExpertMLP.apply(rows, fc1.weight, fc2.weight, fc1.bias, fc2.bias, counts, self.activation,
                                 self.precision)
 
 
+def _per_row(bias: torch.Tensor, counts: list, num_rows: int) -> torch.Tensor:
+    """[E, n] one bias per expert -> [N, n] the bias of each row's expert (rows grouped by expert)."""
+    repeats = torch.tensor(counts, device=bias.device)
+    return torch.repeat_interleave(bias, repeats, dim=0, output_size=num_rows)
+
+
+def _per_expert(grad: torch.Tensor, counts: list) -> torch.Tensor:
+    """[N, n] rows grouped by expert -> [E, n] each expert's sum (a per-expert bias's gradient)."""
+    return torch.stack([part.sum(0) for part in grad.split(counts)])
+
+
+def _activate(hidden: torch.Tensor, activation) -> torch.Tensor:
+    if activation == "swiglu":
+        gate, up = hidden.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+    if callable(activation):
+        return activation(hidden)
+    return F.gelu(hidden, approximate=activation)
+
+
 class _ExpertMLP(torch.autograd.Function):
-    """fc2(act(fc1(rows))) per expert over rows grouped by expert; act is SwiGLU or GELU ("none"/"tanh").
+    """fc2(act(fc1(rows))) per expert over rows grouped by expert; act is SwiGLU, GELU ("none"/"tanh") or a
+    function of fc1's output (the quick GEGLU, whose gradient backward takes by autograd). With biases
+    (``fc1_bias`` [E, 2f], ``fc2_bias`` [E, h], both or neither) each GEMM adds its expert's.
 
     One node instead of autograd's chain of grouped GEMMs, split, activation and product: it saves the
     rows, fc1's output and the activation (less than the chain keeps), and its backward writes each
@@ -234,28 +268,34 @@ class _ExpertMLP(torch.autograd.Function):
     fc2's input GEMM, whose result fc1's weight gradient needs)."""
 
     @staticmethod
-    def forward(ctx, rows, fc1, fc2, counts: list, activation: str, precision: GemmPrecision):
+    def forward(ctx, rows, fc1, fc2, fc1_bias, fc2_bias, counts: list, activation, precision: GemmPrecision):
         hidden = precision.grouped_forward(rows, fc1, counts)                   # [N, 2f] or [N, f]
-        if activation == "swiglu":
-            gate, up = hidden.chunk(2, dim=-1)
-            act = F.silu(gate).mul_(up)
-        else:
-            act = F.gelu(hidden, approximate=activation)
+        if fc1_bias is not None:
+            hidden = hidden + _per_row(fc1_bias, counts, hidden.shape[0])
+        act = _activate(hidden, activation)
         ctx.save_for_backward(rows, fc1, fc2, hidden, act)
         ctx.counts, ctx.activation, ctx.precision = counts, activation, precision
-        return precision.grouped_forward(act, fc2, counts)
+        out = precision.grouped_forward(act, fc2, counts)
+        if fc2_bias is not None:
+            out = out + _per_row(fc2_bias, counts, out.shape[0])
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         rows, fc1, fc2, hidden, act = ctx.saved_tensors
         counts, precision = ctx.counts, ctx.precision
-        need_rows, need_fc1, need_fc2 = input_grads_to_compute(ctx)[:3]
+        need_rows, need_fc1, need_fc2, need_b1, need_b2 = input_grads_to_compute(ctx)[:5]
         grad = grad.contiguous()
         d_fc2 = precision.grouped_grad_weight(grad, act, counts) if need_fc2 else None
-        if not (need_rows or need_fc1):
-            return None, None, d_fc2, None, None, None
+        d_b2 = _per_expert(grad, counts) if need_b2 else None
+        if not (need_rows or need_fc1 or need_b1):
+            return None, None, d_fc2, None, d_b2, None, None, None
         d_act = precision.grouped_grad_input(grad, fc2, counts)                # [N, f]
-        if ctx.activation == "swiglu":
+        if callable(ctx.activation):
+            with torch.enable_grad():
+                h = hidden.detach().requires_grad_()
+                d_hidden, = torch.autograd.grad(ctx.activation(h), h, d_act)
+        elif ctx.activation == "swiglu":
             gate, up = hidden.chunk(2, dim=-1)
             d_hidden = torch.empty_like(hidden)
             d_gate, d_up = d_hidden.chunk(2, dim=-1)
@@ -265,7 +305,8 @@ class _ExpertMLP(torch.autograd.Function):
             d_hidden = torch.ops.aten.gelu_backward(d_act, hidden, approximate=ctx.activation)
         d_rows = precision.grouped_grad_input(d_hidden, fc1, counts) if need_rows else None
         d_fc1 = precision.grouped_grad_weight(d_hidden, rows, counts) if need_fc1 else None
-        return d_rows, d_fc1, d_fc2, None, None, None
+        d_b1 = _per_expert(d_hidden, counts) if need_b1 else None
+        return d_rows, d_fc1, d_fc2, d_b1, d_b2, None, None, None
 
 
 class SharedExpert(MLP):

@@ -50,6 +50,12 @@ FAMILIES = {
     # the first max_window_layers layers full, the window on the others
     "qwen2_window": (lambda: (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
         **SMALL, num_key_value_heads=2, use_sliding_window=True, sliding_window=5, max_window_layers=1)), False),
+    # sinks, layers alternating window 4 / full, YaRN, attention biases, clamped quick-GEGLU experts with biases
+    "gpt_oss": (lambda: (transformers.GptOssForCausalLM, transformers.GptOssConfig(
+        **{**SMALL, "intermediate_size": 32}, num_key_value_heads=2, head_dim=16, sliding_window=4,
+        num_local_experts=4, num_experts_per_tok=2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})), False),
     "gpt2": (lambda: (transformers.GPT2LMHeadModel, transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, initializer_range=0.1,
         bos_token_id=1, eos_token_id=2)), True),
@@ -129,7 +135,8 @@ def test_checkpoint_metadata(converted):
     meta = CheckpointReader(converted.ckpt).metadata
     assert converted.iter_dir == os.path.join(converted.ckpt, "iter_0000000")
     assert set(meta["model"]) == set(ARCHITECTURE_FIELDS) | set(EXTRA_FIELDS) | {"params_dtype"}
-    assert {k: meta["model"][k] for k in EXTRA_FIELDS} == extra_defaults()      # dense, no QK-norm
+    if converted.family != "gpt_oss":
+        assert {k: meta["model"][k] for k in EXTRA_FIELDS} == extra_defaults()      # dense, no QK-norm
     assert meta["model"]["params_dtype"] == "float32" and meta["model"]["vocab_size"] == VOCAB
     hf_type = converted.model.config.model_type
     assert meta["source"]["format"] == "huggingface" and meta["source"]["model_type"] == hf_type
@@ -142,6 +149,11 @@ def test_checkpoint_metadata(converted):
                                 window_size=[3, 0], window_attn_skip_freq=None),
                 "qwen2": dict(add_qkv_bias=True, add_bias_linear=False, normalization="RMSNorm", window_size=None),
                 "qwen2_window": dict(window_size=[4, 0], window_attn_skip_freq=[0, 1], softmax_type="vanilla"),
+                "gpt_oss": dict(window_size=[3, 0], window_attn_skip_freq=[1, 0], softmax_type="learnable",
+                                position_embedding_type="yarn", rotary_scaling_factor=4.0,
+                                yarn_original_max_position_embeddings=16, yarn_correction_range_round_to_int=False,
+                                add_bias_linear=True, swiglu=False, quick_geglu=True, glu_linear_offset=1.0,
+                                activation_func_clamp_value=7.0, num_experts=4, moe_router_topk=2),
                 "gpt2": dict(position_embedding_type="learned_absolute", normalization="LayerNorm", openai_gelu=True,
                              add_bias_linear=True, swiglu=False, ffn_hidden_size=256)}[converted.family]
     assert {k: meta["model"][k] for k in expected} == expected
@@ -154,6 +166,8 @@ CONFIG_FIELDS = {
               "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
               "tie_word_embeddings", "hidden_act", "bos_token_id", "eos_token_id", "pad_token_id", "dtype",
               "architectures", "sliding_window", "use_sliding_window", "layer_types"),
+    "gpt_oss": ("num_local_experts", "num_experts_per_tok", "swiglu_limit", "swiglu_alpha", "attention_bias",
+                "router_aux_loss_coef", "output_router_logits"),
     "gpt2": ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "n_inner", "activation_function",
              "layer_norm_epsilon", "tie_word_embeddings", "bos_token_id", "eos_token_id", "dtype", "architectures"),
 }
@@ -161,6 +175,7 @@ CONFIG_FIELDS = {
 
 def config_fields(config):
     fields = CONFIG_FIELDS["gpt2" if config.model_type == "gpt2" else "llama"]
+    fields += CONFIG_FIELDS["gpt_oss"] if config.model_type == "gpt_oss" else ()
     values = {k: getattr(config, k, None) for k in fields}
     if "head_dim" in values and values["head_dim"] is None:       # Qwen2: implied by hidden/heads
         values["head_dim"] = config.hidden_size // config.num_attention_heads

@@ -168,7 +168,6 @@ def test_expert_bias_moves_towards_the_mean_load():
 @pytest.mark.parametrize("flags, message", [
     (dict(moe_router_topk=9), "--moe-router-topk 9 exceeds --num-experts 8"),
     (dict(moe_expert_capacity_factor=0), "--moe-expert-capacity-factor must be > 0"),
-    (dict(disable_bias_linear=None), "--disable-bias-linear"),
     (dict(moe_layer_freq="[1,0,1]"), "--moe-layer-freq lists 3 layers"),
 ])
 def test_bad_moe_flags_are_one_line(flags, message):
@@ -181,6 +180,8 @@ def test_bad_moe_flags_are_one_line(flags, message):
     (2, dict(expert_model_parallel_size=4), "must divide the 2 ranks of each pipeline stage"),
     (4, dict(expert_model_parallel_size=2, tensor_model_parallel_size=2), "needs --sequence-parallel"),
     (2, dict(expert_model_parallel_size=2, use_torch_fsdp2=True), "--use-torch-fsdp2 does not shard experts"),
+    (2, dict(tensor_model_parallel_size=2, sequence_parallel=True, disable_bias_linear=None),
+     "add --expert-tensor-parallel-size 1"),
 ])
 def test_bad_expert_layouts_are_one_line(world, flags, message):
     argv = with_flags(TINY_LLAMA_ARGS, **{"num_experts": E, "moe_router_topk": K, "global_batch_size": 8, **flags})
