@@ -33,7 +33,7 @@ def shared_expert_bytes(workload: Workload, layout: Layout, tokens: int) -> floa
         return 0.0
     _, sp_tokens = token_counts(workload, layout)
     gate = sp_tokens * model.hidden_size * e if model.moe_shared_expert_gate else 0
-    return (3 if model.swiglu else 2) * tokens * fs * e + gate
+    return (3 if model.gated_linear_unit else 2) * tokens * fs * e + gate
 
 
 def moe_activation_bytes(workload: Workload, layout: Layout) -> float:
@@ -55,7 +55,7 @@ def moe_activation_bytes(workload: Workload, layout: Layout) -> float:
     f = model.expert_ffn_hidden_size // layout.expert_tp
     rows = dispatched_rows(workload, layout, sp_tokens)
     router = sp_tokens * (E * 4 + k * 4 + (E * 4 if model.moe_z_loss_coeff else 0) + (h * 4 if e != 4 else 0))
-    experts = rows * (h + (4 if model.swiglu else 2) * f) * e + rows * 8 * 2
+    experts = rows * (h + (4 if model.gated_linear_unit else 2) * f) * e + rows * 8 * 2
     combine_rows = rows if model.moe_token_dispatcher_type == "allgather" else sp_tokens * k
     combine = combine_rows * h * e + sp_tokens * k * 8
     return router + experts + combine + shared_expert_bytes(workload, layout, tokens)
@@ -77,9 +77,9 @@ def moe_backward_bytes(workload: Workload, layout: Layout) -> float:
     h, local = model.hidden_size, model.num_experts // layout.ep
     f = model.expert_ffn_hidden_size // layout.expert_tp
     rows = dispatched_rows(workload, layout, sp_tokens)
-    fc1_out = 2 * f if model.swiglu else f
+    fc1_out = 2 * f if model.gated_linear_unit else f
     fc2 = rows * (h + f) * e + local * h * f * e
-    activation = rows * f * (6 if model.swiglu else 2) * e
+    activation = rows * f * (6 if model.gated_linear_unit else 2) * e
     fc1 = rows * (fc1_out + h) * e + local * fc1_out * h * e
     return max(fc2, activation, fc1)
 

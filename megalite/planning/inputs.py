@@ -221,7 +221,7 @@ def layer_tensors(model: ModelConfig, tp: int, experts: tuple[int, int] | None =
     if experts is not None:
         return attention + moe_tensors(model, tp, *experts)
     ffn = model.ffn_hidden_size // tp
-    fc1_rows = 2 * ffn if model.swiglu else ffn
+    fc1_rows = 2 * ffn if model.gated_linear_unit else ffn
     return attention + [fc1_rows * h, *([fc1_rows] if bias else []), ffn * h, *([h] if bias else [])]
 
 
@@ -230,7 +230,7 @@ def moe_tensors(model: ModelConfig, tp: int, ep: int, etp: int) -> list[int]:
     experts' stacked linear_fc1 [E/ep, 2f/etp, h] (f/etp without SwiGLU) and linear_fc2 [E/ep, h, f/etp],
     and the shared expert, an MLP tensor-parallel over tp, with its gate [1, h]."""
     h, f, E = model.hidden_size, model.expert_ffn_hidden_size, model.num_experts
-    halves = 2 if model.swiglu else 1
+    halves = 2 if model.gated_linear_unit else 1
     tensors = [E * h, E // ep * halves * (f // etp) * h, E // ep * h * (f // etp)]
     shared = (model.moe_shared_expert_intermediate_size or 0) // tp
     if shared:

@@ -110,7 +110,7 @@ def layer_activation_bytes(workload: Workload, layout: Layout, kernels: Kernels,
     attention = attention_saved_elements(model, layout.tp, tokens) * e
     if not math_attention:
         attention += tokens * heads * 4                                   # log-sum-exp, fp32
-    mlp = moe_activation_bytes(workload, layout) if moe else (3 if model.swiglu else 2) * tokens * ffn * e
+    mlp = moe_activation_bytes(workload, layout) if moe else (3 if model.gated_linear_unit else 2) * tokens * ffn * e
     dropout = 2 * sp_tokens * h if model.hidden_dropout > 0 else 0
     return norms + linear_inputs + attention + mlp + dropout
 
@@ -168,9 +168,9 @@ def mlp_backward_bytes(workload: Workload, layout: Layout, kernels: Kernels, ffn
     model, e = workload.model, workload.dtype_bytes
     tokens, sp_tokens = token_counts(workload, layout)
     h, f = model.hidden_size, ffn_hidden_size // layout.tp
-    fc1_out = 2 * f if model.swiglu else f
+    fc1_out = 2 * f if model.gated_linear_unit else f
     copies = kernels.collective_copies
-    if model.swiglu:
+    if model.gated_linear_unit:
         activation = tokens * 3 * f * e
     else:
         activation = tokens * f * e

@@ -66,7 +66,7 @@ def matmul_parameters(model: ModelConfig) -> int:
     h, d = model.hidden_size, model.kv_channels
     nq, nkv = model.num_attention_heads, model.num_query_groups
     attention = h * (nq + 2 * nkv) * d + nq * d * h
-    mlp = h * model.ffn_hidden_size * (3 if model.swiglu else 2)
+    mlp = h * model.ffn_hidden_size * (3 if model.gated_linear_unit else 2)
     dense = model.num_layers * (attention + mlp) + model.padded_vocab_size * h
     if not model.num_experts:
         return dense
@@ -100,7 +100,7 @@ def flops_per_iteration(model: ModelConfig, batch_size: int, attended_fraction: 
 
 def mlp_flops_per_token(model: ModelConfig, ffn: int) -> float:
     """Forward FLOPs of a dense MLP of ``ffn`` hidden units per token."""
-    return 2 * model.hidden_size * ffn * (3 if model.swiglu else 2)
+    return 2 * model.hidden_size * ffn * (3 if model.gated_linear_unit else 2)
 
 
 def moe_extra_flops_per_token(model: ModelConfig) -> float:

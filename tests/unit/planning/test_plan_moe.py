@@ -255,7 +255,7 @@ def test_cli_plans_an_moe_model_with_expert_flags(capsys):
 def test_cli_moe_mistakes_are_one_line_errors(capsys):
     import plan_parallelism
     cases = {("--disable-bias-linear", "--moe-router-topk", "4"): "--moe-router-topk applies to MoE layers",
-             ("--num-experts", "8"): "add --disable-bias-linear",
+             ("--num-experts", "8", "--expert-tensor-parallel-size", "2"): "no layout of 16 GPUs suits",
              ("--disable-bias-linear", "--num-experts", "8", "--moe-imbalance-margin", "0.5"): "--moe-imbalance-margin",
              ("--disable-bias-linear", "--num-experts", "8", "--expert-model-parallel-size", "3"):
                  "--expert-model-parallel-size 3"}
