@@ -1,4 +1,4 @@
-"""Every --cp-comm-type (p2p ring, a2a Ulysses, a2a+p2p) against a dense fp64 reference, forward and
+"""Every --cp-comm-type (p2p ring, a2a Ulysses, a2a+p2p, allgather) against a dense fp64 reference, forward and
 backward, at CP 2 and 4 under the NCCL-semantics tier: plain causal, per-sample documents that cross the
 load-balanced chunks' boundaries, a sliding window, learnable sinks, and all of them at once."""
 import pytest
@@ -18,7 +18,8 @@ MASKS = {"causal": (MaskSpec(), False), "documents": (MaskSpec(cu_seqlens=CU), F
          "window": (MaskSpec(window=(5, 0)), False), "sinks": (MaskSpec(), True),
          "all": (MaskSpec(window=(6, 0), cu_seqlens=CU), True)}
 # (comm type, a2a size of a2a+p2p) tried at each CP size
-LAYOUTS = {2: [("p2p", None), ("a2a", None), ("a2a+p2p", 1)], 4: [("p2p", None), ("a2a", None), ("a2a+p2p", 2)]}
+LAYOUTS = {2: [("p2p", None), ("a2a", None), ("a2a+p2p", 1), ("allgather", None)],
+           4: [("p2p", None), ("a2a", None), ("a2a+p2p", 2), ("allgather", None)]}
 
 
 def _inputs():
@@ -113,9 +114,9 @@ def test_cp_comm_type_refusals(extra, message):
 
 
 def test_cp_comm_type_accepted_forms():
-    args = _parse(4, "--cp-comm-type", "a2a+p2p", "p2p", "a2a", "--hierarchical-context-parallel-sizes", "2", "2",
-                  num_attention_heads=8, num_query_groups=4, num_layers=3)
-    assert args.parallel.cp_comm_type == ["a2a+p2p", "p2p", "a2a"]
+    args = _parse(4, "--cp-comm-type", "a2a+p2p", "p2p", "a2a", "allgather", "--hierarchical-context-parallel-sizes",
+                  "2", "2", num_attention_heads=8, num_query_groups=4, num_layers=4)
+    assert args.parallel.cp_comm_type == ["a2a+p2p", "p2p", "a2a", "allgather"]
     assert args.parallel.hierarchical_context_parallel_sizes == [2, 2]
 
 
@@ -127,12 +128,13 @@ def _train(rank, world, argv):
 
 
 def test_training_with_every_comm_type_equals_serial():
-    """Ulysses alone at CP=2, and at CP=4 a different comm type per layer (Megatron's list form)."""
+    """Ulysses alone and all-gather alone at CP=2, and at CP=4 a different comm type per layer (Megatron's
+    list form)."""
     from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
     argv = with_flags(TINY_LLAMA_ARGS, num_layers=4, num_query_groups=4, seq_length=64, max_position_embeddings=64,
                       global_batch_size=8, train_iters=4)
     serial = run_ranks(1, _train, argv)[0]
-    for cp, extra in ((2, ["--cp-comm-type", "a2a"]),
+    for cp, extra in ((2, ["--cp-comm-type", "a2a"]), (2, ["--cp-comm-type", "allgather"]),
                       (4, ["--cp-comm-type", "p2p", "a2a", "a2a+p2p", "a2a", "--hierarchical-context-parallel-sizes",
                            "2", "2"])):
         logged = run_ranks(cp, _train, with_flags(argv, context_parallel_size=cp) + extra)[-1]

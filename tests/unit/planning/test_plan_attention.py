@@ -87,6 +87,20 @@ def test_ulysses_traffic_is_all_to_all_volume_and_is_not_hidden():
     assert 0 < timing.step_time(hybrid, layout, hardware).context_parallel < a2a
 
 
+def test_allgather_traffic_is_gathered_kv_and_dkv_reduce_scatter_and_is_not_hidden():
+    from megalite.planning import inputs, time as timing
+    model = _llama_8k()
+    hardware = inputs.Hardware(num_gpus=8, gpu_memory_gb=80)
+    layout = inputs.Layout(tp=1, cp=8, dp=1, micro_batch_size=1)
+    gathered = timing.step_time(inputs.Workload(model, 8, cp_comm_types=("allgather",)), layout, hardware)
+    whole_kv = 8192 * 32 * 8 * 2 * 8 * 128               # the sequence's K and V x layers x micro-batches
+    # K/V all-gathered forward and again backward (bf16), dK/dV reduce-scattered (fp32), 7/8 sent by each rank
+    sent = 7 / 8 * whole_kv * (2 * 2 + 4)
+    assert gathered.context_parallel == pytest.approx(sent / (hardware.intra_node_gbps * 1e9))
+    mixed = inputs.Workload(model, 8, cp_comm_types=("allgather", "p2p"))   # the ring's layers hide theirs
+    assert timing.step_time(mixed, layout, hardware).context_parallel == pytest.approx(gathered.context_parallel / 2)
+
+
 def test_the_planner_refuses_document_masks_it_cannot_count(capsys):
     import plan_parallelism
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "100",
