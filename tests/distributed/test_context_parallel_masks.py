@@ -140,3 +140,32 @@ def test_training_with_every_comm_type_equals_serial():
         logged = run_ranks(cp, _train, with_flags(argv, context_parallel_size=cp) + extra)[-1]
         assert len(logged) == len(serial) == 4
         assert logged == pytest.approx(serial, rel=1e-5), (extra, logged, serial)
+
+
+# ---- allgather's memory ---------------------------------------------------------------------------
+def _allgather_peak(rank, world, chunk):
+    """Peak live bytes of one allgather forward + backward on this rank, at chunks of ``chunk`` tokens."""
+    from bench.cross_entropy_memory import LiveBytes
+    from megalite.parallel.context.allgather import allgather_attention
+    cp = build_context_parallel(ParallelState.build(world, rank, cp=world), ("allgather",)).for_layer(1)
+    g = torch.Generator().manual_seed(rank)
+    q, grad = torch.randn(2 * chunk, B, NH, D, generator=g), torch.randn(2 * chunk, B, NH * D, generator=g)
+    k, v = (torch.randn(2 * chunk, B, G, D, generator=g).requires_grad_() for _ in range(2))
+    q.requires_grad_()
+    with LiveBytes() as live:
+        allgather_attention(q, k, v, cp, MaskSpec()).backward(grad)
+    return live.peak
+
+
+def test_allgather_holds_the_gathered_kv_and_block_sized_temporaries():
+    """Beyond the gathered K/V and its fp32 dK/dV (the whole sequence's, 2 cp local K/V sizes), one layer
+    holds a few fp32 [s_local, b, heads, d] tensors (output, dQ, kernel outputs), never a block's
+    [b, heads, c, c] scores: measured at c and 4c on CP rank 0 of 2."""
+    peaks = {}
+    for chunk in (64, 256):
+        local = 2 * chunk * B * NH * D * 4                      # one fp32 [s_local, b, heads, d] tensor
+        whole_kv = 2 * (2 * 2 * chunk) * B * G * D * 4          # K and V of the 2 cp chunks (fp32)
+        peaks[chunk] = run_ranks(2, _allgather_peak, chunk)[0]
+        assert peaks[chunk] <= 2 * whole_kv + 6 * local, (chunk, peaks[chunk] / local)
+    assert peaks[256] / peaks[64] == pytest.approx(4.0, rel=0.1)              # c x 4: memory x 4, not x 16
+    assert peaks[256] < B * NH * 256 * 256 * 4                                  # one block's fp32 scores
