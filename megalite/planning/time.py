@@ -91,7 +91,8 @@ def context_parallel_time(workload: Workload, layout: Layout, hardware: Hardware
     all-to-all within A ranks (--hierarchical-context-parallel-sizes A B), then a ring of B over the
     all-to-all's head shards, which passes as many K/V bytes per step as the whole ring does. allgather:
     an all-gather of the whole sequence's K and V forward, again backward, and a reduce-scatter of the
-    fp32 dK/dV, each (cp - 1)/cp of the whole per rank, none hidden behind compute."""
+    fp32 dK/dV, each (cp - 1)/cp of the whole per rank; the all-gathers hide behind the attention of the
+    rank's own K/V (1/cp of its attention), the reduce-scatter behind nothing."""
     model, e, d = workload.model, workload.dtype_bytes, workload.model.kv_channels
     heads, groups = local_attention_heads(model, layout.tp)
     attention_flops = 3 * 4 * model.seq_length * heads * d * tokens * workload.attended_fraction
@@ -104,9 +105,9 @@ def context_parallel_time(workload: Workload, layout: Layout, hardware: Hardware
         passes = 3 * (ring - 1) * tokens * 2 * groups * d * e / link_bandwidth(hardware, layout.tp * layout.cp)
         total += max(0.0, passes - attention)
         whole_kv = gather * tokens * 2 * groups * d             # elements of the gathered K and V
-        gathered = 2 * ring_bytes("all_gather", whole_kv * e, gather)
-        gathered += ring_bytes("reduce_scatter", whole_kv * GRAD_BYTES, gather)    # dK/dV in fp32
-        total += gathered / link_bandwidth(hardware, layout.tp * gather)
+        bandwidth = link_bandwidth(hardware, layout.tp * gather)
+        total += max(0.0, 2 * ring_bytes("all_gather", whole_kv * e, gather) / bandwidth - attention / gather)
+        total += ring_bytes("reduce_scatter", whole_kv * GRAD_BYTES, gather) / bandwidth     # dK/dV in fp32
     return total / len(workload.cp_comm_types)
 
 

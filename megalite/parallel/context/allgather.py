@@ -12,8 +12,9 @@ merge by log-sum-exp in the same fp32 accumulators; sinks merge once at the end.
 Memory: the gathered K/V [cp x s_local] lives for the duration of the layer's forward (and again in
 backward), plus the ring's O(block) temporaries. Nothing beyond what the ring keeps is saved for
 backward: backward all-gathers K/V again, accumulates dK/dV for the whole gathered sequence in fp32 and
-reduce-scatters it, so each rank gets the summed gradients of the K/V it owns. Neither collective
-overlaps compute: forward's comes before the first block, backward's reduce-scatter after the last.
+reduce-scatters it, so each rank gets the summed gradients of the K/V it owns. Each all-gather is in
+flight while the rank attends its own K/V (the ring's first step needs nothing from other ranks); the
+reduce-scatter follows the last block, with nothing to hide behind.
 """
 from __future__ import annotations
 
@@ -27,11 +28,18 @@ from megalite.parallel.context.ring_attention import (ContextParallel, KVBlock, 
                                                       accumulators, finish_backward, finish_forward, start_backward)
 
 
-def _gathered(own: KVBlock, cp: ContextParallel) -> list[KVBlock]:
-    """Every CP rank's ``own``, in CP-rank order: views of one gathered buffer."""
+def _kv_steps(own: KVBlock, cp: ContextParallel):
+    """(step, source CP rank, its KVBlock) in the ring's order, step j holding the KV of rank (rank - j) mod
+    size: this rank's own K/V first, attended while the all-gather of every rank's is in flight, then views
+    of the gathered buffer (freed when the steps are done)."""
     whole = own.flat.new_empty(cp.size * own.flat.numel())
-    collectives.all_gather_single(whole, own.flat, group=cp.group)
-    return _views(whole, own, cp.size)
+    work = collectives.all_gather_single(whole, own.flat, group=cp.group, async_op=True)
+    yield 0, cp.rank, own
+    work.wait()
+    kv = _views(whole, own, cp.size)
+    for step in range(1, cp.size):
+        src = (cp.rank - step) % cp.size
+        yield step, src, kv[src]
 
 
 def _views(whole: torch.Tensor, like: KVBlock, ranks: int) -> list[KVBlock]:
@@ -44,24 +52,22 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, cp: ContextParallel, mask: AttentionMask, scale: float):
         out, lse, filled = accumulators(q, v, cp, mask)
-        kv = _gathered(KVBlock.of(k, v), cp)
-        for step in range(cp.size):         # the ring's order: step j holds the KV of rank (rank - j) mod size
-            _attend(q, kv[(cp.rank - step) % cp.size], _step_blocks(cp, mask, step, q), out, lse, filled, scale)
+        for step, _, kv in _kv_steps(KVBlock.of(k, v), cp):
+            _attend(q, kv, _step_blocks(cp, mask, step, q), out, lse, filled, scale)
         return finish_forward(ctx, q, k, v, sinks, out, lse, (cp, mask, scale))
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, sinks, out, lse, grad_out, dq, (cp, mask, scale) = start_backward(ctx, grad_out)
-        kv = _gathered(KVBlock.of(k, v), cp)
-        dkv_whole = torch.zeros(cp.size * kv[0].flat.numel(), dtype=torch.float32, device=q.device)
-        dkv = _views(dkv_whole, kv[0], cp.size)
-        for step in range(cp.size):
-            src, blocks = (cp.rank - step) % cp.size, _step_blocks(cp, mask, step, q)
-            _attend_backward(grad_out, q, kv[src], out, lse, blocks, dq, dkv[src], scale, len(cp.chunk_ids()))
-        del kv                              # the gathered K/V, before the reduce-scatter's buffer
-        own = dkv[0].new()
-        collectives.reduce_scatter_single(own.flat, dkv_whole, group=cp.group)
-        return finish_backward(q, k, sinks, out, lse, grad_out, dq, own)
+        own = KVBlock.of(k, v)
+        dkv_whole = torch.zeros(cp.size * own.flat.numel(), dtype=torch.float32, device=q.device)
+        dkv = _views(dkv_whole, own, cp.size)
+        for step, src, kv in _kv_steps(own, cp):     # K/V gathered again rather than kept from forward
+            blocks = _step_blocks(cp, mask, step, q)
+            _attend_backward(grad_out, q, kv, out, lse, blocks, dq, dkv[src], scale, len(cp.chunk_ids()))
+        mine = dkv[0].new()
+        collectives.reduce_scatter_single(mine.flat, dkv_whole, group=cp.group)
+        return finish_backward(q, k, sinks, out, lse, grad_out, dq, mine)
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, mask: AttentionMask,
