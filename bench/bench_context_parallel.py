@@ -124,24 +124,27 @@ def measure(cp_size: int, seq_lengths: tuple, rank_fn=_rank) -> dict:
 
 
 # ---- ring vs Ulysses vs all-gather: one attention layer, forward and backward ------------------------
-def attention_seconds(cp_size: int, rank: int, seq: int, comm_type: str) -> float:
-    """Best of COMM_REPEATS timings (after one warm-up) of one causal attention forward + backward at ``seq``
-    tokens over ``cp_size`` ranks (fp32, batch 1, head dim BLOCK_HEAD_DIM)."""
-    cp = build_context_parallel(ParallelState.build(cp_size, rank, cp=cp_size), (comm_type,)).for_layer(1)
+def attention_seconds(cp_size: int, rank: int, seq: int) -> dict:
+    """Per comm type, the best of COMM_REPEATS timings (after one warm-up) of one causal attention forward +
+    backward at ``seq`` tokens over ``cp_size`` ranks (fp32, batch 1, head dim BLOCK_HEAD_DIM). The comm
+    types take turns, so a change in the machine's load falls on all of them alike."""
+    state = ParallelState.build(cp_size, rank, cp=cp_size)
+    cps = {kind: build_context_parallel(state, (kind,)).for_layer(1) for kind in COMM_TYPES}
     g = torch.Generator().manual_seed(rank)
     local = seq // cp_size
     q, dout = (torch.randn(local, 1, COMM_HEADS, BLOCK_HEAD_DIM, generator=g) for _ in range(2))
     k, v = (torch.randn(local, 1, COMM_GROUPS, BLOCK_HEAD_DIM, generator=g) for _ in range(2))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     mask = MaskSpec()
-    times = []
+    times = {kind: [] for kind in COMM_TYPES}
     for _ in range(COMM_REPEATS + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        context_attention(q, k, v, cp, mask, lambda *t: core_attention(*t, mask)).backward(dout.view(local, 1, -1))
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
+        for kind, cp in cps.items():
+            dist.barrier()
+            start = time.perf_counter()
+            context_attention(q, k, v, cp, mask, lambda *t: core_attention(*t, mask)).backward(dout.view(local, 1, -1))
+            dist.barrier()
+            times[kind].append(time.perf_counter() - start)
+    return {kind: min(t[1:]) for kind, t in times.items()}
 
 
 def _comm_rank(rank: int, cp_size: int, port: int, seq: int, queue) -> None:
@@ -149,21 +152,24 @@ def _comm_rank(rank: int, cp_size: int, port: int, seq: int, queue) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=cp_size)
     torch.set_num_threads(1)
     try:
-        for comm_type in COMM_TYPES:
-            seconds = attention_seconds(cp_size, rank, seq, comm_type)
-            if rank == 0:
-                queue.put((comm_type, seconds))
+        seconds = attention_seconds(cp_size, rank, seq)
+        if rank == 0:
+            for kind in COMM_TYPES:
+                queue.put((kind, seconds[kind]))
     finally:
         dist.destroy_process_group()
 
 
-def comm_type_rows(seq: int) -> tuple[list[str], dict]:
+def comm_type_rows(seq: int) -> tuple[list[str], dict, tuple]:
+    """The table's rows, its figures and the 1-minute load average before and after it was measured."""
+    before = os.getloadavg()[0]
     table = {cp: measure(cp, seq, _comm_rank) for cp in COMM_CPS}
+    loads = (before, os.getloadavg()[0])
     rows = ["| " + " | ".join([str(cp), *(f"{t[kind] * 1e3:.0f} ms" for kind in COMM_TYPES),
                                 *(f"{t[kind] / t['p2p']:.2f}x" for kind in COMM_TYPES[1:])]) + " |"
             for cp, t in table.items()]
-    print(*rows, sep="\n", flush=True)
-    return rows, table
+    print(*rows, f"load average {loads[0]:.1f} before, {loads[1]:.1f} after", sep="\n", flush=True)
+    return rows, table, loads
 
 
 # ---- one ring block: before (explicit fp32 math, the baseline) and after (fused kernels) -----------
@@ -258,7 +264,7 @@ def main(argv: list[str]) -> None:
     chunk = QUICK_CHUNK if args.quick else CHUNK
     block, before, after = block_rows(chunk)
     comm_seq = QUICK_COMM_SEQ if args.quick else COMM_SEQ
-    comm_rows, comm_table = comm_type_rows(comm_seq)
+    comm_rows, comm_table, loads = comm_type_rows(comm_seq)
     table = {cp: measure(cp, seq_lengths) for cp in cps}
     rows = []
     for seq in seq_lengths:
@@ -296,7 +302,8 @@ def main(argv: list[str]) -> None:
             "", f"Ring (p2p) vs Ulysses (a2a) vs all-gather (allgather): one causal attention layer's forward and "
             f"backward at {comm_seq} tokens, {COMM_HEADS} query heads / {COMM_GROUPS} KV groups, head dim "
             f"{BLOCK_HEAD_DIM}, batch 1, fp32, on cp gloo ranks of one thread each, the same cp processes for every "
-            f"comm type (best of {COMM_REPEATS}, CP rank 0).",
+            f"comm type, taking turns (best of {COMM_REPEATS}, CP rank 0). Load average {loads[0]:.1f} when this "
+            f"table started, {loads[1]:.1f} when it ended: the machine is shared, so the ratios carry its noise.",
             "", "| cp | " + " | ".join(COMM_NAMES[kind] for kind in COMM_TYPES) + " | "
             + " | ".join(f"{kind} / p2p" for kind in COMM_TYPES[1:]) + " |",
             "|---|" + "---|" * (2 * len(COMM_TYPES) - 1), *comm_rows]

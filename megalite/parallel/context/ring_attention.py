@@ -46,8 +46,8 @@ class ContextParallel:
 
     ``chunks``: the sequence chunk ids each rank of the group holds, in the order its tensors hold them
     (empty: the load-balanced pair r, 2 size - 1 - r of 2 size chunks). ``comm_type``: how this layer's
-    attention crosses the group (--cp-comm-type: p2p, a2a, a2a+p2p, allgather); ``comm_types``: every layer's choice
-    (one value: all layers).
+    attention crosses the group (--cp-comm-type: p2p, a2a, a2a+p2p, allgather); ``comm_types``: every
+    layer's choice (one value: all layers).
     ``inner`` / ``outer``: for a2a+p2p, the all-to-all group of consecutive CP ranks and the ring across
     those groups (ulysses.py)."""
     group: object = None
