@@ -15,9 +15,10 @@ kernel pair of megalite/parallel/context/block_kernels.py. Each runs in a fresh 
 peak of the tensors the block's ops create alive at once (LiveBytes) and the growth of the process's
 peak RSS, which also counts the kernels' internal buffers.
 
-The third table sets the ring (--cp-comm-type p2p) and Ulysses (a2a) side by side at cp = 2 and 4 on
-gloo: the time of one attention layer's forward and backward over the whole sequence (the only part of
-a training step where they differ), causal, with their communication. Writes a section of bench/RESULTS.md.
+The third table sets the ring (--cp-comm-type p2p), Ulysses (a2a) and the K/V all-gather (allgather) side
+by side at cp = 2 and 4 on gloo, each on the same cp processes: the time of one attention layer's forward
+and backward over the whole sequence (the only part of a training step where they differ), causal, with
+their communication. Writes a section of bench/RESULTS.md.
 
     python bench/bench_context_parallel.py
     python bench/bench_context_parallel.py --quick      # smoke test: seq 256 and 512, cp 1 and 2, chunk 1024,
@@ -63,6 +64,8 @@ CHUNK, QUICK_CHUNK = 8192, 1024
 BLOCK_HEADS, BLOCK_GROUPS, BLOCK_HEAD_DIM = 8, 2, 64            # hidden 512, GQA 4 query heads per KV group
 COMM_SEQ, QUICK_COMM_SEQ, COMM_CPS, COMM_REPEATS = 8192, 1024, (2, 4), 3
 COMM_HEADS, COMM_GROUPS = 8, 4                                  # divisible by every cp of COMM_CPS (Ulysses)
+COMM_TYPES = ("p2p", "a2a", "allgather")
+COMM_NAMES = {"p2p": "ring (p2p)", "a2a": "Ulysses (a2a)", "allgather": "all-gather (allgather)"}
 
 
 def saved_activation_bytes(cp_size: int, rank: int, seq: int) -> int:
@@ -120,25 +123,28 @@ def measure(cp_size: int, seq_lengths: tuple, rank_fn=_rank) -> dict:
     return results
 
 
-# ---- ring vs Ulysses: one attention layer, forward and backward -------------------------------------
-def attention_seconds(cp_size: int, rank: int, seq: int, comm_type: str) -> float:
-    """Best of COMM_REPEATS timings (after one warm-up) of one causal attention forward + backward at ``seq``
-    tokens over ``cp_size`` ranks (fp32, batch 1, head dim BLOCK_HEAD_DIM)."""
-    cp = build_context_parallel(ParallelState.build(cp_size, rank, cp=cp_size), (comm_type,)).for_layer(1)
+# ---- ring vs Ulysses vs all-gather: one attention layer, forward and backward ------------------------
+def attention_seconds(cp_size: int, rank: int, seq: int) -> dict:
+    """Per comm type, the best of COMM_REPEATS timings (after one warm-up) of one causal attention forward +
+    backward at ``seq`` tokens over ``cp_size`` ranks (fp32, batch 1, head dim BLOCK_HEAD_DIM). The comm
+    types take turns, so a change in the machine's load falls on all of them alike."""
+    state = ParallelState.build(cp_size, rank, cp=cp_size)
+    cps = {kind: build_context_parallel(state, (kind,)).for_layer(1) for kind in COMM_TYPES}
     g = torch.Generator().manual_seed(rank)
     local = seq // cp_size
     q, dout = (torch.randn(local, 1, COMM_HEADS, BLOCK_HEAD_DIM, generator=g) for _ in range(2))
     k, v = (torch.randn(local, 1, COMM_GROUPS, BLOCK_HEAD_DIM, generator=g) for _ in range(2))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     mask = MaskSpec()
-    times = []
+    times = {kind: [] for kind in COMM_TYPES}
     for _ in range(COMM_REPEATS + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        context_attention(q, k, v, cp, mask, lambda *t: core_attention(*t, mask)).backward(dout.view(local, 1, -1))
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
+        for kind, cp in cps.items():
+            dist.barrier()
+            start = time.perf_counter()
+            context_attention(q, k, v, cp, mask, lambda *t: core_attention(*t, mask)).backward(dout.view(local, 1, -1))
+            dist.barrier()
+            times[kind].append(time.perf_counter() - start)
+    return {kind: min(t[1:]) for kind, t in times.items()}
 
 
 def _comm_rank(rank: int, cp_size: int, port: int, seq: int, queue) -> None:
@@ -146,20 +152,24 @@ def _comm_rank(rank: int, cp_size: int, port: int, seq: int, queue) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=cp_size)
     torch.set_num_threads(1)
     try:
-        for comm_type in ("p2p", "a2a"):
-            seconds = attention_seconds(cp_size, rank, seq, comm_type)
-            if rank == 0:
-                queue.put((comm_type, seconds))
+        seconds = attention_seconds(cp_size, rank, seq)
+        if rank == 0:
+            for kind in COMM_TYPES:
+                queue.put((kind, seconds[kind]))
     finally:
         dist.destroy_process_group()
 
 
-def comm_type_rows(seq: int) -> tuple[list[str], dict]:
+def comm_type_rows(seq: int) -> tuple[list[str], dict, tuple]:
+    """The table's rows, its figures and the 1-minute load average before and after it was measured."""
+    before = os.getloadavg()[0]
     table = {cp: measure(cp, seq, _comm_rank) for cp in COMM_CPS}
-    rows = [f"| {cp} | {t['p2p'] * 1e3:.0f} ms | {t['a2a'] * 1e3:.0f} ms | {t['a2a'] / t['p2p']:.2f}x |"
+    loads = (before, os.getloadavg()[0])
+    rows = ["| " + " | ".join([str(cp), *(f"{t[kind] * 1e3:.0f} ms" for kind in COMM_TYPES),
+                                *(f"{t[kind] / t['p2p']:.2f}x" for kind in COMM_TYPES[1:])]) + " |"
             for cp, t in table.items()]
-    print(*rows, sep="\n", flush=True)
-    return rows, table
+    print(*rows, f"load average {loads[0]:.1f} before, {loads[1]:.1f} after", sep="\n", flush=True)
+    return rows, table, loads
 
 
 # ---- one ring block: before (explicit fp32 math, the baseline) and after (fused kernels) -----------
@@ -254,7 +264,7 @@ def main(argv: list[str]) -> None:
     chunk = QUICK_CHUNK if args.quick else CHUNK
     block, before, after = block_rows(chunk)
     comm_seq = QUICK_COMM_SEQ if args.quick else COMM_SEQ
-    comm_rows, comm_table = comm_type_rows(comm_seq)
+    comm_rows, comm_table, loads = comm_type_rows(comm_seq)
     table = {cp: measure(cp, seq_lengths) for cp in cps}
     rows = []
     for seq in seq_lengths:
@@ -273,8 +283,9 @@ def main(argv: list[str]) -> None:
                            "the explicit fp32 math blocks",
                            f"{(after['forward_s'] + after['backward_s']) / (before['forward_s'] + before['backward_s']):.2f}x",
                            command)]
-    headlines += [Headline(f"Ulysses (a2a) attention forward + backward, cp={cp}, seq {comm_seq}, gloo",
-                           "the ring (p2p)", f"{t['a2a'] / t['p2p']:.2f}x", command) for cp, t in comm_table.items()]
+    headlines += [Headline(f"{COMM_NAMES[kind]} attention forward + backward, cp={cp}, seq {comm_seq}, gloo",
+                           "the ring (p2p)", f"{t[kind] / t['p2p']:.2f}x", command)
+                  for kind in COMM_TYPES[1:] for cp, t in comm_table.items()]
     body = ["Llama-style GPTModel, 2 layers, hidden 128, 4 heads / 2 KV groups, vocab 1000, micro-batch 1, fp32; one "
             "forward with its loss on cp gloo ranks. Figure: bytes of the tensors autograd saves for backward on CP "
             "rank 0 (parameters excluded), in brackets relative to cp=1. Ring attention saves only the local "
@@ -288,10 +299,14 @@ def main(argv: list[str]) -> None:
             f"({BLOCK_HEADS * chunk * chunk * 4 / 2**30:.2f} GiB); the block's inputs (q, k, v, dout) are "
             f"{after['input_bytes'] / 2**20:.0f} MiB. Peak RSS growth also counts the kernels' internal buffers.",
             "", "| block | peak live tensors | peak RSS growth | forward | backward |", "|---|---|---|---|---|", *block,
-            "", f"Ring (p2p) vs Ulysses (a2a): one causal attention layer's forward and backward at {comm_seq} tokens, "
-            f"{COMM_HEADS} query heads / {COMM_GROUPS} KV groups, head dim {BLOCK_HEAD_DIM}, batch 1, fp32, on cp gloo "
-            f"ranks of one thread each (best of {COMM_REPEATS}, CP rank 0).",
-            "", "| cp | ring (p2p) | Ulysses (a2a) | a2a / p2p |", "|---|---|---|---|", *comm_rows]
+            "", f"Ring (p2p) vs Ulysses (a2a) vs all-gather (allgather): one causal attention layer's forward and "
+            f"backward at {comm_seq} tokens, {COMM_HEADS} query heads / {COMM_GROUPS} KV groups, head dim "
+            f"{BLOCK_HEAD_DIM}, batch 1, fp32, on cp gloo ranks of one thread each, the same cp processes for every "
+            f"comm type, taking turns (best of {COMM_REPEATS}, CP rank 0). Load average {loads[0]:.1f} when this "
+            f"table started, {loads[1]:.1f} when it ended: the machine is shared, so the ratios carry its noise.",
+            "", "| cp | " + " | ".join(COMM_NAMES[kind] for kind in COMM_TYPES) + " | "
+            + " | ".join(f"{kind} / p2p" for kind in COMM_TYPES[1:]) + " |",
+            "|---|" + "---|" * (2 * len(COMM_TYPES) - 1), *comm_rows]
     publish(args, "bench_context_parallel", "Context parallelism: activation memory per rank vs sequence length",
             command, headlines, body)
 

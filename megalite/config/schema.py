@@ -197,8 +197,9 @@ class ParallelConfig:
     tensor_model_parallel_size: int = flag("--tensor-model-parallel-size", positive_int, default=1)
     pipeline_model_parallel_size: int = flag("--pipeline-model-parallel-size", positive_int, default=1)
     context_parallel_size: int = flag("--context-parallel-size", positive_int, default=1)
-    # the ring, Ulysses, or Ulysses inside rings (parallel/context/ulysses.py); one value or one per layer
-    cp_comm_type: list[str] = flag("--cp-comm-type", factory=lambda: ["p2p"], nargs="+", choices=("p2p", "a2a", "a2a+p2p"))
+    # the ring, Ulysses, Ulysses inside rings or K/V all-gathered (parallel/context/); one value or one per layer
+    cp_comm_type: list[str] = flag("--cp-comm-type", factory=lambda: ["p2p"], nargs="+",
+                                   choices=("p2p", "a2a", "a2a+p2p", "allgather"))
     hierarchical_context_parallel_sizes: Optional[list[int]] = flag("--hierarchical-context-parallel-sizes", positive_int,
                                                                     default=None, nargs="+")
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag("--num-layers-per-virtual-pipeline-stage",

@@ -46,14 +46,15 @@ def check_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
         raise UserError(f"--context-parallel-size {cp} needs --seq-length {m.seq_length} divisible by {split} "
                         f"(2 x cp chunks{' x --tensor-model-parallel-size with --sequence-parallel' if split > 2 * cp else ''})")
     if m.attention_dropout > 0:
-        raise UserError(f"--context-parallel-size {cp} needs --attention-dropout 0 (ring attention has no "
+        raise UserError(f"--context-parallel-size {cp} needs --attention-dropout 0 (no --cp-comm-type has "
                         f"attention dropout; got {m.attention_dropout})")
     check_cp_comm_type(m, p)
 
 
 def check_cp_comm_type(m: ModelConfig, p: ParallelConfig) -> None:
-    """One --cp-comm-type or one per layer; a2a splits every TP rank's query heads and KV groups over the
-    ranks of its all-to-all (CP, or the first --hierarchical-context-parallel-sizes), whose product is CP."""
+    """One --cp-comm-type or one per layer (p2p and allgather need nothing more than CP itself); a2a splits
+    every TP rank's query heads and KV groups over the ranks of its all-to-all (CP, or the first
+    --hierarchical-context-parallel-sizes), whose product is CP."""
     cp, tp, kinds = p.context_parallel_size, p.tensor_model_parallel_size, p.cp_comm_type
     if len(kinds) not in (1, m.num_layers):
         raise UserError(f"--cp-comm-type takes one value or one per layer ({m.num_layers}); got {len(kinds)}")

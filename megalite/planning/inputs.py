@@ -46,13 +46,16 @@ class Workload:
             return 1.0
         return self.model.moe_expert_capacity_factor or self.moe_imbalance_margin
 
-    def cp_sizes(self, kind: str, cp: int) -> tuple[int, int]:
-        """(all-to-all size, ring size) of --cp-comm-type ``kind`` at context-parallel size ``cp``."""
+    def cp_sizes(self, kind: str, cp: int) -> tuple[int, int, int]:
+        """(all-to-all size, ring size, K/V all-gather size) of --cp-comm-type ``kind`` at context-parallel
+        size ``cp`` (1: that part is not used)."""
         if kind == "a2a":
-            return cp, 1
+            return cp, 1, 1
+        if kind == "allgather":
+            return 1, 1, cp
         if kind == "a2a+p2p" and self.cp_a2a_size and cp % self.cp_a2a_size == 0:
-            return self.cp_a2a_size, cp // self.cp_a2a_size
-        return 1, cp
+            return self.cp_a2a_size, cp // self.cp_a2a_size, 1
+        return 1, cp, 1
 
     @property
     def dtype_bytes(self) -> int:

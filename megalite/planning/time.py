@@ -89,18 +89,25 @@ def context_parallel_time(workload: Workload, layout: Layout, hardware: Hardware
     attention compute (the share of it the mask keeps). Ulysses (a2a) sends (cp - 1)/cp of q, k and v and
     gets the output back forward, the reverse backward, with nothing to hide behind. a2a+p2p: the
     all-to-all within A ranks (--hierarchical-context-parallel-sizes A B), then a ring of B over the
-    all-to-all's head shards, which passes as many K/V bytes per step as the whole ring does."""
+    all-to-all's head shards, which passes as many K/V bytes per step as the whole ring does. allgather:
+    an all-gather of the whole sequence's K and V forward, again backward, and a reduce-scatter of the
+    fp32 dK/dV, each (cp - 1)/cp of the whole per rank; the all-gathers hide behind the attention of the
+    rank's own K/V (1/cp of its attention), the reduce-scatter behind nothing."""
     model, e, d = workload.model, workload.dtype_bytes, workload.model.kv_channels
     heads, groups = local_attention_heads(model, layout.tp)
     attention_flops = 3 * 4 * model.seq_length * heads * d * tokens * workload.attended_fraction
     attention = attention_flops / (hardware.peak_flops(workload.precision) * hardware.compute_efficiency)
     total = 0.0
     for kind in workload.cp_comm_types:
-        a2a, ring = workload.cp_sizes(kind, layout.cp)
+        a2a, ring, gather = workload.cp_sizes(kind, layout.cp)
         exchanged = tokens * (2 * heads + 2 * groups) * d * e
         total += 2 * ring_bytes("all_gather", exchanged, a2a) / link_bandwidth(hardware, layout.tp * a2a)
         passes = 3 * (ring - 1) * tokens * 2 * groups * d * e / link_bandwidth(hardware, layout.tp * layout.cp)
         total += max(0.0, passes - attention)
+        whole_kv = gather * tokens * 2 * groups * d             # elements of the gathered K and V
+        bandwidth = link_bandwidth(hardware, layout.tp * gather)
+        total += max(0.0, 2 * ring_bytes("all_gather", whole_kv * e, gather) / bandwidth - attention / gather)
+        total += ring_bytes("reduce_scatter", whole_kv * GRAD_BYTES, gather) / bandwidth     # dK/dV in fp32
     return total / len(workload.cp_comm_types)
 
 

@@ -1,4 +1,4 @@
-"""Every --cp-comm-type (p2p ring, a2a Ulysses, a2a+p2p) against a dense fp64 reference, forward and
+"""Every --cp-comm-type (p2p ring, a2a Ulysses, a2a+p2p, allgather) against a dense fp64 reference, forward and
 backward, at CP 2 and 4 under the NCCL-semantics tier: plain causal, per-sample documents that cross the
 load-balanced chunks' boundaries, a sliding window, learnable sinks, and all of them at once."""
 import pytest
@@ -18,7 +18,8 @@ MASKS = {"causal": (MaskSpec(), False), "documents": (MaskSpec(cu_seqlens=CU), F
          "window": (MaskSpec(window=(5, 0)), False), "sinks": (MaskSpec(), True),
          "all": (MaskSpec(window=(6, 0), cu_seqlens=CU), True)}
 # (comm type, a2a size of a2a+p2p) tried at each CP size
-LAYOUTS = {2: [("p2p", None), ("a2a", None), ("a2a+p2p", 1)], 4: [("p2p", None), ("a2a", None), ("a2a+p2p", 2)]}
+LAYOUTS = {2: [("p2p", None), ("a2a", None), ("a2a+p2p", 1), ("allgather", None)],
+           4: [("p2p", None), ("a2a", None), ("a2a+p2p", 2), ("allgather", None)]}
 
 
 def _inputs():
@@ -113,9 +114,9 @@ def test_cp_comm_type_refusals(extra, message):
 
 
 def test_cp_comm_type_accepted_forms():
-    args = _parse(4, "--cp-comm-type", "a2a+p2p", "p2p", "a2a", "--hierarchical-context-parallel-sizes", "2", "2",
-                  num_attention_heads=8, num_query_groups=4, num_layers=3)
-    assert args.parallel.cp_comm_type == ["a2a+p2p", "p2p", "a2a"]
+    args = _parse(4, "--cp-comm-type", "a2a+p2p", "p2p", "a2a", "allgather", "--hierarchical-context-parallel-sizes",
+                  "2", "2", num_attention_heads=8, num_query_groups=4, num_layers=4)
+    assert args.parallel.cp_comm_type == ["a2a+p2p", "p2p", "a2a", "allgather"]
     assert args.parallel.hierarchical_context_parallel_sizes == [2, 2]
 
 
@@ -127,14 +128,44 @@ def _train(rank, world, argv):
 
 
 def test_training_with_every_comm_type_equals_serial():
-    """Ulysses alone at CP=2, and at CP=4 a different comm type per layer (Megatron's list form)."""
+    """Ulysses alone and all-gather alone at CP=2, and at CP=4 a different comm type per layer (Megatron's
+    list form)."""
     from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
     argv = with_flags(TINY_LLAMA_ARGS, num_layers=4, num_query_groups=4, seq_length=64, max_position_embeddings=64,
                       global_batch_size=8, train_iters=4)
     serial = run_ranks(1, _train, argv)[0]
-    for cp, extra in ((2, ["--cp-comm-type", "a2a"]),
+    for cp, extra in ((2, ["--cp-comm-type", "a2a"]), (2, ["--cp-comm-type", "allgather"]),
                       (4, ["--cp-comm-type", "p2p", "a2a", "a2a+p2p", "a2a", "--hierarchical-context-parallel-sizes",
                            "2", "2"])):
         logged = run_ranks(cp, _train, with_flags(argv, context_parallel_size=cp) + extra)[-1]
         assert len(logged) == len(serial) == 4
         assert logged == pytest.approx(serial, rel=1e-5), (extra, logged, serial)
+
+
+# ---- allgather's memory ---------------------------------------------------------------------------
+def _allgather_peak(rank, world, chunk):
+    """Peak live bytes of one allgather forward + backward on this rank, at chunks of ``chunk`` tokens."""
+    from bench.cross_entropy_memory import LiveBytes
+    from megalite.parallel.context.allgather import allgather_attention
+    cp = build_context_parallel(ParallelState.build(world, rank, cp=world), ("allgather",)).for_layer(1)
+    g = torch.Generator().manual_seed(rank)
+    q, grad = torch.randn(2 * chunk, B, NH, D, generator=g), torch.randn(2 * chunk, B, NH * D, generator=g)
+    k, v = (torch.randn(2 * chunk, B, G, D, generator=g).requires_grad_() for _ in range(2))
+    q.requires_grad_()
+    with LiveBytes() as live:
+        allgather_attention(q, k, v, cp, MaskSpec()).backward(grad)
+    return live.peak
+
+
+def test_allgather_holds_the_gathered_kv_and_block_sized_temporaries():
+    """Beyond the gathered K/V and its fp32 dK/dV (the whole sequence's, 2 cp local K/V sizes), one layer
+    holds a few fp32 [s_local, b, heads, d] tensors (output, dQ, kernel outputs), never a block's
+    [b, heads, c, c] scores: measured at c and 4c on CP rank 0 of 2."""
+    peaks = {}
+    for chunk in (64, 256):
+        local = 2 * chunk * B * NH * D * 4                      # one fp32 [s_local, b, heads, d] tensor
+        whole_kv = 2 * (2 * 2 * chunk) * B * G * D * 4          # K and V of the 2 cp chunks (fp32)
+        peaks[chunk] = run_ranks(2, _allgather_peak, chunk)[0]
+        assert peaks[chunk] <= 2 * whole_kv + 6 * local, (chunk, peaks[chunk] / local)
+    assert peaks[256] / peaks[64] == pytest.approx(4.0, rel=0.1)              # c x 4: memory x 4, not x 16
+    assert peaks[256] < B * NH * 256 * 256 * 4                                  # one block's fp32 scores

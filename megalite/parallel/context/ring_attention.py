@@ -46,8 +46,8 @@ class ContextParallel:
 
     ``chunks``: the sequence chunk ids each rank of the group holds, in the order its tensors hold them
     (empty: the load-balanced pair r, 2 size - 1 - r of 2 size chunks). ``comm_type``: how this layer's
-    attention crosses the group (--cp-comm-type: p2p, a2a, a2a+p2p); ``comm_types``: every layer's choice
-    (one value: all layers).
+    attention crosses the group (--cp-comm-type: p2p, a2a, a2a+p2p, allgather); ``comm_types``: every
+    layer's choice (one value: all layers).
     ``inner`` / ``outer``: for a2a+p2p, the all-to-all group of consecutive CP ranks and the ring across
     those groups (ulysses.py)."""
     group: object = None
@@ -281,19 +281,56 @@ def sinks_grad(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sin
     return -(p_sink * rowsum).sum(dim=(0, 2)).to(sinks.dtype)
 
 
+# ---- what ring and all-gather attention share around their blocks ---------------------------------
+def accumulators(q: torch.Tensor, v: torch.Tensor, cp: ContextParallel, mask: AttentionMask):
+    """(out [s_local, b, heads, d_v], lse [b, heads, s_local], filled) fp32 accumulators for _attend. A plain
+    mask gives every query chunk a block at the first step (its own diagonal), so they start unset; any
+    other starts at (0, -inf), as rows that have seen no key yet must."""
+    s, b, nh = q.shape[:3]
+    d_v, n = v.shape[-1], len(cp.chunk_ids())
+    if mask.plain:
+        out = torch.empty(s, b, nh, d_v, dtype=torch.float32, device=q.device)
+        lse = torch.empty(b, nh, s, dtype=torch.float32, device=q.device)
+        return out, lse, [False] * n
+    out = torch.zeros(s, b, nh, d_v, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, nh, s), -math.inf, dtype=torch.float32, device=q.device)
+    return out, lse, [True] * n
+
+
+def finish_forward(ctx, q, k, v, sinks, out, lse, context: tuple) -> torch.Tensor:
+    """Merge the sinks into the accumulated ``out`` / ``lse``, keep what backward needs (``context``: the
+    ContextParallel, mask and scale) and return the [s_local, b, heads * d_v] output in q's dtype."""
+    s, b, nh, d_v = out.shape
+    if sinks is not None:
+        lse = merge_sinks(out, lse, sinks)
+    result = out.view(s, b, nh * d_v).to(q.dtype)
+    ctx.save_for_backward(q, k, v, sinks, result, lse)
+    ctx.cp, ctx.mask, ctx.scale = context
+    return result
+
+
+def start_backward(ctx, grad_out):
+    """(q, k, v, sinks, out, lse, grad_out, dq, (cp, mask, scale)) from what finish_forward kept: out and
+    grad_out as [s_local, b, heads, d_v], dq a zero fp32 accumulator."""
+    q, k, v, sinks, result, lse = ctx.saved_tensors
+    s, b, nh, d = q.shape
+    d_v = v.shape[-1]
+    grad_out, out = grad_out.reshape(s, b, nh, d_v), result.view(s, b, nh, d_v)
+    dq = torch.zeros(s, b, nh, d, dtype=torch.float32, device=q.device)
+    return q, k, v, sinks, out, lse, grad_out, dq, (ctx.cp, ctx.mask, ctx.scale)
+
+
+def finish_backward(q, k, sinks, out, lse, grad_out, dq, dkv: KVBlock) -> tuple:
+    """The autograd gradients (q, k, v, sinks, then None for cp, mask, scale) given this rank's own ``dkv``."""
+    dk, dv = (g.to(k.dtype) for g in (dkv.k, dkv.v))
+    dsinks = None if sinks is None else sinks_grad(grad_out, out, lse, sinks)
+    return dq.to(q.dtype), dk, dv, dsinks, None, None, None
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, cp: ContextParallel, mask: AttentionMask, scale: float):
-        s, b, nh = q.shape[:3]
-        d_v, n = v.shape[-1], len(cp.chunk_ids())
-        if mask.plain:      # every query chunk gets a block at the first step (its own diagonal)
-            out = torch.empty(s, b, nh, d_v, dtype=torch.float32, device=q.device)
-            lse = torch.empty(b, nh, s, dtype=torch.float32, device=q.device)
-            filled = [False] * n
-        else:
-            out = torch.zeros(s, b, nh, d_v, dtype=torch.float32, device=q.device)
-            lse = torch.full((b, nh, s), -math.inf, dtype=torch.float32, device=q.device)
-            filled = [True] * n
+        out, lse, filled = accumulators(q, v, cp, mask)
         current = KVBlock.of(k, v)
         for step in range(cp.size):
             requests = []
@@ -304,21 +341,12 @@ class RingAttention(torch.autograd.Function):
             if requests:
                 _wait(requests)
                 current = incoming
-        if sinks is not None:
-            lse = merge_sinks(out, lse, sinks)
-        result = out.view(s, b, nh * d_v).to(q.dtype)
-        ctx.save_for_backward(q, k, v, sinks, result, lse)
-        ctx.cp, ctx.mask, ctx.scale = cp, mask, scale
-        return result
+        return finish_forward(ctx, q, k, v, sinks, out, lse, (cp, mask, scale))
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, sinks, result, lse = ctx.saved_tensors
-        cp, mask, scale = ctx.cp, ctx.mask, ctx.scale
-        s, b, nh, d = q.shape
-        d_v, n = v.shape[-1], len(cp.chunk_ids())
-        grad_out, out = grad_out.reshape(s, b, nh, d_v), result.view(s, b, nh, d_v)
-        dq = torch.zeros(s, b, nh, d, dtype=torch.float32, device=q.device)
+        q, k, v, sinks, out, lse, grad_out, dq, (cp, mask, scale) = start_backward(ctx, grad_out)
+        n = len(cp.chunk_ids())
         current = KVBlock.of(k, v)
         travelling = None               # (requests, sent, received) of the dK/dV accumulator in flight
         for step in range(cp.size):
@@ -338,9 +366,7 @@ class RingAttention(torch.autograd.Function):
                 _wait(requests)
                 current = incoming
         _wait(travelling[0])
-        dk, dv = (g.to(k.dtype) for g in (travelling[2].k, travelling[2].v))
-        dsinks = None if sinks is None else sinks_grad(grad_out, out, lse, sinks)
-        return dq.to(q.dtype), dk, dv, dsinks, None, None, None
+        return finish_backward(q, k, sinks, out, lse, grad_out, dq, travelling[2])
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, mask: AttentionMask,

@@ -1,5 +1,5 @@
 """Ulysses context parallelism (--cp-comm-type a2a) and its hierarchical form (a2a+p2p), and the choice
-between them and the ring for one layer.
+between them, the ring (p2p) and the all-gather (allgather.py) for one layer.
 
 a2a (DeepSpeed-Ulysses): each CP rank holds a sequence shard [s_local, b, heads, d] (the load-balanced
 chunks r and 2cp-1-r). One all-to-all turns the sequence shards into head shards: rank j gets heads
@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megalite.parallel.context.allgather import allgather_attention
 from megalite.parallel.context.mask_protocol import AttentionMask
 from megalite.parallel.context.ring_attention import ContextParallel, ring_attention
 
@@ -105,4 +106,6 @@ def context_attention(q, k, v, cp: ContextParallel, mask: AttentionMask, local, 
         return ulysses_attention(q, k, v, cp, local, sinks)
     if cp.comm_type == "a2a+p2p":
         return hierarchical_attention(q, k, v, cp, mask, scale, sinks)
+    if cp.comm_type == "allgather":
+        return allgather_attention(q, k, v, cp, mask, scale, sinks)
     return ring_attention(q, k, v, cp, mask, scale, sinks)

@@ -87,6 +87,25 @@ def test_ulysses_traffic_is_all_to_all_volume_and_is_not_hidden():
     assert 0 < timing.step_time(hybrid, layout, hardware).context_parallel < a2a
 
 
+def test_allgather_traffic_is_gathered_kv_and_dkv_reduce_scatter_and_is_not_hidden():
+    from megalite.planning import inputs, time as timing
+    model = _llama_8k()
+    hardware = inputs.Hardware(num_gpus=8, gpu_memory_gb=80)
+    layout = inputs.Layout(tp=1, cp=8, dp=1, micro_batch_size=1)
+    gathered = timing.step_time(inputs.Workload(model, 8, cp_comm_types=("allgather",)), layout, hardware)
+    tokens = 8192 // 8 * 32 * 8                          # the rank's tokens x layers x micro-batches
+    whole_kv = 8 * tokens * 2 * 8 * 128                  # the whole sequence's K and V
+    bandwidth = hardware.intra_node_gbps * 1e9
+    # the K/V all-gathers forward and backward (bf16) hide behind 1/8 of the rank's attention (its own K/V)
+    own_attention = 3 * 4 * 8192 * 32 * 128 * tokens / (hardware.peak_flops("bf16") * hardware.compute_efficiency) / 8
+    gathers = max(0.0, 7 / 8 * whole_kv * 2 * 2 / bandwidth - own_attention)
+    reduce_scatter = 7 / 8 * whole_kv * 4 / bandwidth    # dK/dV in fp32, behind nothing
+    assert gathered.context_parallel == pytest.approx(gathers + reduce_scatter)
+    assert gathered.context_parallel >= reduce_scatter > 0
+    mixed = inputs.Workload(model, 8, cp_comm_types=("allgather", "p2p"))   # the ring's layers hide theirs
+    assert timing.step_time(mixed, layout, hardware).context_parallel == pytest.approx(gathered.context_parallel / 2)
+
+
 def test_the_planner_refuses_document_masks_it_cannot_count(capsys):
     import plan_parallelism
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "100",
