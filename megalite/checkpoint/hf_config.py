@@ -155,16 +155,21 @@ def rope_parameters(config) -> dict:
     return params
 
 
-def check_rope(config, partial_rotary: bool = False) -> None:
-    """Scaled RoPE (llama3, yarn, linear, dynamic, ...) has no megalite equivalent and is refused, and so
-    are RoPE parameters that differ per layer type and ``partial_rotary_factor`` unless the family applies
-    it (``partial_rotary``: see rotary_factor)."""
+def check_one_rope(config) -> None:
+    """RoPE parameters that differ per layer type are refused: megalite has one RoPE for all layers."""
     params = getattr(config, "rope_parameters", None)
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
         distinct = {json.dumps(v, sort_keys=True) for v in params.values()}
         if len(distinct) > 1:
             raise UserError(f"model has different RoPE parameters per layer type ({', '.join(params)}); "
                             "megalite has one RoPE for all layers")
+
+
+def check_rope(config, partial_rotary: bool = False) -> None:
+    """Scaled RoPE (llama3, yarn, linear, dynamic, ...) has no megalite equivalent and is refused, and so
+    are RoPE parameters that differ per layer type and ``partial_rotary_factor`` unless the family applies
+    it (``partial_rotary``: see rotary_factor)."""
+    check_one_rope(config)
     params = rope_parameters(config)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
@@ -199,6 +204,7 @@ def check_convertible(config, log=warn) -> None:
             raise UserError("gpt2 add_cross_attention=True (an encoder-decoder variant) is not supported")
         return
     if model_type == GPT_OSS:          # hf_gpt_oss.py: its biases, YaRN, experts
+        check_one_rope(config)
         check_gpt_oss_convertible(config, rope_parameters(config))
         check_window_convertible(config)
         return

@@ -30,6 +30,18 @@ def test_unrepresentable_configs_are_refused_in_one_line(kw, message):
     assert "\n" not in str(error.value)
 
 
+def test_rope_parameters_per_layer_type_are_refused_when_they_differ():
+    c = config()
+    c.rope_parameters = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": {"rope_type": "default", "rope_theta": 5e5}}
+    with pytest.raises(UserError, match="different RoPE parameters per layer type") as error:
+        check_convertible(c)
+    assert "\n" not in str(error.value)
+    c.rope_parameters = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    check_convertible(c)
+
+
 def test_quantised_checkpoint_is_refused():
     c = config()
     c.quantization_config = {"quant_method": "mxfp4"}
