@@ -1,7 +1,7 @@
 """Expert parallelism through pretrain_gpt.py: a tiny Llama-MoE (8 experts, top-2, shared expert, aux loss,
 fp32, dropless) logs the serial run's losses and gradient norms at every layout that splits its experts,
 with both token dispatchers, under the NCCL-semantics tier too, and a checkpoint saved at EP=4 resumes at
-EP=2 x TP=2 and serially."""
+EP=2 x TP=2 and serially. GPT-OSS's experts (router and expert biases, the clamped quick GEGLU) do too."""
 import pytest
 
 from harness import run_pretrain
@@ -11,6 +11,9 @@ ARGV = with_flags(TINY_LLAMA_ARGS, num_layers=4, global_batch_size=8, train_iter
                   moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=48,
                   moe_aux_loss_coeff="1e-2", moe_token_dispatcher_type="alltoall")
 SP = {"sequence_parallel": True}
+# GPT-OSS's expert shape: biases on the router and on both expert GEMMs, the clamped quick GEGLU
+GPT_OSS_ARGV = with_flags(ARGV, disable_bias_linear=None, swiglu=None, quick_geglu=True, glu_linear_offset=1,
+                          activation_func_clamp_value=7)
 
 # the default suite; the NCCL-semantics runs below add EP2 x TP2 (ETP 2) with ZeRO-3 for both dispatchers and
 # the checkpoint test EP4 and EP2 x TP2
@@ -86,6 +89,20 @@ def test_expert_parallel_layouts_equal_serial(serial, layout):
 def test_more_expert_parallel_layouts_equal_serial(serial, layout):
     nproc, flags = SLOW_LAYOUTS[layout]
     assert_equal_runs(serial, train(nproc, flags))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_serial():
+    return train(1, {}, base=GPT_OSS_ARGV)
+
+
+@pytest.mark.parametrize("layout", ["ep2", "ep2-tp2-etp1"])
+def test_gpt_oss_experts_at_expert_parallel_layouts_equal_serial(gpt_oss_serial, layout):
+    """Four steps at a non-zero learning rate equal serial only if the expert biases' gradients are summed
+    over the experts' data-parallel group and the router bias's over every rank that routes tokens (DP at
+    EP=2 alone, TP x SP at EP=2 x TP=2)."""
+    nproc, flags = {**LAYOUTS, **SLOW_LAYOUTS}[layout]
+    assert_equal_runs(gpt_oss_serial, train(nproc, flags, base=GPT_OSS_ARGV))
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
