@@ -6,6 +6,9 @@ reference); the checkpoint is resumed at the same layout, at TP=2 and at CP=2 (t
 and a damaged copy is loaded; a bf16 ZeRO-3 run saves, and a run that loads it saves again. Spies
 record the bytes of every collective and of every stored piece a rank reads. The test process itself
 resumes the ZeRO-3 checkpoint at DP=1 (also rewritten as whole tensors) and inspects the files.
+
+A 4-rank spawn saves a model with learned attention sinks (TP-sharded by heads) and a sliding window at
+TP=2 x DP=2, with and without ZeRO-3, and resumes it at TP=1 (PP=2, CP=2, and serially in this process).
 """
 import json
 import os
@@ -320,3 +323,87 @@ def test_loading_at_the_same_layout_reads_only_the_own_share(sharded):
         read = sum(n * TORCH_DTYPES[index[name]["dtype"]].itemsize for name, n in out["load_same"]["read"]
                    if name in index)                                                # not the RNG states
         assert read == written[f"dp{rank:05d}"], (rank, read, written)
+
+
+# ---- attention sinks (one learned logit per head, TP-sharded by heads) across layouts ----------------
+SINK_ARGS = with_flags(DP_ARGS, global_batch_size=8, softmax_type="learnable", window_size="3,0",
+                       window_attn_skip_freq=2, attention_dropout=0.0)      # layer 1 windowed, layer 2 full
+SINK_SAVES = {"tp2": with_flags(SINK_ARGS, tensor_model_parallel_size=2),
+              "tp2_zero3": with_flags(SINK_ARGS, tensor_model_parallel_size=2, use_distributed_optimizer=True,
+                                      data_parallel_sharding_strategy="optim_grads_params", ddp_bucket_size=20000)}
+SINK_RESUMES = {"tp2": with_flags(SINK_ARGS, pipeline_model_parallel_size=2),
+                "tp2_zero3": with_flags(SINK_ARGS, context_parallel_size=2, use_distributed_optimizer=True)}
+
+
+def sinks_of(trainer) -> dict[str, tuple[int, torch.Tensor]]:
+    """This rank's sink parameters by global name, with its TP rank (the shard's place)."""
+    return {e.global_name: (trainer.parallel.tp_rank, e.param.detach().clone())
+            for e in param_entries(trainer.chunks) if e.global_name.endswith("softmax_offset")}
+
+
+def sinks_save_and_resume(rank: int, world: int, tmp: str) -> dict:
+    """On 4 ranks: each TP=2 x DP=2 run of SINK_SAVES saves after BEFORE steps and goes on (its reference);
+    its checkpoint is resumed at the TP=1 layout of SINK_RESUMES (PP=2, or CP=2 with ZeRO-1)."""
+    out = {}
+    for name, argv in SINK_SAVES.items():
+        trainer = build_trainer(parse_args(argv, world_size=world))
+        data = batches_from(trainer, 0, BEFORE + AFTER)
+        for _ in range(BEFORE):
+            train_step(trainer, data)
+        mark_trained(trainer, BEFORE)
+        save_checkpoint(trainer.checkpoint_state, os.path.join(tmp, name))
+        if name == "tp2":                                   # ZeRO-3's parameters are sharded over DP
+            out["saved_sinks"] = sinks_of(trainer)
+        out[f"{name}_reference"] = [float(train_step(trainer, data)[0]) for _ in range(AFTER)]
+    for name, argv in SINK_RESUMES.items():
+        trainer = build_trainer(parse_args(argv, world_size=world))
+        load_checkpoint(trainer.checkpoint_state, os.path.join(tmp, name), log=quiet)
+        out[f"{name}_loaded_sinks"] = sinks_of(trainer)
+        data = batches_from(trainer, BEFORE, AFTER)
+        out[f"{name}_resumed"] = [float(train_step(trainer, data)[0]) for _ in range(AFTER)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def sinks(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("sinks"))
+    return tmp, run_ranks(4, sinks_save_and_resume, tmp)
+
+
+def whole(per_rank: list[dict]) -> dict[str, torch.Tensor]:
+    """Each sink assembled from the ranks' shards, in TP rank order (replicas must agree)."""
+    shards = {}
+    for found in per_rank:
+        for name, (tp_rank, value) in found.items():
+            held = shards.setdefault(name, {}).setdefault(tp_rank, value)
+            assert torch.equal(held, value), name
+    return {name: torch.cat([by_rank[r] for r in sorted(by_rank)]) for name, by_rank in shards.items()}
+
+
+def assert_same(found: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert sorted(found) == sorted(expected) and all(torch.equal(found[n], expected[n]) for n in found), (found,
+                                                                                                      expected)
+
+
+@pytest.mark.parametrize("name", sorted(SINK_SAVES))
+def test_a_tp2_checkpoint_with_sinks_resumes_at_tp1(sinks, name):
+    """A model with learned sinks and a sliding window, saved at TP=2 (with and without ZeRO-3): each head's
+    stored sink is the one the head's TP rank trained, and the checkpoint resumes serially and at another
+    TP=1 layout with the sinks in their heads' places and the uninterrupted run's losses."""
+    tmp, results = sinks
+    stored = CheckpointReader(os.path.join(tmp, name, f"iter_{BEFORE:07d}"))
+    every = {n: stored.tensor(n) for n in stored.names() if n.endswith("softmax_offset")}   # Adam's moments too
+    saved = {n: t for n, t in every.items() if n.startswith("decoder.")}
+    assert sorted(saved) == [f"decoder.layers.{i}.self_attention.softmax_offset" for i in range(2)]
+    assert len(every) == 6 and all(len(set(t.tolist())) == 4 for t in every.values()), every
+    if name == "tp2":
+        assert_same(whole([out["saved_sinks"] for out in results]), saved)
+    assert_same(whole([out[f"{name}_loaded_sinks"] for out in results]), saved)
+    reference = results[0][f"{name}_reference"]
+    assert all(out[f"{name}_reference"] == reference for out in results)
+    assert results[-1][f"{name}_resumed"] == pytest.approx(reference, rel=1e-5)     # the last pipeline stage
+    trainer = build_trainer(parse_args(SINK_ARGS, world_size=1))
+    load_checkpoint(trainer.checkpoint_state, os.path.join(tmp, name), log=quiet)
+    assert_same(whole([sinks_of(trainer)]), saved)
+    data = batches_from(trainer, BEFORE, AFTER)
+    assert [float(train_step(trainer, data)[0]) for _ in range(AFTER)] == pytest.approx(reference, rel=1e-5)
