@@ -26,6 +26,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from activation_memory import count_saved  # noqa: E402
 from cross_entropy_memory import LiveBytes  # noqa: E402
 from megalite.model.attention.core import core_attention  # noqa: E402
 from megalite.model.attention.mask import MaskSpec  # noqa: E402
@@ -46,15 +47,7 @@ def document_rows(seq: int, mean: int, seed: int = 0) -> torch.Tensor:
 
 
 def measure(mask: MaskSpec, sinks, q, k, v, grad, repeats: int) -> dict:
-    seen, saved = set(), [0]
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            saved[0] += t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), LiveBytes() as live:
+    with count_saved() as saved, LiveBytes() as live:
         out = core_attention(q, k, v, mask, sinks=sinks)
     del out
     times = []
@@ -62,7 +55,7 @@ def measure(mask: MaskSpec, sinks, q, k, v, grad, repeats: int) -> dict:
         start = time.perf_counter()
         core_attention(q, k, v, mask, sinks=sinks).backward(grad)
         times.append(time.perf_counter() - start)
-    return {"saved": saved[0], "peak": live.peak, "time": min(times[1:])}
+    return {"saved": saved.bytes(), "peak": live.peak, "time": min(times[1:])}
 
 
 def main(argv):

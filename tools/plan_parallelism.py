@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.checkpoint.hf_config import read_hf_config_file  # noqa: E402
 from megalite.config.pipeline_split import SplitFlags  # noqa: E402
+from megalite.data.builder import parse_data_path  # noqa: E402
 from megalite.planning import flags as plan_flags  # noqa: E402
 from megalite.planning import inputs, search, verify  # noqa: E402
 from megalite.planning.attention import corpus_document_lengths, model_attended_fraction  # noqa: E402
@@ -232,19 +233,11 @@ def document_lengths(args):
         return None
     if args.document_length:
         return [args.document_length] * (64 * args.seq_length // args.document_length + 1)   # 64 samples
-    prefixes = [p for p in args.data_path if not _is_number(p)]
+    prefixes, _ = parse_data_path(args.data_path)
     if not prefixes:
         raise UserError("--reset-attention-mask: the planner counts the attended pairs from the corpus's document "
                         "lengths; give --data-path, or --document-length N (the mean document length)")
     return np.concatenate([corpus_document_lengths(p) for p in prefixes])
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
 
 
 # ---- output ----------------------------------------------------------------------------------------

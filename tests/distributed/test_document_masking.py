@@ -41,13 +41,18 @@ def converted(tmp_path_factory):
     return hf_model, FLAGS + ["--load", ckpt]
 
 
+def first_samples(argv, count: int) -> list[dict]:
+    """The first ``count`` training samples the run ``argv`` reads: iteration 1's global batch."""
+    config = parse_args(argv, world_size=1)
+    train, _, _ = build_train_valid_test_datasets(config.data, build_tokenizer(config.data), (count, 0, 0),
+                                                  config.training.seed)
+    return [train[i] for i in range(count)]
+
+
 def documents_alone_loss(hf_model, argv) -> float:
     """transformers' masked mean loss over iteration 1's samples, each document run on its own."""
-    config = parse_args(argv, world_size=1)
-    train, _, _ = build_train_valid_test_datasets(config.data, build_tokenizer(config.data), (SAMPLES, 0, 0),
-                                                  config.training.seed)
     total, count, documents = 0.0, 0.0, 0
-    for sample in (train[i] for i in range(SAMPLES)):
+    for sample in first_samples(argv, SAMPLES):
         tokens, labels = (torch.as_tensor(sample[k]).long() for k in ("tokens", "labels"))
         mask = torch.as_tensor(sample["loss_mask"])
         bounds = [*document_starts(sample["tokens"], EOD).tolist(), len(tokens)]

@@ -7,11 +7,9 @@ import torch.nn.functional as F
 
 from harness import logged_losses, run_pretrain
 from megalite.checkpoint.hf import hf_to_megalite
-from megalite.data.builder import build_train_valid_test_datasets
-from megalite.data.tokenizers import build_tokenizer
-from megalite.train.command_line import parse_args
 from megalite_test_utils import log_field
 from megalite_test_utils import run_pretrain as run_in_process
+from test_document_masking import first_samples
 from unit.checkpoint.test_convert_checkpoint import VOCAB, make_hf
 
 pytest.importorskip("transformers")
@@ -35,10 +33,7 @@ def converted(tmp_path_factory):
 
 
 def transformers_loss(hf_model, argv) -> float:
-    config = parse_args(argv, world_size=1)
-    train, _, _ = build_train_valid_test_datasets(config.data, build_tokenizer(config.data), (SAMPLES, 0, 0),
-                                                  config.training.seed)
-    samples = [train[i] for i in range(SAMPLES)]
+    samples = first_samples(argv, SAMPLES)
     tokens, labels = (torch.stack([torch.as_tensor(s[k]).long() for s in samples]) for k in ("tokens", "labels"))
     with torch.no_grad():
         logits = hf_model(tokens).logits

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bench.activation_memory import count_saved
 from bench.cross_entropy_memory import LiveBytes
 from megalite.model.attention import core, masked
 from megalite.model.attention.core import core_attention, recomputing_pays, run_core_attention
@@ -153,18 +154,10 @@ def test_meta_masked_attention_has_the_right_shape():
 # ---- memory: the blockwise path against the unmasked flash kernel -----------------------------------
 def _forward_memory(mask: MaskSpec, q, k, v) -> tuple[int, int]:
     """(bytes saved for backward, distinct storages; peak bytes the forward's ops hold at once)."""
-    seen, saved = set(), [0]
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            saved[0] += t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), LiveBytes() as live:
+    with count_saved() as saved, LiveBytes() as live:
         out = core_attention(q, k, v, mask)
     del out
-    return saved[0], live.peak
+    return saved.bytes(), live.peak
 
 
 def _document_rows(batch: int, seq: int, lengths: list[int]) -> torch.Tensor:
