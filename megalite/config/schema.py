@@ -14,6 +14,7 @@ from typing import Optional
 from megalite.config.cli import (integer, moe_layer_pattern, non_negative_int, number, positive_float, positive_int,
                                  window_pair)
 from megalite.config.fields import derived, flag
+from megalite.config.deepseek_fields import DeepSeekFields
 from megalite.config.model_variants import ModelVariantFields
 from megalite.errors import UserError
 
@@ -66,7 +67,7 @@ def is_window_layer(window_size, window_attn_skip_freq, layer_number: int) -> bo
 
 
 @dataclass
-class ModelConfig(ModelVariantFields):
+class ModelConfig(ModelVariantFields, DeepSeekFields):
     num_layers: int = flag("--num-layers", positive_int)
     hidden_size: int = flag("--hidden-size", positive_int)
     num_attention_heads: int = flag("--num-attention-heads", positive_int)
@@ -165,8 +166,8 @@ class ModelConfig(ModelVariantFields):
     @property
     def attention_type(self) -> str:
         """Key of the attention module every layer builds (megalite.model.attention.ATTENTION): "self",
-        grouped-query self-attention with a fused QKV projection."""
-        return "self"
+        grouped-query self-attention with a fused QKV projection, or "mla", multi-latent attention."""
+        return "mla" if self.multi_latent_attention else "self"
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether 1-based layer ``layer_number`` has an MoE in place of its MLP (Megatron's --moe-layer-freq:

@@ -84,11 +84,11 @@ def check_model(m: ModelConfig) -> None:
 
 
 def check_variants(m: ModelConfig) -> None:
-    """YaRN's flags need --position-embedding-type yarn; the quick GEGLU's need --quick-geglu, not --swiglu."""
+    """YaRN's flags need YaRN RoPE (--position-embedding-type yarn, or MLA's default); the quick GEGLU's need --quick-geglu, not --swiglu."""
     yarn = [f for f, on in (("--rotary-scaling-factor", m.rotary_scaling_factor != 1.0),
                             ("--yarn-original-max-position-embeddings", m.yarn_original_max_position_embeddings))
             if on]
-    if yarn and m.position_embedding_type != "yarn":
+    if yarn and not m.uses_yarn:
         raise UserError(f"{yarn[0]} scales RoPE by YaRN: add --position-embedding-type yarn")
     glu = [f for f, on in (("--glu-linear-offset", m.glu_linear_offset != 0.0),
                            ("--activation-func-clamp-value", m.activation_func_clamp_value is not None)) if on]

@@ -83,8 +83,8 @@ class GPTModel(nn.Module):
         dtype = DTYPES[config.params_dtype]
         n_local = config.num_layers if num_local_layers is None else num_local_layers
 
-        yarn = Yarn.from_config(config) if config.position_embedding_type == "yarn" else None
-        self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_base, config.max_position_embeddings,
+        yarn = Yarn.from_config(config) if config.uses_yarn else None
+        self.rotary = (RotaryEmbedding(config.rotary_head_dim, config.rotary_base, config.max_position_embeddings,
                                        config.rotary_percent, yarn)
                        if config.use_rope else None)
         with torch.device("meta") if meta else nullcontext():
