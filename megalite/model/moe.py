@@ -6,8 +6,9 @@ Router (``Router``), in fp32 (--moe-router-dtype): logits = x W^T [T, E], then
   over all experts and the top-k of those, not renormalised (Qwen2-MoE);
 - sigmoid (DeepSeek-V3): sigmoid scores, top-k on scores + expert bias, weights = the top-k scores
   normalised to sum 1 (k > 1);
-then x --moe-router-topk-scaling-factor. Without --disable-bias-linear the logits have a bias, and each
-expert's two GEMMs theirs (GPT-OSS, as Megatron's --add-bias-linear); the second bias is added before the
+then x --moe-router-topk-scaling-factor. Group-limited routing (--moe-router-num-groups and
+--moe-router-group-topk) keeps each top-k within the token's best groups of experts (``Router.limit_to_groups``).
+Without --disable-bias-linear the logits have a bias, and each expert's two GEMMs theirs (GPT-OSS, as Megatron's --add-bias-linear); the second bias is added before the
 routing weight multiplies the expert's output.
 
 Load balancing, added to the loss through the gradient of the layer's output (``_AttachLoss``) with the
@@ -127,10 +128,25 @@ class Router(nn.Module):
         return scores, experts, weights
 
     def select(self, values: torch.Tensor) -> torch.Tensor:
+        """Expert ids [T, k]: the top-k of ``values`` [T, E] (inside the kept groups with group-limited routing)."""
         if self.config.moe_router_force_load_balancing:     # benchmarks: token t -> experts (t k + j) mod E
             t = values.shape[0]
             return torch.arange(t * self.topk, device=values.device).view(t, self.topk) % self.num_experts
+        if self.config.moe_router_num_groups:
+            values = self.limit_to_groups(values)
         return torch.topk(values, self.topk, dim=-1).indices
+
+    def limit_to_groups(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` [T, E] with the experts outside each token's kept groups set to -inf (group-limited
+        routing, DeepSeek-V2/V3): E splits into --moe-router-num-groups G groups of consecutive experts, a
+        group scores the sum of its top-(k / g) values, and each token keeps its best g = --moe-router-group-topk
+        groups. With G = the nodes of the expert-parallel group, a token's experts span at most g nodes."""
+        t, groups, keep = values.shape[0], self.config.moe_router_num_groups, self.config.moe_router_group_topk
+        grouped = values.view(t, groups, -1)
+        group_scores = grouped.topk(self.topk // keep, dim=-1).values.sum(-1)            # [T, G]
+        kept = torch.zeros_like(group_scores, dtype=torch.bool)
+        kept.scatter_(1, group_scores.topk(keep, dim=-1).indices, True)
+        return grouped.masked_fill(~kept[..., None], float("-inf")).view(t, -1)
 
     def global_counts(self, routing: torch.Tensor, seq_shape: tuple) -> torch.Tensor:
         """Tokens per expert [E] over the micro-batch (seq_aux_loss: per sequence [b, E]), summed over the
