@@ -46,6 +46,7 @@ from megalite.checkpoint.hf_config import (EXTRA_FIELDS, QKV_BIAS_MODEL_TYPES, S
                                            build_hf_config, check_convertible, check_representable, config_token_ids,
                                            default_model_type, dtype_name, extra_defaults, model_fields,
                                            quiet_transformers, read_hf_config, token_ids_from_tokenizer, warn)
+from megalite.checkpoint.hf_fp8 import block_size, quantization_config, quantize_checkpoint
 from megalite.checkpoint.hf_gpt_oss import GPT_OSS, gpt_oss_moe_to_megalite, megalite_to_gpt_oss_moe
 from megalite.checkpoint.hf_tokenizer import (TOKENIZER_FILES, copy_tokenizer, export_tokenizer,
                                               names_tokenizer_class, tokenizer_files)
@@ -283,7 +284,9 @@ def hf_to_megalite(hf_dir: str, output_dir: str, overwrite: bool = False, log=wa
     m = {**extra_defaults(), **model_fields(config)}
     _check_output_free(output_dir, overwrite, kind="megalite")
 
-    weights = HFWeights(hf_dir, "transformer." if model_type == "gpt2" else "model.")
+    fp8_block = None if model_type == GPT_OSS else block_size(config)       # GPT-OSS refuses quantisation itself
+    weights = HFWeights(hf_dir, "transformer." if model_type == "gpt2" else "model.", fp8_block,
+                        getattr(torch, dtype_name(config) or "bfloat16"))
     tensors = gpt2_to_megalite(weights, m) if model_type == "gpt2" else llama_like_to_megalite(weights, m, model_type)
     weights.check_all_used()
     embeddings = tensors["embedding.word_embeddings.weight"]
@@ -317,10 +320,11 @@ def hf_to_megalite(hf_dir: str, output_dir: str, overwrite: bool = False, log=wa
 
 
 def megalite_to_hf(checkpoint_dir: str, output_dir: str, model_type: str | None = None, overwrite: bool = False,
-                   log=warn) -> str:
+                   log=warn, fp8_blocks: bool = False) -> str:
     """Export a megalite checkpoint (a save directory or an iter_N directory) as a Hugging Face model
     directory: config.json, model.safetensors and the checkpoint's tokenizer files. Training-state
-    tensors (optimizer.*) are not exported. Returns ``output_dir``."""
+    tensors (optimizer.*) are not exported. ``fp8_blocks``: the layers' projections as 128x128
+    block-scaled FP8 (hf_fp8.py). Returns ``output_dir``."""
     if not os.path.isdir(checkpoint_dir):
         raise UserError(f"--input {checkpoint_dir}: no such directory; give a megalite checkpoint directory")
     if not any(os.path.isfile(os.path.join(checkpoint_dir, f)) for f in (TRACKER, METADATA)):
@@ -356,6 +360,9 @@ def megalite_to_hf(checkpoint_dir: str, output_dir: str, model_type: str | None 
     if not token_ids and has_tokenizer:
         token_ids = {k: v for k, v in token_ids_from_tokenizer(output_dir).items() if v is not None}
     config = build_hf_config(m, model_type, token_ids, {k: source[k] for k in MOE_TRAINING_KEYS if k in source})
+    if fp8_blocks:
+        hf_tensors = quantize_checkpoint(hf_tensors)
+        config.quantization_config = quantization_config()
     # each file is written under a temporary name and renamed; config.json last, so an interrupted
     # export never leaves a directory that loads with the wrong weights
     weights_tmp = os.path.join(output_dir, "model.safetensors.tmp")
