@@ -46,6 +46,8 @@ from megalite.checkpoint.hf_config import (EXTRA_FIELDS, QKV_BIAS_MODEL_TYPES, S
                                            build_hf_config, check_convertible, check_representable, config_token_ids,
                                            default_model_type, dtype_name, extra_defaults, model_fields,
                                            quiet_transformers, read_hf_config, token_ids_from_tokenizer, warn)
+from megalite.checkpoint.hf_deepseek import (DEEPSEEK_MODEL_TYPES, GLM4_MOE, deepseek_moe_to_megalite,
+                                             megalite_to_deepseek_moe)
 from megalite.checkpoint.hf_fp8 import block_size, quantization_config, quantize_checkpoint
 from megalite.checkpoint.hf_gpt_oss import GPT_OSS, gpt_oss_moe_to_megalite, megalite_to_gpt_oss_moe
 from megalite.checkpoint.hf_tokenizer import (TOKENIZER_FILES, copy_tokenizer, export_tokenizer,
@@ -140,6 +142,7 @@ def llama_like_to_megalite(w: HFWeights, m: dict, model_type: str = "llama") -> 
         out[mg + "pre_mlp_layernorm.weight"] = w.take(hf + "post_attention_layernorm.weight")
         if is_sparse(m, i):
             sparse = gpt_oss_moe_to_megalite(w, hf, mg, m) if model_type == GPT_OSS else \
+                deepseek_moe_to_megalite(w, hf, mg, m) if model_type in DEEPSEEK_MODEL_TYPES else \
                 moe_to_megalite(w, hf, mg, m, model_type)
             out.update(sparse)
             continue
@@ -223,7 +226,7 @@ def megalite_to_llama_like(t: _MegaliteTensors, m: dict, model_type: str) -> dic
         if m["qk_layernorm"]:
             out[attn + "q_norm.weight"] = t.norm(mg + "self_attention.q_layernorm.weight", one_p)
             out[attn + "k_norm.weight"] = t.norm(mg + "self_attention.k_layernorm.weight", one_p)
-        if model_type in QKV_BIAS_MODEL_TYPES + (GPT_OSS,):
+        if model_type in QKV_BIAS_MODEL_TYPES + (GPT_OSS,) or (model_type == GLM4_MOE and m["add_qkv_bias"]):
             bias = t.bias(mg + "self_attention.linear_qkv.bias", (nq + 2 * nkv) * d)
             q, k, v = split_qkv(bias, nq, nkv, d)
             out.update({attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v})
@@ -235,7 +238,8 @@ def megalite_to_llama_like(t: _MegaliteTensors, m: dict, model_type: str) -> dic
             out.update(megalite_to_gpt_oss_moe(t, hf, mg, m))
             continue
         if is_sparse(m, i):
-            out.update(megalite_to_moe(t, hf, mg, m, model_type))
+            out.update(megalite_to_deepseek_moe(t, hf, mg, m) if model_type in DEEPSEEK_MODEL_TYPES else
+                       megalite_to_moe(t, hf, mg, m, model_type))
             continue
         gate, up = split_swiglu(t.get(mg + "mlp.linear_fc1.weight"))
         out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = gate, up
