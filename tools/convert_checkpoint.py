@@ -5,11 +5,14 @@ YaRN, biases, clamped quick-GEGLU experts; unquantised weights).
 
     python tools/convert_checkpoint.py --from hf --to megalite --input HF_DIR --output CKPT_DIR
     python tools/convert_checkpoint.py --from megalite --to hf --input CKPT_DIR --output HF_DIR \\
-        [--model-type llama|mistral|qwen2|qwen3|phi3|gpt2|mixtral|qwen2_moe|qwen3_moe|gpt_oss] [--overwrite]
+        [--model-type llama|...|deepseek_v3|glm4_moe] [--export-fp8-blocks] [--overwrite]
 
 HF -> megalite writes CKPT_DIR/iter_0000000 and its tracker file, with the tokenizer files (when the
 model directory has them) in iter_0000000/tokenizer; train from it with
 ``pretrain_gpt.py --load CKPT_DIR --finetune --use-checkpoint-args``.
+
+Block-scaled FP8 weights (DeepSeek-V3's release: float8_e4m3fn with a float32 weight_scale_inv per 128x128
+block) are dequantised on import; --export-fp8-blocks writes that form on export.
 
 megalite -> HF writes config.json, model.safetensors and the checkpoint's tokenizer files; the
 checkpoint may be a save directory (its latest iteration) or an iter_N directory. --model-type
@@ -46,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, help="directory to write")
     parser.add_argument("--model-type", choices=MODEL_TYPES, default=None,
                         help="Hugging Face family to export as (--to hf only); default: the checkpoint's source family")
+    parser.add_argument("--export-fp8-blocks", action="store_true", help=(
+        "--to hf only: write the layers' linear projections as float8_e4m3fn with a float32 weight_scale_inv "
+        "per 128x128 block (DeepSeek-V3's released form); default: the checkpoint's dtype"))
     parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint or model already in --output")
     return parser
 
@@ -56,12 +62,15 @@ def run(args: argparse.Namespace) -> str:
                         "or --from megalite --to hf")
     if args.model_type is not None and args.target != "hf":
         raise UserError("--model-type applies to --to hf only (the HF family to export as)")
+    if args.export_fp8_blocks and args.target != "hf":
+        raise UserError("--export-fp8-blocks applies to --to hf only (FP8 checkpoints are read without a flag)")
     if os.path.abspath(args.input) == os.path.abspath(args.output):
         raise UserError(f"--output {args.output} is the --input directory; choose another directory")
     from megalite.checkpoint.hf import hf_to_megalite, megalite_to_hf
     if args.target == "megalite":
         return hf_to_megalite(args.input, args.output, overwrite=args.overwrite)
-    return megalite_to_hf(args.input, args.output, model_type=args.model_type, overwrite=args.overwrite)
+    return megalite_to_hf(args.input, args.output, model_type=args.model_type, overwrite=args.overwrite,
+                          fp8_blocks=args.export_fp8_blocks)
 
 
 @one_line_errors

@@ -35,7 +35,6 @@ hf_config.py, the reading of HF weight files in hf_weights.py.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import shutil
 
@@ -47,7 +46,12 @@ from megalite.checkpoint.hf_config import (EXTRA_FIELDS, QKV_BIAS_MODEL_TYPES, S
                                            build_hf_config, check_convertible, check_representable, config_token_ids,
                                            default_model_type, dtype_name, extra_defaults, model_fields,
                                            quiet_transformers, read_hf_config, token_ids_from_tokenizer, warn)
+from megalite.checkpoint.hf_deepseek import (DEEPSEEK_MODEL_TYPES, GLM4_MOE, deepseek_moe_to_megalite,
+                                             megalite_to_deepseek_moe)
+from megalite.checkpoint.hf_fp8 import block_size, quantization_config, quantize_checkpoint
 from megalite.checkpoint.hf_gpt_oss import GPT_OSS, gpt_oss_moe_to_megalite, megalite_to_gpt_oss_moe
+from megalite.checkpoint.hf_tokenizer import (TOKENIZER_FILES, copy_tokenizer, export_tokenizer,
+                                              names_tokenizer_class, tokenizer_files)
 from megalite.checkpoint.hf_moe import (MOE_TRAINING_KEYS, is_sparse, megalite_to_moe, moe_to_megalite,
                                         moe_training_settings)
 from megalite.checkpoint.hf_weights import HFWeights
@@ -56,12 +60,6 @@ from megalite.errors import UserError
 
 MODEL_FILE = "model-00000.safetensors"          # the one tensor file of a converted megalite checkpoint
 TOKENIZER_SUBDIR = "tokenizer"                  # inside the iteration directory
-# Files a Hugging Face tokenizer may consist of; only these are copied (never the weights next to them).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "tokenizer.model", "spiece.model", "vocab.json", "merges.txt", "vocab.txt",
-                   "chat_template.jinja", "chat_template.json")
-# Any one of these makes a loadable tokenizer (tokenizer_config.json alone does not).
-TOKENIZER_CORE = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 # HF weight files a previous export may have left; removed by --overwrite so no stale shard is loaded.
 HF_WEIGHT_PATTERNS = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
                       "pytorch_model.bin", "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json")
@@ -144,6 +142,7 @@ def llama_like_to_megalite(w: HFWeights, m: dict, model_type: str = "llama") -> 
         out[mg + "pre_mlp_layernorm.weight"] = w.take(hf + "post_attention_layernorm.weight")
         if is_sparse(m, i):
             sparse = gpt_oss_moe_to_megalite(w, hf, mg, m) if model_type == GPT_OSS else \
+                deepseek_moe_to_megalite(w, hf, mg, m) if model_type in DEEPSEEK_MODEL_TYPES else \
                 moe_to_megalite(w, hf, mg, m, model_type)
             out.update(sparse)
             continue
@@ -227,7 +226,7 @@ def megalite_to_llama_like(t: _MegaliteTensors, m: dict, model_type: str) -> dic
         if m["qk_layernorm"]:
             out[attn + "q_norm.weight"] = t.norm(mg + "self_attention.q_layernorm.weight", one_p)
             out[attn + "k_norm.weight"] = t.norm(mg + "self_attention.k_layernorm.weight", one_p)
-        if model_type in QKV_BIAS_MODEL_TYPES + (GPT_OSS,):
+        if model_type in QKV_BIAS_MODEL_TYPES + (GPT_OSS,) or (model_type == GLM4_MOE and m["add_qkv_bias"]):
             bias = t.bias(mg + "self_attention.linear_qkv.bias", (nq + 2 * nkv) * d)
             q, k, v = split_qkv(bias, nq, nkv, d)
             out.update({attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v})
@@ -239,7 +238,8 @@ def megalite_to_llama_like(t: _MegaliteTensors, m: dict, model_type: str) -> dic
             out.update(megalite_to_gpt_oss_moe(t, hf, mg, m))
             continue
         if is_sparse(m, i):
-            out.update(megalite_to_moe(t, hf, mg, m, model_type))
+            out.update(megalite_to_deepseek_moe(t, hf, mg, m) if model_type in DEEPSEEK_MODEL_TYPES else
+                       megalite_to_moe(t, hf, mg, m, model_type))
             continue
         gate, up = split_swiglu(t.get(mg + "mlp.linear_fc1.weight"))
         out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = gate, up
@@ -275,33 +275,6 @@ def megalite_to_gpt2(t: _MegaliteTensors, m: dict) -> dict[str, torch.Tensor]:
 
 
 # ==================================================================================================
-# Tokenizer files
-# ==================================================================================================
-def tokenizer_files(directory: str) -> list[str]:
-    """The tokenizer files in ``directory`` (empty when there is no loadable tokenizer)."""
-    present = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, f))]
-    return present if any(f in TOKENIZER_CORE for f in present) else []
-
-
-def copy_tokenizer(source: str, destination: str) -> list[str]:
-    files = tokenizer_files(source)
-    os.makedirs(destination, exist_ok=True)
-    for f in files:
-        shutil.copyfile(os.path.join(source, f), os.path.join(destination, f))
-    return files
-
-
-def _names_tokenizer_class(directory: str) -> bool:
-    try:
-        with open(os.path.join(directory, "tokenizer_config.json")) as f:
-            return bool(json.load(f).get("tokenizer_class"))
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-
-
-# ==================================================================================================
 # Public API
 # ==================================================================================================
 def hf_to_megalite(hf_dir: str, output_dir: str, overwrite: bool = False, log=warn) -> str:
@@ -315,7 +288,9 @@ def hf_to_megalite(hf_dir: str, output_dir: str, overwrite: bool = False, log=wa
     m = {**extra_defaults(), **model_fields(config)}
     _check_output_free(output_dir, overwrite, kind="megalite")
 
-    weights = HFWeights(hf_dir, "transformer." if model_type == "gpt2" else "model.")
+    fp8_block = None if model_type == GPT_OSS else block_size(config)       # GPT-OSS refuses quantisation itself
+    weights = HFWeights(hf_dir, "transformer." if model_type == "gpt2" else "model.", fp8_block,
+                        getattr(torch, dtype_name(config) or "bfloat16"))
     tensors = gpt2_to_megalite(weights, m) if model_type == "gpt2" else llama_like_to_megalite(weights, m, model_type)
     weights.check_all_used()
     embeddings = tensors["embedding.word_embeddings.weight"]
@@ -334,7 +309,7 @@ def hf_to_megalite(hf_dir: str, output_dir: str, overwrite: bool = False, log=wa
     tokenizer = None
     if tokenizer_files(hf_dir):
         copy_tokenizer(hf_dir, os.path.join(tmp, TOKENIZER_SUBDIR))
-        if not _names_tokenizer_class(hf_dir):
+        if not names_tokenizer_class(hf_dir):
             # AutoTokenizer then picks the class from config.json's model_type; keep it next to the files
             shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(tmp, TOKENIZER_SUBDIR, "config.json"))
         tokenizer = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": TOKENIZER_SUBDIR,
@@ -349,10 +324,11 @@ def hf_to_megalite(hf_dir: str, output_dir: str, overwrite: bool = False, log=wa
 
 
 def megalite_to_hf(checkpoint_dir: str, output_dir: str, model_type: str | None = None, overwrite: bool = False,
-                   log=warn) -> str:
+                   log=warn, fp8_blocks: bool = False) -> str:
     """Export a megalite checkpoint (a save directory or an iter_N directory) as a Hugging Face model
     directory: config.json, model.safetensors and the checkpoint's tokenizer files. Training-state
-    tensors (optimizer.*) are not exported. Returns ``output_dir``."""
+    tensors (optimizer.*) are not exported. ``fp8_blocks``: the layers' projections as 128x128
+    block-scaled FP8 (hf_fp8.py). Returns ``output_dir``."""
     if not os.path.isdir(checkpoint_dir):
         raise UserError(f"--input {checkpoint_dir}: no such directory; give a megalite checkpoint directory")
     if not any(os.path.isfile(os.path.join(checkpoint_dir, f)) for f in (TRACKER, METADATA)):
@@ -377,46 +353,30 @@ def megalite_to_hf(checkpoint_dir: str, output_dir: str, model_type: str | None 
     # zero biases (see _MegaliteTensors) take the stored weights' dtype, so the file has one dtype
     tensors = _MegaliteTensors(reader, reader.tensor("embedding.word_embeddings.weight").dtype)
     hf_tensors = megalite_to_gpt2(tensors, m) if model_type == "gpt2" else megalite_to_llama_like(tensors, m, model_type)
-    tokenizer_dir = _checkpoint_tokenizer_dir(reader, log)
     source = meta.get("source") or {}
-    token_ids = {k: source[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in source}
-    if not token_ids and tokenizer_dir:
-        token_ids = {k: v for k, v in token_ids_from_tokenizer(tokenizer_dir).items() if v is not None}
-    config = build_hf_config(m, model_type, token_ids, {k: source[k] for k in MOE_TRAINING_KEYS if k in source})
 
     from safetensors.torch import save_file
     _make_output_dir(output_dir)
     if overwrite:
         _remove_previous_export(output_dir)
+    has_tokenizer = export_tokenizer(meta.get("tokenizer"), reader.directory, output_dir, log)
+    token_ids = {k: source[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in source}
+    if not token_ids and has_tokenizer:
+        token_ids = {k: v for k, v in token_ids_from_tokenizer(output_dir).items() if v is not None}
+    config = build_hf_config(m, model_type, token_ids, {k: source[k] for k in MOE_TRAINING_KEYS if k in source})
+    if fp8_blocks:
+        hf_tensors = quantize_checkpoint(hf_tensors)
+        config.quantization_config = quantization_config()
     # each file is written under a temporary name and renamed; config.json last, so an interrupted
     # export never leaves a directory that loads with the wrong weights
     weights_tmp = os.path.join(output_dir, "model.safetensors.tmp")
     save_file({n: t.contiguous() for n, t in hf_tensors.items()}, weights_tmp, metadata={"format": "pt"})
     os.replace(weights_tmp, os.path.join(output_dir, "model.safetensors"))
-    if tokenizer_dir:
-        copy_tokenizer(tokenizer_dir, output_dir)
     with quiet_transformers():
         config_tmp = os.path.join(output_dir, "config.json.tmp")
         config.to_json_file(config_tmp)
     os.replace(config_tmp, os.path.join(output_dir, "config.json"))
     return output_dir
-
-
-def _checkpoint_tokenizer_dir(reader: CheckpointReader, log) -> str | None:
-    """The checkpoint's Hugging Face tokenizer directory (relative paths are inside the iteration dir)."""
-    tok = reader.metadata.get("tokenizer") or {}
-    if not tok:
-        return None
-    if tok.get("tokenizer_type") != "HuggingFaceTokenizer" or not tok.get("tokenizer_model"):
-        log(f"the checkpoint's tokenizer ({tok.get('tokenizer_type')}) is not a Hugging Face tokenizer "
-            "directory; no tokenizer files exported")
-        return None
-    path = tok["tokenizer_model"]
-    path = path if os.path.isabs(path) else os.path.join(reader.directory, path)
-    if not tokenizer_files(path):
-        log(f"tokenizer directory {path} has no tokenizer files (moved or deleted?); no tokenizer exported")
-        return None
-    return path
 
 
 def _check_output_free(output_dir: str, overwrite: bool, kind: str) -> None:

@@ -27,6 +27,9 @@ import os
 import sys
 
 from megalite.checkpoint.files import ATTENTION_DEFAULTS, VARIANT_DEFAULTS
+from megalite.checkpoint.hf_deepseek import (DEEPSEEK_MODEL_TYPES, GLM4_MOE, build_deepseek_config,
+                                             check_deepseek_convertible, check_deepseek_representable,
+                                             deepseek_fields)
 from megalite.checkpoint.hf_gpt_oss import (GPT_OSS, build_gpt_oss_config, check_gpt_oss_convertible,
                                             check_gpt_oss_representable, gpt_oss_fields)
 from megalite.checkpoint.hf_moe import (MOE_MODEL_TYPES, build_moe_config, check_moe_convertible,
@@ -36,11 +39,12 @@ from megalite.checkpoint.hf_window import (check_window_convertible, check_windo
 from megalite.errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe",
-                         GPT_OSS)
+                         GPT_OSS, GLM4_MOE)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel",
                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", GPT_OSS: "GptOssForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", GPT_OSS: "GptOssForCausalLM",
+                 GLM4_MOE: "Glm4MoeForCausalLM"}
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")            # RMSNorm of each q and k head (q_norm, k_norm)
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
 # metadata["model"] fields a conversion records beyond files.ARCHITECTURE_FIELDS (the MoE layer, QK-norm);
@@ -48,7 +52,7 @@ QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
 EXTRA_FIELDS = ("qk_layernorm", "num_experts", "moe_layer_freq", "moe_ffn_hidden_size",
                 "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_topk",
                 "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
-                "moe_router_enable_expert_bias")
+                "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")      # the parameter dtypes megalite stores
 # GPT-2 activation names -> openai_gelu. gelu_new is the tanh approximation written out by hand
 # (NewGELUActivation); it equals F.gelu(approximate="tanh") to float rounding.
@@ -210,13 +214,15 @@ def check_convertible(config, log=warn) -> None:
         return
     if getattr(config, "hidden_act", "silu") != "silu":
         raise UserError(f"hidden_act={config.hidden_act!r} is not supported: megalite's SwiGLU uses silu")
-    if getattr(config, "attention_bias", False):
+    if getattr(config, "attention_bias", False) and model_type != GLM4_MOE:      # GLM: q/k/v biases only
         raise UserError(f"{model_type} attention_bias=True is not supported: megalite has q/k/v biases "
                         "(add_qkv_bias) but no o_proj bias without MLP biases")
     if getattr(config, "mlp_bias", False):
         raise UserError(f"{model_type} mlp_bias=True is not supported: megalite's MLP biases come only with "
                         "biases on every linear layer")
-    check_rope(config, partial_rotary=model_type == "phi3")
+    if model_type in DEEPSEEK_MODEL_TYPES:
+        check_deepseek_convertible(config)
+    check_rope(config, partial_rotary=model_type in ("phi3", GLM4_MOE))
     head_dim, factor = _head_dim(config), _rotary_percent(config)
     if factor != 1.0 and (int(head_dim * factor) % 2 or int(head_dim * factor) < 2):
         raise UserError(f"partial_rotary_factor={factor} rotates {int(head_dim * factor)} of {head_dim} head dimensions; "
@@ -231,7 +237,7 @@ def _head_dim(config) -> int:
 
 
 def _rotary_percent(config) -> float:
-    return rotary_factor(config) if config.model_type == "phi3" else 1.0
+    return rotary_factor(config) if config.model_type in ("phi3", GLM4_MOE) else 1.0
 
 
 def model_fields(config) -> dict:
@@ -242,6 +248,8 @@ def model_fields(config) -> dict:
     fields = {**ATTENTION_DEFAULTS, **VARIANT_DEFAULTS, **llama_like_fields(config), **window_fields(config)}
     if config.model_type == GPT_OSS:
         fields.update(gpt_oss_fields(config, rope_parameters(config)))
+    if config.model_type in DEEPSEEK_MODEL_TYPES:
+        fields.update(deepseek_fields(config, rope_parameters(config)))
     return fields
 
 
@@ -303,6 +311,8 @@ def default_model_type(metadata: dict) -> str:
     m = metadata["model"]
     if m["position_embedding_type"] == "learned_absolute" and m["normalization"] == "LayerNorm":
         return "gpt2"
+    if m.get("moe_router_score_function") == "sigmoid" and m.get("moe_router_enable_expert_bias"):
+        return GLM4_MOE
     if m.get("rotary_percent", 1.0) != 1.0:
         return "phi3"
     if m.get("softmax_type") == "learnable" or m.get("quick_geglu"):
@@ -331,6 +341,10 @@ def check_representable(m: dict, model_type: str) -> None:
         return
     if model_type == GPT_OSS:
         check_gpt_oss_representable(m, need)
+        check_window_representable(m, model_type, need)
+        return
+    if model_type in DEEPSEEK_MODEL_TYPES:
+        check_deepseek_representable(m, model_type, need)
         check_window_representable(m, model_type, need)
         return
     need(m["position_embedding_type"] == "rope", f"{model_type} uses RoPE, the checkpoint "
@@ -381,6 +395,8 @@ def build_hf_config(m: dict, model_type: str, token_ids: dict, moe_training: dic
                               **{**ids, **fields})
         if model_type == GPT_OSS:
             return build_gpt_oss_config(m, fields, moe_training or {})
+        if model_type in DEEPSEEK_MODEL_TYPES:
+            return build_deepseek_config(m, model_type, fields, rope)
         if model_type in MOE_MODEL_TYPES:
             return build_moe_config(m, model_type, fields, moe_training or {})
         if model_type == "llama":

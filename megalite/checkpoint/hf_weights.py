@@ -1,6 +1,7 @@
 """The tensors of a Hugging Face model directory, read on demand and only as tensors.
 
 Sources, in order: model.safetensors, model.safetensors.index.json (shards), pytorch_model.bin(.index.json).
+Block-scaled FP8 weights are dequantised as they are read (hf_fp8.py).
 A .bin is read with torch.load(weights_only=True), which unpickles tensors only; a file that holds other
 pickled objects is refused rather than trusted.
 """
@@ -14,6 +15,7 @@ import warnings
 import torch
 
 from megalite.checkpoint.hf_config import first_line
+from megalite.checkpoint.hf_fp8 import FP8_DTYPES, dequantize, scale_name
 from megalite.errors import UserError
 
 # Buffers some checkpoints contain that are not parameters: Llama RoPE tables (inv_freq), GPT-2's causal mask.
@@ -30,8 +32,10 @@ class HFWeights:
     not know, rather than silently dropping part of a model.
     """
 
-    def __init__(self, hf_dir: str, base_prefix: str):
+    def __init__(self, hf_dir: str, base_prefix: str, fp8_block: tuple[int, int] | None = None,
+                 dtype: torch.dtype = torch.bfloat16):
         self.hf_dir = hf_dir
+        self.fp8_block, self.dtype = fp8_block, dtype      # FP8 weights are dequantised into dtype (hf_fp8.py)
         self._where: dict[str, tuple[str, str]] = {}      # canonical name -> (file, stored name)
         self._handles: dict[str, object] = {}
         self._bins: dict[str, dict] = {}
@@ -103,9 +107,11 @@ class HFWeights:
             raise UserError(f"--input {self.hf_dir} has no tensor {name!r}; the weights do not match config.json")
         self.unused.discard(name)
         path, stored = self._where[name]
-        if path.endswith(".safetensors"):
-            return self._safetensors(path).get_tensor(stored)
-        return self._bin(path)[stored]
+        tensor = self._safetensors(path).get_tensor(stored) if path.endswith(".safetensors") else self._bin(path)[stored]
+        if tensor.dtype in FP8_DTYPES:
+            scale = self.take(scale_name(name)) if self.has(scale_name(name)) else None
+            tensor = dequantize(tensor, scale, self.fp8_block, name, self.dtype)
+        return tensor
 
     def check_all_used(self) -> None:
         unknown = sorted(n for n in self.unused if not IGNORED_HF_TENSORS.search(n))
