@@ -8,7 +8,7 @@ dims); its q-LoRA rank is chosen so that its parameters equal the GQA layer's (s
 head dim, 4 KV groups) within a fraction of a percent. Memory is what a training step holds between forward
 and backward -- the storages autograd saves (torch.autograd.graph.saved_tensors_hooks, weights excluded) --
 and the forward's peak of live tensors created by its ops (LiveBytes). Time is the fastest of the repeats
-after one warm-up. Writes a section of bench/RESULTS.md.
+after one warm-up, the three taking turns. Writes a section of bench/RESULTS.md.
 
     python bench/bench_mla.py
     python bench/bench_mla.py --quick      # smoke test: s = 256
@@ -74,18 +74,25 @@ def transformers_twin(ours: torch.nn.Module, cfg: ModelConfig):
     return hf, DeepseekV3RotaryEmbedding(hf_config)
 
 
-def measure(run, grad, repeats: int, module: torch.nn.Module) -> dict:
-    with count_saved(module) as saved, LiveBytes() as live:
-        out = run()
-    del out
-    times = []
+def measure(runs: dict, repeats: int) -> dict:
+    """Saved bytes and forward peak of each run, then its fastest fwd+bwd: the runs take turns (one
+    warm-up round, then ``repeats`` rounds), so load from other work on the machine falls on each alike."""
+    results, times = {}, {name: [] for name in runs}
+    for name, (run, _, module) in runs.items():
+        with count_saved(module) as saved, LiveBytes() as live:
+            out = run()
+        del out
+        results[name] = {"saved": saved.bytes(), "peak": live.peak,
+                         "params": sum(p.numel() for p in module.parameters())}
     for _ in range(repeats + 1):
-        start = time.perf_counter()
-        run().backward(grad)
-        times.append(time.perf_counter() - start)
-    module.zero_grad(set_to_none=True)
-    return {"saved": saved.bytes(), "peak": live.peak, "time": min(times[1:]),
-            "params": sum(p.numel() for p in module.parameters())}
+        for name, (run, grad, module) in runs.items():
+            start = time.perf_counter()
+            run().backward(grad)
+            times[name].append(time.perf_counter() - start)
+            module.zero_grad(set_to_none=True)
+    for name, r in results.items():
+        r["time"] = min(times[name][1:])
+    return results
 
 
 def main(argv):
@@ -117,12 +124,17 @@ def main(argv):
     with torch.no_grad():
         torch.testing.assert_close(runs["transformers DeepseekV3Attention (sdpa), same weights"][0]().transpose(0, 1),
                                    runs["megalite MLA"][0](), rtol=1e-4, atol=1e-5)
-    results = {name: measure(run, gr, repeats, module) for name, (run, gr, module) in runs.items()}
+    results = measure(runs, repeats)
     mla = results["megalite MLA"]
     body = [f"s = {seq}, batch {BATCH}, hidden {HIDDEN}, {HEADS} heads, fp32, causal, {torch.get_num_threads()} "
             f"threads. MLA: q-LoRA rank {cfg_mla.q_lora_rank}, KV latent {KV_RANK}, query/key {NOPE} + {ROPE} RoPE, "
             f"value {V_DIM}. GQA: head dim {HEAD_DIM}, {GROUPS} KV groups. The outputs of megalite's MLA and "
             "transformers' agree (checked).", "",
+            "Per token MLA keeps its keys expanded to every head (heads x (64 + 32)) and its values zero-padded to "
+            "that head dim for the fused kernel, where GQA keeps 4 groups' K and V: more bytes at equal "
+            "parameters. transformers' SDPA call, with V's head dim unlike Q's, takes the math path on the CPU "
+            "and keeps the s x s probabilities. Timings on a shared machine vary from run to run (see the load "
+            "average above); the byte counts do not.", "",
             "| attention | parameters | fwd+bwd | MLA / it | saved for backward | MLA / it | forward peak | MLA / it |",
             "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
