@@ -47,6 +47,7 @@ BENCHES = (
           "Context parallelism: activation memory per rank vs sequence length"),
     Bench("bench_masked_attention.py", ("bench_masked_attention",),
           "Masked attention: documents, windows and sinks vs flash"),
+    Bench("bench_mla.py", ("bench_mla",), "Multi-latent attention vs GQA and transformers"),
     Bench("bench_data.py", ("bench_data",), "Data pipeline: preprocessing, indices, blending, reads"),
     Bench("bench_memory.py", ("bench_memory_zero", "bench_memory_fsdp2", "bench_memory_checkpoint",
                               "bench_memory_activations", "bench_memory_cross_entropy"),

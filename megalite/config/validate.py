@@ -17,7 +17,7 @@ import os
 
 from megalite.config.pipeline_split import stage_layers_of
 from megalite.config.validate_attention import (check_context_parallel, check_masked_attention,
-                                                check_window)
+                                                check_multi_latent_attention, check_window)
 from megalite.config.validate_deepseek import check_group_routing
 from megalite.config.schema import (ASYNC_SCHEDULES, ZERO_BUBBLE_SCHEDULES, DataConfig, MegaliteConfig, ModelConfig,
                                     OptimizerConfig, ParallelConfig, TrainingConfig, rotary_dim)
@@ -62,11 +62,12 @@ def _check_dry_run(config: MegaliteConfig) -> None:
 
 # ---- the model ---------------------------------------------------------------------------------------
 def check_model(m: ModelConfig) -> None:
+    check_multi_latent_attention(m)
     if m.num_attention_heads % m.num_query_groups:
         raise UserError(f"--num-attention-heads {m.num_attention_heads} must be divisible by "
                         f"--num-query-groups {m.num_query_groups}")
-    if m.use_rope and m.kv_channels % 2:
-        raise UserError(f"rope needs an even head dimension, got {m.kv_channels} (--kv-channels or "
+    if m.use_rope and m.rotary_head_dim % 2:
+        raise UserError(f"rope needs an even head dimension, got {m.rotary_head_dim} (--kv-channels or "
                         "--hidden-size/--num-attention-heads)")
     _check_rotary_percent(m)
     check_variants(m)

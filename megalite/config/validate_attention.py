@@ -68,3 +68,27 @@ def check_cp_comm_type(m: ModelConfig, p: ParallelConfig) -> None:
             raise UserError(f"--cp-comm-type {kind} splits heads over {size} ranks: --num-attention-heads "
                             f"{m.num_attention_heads} and --num-query-groups {m.num_query_groups} per "
                             f"--tensor-model-parallel-size {tp} rank ({heads}, {groups}) must divide by {size}")
+
+
+def check_multi_latent_attention(m: ModelConfig) -> None:
+    """--multi-latent-attention (model/attention/mla.py): its heads' keys and values come from one latent
+    (no query groups), its position information is RoPE on a part of every head of --qk-pos-emb-head-dim
+    (whole, even), and its projections have no biases."""
+    if not m.multi_latent_attention:
+        if m.q_lora_rank is not None:
+            raise UserError("--q-lora-rank applies to multi-latent attention: add --multi-latent-attention")
+        return
+    refused = [(flag, fix) for flag, on, fix in (
+        ("--group-query-attention", m.num_query_groups != m.num_attention_heads,
+         "every head's K/V come from the shared latent; drop --group-query-attention / --num-query-groups"),
+        (f"--position-embedding-type {m.position_embedding_type}", not m.use_rope,
+         "its decoupled position part is RoPE; use --position-embedding-type rope"),
+        ("linear biases", m.add_bias_linear or m.add_qkv_bias, "add --disable-bias-linear (and drop --add-qkv-bias)"),
+        (f"--rotary-percent {m.rotary_percent:g}", m.rotary_percent != 1.0,
+         "RoPE rotates the whole --qk-pos-emb-head-dim part; drop --rotary-percent")) if on]
+    if refused:
+        flag, fix = refused[0]
+        raise UserError(f"--multi-latent-attention does not support {flag}: {fix}")
+    if m.qk_pos_emb_head_dim % 2:
+        raise UserError(f"--qk-pos-emb-head-dim {m.qk_pos_emb_head_dim}: RoPE rotates pairs of dimensions; "
+                        "give an even number")

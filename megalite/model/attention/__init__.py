@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 from megalite.config.schema import ModelConfig
+from megalite.model.attention.mla import MultiLatentAttention
 from megalite.model.attention.self_attention import SelfAttention
 from megalite.parallel.context.ring_attention import ContextParallel
 from megalite.parallel.tensor.layers import TensorParallel
 
-ATTENTION = {"self": SelfAttention}             # ModelConfig.attention_type -> module class
+ATTENTION = {"self": SelfAttention, "mla": MultiLatentAttention}     # ModelConfig.attention_type -> module class
 
 
 def build_attention(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel,

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from megalite.model.attention.mask import MaskSpec
 from megalite.model.attention.masked import masked_attention
 from megalite.model.kernels import attention_on_meta, compiling, sdpa_runs_fused, sdpa_runs_gqa_fused
+from megalite.parallel.context.block_kernels import equal_head_dims
 from megalite.parallel.context.ring_attention import ContextParallel
 from megalite.parallel.context.ulysses import context_attention
 from megalite.parallel.tensor.random import RNGTracker, checkpoint
@@ -55,7 +56,10 @@ def core_attention(q, k, v, mask: MaskSpec, *, scale: float | None = None, dropo
             raise ValueError("attention dropout with documents, a window or sinks: set --attention-dropout 0")
         return masked_attention(q, k, v, mask, scale=scale, sinks=sinks)
     s, b, heads = q.shape[:3]
-    q, k, v, bias, causal, gqa = _sdpa_inputs(q, k, v, mask)
+    d_v = v.shape[-1]
+    if d_v != q.shape[-1] and scale is None:
+        scale = q.shape[-1] ** -0.5             # before any zero-padding of q's head dim
+    q, k, v, bias, causal, gqa = _sdpa_inputs(q, k, v, mask, dropout)
     if gqa and not sdpa_runs_gqa_fused(q, k, v, bias, dropout, causal):
         k = k.repeat_interleave(heads // k.shape[1], dim=1)
         v = v.repeat_interleave(heads // v.shape[1], dim=1)
@@ -66,12 +70,19 @@ def core_attention(q, k, v, mask: MaskSpec, *, scale: float | None = None, dropo
         with rng.fork() if dropout > 0 and rng is not None else nullcontext():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=causal, dropout_p=dropout,
                                                  enable_gqa=gqa, scale=scale)
-    return out.permute(2, 0, 1, 3).reshape(s, b, heads * out.shape[-1])
+    if out.shape[-1] != d_v:
+        out = out[..., :d_v]
+    return out.permute(2, 0, 1, 3).reshape(s, b, heads * d_v)
 
 
-def _sdpa_inputs(q, k, v, mask: MaskSpec):
+def _sdpa_inputs(q, k, v, mask: MaskSpec, dropout: float):
     """SDPA's [b, heads, s, d] views of q, k, v, its boolean mask (or None), is_causal and whether K/V are
-    grouped. Causal with t > s keys (a KV cache) is the mask aligned to the last key; one query sees all."""
+    grouped. Causal with t > s keys (a KV cache) is the mask aligned to the last key; one query sees all.
+
+    V's head dim unlike Q's and K's (multi-latent attention): the fused kernels take one head dim, so the
+    three are zero-padded to the larger where a fused kernel then runs (zero features add nothing to
+    q k^T, and the output's padding is cut off); the math path, which keeps the s x s scores, only where
+    none would."""
     s, total = q.shape[0], k.shape[0]
     bias = None
     if mask.causal and s > 1 and total > s:
@@ -79,6 +90,10 @@ def _sdpa_inputs(q, k, v, mask: MaskSpec):
     causal = mask.causal and total == s
     gqa = k.shape[2] != q.shape[2]
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    if v.shape[-1] != q.shape[-1]:
+        padded = equal_head_dims(q, k, v)
+        if sdpa_runs_fused(*padded, bias, dropout, causal, gqa):
+            q, k, v = padded
     return q, k, v, bias, causal, gqa
 
 
@@ -88,13 +103,13 @@ def recomputing_pays(q, k, v, mask: MaskSpec, *, dropout: float, cp: ContextPara
     it once. The recomputed region keeps q, the unexpanded k and v (its inputs) and the output (the
     output projection's input); so do ring attention and SDPA's fused kernels on grouped K/V, plus a
     log-sum-exp: recomputing them would only run their forward twice. It pays for SDPA's math path,
-    which keeps the s x s scores (CPU with attention dropout or unequal head dims; CUDA where no fused
-    kernel takes the call), and for K/V expanded to every query head for a kernel that cannot take them
+    which keeps the s x s scores (CPU with attention dropout; CUDA where no fused kernel takes the
+    call, padded or not), and for K/V expanded to every query head for a kernel that cannot take them
     grouped (CUDA's memory-efficient kernel, e.g. in fp32), which that kernel keeps expanded. Masked
     attention (masked.py) keeps what the fused kernels keep."""
     if cp is not None or sinks is not None or not mask.plain:
         return False
-    q, k, v, bias, causal, gqa = _sdpa_inputs(q, k, v, mask)
+    q, k, v, bias, causal, gqa = _sdpa_inputs(q, k, v, mask, dropout)
     if gqa and not sdpa_runs_gqa_fused(q, k, v, bias, dropout, causal):
         return True
     return not sdpa_runs_fused(q, k, v, bias, dropout, causal, gqa)

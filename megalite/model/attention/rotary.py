@@ -36,10 +36,12 @@ class Yarn:
                    config.yarn_beta_fast, config.yarn_beta_slow, config.mscale, config.mscale_all_dim,
                    config.yarn_correction_range_round_to_int)
 
+    def m(self, x: float) -> float:
+        """m(x) = 0.1 x ln(factor) + 1 (1 when factor <= 1): the attention scale of an mscale x."""
+        return 1.0 if self.factor <= 1 else 0.1 * x * math.log(self.factor) + 1.0
+
     def attention_factor(self) -> float:
-        def m(x: float) -> float:
-            return 1.0 if self.factor <= 1 else 0.1 * x * math.log(self.factor) + 1.0
-        return m(self.mscale) / m(self.mscale_all_dim)
+        return self.m(self.mscale) / self.m(self.mscale_all_dim)
 
     def inv_freq(self, inv_freq: torch.Tensor, dim: int, base: float) -> torch.Tensor:
         """The plain frequencies [dim/2] (fp32) -> YaRN's."""

@@ -55,7 +55,7 @@ class SelfAttention(nn.Module):
                 mark(param, replicated_rows=kv_rows)
         self.linear_proj = RowParallelLinear(nq * d, h, config.add_bias_linear, dtype, tp)
         self.softmax_type = config.softmax_type
-        self.softmax_offset = _learnable_offset(nq, dtype, tp) if config.softmax_type == "learnable" else None
+        self.softmax_offset = learnable_offset(nq, dtype, tp) if config.softmax_type == "learnable" else None
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:         # --qk-layernorm: per-head norms of q and k, weights [head_dim]
             self.q_layernorm = build_norm(replace(config, hidden_size=d), dtype, tp)
@@ -80,11 +80,7 @@ class SelfAttention(nn.Module):
         return q.reshape(s, b, self.num_heads, self.head_dim), k.squeeze(3), v.squeeze(3)
 
     def sinks(self, q: torch.Tensor) -> torch.Tensor | None:
-        """fp32 [local heads]: the logit each head adds to its softmax denominator (--softmax-type): the
-        learned ``softmax_offset``, 0 for off-by-one; None for vanilla (plain softmax)."""
-        if self.softmax_type == "off-by-one":
-            return q.new_zeros(self.num_heads, dtype=torch.float32)
-        return None if self.softmax_offset is None else self.softmax_offset.float()
+        return head_sinks(self.softmax_type, self.softmax_offset, self.num_heads, q)
 
     def forward(self, x: torch.Tensor, inputs: AttentionInputs | None = None, kv_cache: KVCache | None = None,
                 layer_number: int = 0) -> torch.Tensor:
@@ -109,7 +105,15 @@ class SelfAttention(nn.Module):
         return self.linear_proj(out)
 
 
-def _learnable_offset(num_heads: int, dtype: torch.dtype, tp: TensorParallel) -> nn.Parameter:
+def head_sinks(softmax_type: str, offset: nn.Parameter | None, num_heads: int, q: torch.Tensor) -> torch.Tensor | None:
+    """fp32 [local heads]: the logit each head adds to its softmax denominator (--softmax-type): the
+    learned ``offset``, 0 for off-by-one; None for vanilla (plain softmax)."""
+    if softmax_type == "off-by-one":
+        return q.new_zeros(num_heads, dtype=torch.float32)
+    return None if offset is None else offset.float()
+
+
+def learnable_offset(num_heads: int, dtype: torch.dtype, tp: TensorParallel) -> nn.Parameter:
     """--softmax-type learnable: one sink logit per head, [heads / TP] on each rank, sharded by heads as the
     query heads are (a contiguous chunk per rank); initialised N(0, --init-method-std) and without weight
     decay (a 1-D parameter), as Megatron's ``softmax_offset``."""

@@ -59,11 +59,17 @@ def test_core_attention_with_unequal_head_dims_and_a_scale_equals_the_reference(
     _assert_matches((out, q.grad, k.grad, v.grad), _reference(q, k, v, grad, causal), rtol=1e-5, atol=1e-6)
 
 
-def test_unequal_head_dims_take_the_math_path_on_cpu_and_selective_recompute_pays():
-    """CPU's flash kernel takes one head dim: SDPA runs the math path, which keeps the s x s scores."""
-    q, k, v, _ = _inputs()
-    assert recomputing_pays(q, k, v, MaskSpec(), dropout=0.0, cp=None)
-    assert not recomputing_pays(q, k, k, MaskSpec(), dropout=0.0, cp=None)
+def test_unequal_head_dims_run_cpu_flash_padded_and_selective_recompute_does_not_pay():
+    """CPU's flash kernel takes one head dim: V is zero-padded to it, so no s x s scores are kept and
+    recomputing would only run the kernel twice; with attention dropout SDPA's math path runs and it pays."""
+    q, k, v, grad = _inputs()
+    assert not recomputing_pays(q, k, v, MaskSpec(), dropout=0.0, cp=None)
+    assert recomputing_pays(q, k, v, MaskSpec(), dropout=0.1, cp=None)
+    q.requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        core_attention(q, k, v, MaskSpec(), scale=SCALE)
+    assert not any(t.shape[-2:] == (S, S) for t in saved)                 # no s x s scores kept
 
 
 def test_meta_attention_has_the_value_head_dim_and_keeps_a_fused_kernels_tensors():
