@@ -2,8 +2,10 @@
 (--reset-attention-mask: the depths' targets stay within each document) logs the single-process run's lm
 loss and MTP losses, iteration after iteration (the MTP term moves the weights), at TP=2 with sequence
 parallelism, PP=2 (the depths and a copy of the word embedding on the last stage, untied and tied), CP=2
-(targets shifted on whole sequences before the split) and DP=2 with ZeRO-1 and ZeRO-3; and a checkpoint
+(targets shifted on whole sequences before the split), DP=2 with ZeRO-1, ZeRO-3 and FSDP2 (with full
+recomputation); the metrics file carries the MTP losses as the log line does; and a checkpoint
 saved at PP=2 resumes at TP=2 as the uninterrupted run goes on."""
+import json
 import re
 
 import pytest
@@ -21,7 +23,9 @@ LAYOUTS = {"tp2-sp": (ARGV, ["--tensor-model-parallel-size", "2", "--sequence-pa
            "pp2-tied": (TIED, ["--pipeline-model-parallel-size", "2"]),
            "cp2": (ARGV, ["--context-parallel-size", "2"]),
            "dp2-zero1": (ARGV, ["--use-distributed-optimizer"]),
-           "dp2-zero3": (ARGV, ["--data-parallel-sharding-strategy", "optim_grads_params"])}
+           "dp2-zero3": (ARGV, ["--data-parallel-sharding-strategy", "optim_grads_params"]),
+           "dp2-fsdp2-recompute": (ARGV, ["--use-torch-fsdp2", "--recompute-granularity", "full",
+                                          "--recompute-method", "uniform"])}
 NAMES = ("lm loss", "mtp_1 loss", "mtp_2 loss")
 
 
@@ -36,8 +40,15 @@ def logged(stdout: str) -> dict[int, tuple[float, ...]]:
 
 
 @pytest.fixture(scope="module")
-def references():
-    return {"untied": logged(run_in_process(ARGV)[1]), "tied": logged(run_in_process(TIED)[1])}
+def references(tmp_path_factory):
+    """The single-process runs' losses; the untied one's metrics file holds the same MTP losses."""
+    metrics = tmp_path_factory.mktemp("metrics") / "metrics.jsonl"
+    untied = logged(run_in_process(ARGV + ["--metrics-file", str(metrics)])[1])
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == sorted(untied)
+    for record in records:                  # the log line prints 7 significant digits
+        assert tuple(record[name] for name in NAMES) == pytest.approx(untied[record["iteration"]], rel=1e-6)
+    return {"untied": untied, "tied": logged(run_in_process(TIED)[1])}
 
 
 def assert_same(losses: dict, reference: dict, what: str) -> None:
