@@ -35,8 +35,6 @@ from megalite.parallel.tensor.layers import ColumnParallelLinear, TensorParallel
 from megalite.parallel.tensor.mappings import scatter_to_sp_region
 from megalite.parallel.tensor.random import checkpoint
 
-MTP_KEYS = ("mtp_tokens", "mtp_labels", "mtp_loss_mask")      # [b, s, D] each, added by mtp_targets
-
 
 class MTPLayer(nn.Module):
     """One depth: enorm, hnorm, eh_proj, transformer_layer, final_layernorm (Megatron-Core's names)."""
