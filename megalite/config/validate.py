@@ -18,7 +18,7 @@ import os
 from megalite.config.pipeline_split import stage_layers_of
 from megalite.config.validate_attention import (check_context_parallel, check_masked_attention,
                                                 check_multi_latent_attention, check_window)
-from megalite.config.validate_deepseek import check_group_routing
+from megalite.config.validate_deepseek import check_group_routing, check_mtp
 from megalite.config.schema import (ASYNC_SCHEDULES, ZERO_BUBBLE_SCHEDULES, DataConfig, MegaliteConfig, ModelConfig,
                                     OptimizerConfig, ParallelConfig, TrainingConfig, rotary_dim)
 from megalite.errors import UserError
@@ -33,6 +33,7 @@ def validate(config: MegaliteConfig, world_size: int) -> None:
     check_model(config.model)
     check_moe(config.model)
     check_group_routing(config.model)
+    check_mtp(config)
     _check_ranges(config)
     check_world_size(world_size, config.parallel)
     check_layout(config)

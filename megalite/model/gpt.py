@@ -18,6 +18,7 @@ from megalite.parallel.context.ring_attention import ContextParallel, local_posi
 from megalite.errors import UserError
 from megalite.model.init import initial_values, initialize_parameter
 from megalite.model.moe import MoELayer
+from megalite.model.mtp import MultiTokenPrediction
 from megalite.model.attention.inputs import AttentionInputs
 from megalite.model.attention.kv_cache import KVCache
 from megalite.model.attention.rotary import RotaryEmbedding, Yarn
@@ -27,7 +28,8 @@ from megalite.parallel.data.protocol import ModuleUnit
 from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext
 from megalite.parallel.param_meta import mark
 from megalite.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
-from megalite.parallel.tensor.layers import ColumnParallelLinear, TensorParallel, VocabParallelEmbedding, parallel_logits
+from megalite.parallel.tensor.layers import (ColumnParallelLinear, TensorParallel, VocabParallelEmbedding, parallel_logits,
+                                             vocab_parallel_lookup)
 from megalite.parallel.tensor.mappings import gather_from_tp_region, reduce_from_tp_region, scatter_to_sp_region
 from megalite.parallel.tensor.random import checkpoint
 from megalite.precision.gemm import GemmPrecision, build_gemm_precision
@@ -56,12 +58,17 @@ class Embedding(nn.Module):
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
             x = x + self.position_embeddings(position_ids)
-        x = x.transpose(0, 1).contiguous()
+        x = sequence_first(x, self.tp)
         if not self.tp.sequence_parallel:
             return F.dropout(x, self.dropout, self.training)
-        x = scatter_to_sp_region(x, self.tp.group)
         with self.tp.rng.fork() if self.dropout > 0 and self.training else nullcontext():
             return F.dropout(x, self.dropout, self.training)
+
+
+def sequence_first(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """[b, s, h] -> [s, b, h], this rank's sequence shard of it under sequence parallelism."""
+    x = x.transpose(0, 1).contiguous()
+    return scatter_to_sp_region(x, tp.group) if tp.sequence_parallel else x
 
 
 class GPTModel(nn.Module):
@@ -101,6 +108,14 @@ class GPTModel(nn.Module):
                                                              dtype, tp)
                 else:   # the head reads the word embeddings: the model owns the logits GEMM's precision
                     self.output_precision = build_gemm_precision(tp.gemm_recipe)
+            self.mtp = None
+            if post_process and config.mtp_num_layers:
+                self.mtp = MultiTokenPrediction(config, dtype, tp, cp, self.moe)
+                if not (pre_process or self.share_embeddings_and_output_weights):
+                    # the MTP depths' copy of the word embeddings on a later pipeline stage, kept equal as
+                    # a tied output layer is (a tied one serves as the copy itself)
+                    self.mtp_embedding = VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size,
+                                                                dtype, tp)
         self.mark_shared_embeddings()
         if meta:
             self.attach_initial_values(seed)
@@ -108,14 +123,25 @@ class GPTModel(nn.Module):
             self.reset_parameters(seed)
 
     def mark_shared_embeddings(self) -> None:
-        """Megatron's markers for tied embeddings: ``shared_embedding`` on both copies (their gradients
-        are summed over the embedding group), ``shared`` on the second copy (counted once in the norm)."""
-        if not self.share_embeddings_and_output_weights:
+        """Megatron's markers for the word embeddings that a later pipeline stage also holds (as the tied
+        output layer, or for the MTP depths): ``shared_embedding`` on both copies (their gradients are
+        summed over the embedding group), ``shared`` on the second copy (counted once in the norm, stored
+        once in checkpoints)."""
+        if not (self.share_embeddings_and_output_weights or self.config.mtp_num_layers):
             return
         if self.pre_process:
             mark(self.embedding.word_embeddings.weight, shared_embedding=True)
         if self.post_process and not self.pre_process:
-            mark(self.output_layer.weight, shared_embedding=True, shared=True)
+            mark(self.last_stage_embedding(), shared_embedding=True, shared=True)
+
+    def last_stage_embedding(self) -> torch.Tensor:
+        """The word embeddings as the stage with the loss holds them: the embedding's own on the first
+        stage, else the tied output layer or the MTP depths' copy."""
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.share_embeddings_and_output_weights:
+            return self.output_layer.weight
+        return self.mtp_embedding.weight
 
     # ---- parameters -------------------------------------------------------------------------
     def global_name(self, local_name: str) -> str:
@@ -124,6 +150,8 @@ class GPTModel(nn.Module):
             index, rest = local_name[len("decoder.layers."):].split(".", 1)
             return f"decoder.layers.{int(index) + self.layer_offset}.{rest}"
         if local_name == "output_layer.weight" and self.share_embeddings_and_output_weights:
+            return "embedding.word_embeddings.weight"
+        if local_name == "mtp_embedding.weight":
             return "embedding.word_embeddings.weight"
         return local_name
 
@@ -138,9 +166,14 @@ class GPTModel(nn.Module):
             mark(param, init_values=partial(initial_values, param, self.global_name(name),
                                             self.config.init_method_std, self.config.num_layers, seed))
 
+    def transformer_layers(self) -> list[TransformerLayer]:
+        """This chunk's transformer layers in layer order: the decoder's, then the MTP depths'."""
+        mtp = [depth.transformer_layer for depth in self.mtp.layers] if self.post_process and self.mtp else []
+        return list(self.decoder.layers) + mtp
+
     def moe_routers(self) -> list:
         """The routers of this chunk's MoE layers, in layer order."""
-        return [layer.mlp.router for layer in self.decoder.layers if isinstance(layer.mlp, MoELayer)]
+        return [layer.mlp.router for layer in self.transformer_layers() if isinstance(layer.mlp, MoELayer)]
 
     def output_weight(self) -> torch.Tensor:
         if self.share_embeddings_and_output_weights and self.pre_process:
@@ -156,11 +189,15 @@ class GPTModel(nn.Module):
     def data_parallel_units(self) -> list[ModuleUnit]:
         """This chunk's module units in forward order, for the data-parallel backends: the embedding (its
         backward reads only the token ids), each transformer layer, and the head (final norm through the
-        whole forward, which computes the logits with the output weight)."""
+        whole forward, which computes the logits with the output weight). The MTP depths run between the
+        last layer and the head, each a unit that reads the word embeddings."""
         units = []
         if self.pre_process:
             units.append(ModuleUnit("embedding", self.embedding, self.embedding, gather_in_backward=False))
         units += [ModuleUnit(f"layer{i}", layer, layer, layer=True) for i, layer in enumerate(self.decoder.layers)]
+        if self.post_process and self.mtp is not None:
+            units += [ModuleUnit(f"mtp{k}", depth, depth, reads=(self.last_stage_embedding(),), layer=True)
+                      for k, depth in enumerate(self.mtp.layers)]
         if self.post_process:
             units.append(ModuleUnit("head", self.decoder.final_layernorm, self, reads=(self.output_weight(),)))
         return units
@@ -168,7 +205,8 @@ class GPTModel(nn.Module):
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None, cu_seqlens: torch.Tensor | None = None):
+                kv_cache: KVCache | None = None, cu_seqlens: torch.Tensor | None = None,
+                mtp_tokens: torch.Tensor | None = None, mtp_labels: torch.Tensor | None = None):
         """First stage takes ``input_ids`` [b, s]; later stages take ``hidden_states`` [s, b, h].
 
         ``position_ids`` [b, s]: the learned position embeddings' positions, and with
@@ -182,6 +220,10 @@ class GPTModel(nn.Module):
         With ``kv_cache`` (inference on a whole model at TP size 1), ``input_ids`` are the tokens after
         the ``kv_cache.length`` cached ones: they get positions from there and attend to the cache,
         and the cache grows by them.
+
+        ``mtp_tokens`` and ``mtp_labels`` [b, s, D] (model/mtp.py's mtp_targets, last stage, with
+        ``labels``): the MTP depths run too, and the last stage returns (per-token losses [b, s], the
+        depths' per-token losses [D, b, s]).
         """
         positions = None
         if kv_cache is not None:
@@ -194,11 +236,28 @@ class GPTModel(nn.Module):
         # stack draws from the rank's model-parallel stream, not the default one shared by the TP ranks
         with self.tp.rng.fork() if self.tp.sequence_parallel and self.tp.rng is not None else nullcontext():
             x = self.run_layers(x, inputs, kv_cache)
+            mtp_hidden = None
+            if self.post_process and mtp_labels is not None and labels is not None:
+                mtp_hidden = self.mtp.hidden_states(x, mtp_tokens, inputs, self.embed_for_mtp)
         if kv_cache is not None:
             kv_cache.length += x.shape[0]
         if not self.post_process:
             return x
-        x = self.decoder.final_layernorm(x)
+        per_token = self.head(self.decoder.final_layernorm(x), labels)
+        if mtp_hidden is None:
+            return per_token
+        return per_token, torch.stack([self.head(h, mtp_labels[..., k]) for k, h in enumerate(mtp_hidden)])
+
+    def embed_for_mtp(self, ids: torch.Tensor) -> torch.Tensor:
+        """[b, s] ids -> [s(/tp), b, h]: the word embeddings (MTP runs with RoPE: no position embeddings)
+        and the embedding's dropout (inside the forward's RNG fork under sequence parallelism)."""
+        per_rank = self.config.padded_vocab_size // self.tp.size
+        x = reduce_from_tp_region(vocab_parallel_lookup(ids, self.last_stage_embedding(), self.tp, per_rank),
+                                  self.tp.group)
+        return F.dropout(sequence_first(x, self.tp), self.config.hidden_dropout, self.training)
+
+    def head(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """Final-normed [s(/tp), b, h] -> per-token losses [b, s] against ``labels``, or logits [b, s, V]."""
         logits = parallel_logits(x, self.output_weight(), self.tp, self.output_gemm())      # [s, b, V/tp]
         vocab_start = self.tp.rank * logits.shape[-1]
         mask_padded_vocabulary(logits, vocab_start, self.config.vocab_size)

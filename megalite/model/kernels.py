@@ -72,7 +72,7 @@ class _RMSNormFunction(torch.autograd.Function):
         grad_w = work.reshape(-1, h).sum(dim=0).to(weight.dtype) if need_w else None
         if not need_x:
             return None, grad_w, None
-        w = weight.float()
+        w = weight.to(work.dtype)              # fp32 (fp64 for an fp64 model)
         # d/dx of x * rstd(x): rstd * (g w - normed * mean(g w normed)) over the normalised dimension. The
         # row means are work @ w (a matrix-vector product), then work's buffer takes g * w and the rest
         # runs in place: few passes over [.., h] and two allocations (CPU: the backward is memory-bound)

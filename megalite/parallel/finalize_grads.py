@@ -9,8 +9,9 @@
      rank's sequence shard (``sequence_parallel`` in their ``param_meta``);
    - with more TP ranks than KV heads, the K/V rows of the fused QKV weight are replicated across the
      ranks sharing a KV head, each of which saw only its own query heads (``replicated_rows``);
-3. the tied word embedding under pipeline parallelism: its copies on the first and the last stage sum
-   their gradients over the embedding group, so both receive the same update;
+3. the word embedding under pipeline parallelism: its copies on the first and the last stage (the tied
+   output layer, or the multi-token prediction depths' copy), marked ``shared_embedding``, sum their
+   gradients over the embedding group, so both receive the same update;
 4. the MoE routers' step: each router's tokens per expert of the step, summed over the pipeline stage's
    ranks in one all-reduce, move its expert bias (auxiliary-loss-free balancing) and are kept for the
    load statistics of the log (model/moe.py).
@@ -37,11 +38,6 @@ class ModelChunk(Protocol):
     """What the gradient finishing reads of a model chunk (model/gpt.py's GPTModel is one)."""
     tp: TensorParallel
     moe: object                  # the chunks' shared MoEContext (its ``stage_group``), or None
-    pre_process: bool            # holds the word embedding
-    post_process: bool           # holds the output layer
-    share_embeddings_and_output_weights: bool
-    embedding: nn.Module         # ``.word_embeddings.weight`` where pre_process
-    output_layer: nn.Module      # ``.weight`` where post_process
 
     def parameters(self) -> Iterator[nn.Parameter]: ...
 
@@ -92,25 +88,13 @@ def finalize_tensor_parallel_grads(params: list[nn.Parameter], tp: TensorParalle
         all_reduce(replicated, tp.kv_replica_group)
 
 
-def shared_embedding_params(chunks: list[ModelChunk]) -> list[nn.Parameter]:
-    """The word embedding (first stage) and its output-layer copy (last stage) when tied."""
-    params = []
-    for chunk in chunks:
-        if not chunk.share_embeddings_and_output_weights:
-            continue
-        if chunk.pre_process:
-            params.append(chunk.embedding.word_embeddings.weight)
-        if chunk.post_process and not chunk.pre_process:
-            params.append(chunk.output_layer.weight)
-    return params
-
-
 def sync_shared_embedding_grads(chunks: list[ModelChunk], state: ParallelState,
                                 ddp: DataParallel | None = None) -> None:
-    """Step 3: sum the gradients of the tied embedding's two copies so both receive the same update."""
+    """Step 3: sum the gradients of the word embedding's two copies so both receive the same update."""
     if state.pp_size == 1:
         return
-    params = shared_embedding_params(chunks)
+    # in chunk order: the word embedding (first stage), then its copy (last stage)
+    params = [p for chunk in chunks for p in chunk.parameters() if param_meta(p).shared_embedding]
     if len(params) == 2:          # zbv: the first and the last virtual stage are both on this rank
         embedding, output = (p.main_grad if ddp is None else ddp.grad_views(p)[0][0] for p in params)
         embedding.add_(output)    # full views: config/validate.py check_zero_bubble refuses sharded gradients here

@@ -16,7 +16,7 @@ from megalite.optim.clip_grads import norm_over_classes
 from megalite.train.faults import (EXIT_AGREEMENT_INTERVAL, Activity, ExitConditions, TrainingFault,
                                    collective_phase, nonfinite_message, ranks_with_nonfinite_loss)
 from megalite.train.memory_account import MemoryAccount, format_breakdown
-from megalite.train.metrics import (MetricsSinks, MoEStats, format_timers, format_training_line,
+from megalite.train.metrics import (MetricsSinks, MoEStats, MTPLosses, format_timers, format_training_line,
                                     format_validation_lines, worst_load)
 from megalite.train.performance import Throughput, flops_per_iteration, memory_usage, peak_flops_per_device
 from megalite.train.profiler import StepProfiler
@@ -30,7 +30,9 @@ def train(trainer: Run, train_iter, valid_iter, log, sinks: MetricsSinks | None)
     cfg, t, state = trainer.config, trainer.config.training, trainer.state
     moe = MoEStats(trainer.chunks, cfg.model, trainer.parallel, trainer.device) if cfg.model.num_experts else None
     stragglers = StragglerDetector(t, trainer.parallel, trainer.device, log, trainer.print_fn)
-    interval = IntervalStats(moe=moe, stragglers=stragglers)
+    mtp = (MTPLosses(trainer.chunks, cfg.model.mtp_num_layers, trainer.parallel.world_size, trainer.device)
+           if cfg.model.mtp_num_layers else None)
+    interval = IntervalStats(moe=moe, mtp=mtp, stragglers=stragglers)
     throughput = start_throughput(trainer, log)
     interval_start = time.perf_counter()
     exits = ExitConditions(t.exit_signal_handler, t.exit_duration_in_mins, t.exit_interval, trainer.device,
@@ -179,7 +181,8 @@ def _evaluate(trainer: Run, data_iterator, num_batches: int) -> float:
 @dataclass
 class IntervalStats:
     """Megatron logs the mean lm loss over the iterations since the last log line; ``moe`` reports the MoE
-    layers' auxiliary losses over the same iterations (their routers sum them on the device); ``stragglers``
+    layers' auxiliary losses over the same iterations (their routers sum them on the device), ``mtp`` the
+    multi-token prediction depths' losses (summed on the device alike); ``stragglers``
     each rank's compute and waiting over them (--log-straggler).
 
     The iterations' losses stay on the device (``losses``) until ``read_losses`` reads them, once per
@@ -190,6 +193,7 @@ class IntervalStats:
     samples: int = 0                     # over the interval (the batch may grow: --rampup-batch-size)
     last_batch_size: int = 0
     moe: MoEStats | None = None
+    mtp: MTPLosses | None = None
     stragglers: StragglerDetector | None = None
 
     def add(self, loss: torch.Tensor, result, batch_size: int = 0) -> None:
@@ -224,7 +228,8 @@ def log_iteration(trainer: Run, interval: IntervalStats, seconds_per_iter: float
     norms = optional_norms(trainer)            # collectives: every rank computes them
     moe_losses, moe_loads = interval.moe.report() if interval.moe is not None else ({}, {})
     batch_size = interval.last_batch_size or t.global_batch_size
-    losses = {"lm loss": loss, **moe_losses}
+    mtp_losses = interval.mtp.report() if interval.mtp is not None else {}
+    losses = {"lm loss": loss, **moe_losses, **mtp_losses}
     log(format_training_line(
         iteration=state.iteration, train_iters=t.train_iters, consumed_samples=state.consumed_train_samples,
         elapsed_ms=1000.0 * seconds_per_iter, learning_rate=trainer.scheduler.lr,

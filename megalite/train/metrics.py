@@ -1,5 +1,6 @@
 """What a run reports: Megatron's stdout line, its timers' block (observe/clocks.py times them), a JSON-lines
-metrics file, wandb and tensorboard, and for MoE models the auxiliary losses and expert load (MoEStats).
+metrics file, wandb and tensorboard, for MoE models the auxiliary losses and expert load (MoEStats), and with
+multi-token prediction its depths' losses (MTPLosses).
 
 The stdout line keeps Megatron's field names and formats exactly, because people grep it.
 """
@@ -162,8 +163,10 @@ class MoEStats:
 
     def __init__(self, chunks: list, config: ModelConfig, parallel, device: torch.device):
         self.moe_layers = [n for n in range(1, config.num_layers + 1) if config.is_moe_layer(n)]
-        local = [layer.layer_number for chunk in chunks for layer in chunk.decoder.layers
-                 if config.is_moe_layer(layer.layer_number)]
+        if config.mtp_num_layers and config.is_moe_layer(config.num_layers):   # MTP layers: the last one's kind
+            self.moe_layers += [config.num_layers + k + 1 for k in range(config.mtp_num_layers)]
+        local = [layer.layer_number for chunk in chunks for layer in chunk.transformer_layers()
+                 if layer.layer_number in self.moe_layers]
         self.routers = [router for chunk in chunks for router in chunk.moe_routers()]     # the same order
         self.rows = torch.tensor([self.moe_layers.index(n) for n in local], dtype=torch.long, device=device)
         self.sequence_split = chunks[0].moe.sequence_split
@@ -206,6 +209,33 @@ class MoEStats:
             if self.expert_bias:
                 loads[f"moe/layer{number - 1}/expert_bias_range"] = row[4]
         return losses, loads
+
+
+class MTPLosses:
+    """Multi-token prediction's losses for the log, Megatron's ``mtp_{k} loss`` for depth k = 1..D: each the mean
+    over the log interval's steps, their micro-batches and the data-parallel ranks of the depth's loss (the
+    cross-entropy alone, before --mtp-loss-scaling-factor; per token under --calculate-per-token-loss, as the lm
+    loss). The last stage's MTP module sums its losses on the device; at a log iteration one all-reduce over
+    all ranks of [D + 1] numbers (the sums and the micro-batch count; every rank of a data-parallel replica that
+    holds the MTP depths adds the same values, so the quotient is that mean). Every rank calls ``report`` at the
+    same iterations."""
+
+    def __init__(self, chunks: list, depth: int, world_size: int, device: torch.device):
+        self.modules = [chunk.mtp for chunk in chunks if chunk.post_process and chunk.mtp is not None]
+        self.depth, self.world_size, self.device = depth, world_size, device
+
+    @torch.no_grad()
+    def report(self) -> dict[str, float]:
+        total = torch.zeros(self.depth + 1, dtype=torch.float64, device=self.device)
+        for module in self.modules:
+            sums = module.take_loss_sums()
+            if sums is not None:
+                total += sums
+        if self.world_size > 1:
+            torch.distributed.all_reduce(total)
+        values = total.tolist()              # the one host synchronisation
+        count = max(values[-1], 1.0)
+        return {f"mtp_{k + 1} loss": values[k] / count for k in range(self.depth)}
 
 
 def worst_load(loads: dict[str, float]) -> dict[str, str]:

@@ -105,11 +105,13 @@ def local_positions(full_seq: int, cp_rank: int, cp_size: int, device=None) -> t
                       torch.arange(second * c, (second + 1) * c, device=device)])
 
 
-SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+# [b, s, ...] per-sample sequences; the mtp_ ones are multi-token prediction's [b, s, D] (model/mtp.py)
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "mtp_tokens", "mtp_labels", "mtp_loss_mask")
 
 
 def slice_for_context_parallel(batch: dict, cp_rank: int, cp_size: int) -> dict:
-    """This CP rank's two chunks of every sample's tokens, labels, loss mask and positions ([b, s])."""
+    """This CP rank's two chunks of every sample's tokens, labels, loss mask and positions ([b, s]), and
+    of the multi-token prediction inputs and targets made from whole sequences ([b, s, D])."""
     if cp_size == 1:
         return batch
     out = dict(batch)

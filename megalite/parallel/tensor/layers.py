@@ -261,16 +261,23 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.per_rank = num_embeddings // tp.size
-        self.vocab_start = tp.rank * self.per_rank
         self.weight = _mark(nn.Parameter(torch.empty(self.per_rank, embedding_dim, dtype=dtype)),
                             (num_embeddings, embedding_dim), tp.chunk, tp.size > 1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.per_rank)
-        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        return F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return vocab_parallel_lookup(ids, self.weight, self.tp, self.per_rank)
+
+
+def vocab_parallel_lookup(ids: torch.Tensor, weight: torch.Tensor, tp: TensorParallel, per_rank: int) -> torch.Tensor:
+    """Rows of ``weight``, this rank's ``per_rank`` rows of the vocabulary (a contiguous range, as
+    VocabParallelEmbedding and the output layer split it), for ``ids``; ids of other ranks give zeros (a
+    partial sum over TP)."""
+    if tp.size == 1:
+        return F.embedding(ids, weight)
+    vocab_start = tp.rank * per_rank
+    outside = (ids < vocab_start) | (ids >= vocab_start + per_rank)
+    local_ids = (ids - vocab_start).masked_fill(outside, 0)
+    return F.embedding(local_ids, weight).masked_fill(outside.unsqueeze(-1), 0.0)
 
 
 def parallel_logits(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel,
