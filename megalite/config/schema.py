@@ -343,7 +343,8 @@ class DataConfig:
     data_cache_path: Optional[str] = flag("--data-cache-path", default=None)
     mock_data: bool = flag("--mock-data", default=False)
     tokenizer_type: Optional[str] = flag("--tokenizer-type", default=None, choices=(
-        "GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"))
+        "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
+        "NullTokenizer"))
     tokenizer_model: Optional[str] = flag("--tokenizer-model", default=None)
     vocab_file: Optional[str] = flag("--vocab-file", default=None)
     merge_file: Optional[str] = flag("--merge-file", default=None)
@@ -392,6 +393,7 @@ class TrainingConfig:
     tensorboard_dir: Optional[str] = flag("--tensorboard-dir", default=None)
     wandb_project: Optional[str] = flag("--wandb-project", default=None)
     wandb_exp_name: Optional[str] = flag("--wandb-exp-name", default=None)
+    wandb_entity: Optional[str] = flag("--wandb-entity", default=None, help="the wandb team or user the run is logged under")
     wandb_save_dir: Optional[str] = flag("--wandb-save-dir", default=None)
     metrics_file: Optional[str] = flag("--metrics-file", default=None, help=(
         "JSON-lines metrics; default metrics.jsonl in --save/--tensorboard-dir/--wandb-save-dir"))
@@ -442,6 +444,8 @@ class TrainingConfig:
     log_params_norm: bool = flag("--log-params-norm", default=False, help="log the L2 norm of all parameters")
     log_num_zeros_in_grad: bool = flag("--log-num-zeros-in-grad", default=False,
                                        help="log the number of zero gradient elements")
+    log_validation_ppl_to_tensorboard: bool = flag("--log-validation-ppl-to-tensorboard", default=False, help=(
+        "also log the validation perplexity, exp(validation lm loss), to the metrics sinks"))
     log_timers_to_tensorboard: bool = flag("--log-timers-to-tensorboard", default=False, help=(
         "timers and Megatron's iteration-time also to tensorboard and wandb (they are always in the JSONL)"))
     manual_gc: bool = flag("--manual-gc", default=False, help=(
