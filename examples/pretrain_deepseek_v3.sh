@@ -12,8 +12,9 @@
 #   gather, all-to-all dispatch, full recomputation (megalite's selective recomputation keeps the
 #   MLP and MoE activations that Megatron's --recompute-modules would drop: 130 GB on rank 2 by
 #   tools/plan_parallelism.py, 31 GB with full).
-# The planner ranks this layout at about 69 s per 32M-token step (14% MFU); its best for 1,024 GPUs
-# (TP=8 PP=16 EP=8, no recomputation, first stage 2 layers, last 3: 62 GB, about 33 s) runs with
+# The planner ranks this layout at about 69 s per 32M-token step (14% MFU, 31 GB on the fullest rank);
+# its best for 1,024 GPUs (TP=8 PP=16 EP=8 DP=8, no recomputation, first stage 2 layers, last 3 with the
+# MTP depth: 62 GB, about 39 s, 25% MFU) runs with
 #   TP=8 EP=8 LAYOUT= FIRST=2 LAST=3 VPP= RECOMPUTE=none bash examples/pretrain_deepseek_v3.sh
 # (python tools/plan_parallelism.py with the model flags below and --num-gpus 1024 --gpu-memory-gb 80
 # prints the table.) Run the same command on every node, changing only NODE_RANK:
