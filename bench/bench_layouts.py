@@ -7,6 +7,8 @@ pretrain_gpt.py --fake-process-group --no-storage, its first step's peak by cate
 - Llama-2 70B on 64 GPUs: examples/llama2_70b_args.sh's TP8 x PP4 (4 chunks of 5 layers) x DP2;
 - Llama-3.1 405B on 16,384 GPUs: TP8 x PP16 x CP4 x DP32, 126 layers split by
   --pipeline-model-parallel-layout (embedding + 7 layers, 14 stages of 8, 7 layers + loss);
+- DeepSeek-V3 671B on 1,024 GPUs: examples/pretrain_deepseek_v3.sh's TP2 x PP16 (2 virtual stages,
+  the MTP depth with the loss) x EP64, full recomputation;
 - Mixtral 8x22B on 256 GPUs with EP8: the planner's fastest layout with 8 expert-parallel ranks.
 
 Baselines: the planner's estimate of the same rank (the ratio is its error on the peak), and 80 GB
@@ -55,6 +57,21 @@ LAYOUTS = {
         "--global-batch-size", "512", "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
         "--context-parallel-size", "4", "--pipeline-model-parallel-layout", "Et*7|(t*8|)*14t*7,L",
         "--micro-batch-size", "1", "--use-distributed-optimizer", "--recompute-granularity", "none"],
+    "DeepSeek-V3 671B, 1,024 GPUs": [
+        "--num-layers", "61", "--hidden-size", "7168", "--ffn-hidden-size", "18432", "--num-attention-heads", "128",
+        "--kv-channels", "128", "--swiglu", "--untie-embeddings-and-output-weights", "--position-embedding-type",
+        "rope", "--normalization", "RMSNorm", "--disable-bias-linear", "--attention-dropout", "0", "--hidden-dropout",
+        "0", "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", "1536", "--kv-lora-rank", "512",
+        "--qk-head-dim", "128", "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", "--rotary-scaling-factor", "40",
+        "--mscale", "1.0", "--mscale-all-dim", "1.0", "--num-experts", "256", "--moe-layer-freq", "([0]*3+[1]*58)",
+        "--moe-ffn-hidden-size", "2048", "--moe-shared-expert-intermediate-size", "2048", "--moe-router-topk", "8",
+        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups", "8",
+        "--moe-router-group-topk", "4", "--moe-router-topk-scaling-factor", "2.5", "--moe-token-dispatcher-type",
+        "alltoall", "--mtp-num-layers", "1", "--vocab-size", "129280", "--make-vocab-size-divisible-by", "3232",
+        "--seq-length", "4096", "--num-gpus", "1024", "--global-batch-size", "8192", "--tensor-model-parallel-size",
+        "2", "--sequence-parallel", "--pipeline-model-parallel-size", "16", "--pipeline-model-parallel-layout",
+        "Et*2|(tt|)*29,t|mL", "--expert-model-parallel-size", "64", "--expert-tensor-parallel-size", "1",
+        "--micro-batch-size", "1", "--use-distributed-optimizer", "--recompute-granularity", "full"],
     "Mixtral 8x22B EP8, 256 GPUs": LLAMA + [
         "--num-layers", "56", "--hidden-size", "6144", "--ffn-hidden-size", "16384", "--num-attention-heads", "48",
         "--num-query-groups", "8", "--vocab-size", "32768", "--num-experts", "8", "--moe-router-topk", "2",

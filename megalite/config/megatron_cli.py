@@ -26,6 +26,8 @@ from megalite.errors import UserError
 SECTION_TITLES = {ModelConfig: "model", ParallelConfig: "parallelism", OptimizerConfig: "optimizer and learning rate",
                   DataConfig: "data", TrainingConfig: "training, checkpointing, logging and profiling"}
 
+# --recompute-modules' choices (Megatron's names)
+RECOMPUTE_MODULES = ["core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"]
 # Megatron inputs with no config field of their own: (flag, argparse keywords)
 MEGATRON_INPUTS = [
     ("--group-query-attention", dict(action="store_true", help="KV heads shared by groups (--num-query-groups)")),
@@ -45,6 +47,8 @@ MEGATRON_INPUTS = [
         "pre-tokenisation pattern of Megatron's TikTokenizer; no other tokenizer uses it"))),
     ("--ckpt-format", dict(choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"], help=(
         "Megatron's checkpoint formats; megalite writes its own reshardable format whatever this says"))),
+    ("--no-check-for-nan-in-loss-and-grad", dict(action="store_true", help=(
+        "go on past a NaN/Inf loss or gradient norm (= --skip-nan-iterations: that step's update is skipped)"))),
 ]
 
 # Megatron flags that only pick fused kernels or legacy code paths; megalite accepts them so existing
@@ -54,7 +58,7 @@ COMPAT_NO_EFFECT = ["--use-mcore-models", "--use-flash-attn", "--no-masked-softm
                     "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
                     "--no-rope-fusion", "--attention-softmax-in-fp32",
                     "--accumulate-allreduce-grads-in-fp32", "--use-rotary-position-embeddings",
-                    "--no-position-embedding"]
+                    "--no-position-embedding", "--moe-permute-fusion"]
 FP8_FLAGS = ["--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]
 COMPAT_FLAGS = [(name, dict(action="store_true")) for name in COMPAT_NO_EFFECT] + [
     ("--transformer-impl", dict(choices=["local", "transformer_engine"])),
@@ -66,7 +70,34 @@ COMPAT_FLAGS = [(name, dict(action="store_true")) for name in COMPAT_NO_EFFECT] 
     ("--fp8-amax-compute-algo", dict(choices=["most_recent", "max"])),
     ("--fp8-param-gather", dict(action="store_true")),
     ("--distributed-backend", dict(choices=["nccl", "gloo"])),
+    ("--cross-entropy-fusion-impl", dict(choices=["native", "te"])),
+] + [(name, dict(action="store_true")) for name in ("--auto-detect-ckpt-format", "--enable-experimental",
+                                                     "--log-memory-to-tensorboard")] + [
+    ("--dist-ckpt-strictness", dict(choices=["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+                                             "raise_all", "return_unexpected", "return_all", "ignore_all"])),
+    ("--logging-level", dict(type=int)),
+    ("--save-retain-interval", dict(type=positive_int)),
+    ("--recompute-modules", dict(nargs="*", choices=RECOMPUTE_MODULES)),
 ]
+# What megalite does where Megatron's flag (the key) chooses among things megalite decides for itself: one
+# start-up line each (``startup_notes``).
+DECIDED_HERE = {
+    "--cross-entropy-fusion-impl": "megalite's own vocabulary-parallel cross-entropy (chunked with "
+                                   "--cross-entropy-loss-fusion) whatever the implementation named",
+    "--auto-detect-ckpt-format": "--load reads megalite's own format, the only one it writes, so there is nothing "
+                                 "to detect",
+    "--dist-ckpt-strictness": "--load stops with one line naming a tensor the model needs that the checkpoint "
+                              "lacks or holds in another shape, whatever the strictness named",
+    "--enable-experimental": "megalite has no experimental switch: every feature is on when its own flag is given",
+    "--log-memory-to-tensorboard": "memory is always among the metrics every sink gets (JSONL, tensorboard, wandb)",
+    "--logging-level": "megalite prints its log lines whatever the level (Python's logging level of Megatron's "
+                       "own loggers)",
+    "--save-retain-interval": "megalite keeps every checkpoint --save-interval writes (Megatron deletes those "
+                              "between the retained ones); remove old ones yourself",
+    "--recompute-modules": "megalite's --recompute-granularity selective recomputes core attention (core_attn) "
+                           "only, and keeps the other modules' activations (plan their memory with "
+                           "tools/plan_parallelism.py)",
+}
 
 
 def field_flags(section) -> list[tuple[str, dict]]:
@@ -136,6 +167,10 @@ def startup_notes(argv: list[str]) -> list[str]:
     unused = [f for f, v in (("--no-load-optim", args.no_load_optim), ("--no-load-rng", args.no_load_rng)) if v]
     if unused and not args.load:         # Megatron's example scripts pass them with --load commented out
         notes.append(f"{' '.join(unused)}: no --load, so nothing is loaded; they apply once --load DIR is given")
+    notes += [f"{flag}: {note}" for flag, note in DECIDED_HERE.items() if flag in argv]
+    if args.no_check_for_nan_in_loss_and_grad:
+        notes.append("--no-check-for-nan-in-loss-and-grad: training goes on past a NaN/Inf loss or gradient norm, "
+                     "and megalite skips that step's update (--skip-nan-iterations) rather than apply it")
     if args.tiktoken_pattern is not None and args.tokenizer_type != "TikTokenizer":
         notes.append(f"--tiktoken-pattern {args.tiktoken_pattern}: only Megatron's TikTokenizer uses it; "
                      f"--tokenizer-type {args.tokenizer_type} does not")
@@ -242,7 +277,8 @@ def _training_config(args, parallel: ParallelConfig) -> TrainingConfig:
     if train_iters is None:
         train_iters = train_iters_for_samples(args.train_samples, gbs, schedule)
     return _from_flags(TrainingConfig, args, global_batch_size=gbs, train_iters=train_iters,
-                       batch_size_schedule=schedule, profile_ranks=list(args.profile_ranks))
+                       batch_size_schedule=schedule, profile_ranks=list(args.profile_ranks),
+                       skip_nan_iterations=args.skip_nan_iterations or args.no_check_for_nan_in_loss_and_grad)
 
 
 def _batch_sizes(args, dp: int) -> tuple[int, list[tuple[int, int]]]:

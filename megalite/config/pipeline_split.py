@@ -12,7 +12,8 @@ Megatron's flags (``virtual_stage_layers``): an even split by default, or
 - ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``: the
   embedding / the loss count as one layer each, so num_layers + 1 (+ 1) splits evenly and the first /
   last virtual stage builds one transformer layer fewer;
-- ``--pipeline-model-parallel-layout``: every virtual stage spelled out ("Et*3|(tt|)*29,m|L").
+- ``--pipeline-model-parallel-layout``: every virtual stage spelled out ("Et*3|(tt|)*29,mL"); m, the
+  multi-token prediction layers, only in the last stage, which holds them with the output layer.
 Layers keep their global index whatever the split, so checkpoints reshard between splits.
 """
 from __future__ import annotations
@@ -178,8 +179,9 @@ def _layout_layers(num_layers: int, pp: int, split: SplitFlags) -> list[int]:
     if unknown:
         raise UserError(f"{flag}: unknown symbol {unknown[0]!r}; use E (embedding), t (transformer layer), L (loss), "
                         "| between stages, x*n and (...)*n to repeat")
-    if "m" in symbols:
-        raise UserError(f"{flag}: m (multi-token prediction layers) does not apply to megalite's GPT; remove it")
+    if "m" in symbols and (not re.fullmatch(r"[^m]*m+L", stages[-1]) or symbols.count("m") != stages[-1].count("m")):
+        raise UserError(f"{flag}: m (multi-token prediction layers) must follow every t of the last stage, just "
+                        "before L: megalite runs them there, beside the output layer they share")
     if len(stages) % pp:
         raise UserError(f"{flag} has {len(stages)} stages, not a multiple of --pipeline-model-parallel-size {pp}")
     if len(stages) > pp == 1:
@@ -194,3 +196,8 @@ def _layout_layers(num_layers: int, pp: int, split: SplitFlags) -> list[int]:
     if empty:
         raise UserError(f"{flag}: stage {empty[0]} is empty; give every stage at least one of E, t, L")
     return [stage.count("t") for stage in stages]
+
+
+def layout_mtp_layers(layout: str | None) -> int:
+    """The multi-token prediction layers (m) a layout string places (0 without a layout)."""
+    return "".join(parse_layout(layout)).count("m") if layout else 0

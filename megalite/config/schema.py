@@ -317,8 +317,7 @@ class OptimizerConfig:
     # the learning-rate schedule, in iterations (megatron_cli.py converts the --*-samples and fraction forms)
     lr_decay_style: str = flag("--lr-decay-style", default="linear",
                                choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
-    lr_decay_iters: Optional[int] = flag("--lr-decay-iters", positive_int, default=None,
-                                         help="default --train-iters")
+    lr_decay_iters: Optional[int] = flag("--lr-decay-iters", positive_int, default=None, help="default --train-iters")
     lr_warmup_iters: int = flag("--lr-warmup-iters", non_negative_int, default=0)
     lr_warmup_init: float = flag("--lr-warmup-init", number, default=0.0)
     lr_wsd_decay_style: str = flag("--lr-wsd-decay-style", default="exponential",
@@ -343,7 +342,7 @@ class DataConfig:
     data_cache_path: Optional[str] = flag("--data-cache-path", default=None)
     mock_data: bool = flag("--mock-data", default=False)
     tokenizer_type: Optional[str] = flag("--tokenizer-type", default=None, choices=(
-        "GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"))
+        "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"))
     tokenizer_model: Optional[str] = flag("--tokenizer-model", default=None)
     vocab_file: Optional[str] = flag("--vocab-file", default=None)
     merge_file: Optional[str] = flag("--merge-file", default=None)
@@ -392,6 +391,7 @@ class TrainingConfig:
     tensorboard_dir: Optional[str] = flag("--tensorboard-dir", default=None)
     wandb_project: Optional[str] = flag("--wandb-project", default=None)
     wandb_exp_name: Optional[str] = flag("--wandb-exp-name", default=None)
+    wandb_entity: Optional[str] = flag("--wandb-entity", default=None)
     wandb_save_dir: Optional[str] = flag("--wandb-save-dir", default=None)
     metrics_file: Optional[str] = flag("--metrics-file", default=None, help=(
         "JSON-lines metrics; default metrics.jsonl in --save/--tensorboard-dir/--wandb-save-dir"))
@@ -435,13 +435,13 @@ class TrainingConfig:
     distributed_timeout_minutes: float = flag("--distributed-timeout-minutes", positive_float, default=10, help=(
         "a collective waiting longer than this (a rank died or hung) ends the run with an error"))
     # [(consumed samples from which it applies, global batch size), ...] ascending; empty: global_batch_size
-    batch_size_schedule: list = derived("--rampup-batch-size or --step-batch-size-schedule",
-                                         factory=list)
+    batch_size_schedule: list = derived("--rampup-batch-size or --step-batch-size-schedule", factory=list)
     calculate_per_token_loss: bool = flag("--calculate-per-token-loss", default=False, help=(
         "loss = sum over every token of the global batch / their count (not a mean of micro-batch means)"))
     log_params_norm: bool = flag("--log-params-norm", default=False, help="log the L2 norm of all parameters")
     log_num_zeros_in_grad: bool = flag("--log-num-zeros-in-grad", default=False,
                                        help="log the number of zero gradient elements")
+    log_validation_ppl_to_tensorboard: bool = flag("--log-validation-ppl-to-tensorboard", default=False)
     log_timers_to_tensorboard: bool = flag("--log-timers-to-tensorboard", default=False, help=(
         "timers and Megatron's iteration-time also to tensorboard and wandb (they are always in the JSONL)"))
     manual_gc: bool = flag("--manual-gc", default=False, help=(

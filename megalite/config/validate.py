@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from megalite.config.pipeline_split import stage_layers_of
+from megalite.config.pipeline_split import layout_mtp_layers, stage_layers_of
 from megalite.config.validate_attention import (check_context_parallel, check_masked_attention,
                                                 check_multi_latent_attention, check_window)
 from megalite.config.validate_deepseek import check_group_routing, check_mtp
@@ -160,7 +160,8 @@ def check_layout(config: MegaliteConfig) -> int:
     check_optimizer_instances(config.parallel, config.model)
     chunks = 1
     for batch in sorted({t.global_batch_size, *(b for _, b in t.batch_size_schedule)}):
-        chunks = check_pipeline_split(config.model.num_layers, config.parallel, batch // (t.micro_batch_size * dp))
+        chunks = check_pipeline_split(config.model.num_layers, config.parallel, batch // (t.micro_batch_size * dp),
+                                      config.model.mtp_num_layers or 0)
     return chunks
 
 
@@ -249,10 +250,14 @@ def check_batch(micro_batch_size: int, global_batch_size: int, dp: int) -> None:
                         f"{micro_batch_size} x data-parallel size {dp}")
 
 
-def check_pipeline_split(num_layers: int, p: ParallelConfig, num_microbatches: int) -> int:
+def check_pipeline_split(num_layers: int, p: ParallelConfig, num_microbatches: int, mtp_num_layers: int = 0) -> int:
     """Number of model chunks per rank (virtual pipeline size) of the split the flags ask for."""
     pp = p.pipeline_model_parallel_size
     chunks = len(stage_layers_of(num_layers, p)) // pp
+    placed = layout_mtp_layers(p.pipeline_model_parallel_layout)
+    if placed and placed != mtp_num_layers:
+        raise UserError(f"--pipeline-model-parallel-layout places {placed} multi-token prediction layers (m) but "
+                        f"--mtp-num-layers is {mtp_num_layers or 'not given'}; make them agree")
     if chunks > 1 and num_microbatches % pp:
         raise UserError(f"interleaved pipelining needs the number of micro-batches ({num_microbatches}) to be a "
                         f"multiple of --pipeline-model-parallel-size {pp}; change --global-batch-size")

@@ -6,7 +6,8 @@
   (merges.txt), run by the ``tokenizers`` library; eod is ``<|endoftext|>``.
 - ``SentencePieceTokenizer``: a SentencePiece model (``--tokenizer-model x.model``, e.g. from
   ``tools/train_tokenizer.py``); eod is the model's ``</s>`` (eos) id. Unlike Megatron's class of the
-  same name, no extra ``<CLS>/<SEP>/<EOD>/<MASK>`` ids are appended to the vocabulary.
+  same name, no extra ``<CLS>/<SEP>/<EOD>/<MASK>`` ids are appended to the vocabulary, which makes it
+  Megatron's ``GPTSentencePieceTokenizer``; that name is accepted too.
 - ``HuggingFaceTokenizer``: ``transformers.AutoTokenizer`` from a *local* folder
   (``--tokenizer-model DIR``), never remote code, never a download; eod is ``eos_token_id``;
   special tokens (BOS) are not added to documents.
@@ -24,7 +25,8 @@ from abc import ABC, abstractmethod
 from megalite.config.schema import DataConfig
 from megalite.errors import UserError
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
+                   "NullTokenizer")
 
 
 class MegatronTokenizer(ABC):
@@ -186,7 +188,7 @@ def build_tokenizer(config: DataConfig) -> MegatronTokenizer:
                                 f"({flag} is missing)")
         return GPT2BPETokenizer(_need_file(config.vocab_file, "--vocab-file", kind),
                                 _need_file(config.merge_file, "--merge-file", kind))
-    if kind == "SentencePieceTokenizer":
+    if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
         return SentencePieceTokenizer(_need_file(config.tokenizer_model, "--tokenizer-model", kind))
     if kind == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(config.tokenizer_model)

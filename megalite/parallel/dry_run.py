@@ -15,7 +15,8 @@ plays before torch loads):
 - the process group and the device (``start``, ``device``);
 - the collectives' results a dry run stands in for: MoE token counts (``exchange_counts``,
   ``gather_counts``: the absent peers route as this rank does) and the ranks that share work such as
-  the data builder's index caches (``cooperating_ranks``: alone, this rank builds them itself);
+  the data builder's index caches (``cooperating_ranks``: alone, this rank builds them itself), and when
+  a pipeline send is done (``send_completed``: at once);
 - what is reported and by whom: the logging rank, the memory and parameter reports (own rank only);
 - what the values mean: the NaN stop and the optimizer's non-finite / overflow refusal (``heeds``), the
   first step's memory accounting (``accounts_first_step``), the straggler detector (``compares_peers``);
@@ -91,6 +92,10 @@ class RealRun:
             return counts[None]
         return all_gather(counts[None], group, dim=0)
 
+    def send_completed(self, work) -> bool:
+        """Whether a posted point-to-point send is done, so its tensor can be dropped: the work says."""
+        return work.is_completed()
+
     def heeds(self, alarm: bool) -> bool:
         """Whether an alarm the values raise (a non-finite loss or gradient norm, an fp16 overflow) counts."""
         return alarm
@@ -158,6 +163,11 @@ class DryRun(RealRun):
         if group is None:
             return counts[None]
         return counts[None].expand(dist.get_world_size(group), -1).clone()
+
+    def send_completed(self, work) -> bool:
+        """Always: the absent peer takes it at once. The fake backend's works never report completion, and
+        holding every sent tensor to the end of the schedule would count memory no real run holds."""
+        return True
 
     def heeds(self, alarm: bool) -> bool:
         """Never: the values are computed on what the absent peers never sent, and the step runs its whole

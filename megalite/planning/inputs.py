@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from megalite.config.schema import ModelConfig, padded_vocab_size
 from megalite.config.pipeline_split import SplitFlags, virtual_stage_layers
+from megalite.planning.deepseek import mla_tensors, mtp_depths, mtp_glue_tensors, needs_embedding_copy
 
 GiB = 2 ** 30
 HBM_GBPS = 3350.0       # H100 SXM HBM3, GB/s: the loss is memory-bound
@@ -210,7 +211,8 @@ def local_attention_heads(model: ModelConfig, tp: int) -> tuple[int, int]:
 
 def layer_tensors(model: ModelConfig, tp: int, experts: tuple[int, int] | None = None) -> list[int]:
     """Sizes of one transformer layer's parameters on one rank, in TransformerLayer's order: input norm,
-    linear_qkv (+ bias), linear_proj (+ bias, replicated), the q and k head norms (--qk-layernorm),
+    linear_qkv (+ bias), linear_proj (+ bias, replicated), the q and k head norms (--qk-layernorm)
+    (multi-latent attention: deepseek.mla_tensors),
     pre-MLP norm, then the MLP: linear_fc1 (+ bias),
     linear_fc2 (+ bias, replicated); or, for an MoE layer (``experts`` = (EP, ETP)), ``moe_tensors``."""
     h, d = model.hidden_size, model.kv_channels
@@ -221,6 +223,8 @@ def layer_tensors(model: ModelConfig, tp: int, experts: tuple[int, int] | None =
     head_norms = [d] * (2 * norm_parameters(model) // h) if model.qk_layernorm else []   # q and k, per head
     attention = [*norm, qkv_rows * h, *([qkv_rows] if bias or model.add_qkv_bias else []),
                  heads * d * h, *([h] if bias else []), *head_norms, *norm]
+    if model.multi_latent_attention:
+        attention = [*norm, *mla_tensors(model, tp), *norm]
     if experts is not None:
         return attention + moe_tensors(model, tp, *experts)
     ffn = model.ffn_hidden_size // tp
@@ -339,7 +343,8 @@ class StageParameters:
 def stage_parameters(workload: Workload, layout: Layout, pp_rank: int) -> StageParameters:
     """Parameters on pipeline rank ``pp_rank`` of one rank (build_model_chunks / GPTModel): its
     layers (stage_layers; an MoE layer's experts those of the rank's EP and ETP ranks), the embeddings on the first stage, and on the last the final norm plus the
-    output layer, which tied embeddings still need as a copy when the first stage is another chunk."""
+    output layer, which tied embeddings still need as a copy when the first stage is another chunk,
+    and the multi-token prediction layers (deepseek.py)."""
     model, tp = workload.model, layout.tp
     vocab_rows = workload.padded_vocab(tp) // tp
     h = model.hidden_size
@@ -358,6 +363,13 @@ def stage_parameters(workload: Workload, layout: Layout, pp_rank: int) -> StageP
         head = norm_parameters(model)
         if model.untie_embeddings_and_output_weights or layout.pp > 1:     # (another chunk holds the embedding)
             head += vocab_rows * h
+        mtp = mtp_depths(model)           # MTP layers of the last layer's kind, with their norms and eh_proj
+        if mtp:
+            experts_of_last = layer_experts(model, layout, model.num_layers)
+            layers += mtp * layer_parameters(model, tp, experts_of_last)
+            experts += mtp * expert_parameters(model, layout.ep, layout.expert_tp) if experts_of_last else 0
+            head += mtp * sum(mtp_glue_tensors(model, tp))
+            head += vocab_rows * h if needs_embedding_copy(model, layout.pp) else 0
     return StageParameters(layers, embedding, head, experts)
 
 

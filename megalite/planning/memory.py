@@ -25,14 +25,15 @@ from dataclasses import dataclass
 
 from megalite.config.schema import ASYNC_SCHEDULES, ModelConfig
 from megalite.optim.rules import RULES
-from megalite.parallel.data.ddp import MAX_IN_FLIGHT, MAX_REDUCTIONS_IN_FLIGHT, default_bucket_size
+from megalite.parallel.data.ddp import MAX_IN_FLIGHT, MAX_REDUCTIONS_IN_FLIGHT
 from megalite.parallel.pipeline.pipedream import versions_behind
 from megalite.config.pipeline_split import SplitFlags
+from megalite.planning.buckets import Param, backward_tensors, buckets_of, top_down_layers
+from megalite.planning.deepseek import mla_saved_elements, mtp_depth_bytes, mtp_depths
 from megalite.planning.experts import moe_activation_bytes, moe_backward_bytes
 from megalite.planning.inputs import (GPU_KERNELS, Kernels, Layout, Workload, holds_embedding, holds_head,
-                                      layer_experts, layer_tensors, local_attention_heads, moe_tensors,
-                                      norm_parameters, rank_layer_numbers, rank_layers, rank_moe_layers,
-                                      stage_parameters, token_counts)
+                                      layer_experts, layer_tensors, local_attention_heads, rank_layers,
+                                      rank_moe_layers, stage_parameters, token_counts)
 
 GRAD_BYTES = 4          # megalite accumulates and reduces gradients in fp32 at every precision (grad_buffer.py)
 
@@ -66,9 +67,10 @@ def attention_saved_elements(model: ModelConfig, tp: int, tokens: int) -> float:
     three are, else copies, so the QKV output is never kept whole beside them) and the output, which
     the output projection's input is a view of. Selective recomputation, where it applies (the math
     attention), keeps the same tensors, as the checkpoint's inputs."""
+    if model.multi_latent_attention:
+        return mla_saved_elements(model, tp, tokens)
     heads, groups = local_attention_heads(model, tp)
-    d = model.kv_channels
-    return tokens * (2 * heads + 2 * groups) * d
+    return tokens * (2 * heads + 2 * groups) * model.kv_channels
 
 
 def layer_activation_bytes(workload: Workload, layout: Layout, kernels: Kernels, moe: bool = False) -> float:
@@ -203,7 +205,7 @@ def chunks_in_flight(layout: Layout, pp_rank: int, num_microbatches: int) -> int
 def kept_activations(workload: Workload, layout: Layout, pp_rank: int, kernels: Kernels) -> float:
     """Bytes pipeline rank ``pp_rank`` keeps for backward at its fullest: the layers of every
     in-flight (chunk, micro-batch), the chunk outputs the pipeline executor keeps to backpropagate
-    from, and the embedding dropout's noise."""
+    from, the embedding dropout's noise, and on the last stage the MTP depths (deepseek.mtp_depth_bytes)."""
     model, e = workload.model, workload.dtype_bytes
     in_flight = chunks_in_flight(layout, pp_rank, layout.num_microbatches(workload.global_batch_size))
     layers_per_chunk = sum(rank_layers(workload, layout, pp_rank)) / layout.vpp     # (chunks alternate)
@@ -216,6 +218,10 @@ def kept_activations(workload: Workload, layout: Layout, pp_rank: int, kernels: 
     kept += stashed_outputs * sp_tokens * model.hidden_size * e if layout.pp > 1 else 0
     if holds_embedding(layout, pp_rank) and model.hidden_dropout > 0:
         kept += math.ceil(in_flight / layout.vpp) * sp_tokens * model.hidden_size * dropout_mask_bytes(kernels, e)
+    if holds_head(layout, pp_rank) and mtp_depths(model):     # each depth: a layer of the last one's kind, a loss
+        layer = layer_activation_bytes(workload, layout, kernels, model.is_moe_layer(model.num_layers))
+        depth = mtp_depth_bytes(model, layer, output_layer_bytes(workload, layout, kernels)[0], sp_tokens, e)
+        kept += math.ceil(in_flight / layout.vpp) * mtp_depths(model) * depth
     return kept
 
 
@@ -224,69 +230,6 @@ def dropout_mask_bytes(kernels: Kernels, dtype_bytes: int) -> int:
 
 
 # ---- data-parallel temporaries (ddp.py, grad_buffer.py) ------------------------------------------
-def bucket_size(layout: Layout) -> float:
-    """Elements of a data-parallel bucket (ddp.default_bucket_size: 40M with overlapped reduction,
-    else one bucket for everything, or for each unit with ZeRO-2/3, whose buckets never span two)."""
-    return default_bucket_size(layout.shards, layout.overlap_grad_reduce) or math.inf
-
-
-@dataclass(frozen=True)
-class Param:
-    unit: int           # 0: the head, 1..: the layers top-down, then the embedding
-    size: int
-    own_bucket: bool = False  # a tied word embedding: a bucket of its own (grad_buffer.py, shared_embedding)
-    expert: bool = False    # an MoE expert weight: buckets hold expert or dense weights, never both
-
-
-def backward_tensors(workload: Workload, layout: Layout, pp_rank: int) -> list[Param]:
-    """Parameters of pipeline rank ``pp_rank`` (one TP rank) in the order their gradients arrive, which
-    is the reverse parameter order the gradient buffer lays out: the head (output layer, final norm;
-    last stage), each layer top-down from linear_fc2 to the input norm, the embedding (first stage)."""
-    model, params = workload.model, stage_parameters(workload, layout, pp_rank)
-    h, tied = model.hidden_size, not model.untie_embeddings_and_output_weights
-    vocab_rows = workload.padded_vocab(layout.tp) // layout.tp
-    tensors = []
-    if params.head:
-        if params.head > norm_parameters(model):
-            tensors.append(Param(0, vocab_rows * h, own_bucket=tied))
-        tensors += [Param(0, n) for n in [h] * (norm_parameters(model) // h)]
-    numbers = top_down_layers(workload, layout, pp_rank)
-    layers = len(numbers)
-    kinds = {experts: layer_tensors(model, layout.tp, experts)[::-1]
-             for experts in {layer_experts(model, layout, n) for n in numbers}}
-    for i, number in enumerate(numbers):
-        experts = layer_experts(model, layout, number)
-        # an MoE layer's tensors end with router, experts' fc1, fc2 and the shared expert's (moe_tensors)
-        shared = len(moe_tensors(model, layout.tp, *experts)) - 3 if experts else 0
-        tensors += [Param(1 + i, n, expert=experts is not None and shared <= j < shared + 2)
-                    for j, n in enumerate(kinds[experts])]
-    if params.embedding:
-        if not model.use_rope:
-            tensors.append(Param(1 + layers, model.max_position_embeddings * h))
-        tensors.append(Param(1 + layers, vocab_rows * h, own_bucket=tied))
-    return tensors
-
-
-def top_down_layers(workload: Workload, layout: Layout, pp_rank: int) -> list[int]:
-    """The layer numbers of pipeline rank ``pp_rank``, last first (the order backward reaches them)."""
-    return [n for chunk in reversed(rank_layer_numbers(workload, layout, pp_rank)) for n in reversed(chunk)]
-
-
-def buckets_of(tensors: list[Param], layout: Layout, per_unit: bool) -> list[int]:
-    """The index one past each bucket's last tensor (grad_buffer.ParamAndGradBuffer._layout): a bucket
-    closes once it holds ``bucket_size`` elements, before a tied embedding and after it, where expert
-    weights meet dense ones, and, for ZeRO-2/3 (``per_unit``), where the unit changes."""
-    limit, ends, size = bucket_size(layout), [], 0
-    for i, tensor in enumerate(tensors):
-        before = tensors[i - 1] if i else None
-        if i and (size >= limit or tensor.own_bucket or before.own_bucket or tensor.expert != before.expert
-                  or (per_unit and tensor.unit != before.unit)):
-            ends.append(i)
-            size = 0
-        size += tensor.size
-    return ends + [len(tensors)]
-
-
 @dataclass(frozen=True)
 class Buckets:
     """The data-parallel buckets alive at one moment of backward (elements each)."""

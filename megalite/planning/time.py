@@ -4,7 +4,9 @@ Hardware FLOPs (model FLOPs of performance.flops_per_iteration, plus recomputati
 plus the pipeline bubble ((p-1)/(v*m) for 1F1B), plus tensor-, context-, expert-, pipeline- and
 data-parallel traffic over the NVLink / InfiniBand bandwidth. An MoE layer computes k experts' MLPs, its
 shared expert's and its router's (performance.moe_extra_flops_per_token) and dispatches its tokens
-(experts.dispatch_bytes), which nothing overlaps. Collectives move ring volumes: per rank an all-reduce
+(experts.dispatch_bytes), which nothing overlaps. Multi-latent attention's projections and head dimensions
+replace the attention term, and each multi-token prediction depth adds a layer, eh_proj and a loss on the
+last stage (deepseek.py). Collectives move ring volumes: per rank an all-reduce
 sends 2(n-1)/n of its buffer, an all-gather or a reduce-scatter (n-1)/n.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megalite.config.schema import ASYNC_SCHEDULES
+from megalite.planning.deepseek import eh_proj_flops_per_token, mla_flops_correction, mtp_depths
 from megalite.planning.experts import dispatch_bytes
 from megalite.planning.inputs import (Hardware, Layout, Workload, holds_head, local_attention_heads, rank_layers,
                                       rank_moe_layers, stage_parameters, token_counts)
@@ -65,7 +68,21 @@ def hardware_flops(workload: Workload, layout: Layout) -> tuple[float, float]:
     moe_layers = sum(map(moe.is_moe_layer, range(1, moe.num_layers + 1))) if moe.num_experts else 0
     moe_model, moe_run = (moe_layers * x for x in moe_layer_extra_flops(workload, layout))
     model_flops, flops = _dense_hardware_flops(workload, layout, model)
-    return model_flops + moe_model, flops + moe_run
+    mtp_model, mtp_run = (x * mtp_depths(moe) for x in mtp_depth_flops(workload, layout))
+    return model_flops + moe_model + mtp_model, flops + moe_run + mtp_run
+
+
+def mtp_depth_flops(workload: Workload, layout: Layout) -> tuple[float, float]:
+    """(model FLOPs, FLOPs run) of one MTP depth in one iteration: a layer of the last layer's kind, eh_proj,
+    the output layer (full recomputation runs the layer's and eh_proj's forward again)."""
+    model = dense_part(workload, layout)
+    head = flops_per_iteration(dataclasses.replace(model, num_layers=0), workload.global_batch_size)
+    layer_model, layer_run = ((x - head) / model.num_layers for x in _dense_hardware_flops(workload, layout, model))
+    if workload.model.is_moe_layer(workload.model.num_layers):
+        layer_model, layer_run = (a + b for a, b in zip((layer_model, layer_run), moe_layer_extra_flops(workload, layout)))
+    eh = 3.0 * eh_proj_flops_per_token(model) * workload.global_batch_size * model.seq_length
+    recompute = 4 / 3 if layout.recompute == "full" else 1
+    return layer_model + eh + head, layer_run + eh * recompute + head
 
 
 def dense_part(workload: Workload, layout: Layout):
@@ -75,7 +92,11 @@ def dense_part(workload: Workload, layout: Layout):
 
 
 def _dense_hardware_flops(workload: Workload, layout: Layout, model) -> tuple[float, float]:
+    """(model FLOPs, FLOPs run) of ``model``'s layers and head; MLA's attention replaces the kv_channels
+    formula's (deepseek.mla_flops_correction)."""
     model_flops = flops_per_iteration(model, workload.global_batch_size, workload.attended_fraction)
+    model_flops += (3.0 * mla_flops_correction(model, workload.attended_fraction) * model.num_layers
+                    * workload.global_batch_size * model.seq_length)
     if layout.recompute == "full":
         head_only = flops_per_iteration(dataclasses.replace(model, num_layers=0), workload.global_batch_size)
         return model_flops, model_flops + (model_flops - head_only) / 3
@@ -162,7 +183,8 @@ def stage_busy_seconds(workload: Workload, layout: Layout, hardware: Hardware) -
         seconds = (sum(rank_layers(workload, layout, rank)) * per_layer
                    + rank_moe_layers(workload, layout, rank) * per_moe_layer) / rate
         if holds_head(layout, rank):
-            seconds += head / rate + loss
+            seconds += head / rate + loss + mtp_depths(workload.model) * (mtp_depth_flops(workload, layout)[1] / rate
+                                                                          + loss)
         busy.append(seconds)
     return busy
 

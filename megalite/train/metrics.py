@@ -74,6 +74,7 @@ class MetricsSinks:
         self.wandb_run = None
         self.tensorboard = None
         self.metrics_path = metrics_path(config)
+        self.validation_ppl = config.log_validation_ppl_to_tensorboard
         if self.metrics_path:
             os.makedirs(os.path.dirname(self.metrics_path) or ".", exist_ok=True)
             self.jsonl = open(self.metrics_path, "a", encoding="utf-8")
@@ -83,6 +84,8 @@ class MetricsSinks:
             self.tensorboard = _start_tensorboard(config.tensorboard_dir, log)
 
     def log(self, iteration: int, metrics: dict) -> None:
+        if self.validation_ppl and "validation lm loss" in metrics:      # --log-validation-ppl-to-tensorboard
+            metrics = {**metrics, "validation lm loss ppl": math.exp(min(20.0, metrics["validation lm loss"]))}
         if self.jsonl:
             self.jsonl.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
             self.jsonl.flush()
@@ -119,7 +122,7 @@ def _start_wandb(config: TrainingConfig, run_config: dict):
         raise UserError("--wandb-project needs the wandb package: pip install wandb") from None
     save_dir = config.wandb_save_dir or os.path.join(config.save or ".", "wandb")
     os.makedirs(save_dir, exist_ok=True)
-    return wandb.init(project=config.wandb_project, name=config.wandb_exp_name, dir=save_dir,
+    return wandb.init(project=config.wandb_project, entity=config.wandb_entity, name=config.wandb_exp_name, dir=save_dir,
                       config=run_config)
 
 

@@ -187,7 +187,7 @@ class Trainer:
         seq = config.model.seq_length // cp.size // (tp.size if tp.sequence_parallel else 1)
         return PipelineComm(parallel.group("pp"), parallel.pp_rank, parallel.pp_size,
                             (seq, config.training.micro_batch_size, config.model.hidden_size),
-                            DTYPES[config.model.params_dtype], self.device)
+                            DTYPES[config.model.params_dtype], self.device, run=parallel.run)
 
     # ---- the run ---------------------------------------------------------------------------------
     def train(self) -> TrainState:

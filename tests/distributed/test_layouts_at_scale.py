@@ -1,5 +1,6 @@
 """Published layouts at their real scale, proved by dry runs (bench/bench_layouts.py's list: GPT-3 175B on
-1,024 GPUs, Llama-2 70B on 64, Llama-3.1 405B on 16,384, Mixtral 8x22B with EP8 on 256):
+1,024 GPUs, Llama-2 70B on 64, Llama-3.1 405B on 16,384, DeepSeek-V3 671B with EP64 on 1,024, Mixtral 8x22B
+with EP8 on 256):
 tools/plan_parallelism.py --verify runs one rank of each distinct role (--fake-process-group
 --no-storage) and prints its peak memory by category beside the planner's estimate. Every role must fit
 an 80 GB device, with the planner within 10% of the dry run's peak (the tool's exit code says so, and

@@ -197,6 +197,20 @@ def test_moe_cpu_quickstart_splits_the_experts_and_replicates_them(tmp_path, dat
     assert_metrics(run_dir / "metrics.jsonl")
 
 
+def test_deepseek_v3_cpu_quickstart_trains_mla_mtp_and_group_limited_routing(tmp_path, data):
+    """A tiny DeepSeek-V3 on 2 processes at EP=2: multi-latent attention, one MTP depth (its loss logged),
+    a dense first layer, sigmoid routing limited to 2 of 4 expert groups with the expert bias and a
+    shared expert, on the SentencePiece data made here."""
+    run_dir = tmp_path / "run"
+    proc = run_script(os.path.join(EXAMPLES, "pretrain_deepseek_v3_cpu_quickstart.sh"), script_env(
+        RUN_DIR=run_dir, DATA_PATH=data["sp_data"], TOKENIZER_MODEL=data["sp_model"], EVAL_INTERVAL=2), tmp_path)
+    assert_trained(proc.stdout)
+    assert "mtp" in proc.stdout.split(f" iteration {2:8d}/")[1].split("\n")[0].lower(), proc.stdout[-3000:]
+    assert "validation loss at iteration 2 | lm loss value:" in proc.stdout
+    assert_checkpoint(run_dir / "checkpoints", 2)
+    assert_metrics(run_dir / "metrics.jsonl")
+
+
 def test_mixtral_8x7b_expert_tensor_sequence_and_pipeline_parallel(tmp_path, data):
     """EP=2 x TP=2 + sequence parallel x PP=2 on 4 processes (experts not split by TP: ETP=1), the
     distributed optimizer with overlapped reduction and gather, all-to-all dispatch, bf16."""
@@ -369,9 +383,11 @@ FULL_SIZE = {
                    32000, (80, 8192, 28672, 64, 8, 4096, 32768), (64, 8, 4, 5, 2, 512)),
     "mixtral_8x7b": ("pretrain_mixtral_8x7b.sh", {"TOKENIZER_MODEL": "t", "NODE_RANK": 0, "MASTER_ADDR": "n0"},
                      32000, (32, 4096, 14336, 32, 8, 4096, 32000), (64, 2, 4, None, 8, 32)),
+    "deepseek_v3": ("pretrain_deepseek_v3.sh", {"TOKENIZER_MODEL": "t", "NODE_RANK": 0, "MASTER_ADDR": "n0"},
+                    129280, (61, 7168, 18432, 128, 128, 4096, 129280), (1024, 2, 16, None, 32, 256)),
 }
 # the MoE scripts' experts: (experts, top-k, aux loss coefficient, dispatcher, EP, expert TP (None: TP))
-FULL_SIZE_EXPERTS = {"mixtral_8x7b": (8, 2, 1e-2, "alltoall", 8, None)}
+FULL_SIZE_EXPERTS = {"mixtral_8x7b": (8, 2, 1e-2, "alltoall", 8, None), "deepseek_v3": (256, 8, 1e-4, "alltoall", 64, 1)}
 
 
 @pytest.mark.parametrize("name", list(FULL_SIZE))

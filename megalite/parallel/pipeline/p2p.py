@@ -7,7 +7,8 @@ given one tag, matches the same way, so both backends pair messages by posting o
 caller, executor.py, posts in plan.py's global order, which both ends agree on.
 
 - ``send`` posts a send and never waits for it; the tensor is kept alive until the transfer completes
-  (``flush`` waits for the rest at the end of a schedule). A completed send is dropped without a wait.
+  (``flush`` waits for the rest at the end of a schedule). A completed send is dropped without a wait
+  (whether it completed is the run backend's question: a dry run's absent peer takes it at once).
 - ``post_recv`` posts a receive into a fresh buffer and ``wait`` blocks only when the data is needed.
 
 Works: one per operation, each waited at most once (a gloo work must never be waited twice).
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.observe.memory import memory_label
+from megalite.parallel.dry_run import REAL_RUN, RealRun
 
 
 @dataclass
@@ -40,6 +42,7 @@ class PipelineComm:
     dtype: torch.dtype
     device: torch.device
     pending_sends: list = field(default_factory=list)     # [(work, tensor)] still in flight
+    run: RealRun = REAL_RUN       # peers present or absent (parallel/dry_run.py)
 
     def global_rank(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.group, pipeline_rank % self.size)
@@ -48,7 +51,7 @@ class PipelineComm:
         """Post a send of ``tensor`` to global rank ``dst``; returns at once."""
         tensor = tensor.contiguous()
         work = dist.isend(tensor, dst, group=self.group)
-        self.pending_sends = [(w, t) for w, t in self.pending_sends if not w.is_completed()]
+        self.pending_sends = [(w, t) for w, t in self.pending_sends if not self.run.send_completed(w)]
         self.pending_sends.append((work, tensor))
 
     def post_recv(self, src: int) -> PendingReceive:

@@ -31,7 +31,7 @@ from megalite_test_utils import ROOT, TINY_GPT2_ARGS, TINY_LLAMA_ARGS, with_flag
 from megalite.checkpoint.hf_config import read_hf_config_file
 from megalite.config.pipeline_split import SplitFlags
 from megalite.planning import flags as plan_flags
-from megalite.planning import inputs, memory, search
+from megalite.planning import buckets, inputs, memory, search
 from megalite.planning import time as timing
 from megalite.config.schema import SHARDING_STRATEGIES
 
@@ -232,7 +232,7 @@ def test_planned_buckets_are_the_gradient_buffers(sharding, monkeypatch):
     from megalite.parallel.data.grad_buffer import ParamAndGradBuffer
     from megalite.model.chunks import build_model_chunks
     from megalite.parallel.tensor.layers import TensorParallel
-    monkeypatch.setattr(memory, "default_bucket_size", lambda dp, overlap: 6000 if overlap else None)
+    monkeypatch.setattr(buckets, "default_bucket_size", lambda dp, overlap: 6000 if overlap else None)
     for argv in (with_flags(TINY_LLAMA_ARGS, untie_embeddings_and_output_weights=None), TINY_LLAMA_ARGS,
                  TINY_GPT2_ARGS):            # tied, untied; biases, LayerNorm, learned positions
         for overlap in (True, False):
@@ -247,8 +247,8 @@ def test_planned_buckets_are_the_gradient_buffers(sharding, monkeypatch):
             workload = inputs.Workload(dataclasses.replace(model, vocab_size=model.padded_vocab_size), 4,
                                          make_vocab_size_divisible_by=1)
             layout = inputs.Layout(dp=2, sharding=sharding, overlap_grad_reduce=overlap)
-            tensors = memory.backward_tensors(workload, layout, 0)
-            ends = memory.buckets_of(tensors, layout, per_unit)
+            tensors = buckets.backward_tensors(workload, layout, 0)
+            ends = buckets.buckets_of(tensors, layout, per_unit)
             planned = [sum(t.size for t in tensors[a:b]) for a, b in zip([0] + ends, ends)]
             assert planned == [sum(p.numel() for p in bucket.params) for bucket in buffer.buckets]
 
