@@ -79,24 +79,6 @@ DEEPSEEK_V3 = {
 # what the functional tests' DeepSeek-V3 proxy adds (TP 2 x PP 4 x EP 16, 14 layers; tiny: PP 1)
 PROXY_EXTRAS = ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native", "--save-retain-interval",
                 "5000", "--wandb-entity", "adlr", "--exit-interval", "47683"]
-# the flags the new model parts bring, which the run without them leaves out (``without_new_parts``)
-NEW_PARTS = {"--multi-latent-attention": 0, "--mtp-num-layers": 1, "--moe-router-num-groups": 1,
-             "--moe-router-group-topk": 1, "--rotary-scaling-factor": 1, "--mscale": 1, "--mscale-all-dim": 1}
-
-
-def without_new_parts(argv: list[str]) -> list[str]:
-    """``argv`` without multi-latent attention (and the YaRN scaling it brings), multi-token prediction and
-    group-limited routing."""
-    out, i = [], 0
-    while i < len(argv):
-        if argv[i] in NEW_PARTS:
-            i += 1 + NEW_PARTS[argv[i]]
-            continue
-        out.append(argv[i])
-        i += 1
-    return out
-
-
 def test_deepseek_v3_flags_parse_at_their_real_size():
     from megalite.config.megatron_cli import startup_notes
     from megalite.train.command_line import parse_args
@@ -144,14 +126,13 @@ def test_gpu_only_dispatchers_are_one_line_errors():
         parse_args(argv + ["--moe-token-dispatcher-type", "flex"], world_size=256, true_vocab_size=129280)
 
 
-@pytest.mark.parametrize("new_parts", [True, False], ids=["all flags", "without MLA, MTP and group routing"])
-def test_deepseek_v3_flags_train_at_ep2_on_cpu(tmp_path, data, new_parts):  # noqa: F811  (the fixture)
+def test_deepseek_v3_flags_train_at_ep2_on_cpu(tmp_path, data):  # noqa: F811  (the fixture)
     """The script's flags at tiny sizes on 2 ranks: EP=2 (4 of the 8 experts each), data parallel 2 with
     the distributed optimizer for the rest, bf16, sigmoid routing with the expert bias, a dense first
     layer and a shared expert; 4 iterations, saved at the 4th."""
     argv = flags(DEEPSEEK_V3, "tiny", **paths(tmp_path, samples="16", tokenizer=str(data["hf_tokenizer"])))
     argv = [data["hf_data"] if a == str(tmp_path / "corpus_text_document") else a for a in argv]
-    proc = torchrun(2, argv if new_parts else without_new_parts(argv))
+    proc = torchrun(2, argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = logged_losses(proc.stdout)
     assert sorted(losses) == [1, 2, 3, 4], proc.stdout[-3000:]

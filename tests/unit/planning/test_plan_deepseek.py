@@ -112,8 +112,8 @@ def test_group_limited_routing_sends_the_same_rows():
     assert experts.dispatch_bytes(grouped, layout) == experts.dispatch_bytes(workload, layout) > 0
 
 
-TINY_V3 = with_flags(TINY_LLAMA_ARGS, num_layers=3, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32,
-                     moe_shared_expert_intermediate_size=32, moe_layer_freq="([0]+[1]*2)",
+TINY_V3 = with_flags(TINY_LLAMA_ARGS, num_layers=3, group_query_attention=None, num_query_groups=None, num_experts=8,
+                     moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_layer_freq="([0]+[1]*2)",
                      moe_token_dispatcher_type="alltoall", multi_latent_attention=True, qk_layernorm=True,
                      q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=12,
                      mtp_num_layers=2, rotary_scaling_factor=4)
@@ -125,13 +125,15 @@ def test_planned_parameters_equal_a_tiny_deepseek_v3_built_on_meta(tp):
     the meta device at each TP rank: the planner's count of a one-stage rank is the model's."""
     from megalite.train.command_line import parse_args
     from megalite.model.gpt import GPTModel
+    from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext
     from megalite.parallel.tensor.layers import TensorParallel
     model = parse_args(TINY_V3, world_size=1).model
     workload = inputs.Workload(dataclasses.replace(model, vocab_size=model.padded_vocab_size), 4,
                                make_vocab_size_divisible_by=1)
     planned = inputs.stage_parameters(workload, inputs.Layout(tp=tp), 0)
     for rank in range(tp):
-        built = GPTModel(model, tp=TensorParallel(rank=rank, size=tp), meta=True)
+        experts = MoEContext(ExpertParallel(etp_rank=rank, etp_size=tp))      # ETP = TP, the default
+        built = GPTModel(model, tp=TensorParallel(rank=rank, size=tp), meta=True, moe=experts)
         assert sum(p.numel() for p in built.parameters()) == planned.total, rank
 
 
