@@ -1,5 +1,5 @@
 """Convert Hugging Face causal LMs to megalite checkpoints and back (Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2,
-and the Mixture-of-Experts Mixtral, Qwen2-MoE and Qwen3-MoE).
+and the Mixture-of-Experts Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5 and DeepSeek-V3).
 
     hf_to_megalite(HF_DIR, CKPT_DIR)       -> CKPT_DIR/iter_0000000 (+ tracker), tokenizer copied inside
     megalite_to_hf(CKPT_DIR, HF_DIR)       -> HF_DIR/config.json + model.safetensors (+ tokenizer files)
@@ -23,12 +23,15 @@ Both directions are exact: tensors are only renamed, transposed, concatenated or
 - MoE layers (hf_moe.py): the router is ``mlp.router``, the experts are stacked into one fc1 and one fc2
   tensor per layer, Qwen2-MoE's gated shared expert is ``mlp.shared_experts``. metadata["model"] records
   the MoE fields and --qk-layernorm next to files.ARCHITECTURE_FIELDS (hf_config.EXTRA_FIELDS).
+- DeepSeek-V3 / Kimi K2 / DeepSeek-V2-Lite's form and GLM-4.5 (hf_deepseek.py): multi-latent attention
+  (RoPE rows de-interleaved), sigmoid routing with expert biases and groups, and the multi-token-prediction
+  layers stored after the main model's (``model.layers.{L + k}`` -> ``mtp.layers.{k}``).
 - ``--apply-layernorm-1p`` stores norm weights as gamma - 1; no HF family does, so the export folds
   the + 1 into the weights (exact: one rounding of the exact sum, as the norm itself computes it).
 
 What megalite cannot represent is refused with one line (UserError) before anything is written: rope
-scaling (rope_type other than "default"), Llama o_proj / MLP biases, other activations, windows that
-differ between layers. A sliding attention window becomes --window-size (and --window-attn-skip-freq for
+scaling (rope_type other than "default", but YaRN for GPT-OSS and DeepSeek-V3), Llama o_proj / MLP biases,
+other activations, windows that differ between layers. A sliding attention window becomes --window-size (and --window-attn-skip-freq for
 the layers without it) and is written back on export (hf_window.py). The config mapping lives in
 hf_config.py, the reading of HF weight files in hf_weights.py.
 """

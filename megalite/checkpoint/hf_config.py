@@ -8,8 +8,8 @@ exported checkpoint.
 
 Families: Llama 1/2/3, Mistral, Qwen2 (q/k/v biases), Qwen3 (QK-norm), Phi-3 (fused projections, partial
 rotary) and the Mixture-of-Experts Mixtral, Qwen2-MoE (gated shared expert) and Qwen3-MoE share one mapping
-(RoPE, RMSNorm, SwiGLU, GQA); GPT-OSS shares it with its own differences (hf_gpt_oss.py); GPT-2 (learned
-positions, LayerNorm, GELU, biases) has its own.
+(RoPE, RMSNorm, SwiGLU, GQA); GPT-OSS, GLM-4.5 and DeepSeek-V3 share it with their own differences
+(hf_gpt_oss.py, hf_deepseek.py); GPT-2 (learned positions, LayerNorm, GELU, biases) has its own.
 
 MoE (``moe_fields``): HF layer i (0-based) is sparse when i is not in ``mlp_only_layers`` and (i + 1) is a
 multiple of ``decoder_sparse_step``; megalite's --moe-layer-freq is that 0/1 list (1 when every layer is).

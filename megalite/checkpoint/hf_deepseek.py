@@ -104,7 +104,8 @@ def deepseek_fields(config, rope: dict) -> dict:
     """The fields of metadata["model"] where the family differs from the Llama-like mapping (``rope``: its
     RoPE parameters). --mtp-num-layers is the config's num_nextn_predict_layers (conversion then counts the
     MTP layers the weights hold: mtp_depth)."""
-    fields = {**deepseek_moe_fields(config), "mtp_num_layers": getattr(config, "num_nextn_predict_layers", 0) or None}
+    mtp = getattr(config, "num_nextn_predict_layers", 0)      # probe: DeepSeek's config.json has it, not the class
+    fields = {**deepseek_moe_fields(config), "mtp_num_layers": mtp or None}
     if config.model_type == GLM4_MOE:
         return {**fields, "add_qkv_bias": bool(config.attention_bias), "qk_layernorm": bool(config.use_qk_norm),
                 "rotary_percent": float(rope.get("partial_rotary_factor", 1.0))}
