@@ -5,6 +5,7 @@ and YaRN (mscale), group-limited routing, a shared expert, a dense first layer a
 DeepSeek-V2-Lite's form (a full query projection, plain RoPE). megalite's logits equal transformers', HF ->
 megalite -> HF gives the same tensors (MTP layers included), an FP8 block-scaled checkpoint imports as its
 dequantised twin, and the converted DeepSeek-V3 trains on through pretrain_gpt.py with its MTP loss."""
+import json
 import os
 
 import pytest
@@ -22,6 +23,7 @@ from unit.checkpoint.test_convert_checkpoint import input_ids, logits, randomise
 
 transformers = pytest.importorskip("transformers")
 
+LAYERS = 3                  # the main model's; an MTP layer is stored as layer LAYERS
 GLM = dict(vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, n_routed_experts=8,
            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
@@ -29,37 +31,26 @@ GLM = dict(vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediat
            initializer_range=0.1, tie_word_embeddings=False)
 
 
-def make_glm(directory):
-    torch.manual_seed(0)
-    model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**GLM)).eval()
-    randomise_biases_and_norms(model)
-    with torch.no_grad():
-        for layer in model.model.layers[1:]:              # a bias that changes which experts are picked
-            layer.mlp.gate.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, 8))
-    model.save_pretrained(directory)
-    return model
+def make_glm(directory, mtp: bool = False):
+    return make_model(directory, transformers.Glm4MoeConfig, {**GLM, "num_nextn_predict_layers": int(mtp)}, mtp)
 
 
-def test_glm4_moe_logits_match_and_round_trip(tmp_path):
-    hf_dir, ckpt, out = str(tmp_path / "hf"), str(tmp_path / "ckpt"), str(tmp_path / "out")
-    model = make_glm(hf_dir)
-    hf_to_megalite(hf_dir, ckpt)
-    m = CheckpointReader(ckpt).metadata["model"]
+@pytest.mark.parametrize("mtp", [False, True])
+def test_glm4_moe_logits_match_and_round_trip(tmp_path, mtp):
+    hf_dir = str(tmp_path / "hf")
+    model = make_glm(hf_dir, mtp)
+    reader = assert_logits_match_and_round_trip(hf_dir, tmp_path, model)
+    m = reader.metadata["model"]
     assert {k: m[k] for k in ("num_experts", "moe_layer_freq", "moe_shared_expert_intermediate_size",
                               "moe_router_score_function", "moe_router_enable_expert_bias",
-                              "moe_router_topk_scaling_factor", "rotary_percent", "qk_layernorm", "add_qkv_bias")} \
+                              "moe_router_topk_scaling_factor", "rotary_percent", "qk_layernorm", "add_qkv_bias",
+                              "mtp_num_layers")} \
         == dict(num_experts=8, moe_layer_freq=[0, 1, 1], moe_shared_expert_intermediate_size=32,
                 moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                moe_router_topk_scaling_factor=2.5, rotary_percent=0.5, qk_layernorm=True, add_qkv_bias=True)
-    ours = load_model(ckpt)
-    assert torch.equal(ours.decoder.layers[1].mlp.router.expert_bias, torch.linspace(-0.3, 0.3, 8))
-    ids = input_ids()
-    assert (ours(ids) - logits(model, ids)).abs().max().item() <= 1e-4
-    megalite_to_hf(ckpt, out)
-    original, again = (load_file(os.path.join(d, "model.safetensors")) for d in (hf_dir, out))
-    assert sorted(again) == sorted(original) and all(torch.equal(again[n], original[n]) for n in original)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(reloaded) is type(model) and torch.equal(logits(reloaded, ids), logits(model, ids))
+                moe_router_topk_scaling_factor=2.5, rotary_percent=0.5, qk_layernorm=True, add_qkv_bias=True,
+                mtp_num_layers=1 if mtp else None)
+    assert torch.equal(load_model(reader.directory).decoder.layers[1].mlp.router.expert_bias,
+                       torch.linspace(-0.3, 0.3, 8))       # a persistent buffer, loaded with the parameters
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -73,7 +64,6 @@ def test_unrepresentable_glm_configs_are_refused(kw, message):
 
 
 # ---- DeepSeek-V3 and DeepSeek-V2-Lite's form ----------------------------------------------------------------
-LAYERS = 3
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 V3 = dict(vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=LAYERS,
@@ -87,11 +77,16 @@ V2_LITE = {**V3, "q_lora_rank": None, "rope_parameters": {"rope_type": "default"
 
 
 def make_deepseek(directory, mtp: bool, **kw):
-    """A random DeepseekV3ForCausalLM saved with, when ``mtp``, DeepSeek-V3's MTP module as layer LAYERS:
-    a decoder layer plus enorm, hnorm, eh_proj, shared_head.norm and copies of the embedding and head."""
+    return make_model(directory, transformers.DeepseekV3Config, {**V3, **kw}, mtp)
+
+
+def make_model(directory, config_class, fields: dict, mtp: bool):
+    """A random model of ``config_class`` saved with, when ``mtp``, the MTP module as layer LAYERS, as
+    DeepSeek-V3 and GLM-4.5 ship it: a decoder layer plus enorm, hnorm, eh_proj, shared_head.norm and copies
+    of the embedding and output head. Returns transformers' model loaded from it (without the MTP layer)."""
     torch.manual_seed(0)
-    config = transformers.DeepseekV3Config(**{**V3, **kw, "num_hidden_layers": LAYERS + mtp})
-    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    config = config_class(**{**fields, "num_hidden_layers": LAYERS + mtp})
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     randomise_biases_and_norms(model)
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers[1:]):      # a bias that changes which experts are picked
@@ -99,7 +94,7 @@ def make_deepseek(directory, mtp: bool, **kw):
     model.save_pretrained(directory)
     if mtp:
         path = os.path.join(directory, "model.safetensors")
-        tensors, g, h = load_file(path), torch.Generator().manual_seed(3), V3["hidden_size"]
+        tensors, g, h = load_file(path), torch.Generator().manual_seed(3), fields["hidden_size"]
         hf = f"model.layers.{LAYERS}."
         tensors.update({hf + "enorm.weight": 1 + 0.3 * torch.randn(h, generator=g),
                         hf + "hnorm.weight": 1 + 0.3 * torch.randn(h, generator=g),
@@ -210,3 +205,24 @@ def test_unrepresentable_deepseek_configs_are_refused(kw, message):
     with pytest.raises(UserError, match=message) as error:
         check_convertible(transformers.DeepseekV3Config(**{**V3, **kw}))
     assert "\n" not in str(error.value)
+
+
+def test_mtp_copies_that_differ_from_the_main_model_and_unexportable_norms_are_refused(tmp_path):
+    hf_dir = str(tmp_path / "hf")
+    make_deepseek(hf_dir, mtp=True)
+    path = os.path.join(hf_dir, "model.safetensors")
+    tensors = load_file(path)
+    name = f"model.layers.{LAYERS}.shared_head.head.weight"
+    tensors[name] = tensors[name] + 1
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(UserError, match=f"{name} differs from lm_head.weight; megalite's multi-token prediction"):
+        hf_to_megalite(hf_dir, str(tmp_path / "ckpt"))
+    assert not os.path.exists(tmp_path / "ckpt")
+
+    make_deepseek(str(tmp_path / "lite"), mtp=False, **V2_LITE)
+    ckpt = hf_to_megalite(str(tmp_path / "lite"), str(tmp_path / "lite_ckpt"))
+    meta = json.load(open(os.path.join(ckpt, "metadata.json")))
+    meta["model"]["norm_epsilon"] = 1e-5
+    json.dump(meta, open(os.path.join(ckpt, "metadata.json"), "w"))
+    with pytest.raises(UserError, match="deepseek_v3 normalises the q/kv latents .--qk-layernorm. with eps 1e-06"):
+        megalite_to_hf(ckpt, str(tmp_path / "out"))
