@@ -18,7 +18,13 @@ GLM-4.5's attention is Llama-like (hf.py): GQA, q/k/v biases (attention_bias), o
 (use_qk_norm), RoPE on the first partial_rotary_factor of each head in the rotate-half layout
 (--rotary-percent).
 
-DeepSeek's multi-latent attention, HF ``self_attn.`` -> megalite ``self_attention.``:
+DeepSeek's multi-latent attention config: q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+v_head_dim -> --q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim, with
+--qk-layernorm (the latents' norms); rope_parameters yarn (factor, original max positions, beta_fast/slow,
+mscale with mscale_all_dim) -> --rope-type yarn and the YaRN flags, plain RoPE -> --rope-type rope.
+transformers builds the latents' norms with eps 1e-6 whatever rms_norm_eps says; megalite's norms share
+one --norm-epsilon, so another rms_norm_eps is refused both ways. Its tensors, HF ``self_attn.`` ->
+megalite ``self_attention.``:
     q_a_proj, q_a_layernorm, q_b_proj (q_proj without q-LoRA)   -> linear_q_down_proj, q_layernorm, linear_q_up_proj
                                                                    (linear_q_proj)
     kv_a_proj_with_mqa [latent; shared RoPE key], kv_a_layernorm -> linear_kv_down_proj, kv_layernorm
@@ -27,10 +33,11 @@ With ``rope_interleave`` HF's RoPE rows are interleaved pairs (x0, x1), (x2, x3)
 halves, so the RoPE rows of each q head and of the shared key are reordered even indices first, then odd
 (q.k is unchanged); export undoes it.
 
-Multi-token prediction: DeepSeek-V3 ships depth k as ``model.layers.{L + k}`` (transformers ignores it):
+Multi-token prediction: DeepSeek-V3 and GLM-4.5 ship depth k as ``model.layers.{L + k}`` (transformers
+ignores it; num_nextn_predict_layers -> --mtp-num-layers):
 enorm, hnorm, eh_proj, shared_head.norm -> mtp.layers.{k}.enorm, hnorm, eh_proj, final_layernorm, and the
 layer's attention and MLP -> mtp.layers.{k}.transformer_layer.*; its embed_tokens and shared_head.head
-copies of the main model's are checked equal and written back on export.
+copies of the main model's are checked equal (megalite shares the main ones) and written back on export.
 """
 from __future__ import annotations
 
