@@ -47,6 +47,7 @@ import torch
 from megalite.checkpoint.index import IndexShards, as_2d, check_filename, checked_entries, files_of
 from megalite.checkpoint.tensor_file import (STAGING_BYTES, TORCH_DTYPES, StoredTensor, as_bytes,
                                              read_safetensors_header, write_tensor_file)
+from megalite.config.deepseek_fields import DeepSeekFields
 from megalite.config.model_variants import ModelVariantFields
 from megalite.config.schema import DataConfig, ModelConfig, padded_vocab_size
 from megalite.errors import UserError
@@ -399,15 +400,19 @@ MOE_FIELDS = tuple(MOE_DEFAULTS)
 ATTENTION_DEFAULTS = {"window_size": None, "window_attn_skip_freq": None, "softmax_type": "vanilla"}
 # YaRN and the quick GEGLU (config/model_variants.py), at their defaults in a model without them
 VARIANT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelVariantFields)}
+# multi-latent attention, multi-token prediction and group-limited routing (config/deepseek_fields.py), at
+# their defaults in a model without them; the MTP loss weight is a training setting, not the architecture's
+DEEPSEEK_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DeepSeekFields)
+                     if f.name != "mtp_loss_scaling_factor"}
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
                        "num_query_groups", "seq_length", "max_position_embeddings", "vocab_size",
                        "position_embedding_type", "rotary_base", "normalization", "norm_epsilon", "swiglu",
                        "openai_gelu", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
                        "rotary_percent", "apply_layernorm_1p", "qk_layernorm", *MOE_FIELDS, *ATTENTION_DEFAULTS,
-                       *VARIANT_DEFAULTS)
+                       *VARIANT_DEFAULTS, *DEEPSEEK_DEFAULTS)
 # values for metadata that lacks these fields (the model they describe has none of the feature)
 ARCHITECTURE_DEFAULTS = {"rotary_percent": 1.0, "apply_layernorm_1p": False, "qk_layernorm": False, **MOE_DEFAULTS,
-                         **ATTENTION_DEFAULTS, **VARIANT_DEFAULTS}
+                         **ATTENTION_DEFAULTS, **VARIANT_DEFAULTS, **DEEPSEEK_DEFAULTS}
 
 
 def with_architecture_defaults(model: dict) -> dict:

@@ -1,5 +1,5 @@
 """Convert Hugging Face causal LMs to megalite checkpoints and back (Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2,
-and the Mixture-of-Experts Mixtral, Qwen2-MoE and Qwen3-MoE).
+and the Mixture-of-Experts Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5 and DeepSeek-V3).
 
     hf_to_megalite(HF_DIR, CKPT_DIR)       -> CKPT_DIR/iter_0000000 (+ tracker), tokenizer copied inside
     megalite_to_hf(CKPT_DIR, HF_DIR)       -> HF_DIR/config.json + model.safetensors (+ tokenizer files)
@@ -23,12 +23,15 @@ Both directions are exact: tensors are only renamed, transposed, concatenated or
 - MoE layers (hf_moe.py): the router is ``mlp.router``, the experts are stacked into one fc1 and one fc2
   tensor per layer, Qwen2-MoE's gated shared expert is ``mlp.shared_experts``. metadata["model"] records
   the MoE fields and --qk-layernorm next to files.ARCHITECTURE_FIELDS (hf_config.EXTRA_FIELDS).
+- DeepSeek-V3 / Kimi K2 / DeepSeek-V2-Lite's form and GLM-4.5 (hf_deepseek.py): multi-latent attention
+  (RoPE rows de-interleaved), sigmoid routing with expert biases and groups, and the multi-token-prediction
+  layers stored after the main model's (``model.layers.{L + k}`` -> ``mtp.layers.{k}``).
 - ``--apply-layernorm-1p`` stores norm weights as gamma - 1; no HF family does, so the export folds
   the + 1 into the weights (exact: one rounding of the exact sum, as the norm itself computes it).
 
 What megalite cannot represent is refused with one line (UserError) before anything is written: rope
-scaling (rope_type other than "default"), Llama o_proj / MLP biases, other activations, windows that
-differ between layers. A sliding attention window becomes --window-size (and --window-attn-skip-freq for
+scaling (rope_type other than "default", but YaRN for GPT-OSS and DeepSeek-V3), Llama o_proj / MLP biases,
+other activations, windows that differ between layers. A sliding attention window becomes --window-size (and --window-attn-skip-freq for
 the layers without it) and is written back on export (hf_window.py). The config mapping lives in
 hf_config.py, the reading of HF weight files in hf_weights.py.
 """
@@ -46,14 +49,15 @@ from megalite.checkpoint.hf_config import (EXTRA_FIELDS, QKV_BIAS_MODEL_TYPES, S
                                            build_hf_config, check_convertible, check_representable, config_token_ids,
                                            default_model_type, dtype_name, extra_defaults, model_fields,
                                            quiet_transformers, read_hf_config, token_ids_from_tokenizer, warn)
-from megalite.checkpoint.hf_deepseek import (DEEPSEEK_MODEL_TYPES, GLM4_MOE, deepseek_moe_to_megalite,
-                                             megalite_to_deepseek_moe)
+from megalite.checkpoint.hf_deepseek import (DEEPSEEK_MODEL_TYPES, GLM4_MOE, MTP_COPIES, deepseek_moe_to_megalite,
+                                             deepseek_source, megalite_to_deepseek_moe, megalite_to_mla,
+                                             megalite_to_mtp, mla_to_megalite, mtp_copies, mtp_depth,
+                                             mtp_to_megalite)
 from megalite.checkpoint.hf_fp8 import block_size, quantization_config, quantize_checkpoint
 from megalite.checkpoint.hf_gpt_oss import GPT_OSS, gpt_oss_moe_to_megalite, megalite_to_gpt_oss_moe
 from megalite.checkpoint.hf_tokenizer import (TOKENIZER_FILES, copy_tokenizer, export_tokenizer,
                                               names_tokenizer_class, tokenizer_files)
-from megalite.checkpoint.hf_moe import (MOE_TRAINING_KEYS, is_sparse, megalite_to_moe, moe_to_megalite,
-                                        moe_training_settings)
+from megalite.checkpoint.hf_moe import is_sparse, megalite_to_moe, moe_to_megalite, moe_training_settings
 from megalite.checkpoint.hf_weights import HFWeights
 from megalite.checkpoint.tensor_file import write_tensor_file
 from megalite.errors import UserError
@@ -112,45 +116,52 @@ linear_to_conv1d = conv1d_to_linear      # the transpose is its own inverse
 # Tensors: Hugging Face -> megalite
 # ==================================================================================================
 def llama_like_to_megalite(w: HFWeights, m: dict, model_type: str = "llama") -> dict[str, torch.Tensor]:
-    nq, nkv, d = m["num_attention_heads"], m["num_query_groups"], m["kv_channels"]
     out = {"embedding.word_embeddings.weight": w.take("model.embed_tokens.weight")}
     for i in range(m["num_layers"]):
-        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attn = hf + "self_attn."
-        out[mg + "input_layernorm.weight"] = w.take(hf + "input_layernorm.weight")
-        if model_type == "phi3":       # qkv_proj rows [q; k; v], gate_up_proj rows [gate; up] (megalite's fc1)
-            q, k, v = w.take(attn + "qkv_proj.weight").split([nq * d, nkv * d, nkv * d])
-            out[mg + "self_attention.linear_qkv.weight"] = fuse_qkv(q, k, v, nq, nkv, d)
-            out[mg + "self_attention.linear_proj.weight"] = w.take(attn + "o_proj.weight")
-            out[mg + "pre_mlp_layernorm.weight"] = w.take(hf + "post_attention_layernorm.weight")
-            out[mg + "mlp.linear_fc1.weight"] = w.take(hf + "mlp.gate_up_proj.weight")
-            out[mg + "mlp.linear_fc2.weight"] = w.take(hf + "mlp.down_proj.weight")
-            continue
-        out[mg + "self_attention.linear_qkv.weight"] = fuse_qkv(
-            *(w.take(attn + f"{p}_proj.weight") for p in "qkv"), nq, nkv, d)
-        if m["add_qkv_bias"] or m["add_bias_linear"]:
-            out[mg + "self_attention.linear_qkv.bias"] = fuse_qkv(
-                *(w.take(attn + f"{p}_proj.bias") for p in "qkv"), nq, nkv, d)
-        if m["qk_layernorm"]:
-            out[mg + "self_attention.q_layernorm.weight"] = w.take(attn + "q_norm.weight")
-            out[mg + "self_attention.k_layernorm.weight"] = w.take(attn + "k_norm.weight")
-        out[mg + "self_attention.linear_proj.weight"] = w.take(attn + "o_proj.weight")
-        if m["add_bias_linear"]:
-            out[mg + "self_attention.linear_proj.bias"] = w.take(attn + "o_proj.bias")
-        if m["softmax_type"] == "learnable":
-            out[mg + "self_attention.softmax_offset"] = w.take(attn + "sinks")
-        out[mg + "pre_mlp_layernorm.weight"] = w.take(hf + "post_attention_layernorm.weight")
-        if is_sparse(m, i):
-            sparse = gpt_oss_moe_to_megalite(w, hf, mg, m) if model_type == GPT_OSS else \
-                deepseek_moe_to_megalite(w, hf, mg, m) if model_type in DEEPSEEK_MODEL_TYPES else \
-                moe_to_megalite(w, hf, mg, m, model_type)
-            out.update(sparse)
-            continue
-        out[mg + "mlp.linear_fc1.weight"] = fuse_swiglu(w.take(hf + "mlp.gate_proj.weight"),
-                                                        w.take(hf + "mlp.up_proj.weight"))
-        out[mg + "mlp.linear_fc2.weight"] = w.take(hf + "mlp.down_proj.weight")
+        out.update(_layer_to_megalite(w, f"model.layers.{i}.", f"decoder.layers.{i}.", m, model_type, is_sparse(m, i)))
     out["decoder.final_layernorm.weight"] = w.take("model.norm.weight")
     _take_output_layer(w, m, out)
+    out.update(mtp_to_megalite(w, m, lambda hf, mg, sparse: _layer_to_megalite(w, hf, mg, m, model_type, sparse)))
+    return out
+
+
+def _layer_to_megalite(w: HFWeights, hf: str, mg: str, m: dict, model_type: str, sparse: bool) -> dict:
+    """One transformer layer, HF ``hf`` = "model.layers.{i}." -> megalite ``mg``."""
+    nq, nkv, d = m["num_attention_heads"], m["num_query_groups"], m["kv_channels"]
+    attn, out = hf + "self_attn.", {}
+    out[mg + "input_layernorm.weight"] = w.take(hf + "input_layernorm.weight")
+    out[mg + "pre_mlp_layernorm.weight"] = w.take(hf + "post_attention_layernorm.weight")
+    if model_type == "phi3":       # qkv_proj rows [q; k; v], gate_up_proj rows [gate; up] (megalite's fc1)
+        q, k, v = w.take(attn + "qkv_proj.weight").split([nq * d, nkv * d, nkv * d])
+        out[mg + "self_attention.linear_qkv.weight"] = fuse_qkv(q, k, v, nq, nkv, d)
+        out[mg + "self_attention.linear_proj.weight"] = w.take(attn + "o_proj.weight")
+        out[mg + "mlp.linear_fc1.weight"] = w.take(hf + "mlp.gate_up_proj.weight")
+        out[mg + "mlp.linear_fc2.weight"] = w.take(hf + "mlp.down_proj.weight")
+        return out
+    if m["multi_latent_attention"]:
+        out.update(mla_to_megalite(w, attn, mg + "self_attention.", m))
+    else:
+        out[mg + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            *(w.take(attn + f"{p}_proj.weight") for p in "qkv"), nq, nkv, d)
+        out[mg + "self_attention.linear_proj.weight"] = w.take(attn + "o_proj.weight")
+    if m["add_qkv_bias"] or m["add_bias_linear"]:
+        out[mg + "self_attention.linear_qkv.bias"] = fuse_qkv(
+            *(w.take(attn + f"{p}_proj.bias") for p in "qkv"), nq, nkv, d)
+    if m["qk_layernorm"] and not m["multi_latent_attention"]:
+        out[mg + "self_attention.q_layernorm.weight"] = w.take(attn + "q_norm.weight")
+        out[mg + "self_attention.k_layernorm.weight"] = w.take(attn + "k_norm.weight")
+    if m["add_bias_linear"]:
+        out[mg + "self_attention.linear_proj.bias"] = w.take(attn + "o_proj.bias")
+    if m["softmax_type"] == "learnable":
+        out[mg + "self_attention.softmax_offset"] = w.take(attn + "sinks")
+    if sparse:
+        out.update(gpt_oss_moe_to_megalite(w, hf, mg, m) if model_type == GPT_OSS else
+                   deepseek_moe_to_megalite(w, hf, mg, m) if model_type in DEEPSEEK_MODEL_TYPES else
+                   moe_to_megalite(w, hf, mg, m, model_type))
+        return out
+    out[mg + "mlp.linear_fc1.weight"] = fuse_swiglu(w.take(hf + "mlp.gate_proj.weight"),
+                                                    w.take(hf + "mlp.up_proj.weight"))
+    out[mg + "mlp.linear_fc2.weight"] = w.take(hf + "mlp.down_proj.weight")
     return out
 
 
@@ -206,47 +217,57 @@ class _MegaliteTensors:
         return self.get(name) if self.reader.has(name) else torch.zeros(size, dtype=self.dtype)
 
 
-def megalite_to_llama_like(t: _MegaliteTensors, m: dict, model_type: str) -> dict[str, torch.Tensor]:
-    nq, nkv, d = m["num_attention_heads"], m["num_query_groups"], m["kv_channels"]
-    one_p = m["apply_layernorm_1p"]
+def megalite_to_llama_like(t: _MegaliteTensors, m: dict, model_type: str, mtp_copies=()) -> dict[str, torch.Tensor]:
+    """``mtp_copies``: the copies of the embedding and output head each MTP layer carries (hf_deepseek)."""
     out = {"model.embed_tokens.weight": t.get("embedding.word_embeddings.weight")}
     for i in range(m["num_layers"]):
-        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attn = hf + "self_attn."
-        out[hf + "input_layernorm.weight"] = t.norm(mg + "input_layernorm.weight", one_p)
-        q, k, v = split_qkv(t.get(mg + "self_attention.linear_qkv.weight"), nq, nkv, d)
-        if model_type == "phi3":
-            out[attn + "qkv_proj.weight"] = torch.cat([q, k, v])
-            out[attn + "o_proj.weight"] = t.get(mg + "self_attention.linear_proj.weight")
-            out[hf + "post_attention_layernorm.weight"] = t.norm(mg + "pre_mlp_layernorm.weight", one_p)
-            out[hf + "mlp.gate_up_proj.weight"] = t.get(mg + "mlp.linear_fc1.weight")
-            out[hf + "mlp.down_proj.weight"] = t.get(mg + "mlp.linear_fc2.weight")
-            continue
-        out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v})
-        if m["qk_layernorm"]:
-            out[attn + "q_norm.weight"] = t.norm(mg + "self_attention.q_layernorm.weight", one_p)
-            out[attn + "k_norm.weight"] = t.norm(mg + "self_attention.k_layernorm.weight", one_p)
-        if model_type in QKV_BIAS_MODEL_TYPES + (GPT_OSS,) or (model_type == GLM4_MOE and m["add_qkv_bias"]):
-            bias = t.bias(mg + "self_attention.linear_qkv.bias", (nq + 2 * nkv) * d)
-            q, k, v = split_qkv(bias, nq, nkv, d)
-            out.update({attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v})
-        out[attn + "o_proj.weight"] = t.get(mg + "self_attention.linear_proj.weight")
-        out[hf + "post_attention_layernorm.weight"] = t.norm(mg + "pre_mlp_layernorm.weight", one_p)
-        if model_type == GPT_OSS:
-            out[attn + "o_proj.bias"] = t.get(mg + "self_attention.linear_proj.bias")
-            out[attn + "sinks"] = t.get(mg + "self_attention.softmax_offset")
-            out.update(megalite_to_gpt_oss_moe(t, hf, mg, m))
-            continue
-        if is_sparse(m, i):
-            out.update(megalite_to_deepseek_moe(t, hf, mg, m) if model_type in DEEPSEEK_MODEL_TYPES else
-                       megalite_to_moe(t, hf, mg, m, model_type))
-            continue
-        gate, up = split_swiglu(t.get(mg + "mlp.linear_fc1.weight"))
-        out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = gate, up
-        out[hf + "mlp.down_proj.weight"] = t.get(mg + "mlp.linear_fc2.weight")
-    out["model.norm.weight"] = t.norm("decoder.final_layernorm.weight", one_p)
+        out.update(_layer_to_hf(t, f"model.layers.{i}.", f"decoder.layers.{i}.", m, model_type, is_sparse(m, i)))
+    out["model.norm.weight"] = t.norm("decoder.final_layernorm.weight", m["apply_layernorm_1p"])
     if m["untie_embeddings_and_output_weights"]:
         out["lm_head.weight"] = t.get("output_layer.weight")
+    out.update(megalite_to_mtp(t, m, lambda hf, mg, sparse: _layer_to_hf(t, hf, mg, m, model_type, sparse),
+                               mtp_copies))
+    return out
+
+
+def _layer_to_hf(t: _MegaliteTensors, hf: str, mg: str, m: dict, model_type: str, sparse: bool) -> dict:
+    """Inverse of _layer_to_megalite."""
+    nq, nkv, d = m["num_attention_heads"], m["num_query_groups"], m["kv_channels"]
+    one_p = m["apply_layernorm_1p"]
+    attn, out = hf + "self_attn.", {}
+    out[hf + "input_layernorm.weight"] = t.norm(mg + "input_layernorm.weight", one_p)
+    out[hf + "post_attention_layernorm.weight"] = t.norm(mg + "pre_mlp_layernorm.weight", one_p)
+    if m["multi_latent_attention"]:
+        out.update(megalite_to_mla(t, attn, mg + "self_attention.", m))
+    else:
+        q, k, v = split_qkv(t.get(mg + "self_attention.linear_qkv.weight"), nq, nkv, d)
+        out[attn + "o_proj.weight"] = t.get(mg + "self_attention.linear_proj.weight")
+    if model_type == "phi3":
+        out[attn + "qkv_proj.weight"] = torch.cat([q, k, v])
+        out[hf + "mlp.gate_up_proj.weight"] = t.get(mg + "mlp.linear_fc1.weight")
+        out[hf + "mlp.down_proj.weight"] = t.get(mg + "mlp.linear_fc2.weight")
+        return out
+    if not m["multi_latent_attention"]:
+        out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v})
+    if m["qk_layernorm"] and not m["multi_latent_attention"]:
+        out[attn + "q_norm.weight"] = t.norm(mg + "self_attention.q_layernorm.weight", one_p)
+        out[attn + "k_norm.weight"] = t.norm(mg + "self_attention.k_layernorm.weight", one_p)
+    if model_type in QKV_BIAS_MODEL_TYPES + (GPT_OSS,) or (model_type == GLM4_MOE and m["add_qkv_bias"]):
+        bias = t.bias(mg + "self_attention.linear_qkv.bias", (nq + 2 * nkv) * d)
+        q, k, v = split_qkv(bias, nq, nkv, d)
+        out.update({attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v})
+    if model_type == GPT_OSS:
+        out[attn + "o_proj.bias"] = t.get(mg + "self_attention.linear_proj.bias")
+        out[attn + "sinks"] = t.get(mg + "self_attention.softmax_offset")
+        out.update(megalite_to_gpt_oss_moe(t, hf, mg, m))
+        return out
+    if sparse:
+        out.update(megalite_to_deepseek_moe(t, hf, mg, m) if model_type in DEEPSEEK_MODEL_TYPES else
+                   megalite_to_moe(t, hf, mg, m, model_type))
+        return out
+    gate, up = split_swiglu(t.get(mg + "mlp.linear_fc1.weight"))
+    out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = gate, up
+    out[hf + "mlp.down_proj.weight"] = t.get(mg + "mlp.linear_fc2.weight")
     return out
 
 
@@ -285,12 +306,16 @@ def hf_to_megalite(hf_dir: str, output_dir: str, overwrite: bool = False, log=wa
     config = read_hf_config(hf_dir)
     model_type = config.model_type
     check_convertible(config, log)
-    m = {**extra_defaults(), **model_fields(config)}
+    m = {**extra_defaults(), **model_fields(config), **deepseek_source(config)}
     _check_output_free(output_dir, overwrite, kind="megalite")
 
     fp8_block = None if model_type == GPT_OSS else block_size(config)       # GPT-OSS refuses quantisation itself
     weights = HFWeights(hf_dir, "transformer." if model_type == "gpt2" else "model.", fp8_block,
                         getattr(torch, dtype_name(config) or "bfloat16"))
+    family = {}                     # what an export needs to write the checkpoint back as it was
+    if model_type in DEEPSEEK_MODEL_TYPES:
+        m["mtp_num_layers"] = mtp_depth(weights, m, log)
+        family = {**deepseek_source(config), "mtp_copies": mtp_copies(weights, m)}
     tensors = gpt2_to_megalite(weights, m) if model_type == "gpt2" else llama_like_to_megalite(weights, m, model_type)
     weights.check_all_used()
     embeddings = tensors["embedding.word_embeddings.weight"]
@@ -318,7 +343,7 @@ def hf_to_megalite(hf_dir: str, output_dir: str, overwrite: bool = False, log=wa
                 "source": {"format": "huggingface", "model_type": model_type,
                            "architectures": list(getattr(config, "architectures", None) or []),
                            "path": os.path.abspath(hf_dir), **config_token_ids(config),
-                           **moe_training_settings(config)}}
+                           **moe_training_settings(config), **family}}
     write_metadata(tmp, metadata)
     return publish(output_dir, 0)
 
@@ -352,8 +377,10 @@ def megalite_to_hf(checkpoint_dir: str, output_dir: str, model_type: str | None 
 
     # zero biases (see _MegaliteTensors) take the stored weights' dtype, so the file has one dtype
     tensors = _MegaliteTensors(reader, reader.tensor("embedding.word_embeddings.weight").dtype)
-    hf_tensors = megalite_to_gpt2(tensors, m) if model_type == "gpt2" else megalite_to_llama_like(tensors, m, model_type)
     source = meta.get("source") or {}
+    m["rope_interleave"] = source.get("rope_interleave", True)      # DeepSeek's RoPE rows (hf_deepseek.py)
+    hf_tensors = megalite_to_gpt2(tensors, m) if model_type == "gpt2" else megalite_to_llama_like(
+        tensors, m, model_type, source.get("mtp_copies", MTP_COPIES))
 
     from safetensors.torch import save_file
     _make_output_dir(output_dir)
@@ -363,7 +390,7 @@ def megalite_to_hf(checkpoint_dir: str, output_dir: str, model_type: str | None 
     token_ids = {k: source[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in source}
     if not token_ids and has_tokenizer:
         token_ids = {k: v for k, v in token_ids_from_tokenizer(output_dir).items() if v is not None}
-    config = build_hf_config(m, model_type, token_ids, {k: source[k] for k in MOE_TRAINING_KEYS if k in source})
+    config = build_hf_config(m, model_type, token_ids, source)
     if fp8_blocks:
         hf_tensors = quantize_checkpoint(hf_tensors)
         config.quantization_config = quantization_config()

@@ -8,8 +8,8 @@ exported checkpoint.
 
 Families: Llama 1/2/3, Mistral, Qwen2 (q/k/v biases), Qwen3 (QK-norm), Phi-3 (fused projections, partial
 rotary) and the Mixture-of-Experts Mixtral, Qwen2-MoE (gated shared expert) and Qwen3-MoE share one mapping
-(RoPE, RMSNorm, SwiGLU, GQA); GPT-OSS shares it with its own differences (hf_gpt_oss.py); GPT-2 (learned
-positions, LayerNorm, GELU, biases) has its own.
+(RoPE, RMSNorm, SwiGLU, GQA); GPT-OSS, GLM-4.5 and DeepSeek-V3 share it with their own differences
+(hf_gpt_oss.py, hf_deepseek.py); GPT-2 (learned positions, LayerNorm, GELU, biases) has its own.
 
 MoE (``moe_fields``): HF layer i (0-based) is sparse when i is not in ``mlp_only_layers`` and (i + 1) is a
 multiple of ``decoder_sparse_step``; megalite's --moe-layer-freq is that 0/1 list (1 when every layer is).
@@ -26,25 +26,25 @@ import json
 import os
 import sys
 
-from megalite.checkpoint.files import ATTENTION_DEFAULTS, VARIANT_DEFAULTS
-from megalite.checkpoint.hf_deepseek import (DEEPSEEK_MODEL_TYPES, GLM4_MOE, build_deepseek_config,
+from megalite.checkpoint.files import ATTENTION_DEFAULTS, DEEPSEEK_DEFAULTS, VARIANT_DEFAULTS
+from megalite.checkpoint.hf_deepseek import (DEEPSEEK_MODEL_TYPES, DEEPSEEK_V3, GLM4_MOE, build_deepseek_config,
                                              check_deepseek_convertible, check_deepseek_representable,
                                              deepseek_fields)
 from megalite.checkpoint.hf_gpt_oss import (GPT_OSS, build_gpt_oss_config, check_gpt_oss_convertible,
                                             check_gpt_oss_representable, gpt_oss_fields)
-from megalite.checkpoint.hf_moe import (MOE_MODEL_TYPES, build_moe_config, check_moe_convertible,
+from megalite.checkpoint.hf_moe import (MOE_MODEL_TYPES, MOE_TRAINING_KEYS, build_moe_config, check_moe_convertible,
                                         check_moe_representable, moe_fields)
 from megalite.checkpoint.hf_window import (check_window_convertible, check_window_representable, window_config,
                                            window_fields)
 from megalite.errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe",
-                         GPT_OSS, GLM4_MOE)
+                         GPT_OSS, GLM4_MOE, DEEPSEEK_V3)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel",
                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", GPT_OSS: "GptOssForCausalLM",
-                 GLM4_MOE: "Glm4MoeForCausalLM"}
+                 GLM4_MOE: "Glm4MoeForCausalLM", DEEPSEEK_V3: "DeepseekV3ForCausalLM"}
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")            # RMSNorm of each q and k head (q_norm, k_norm)
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
 # metadata["model"] fields a conversion records beyond files.ARCHITECTURE_FIELDS (the MoE layer, QK-norm);
@@ -52,7 +52,7 @@ QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
 EXTRA_FIELDS = ("qk_layernorm", "num_experts", "moe_layer_freq", "moe_ffn_hidden_size",
                 "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_topk",
                 "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
-                "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk")
+                "moe_router_enable_expert_bias")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")      # the parameter dtypes megalite stores
 # GPT-2 activation names -> openai_gelu. gelu_new is the tanh approximation written out by hand
 # (NewGELUActivation); it equals F.gelu(approximate="tanh") to float rounding.
@@ -221,8 +221,10 @@ def check_convertible(config, log=warn) -> None:
         raise UserError(f"{model_type} mlp_bias=True is not supported: megalite's MLP biases come only with "
                         "biases on every linear layer")
     if model_type in DEEPSEEK_MODEL_TYPES:
-        check_deepseek_convertible(config)
-    check_rope(config, partial_rotary=model_type in ("phi3", GLM4_MOE))
+        check_one_rope(config)
+        check_deepseek_convertible(config, rope_parameters(config))
+    if model_type != DEEPSEEK_V3:            # DeepSeek-V3's YaRN: check_deepseek_convertible
+        check_rope(config, partial_rotary=model_type in ("phi3", GLM4_MOE))
     head_dim, factor = _head_dim(config), _rotary_percent(config)
     if factor != 1.0 and (int(head_dim * factor) % 2 or int(head_dim * factor) < 2):
         raise UserError(f"partial_rotary_factor={factor} rotates {int(head_dim * factor)} of {head_dim} head dimensions; "
@@ -244,8 +246,9 @@ def model_fields(config) -> dict:
     """metadata["model"] (megalite's architecture fields) for a supported transformers config; the
     sequence length is the model's ``max_position_embeddings``."""
     if config.model_type == "gpt2":
-        return {**ATTENTION_DEFAULTS, **VARIANT_DEFAULTS, **gpt2_fields(config)}
-    fields = {**ATTENTION_DEFAULTS, **VARIANT_DEFAULTS, **llama_like_fields(config), **window_fields(config)}
+        return {**ATTENTION_DEFAULTS, **VARIANT_DEFAULTS, **DEEPSEEK_DEFAULTS, **gpt2_fields(config)}
+    fields = {**ATTENTION_DEFAULTS, **VARIANT_DEFAULTS, **DEEPSEEK_DEFAULTS, **llama_like_fields(config),
+              **window_fields(config)}
     if config.model_type == GPT_OSS:
         fields.update(gpt_oss_fields(config, rope_parameters(config)))
     if config.model_type in DEEPSEEK_MODEL_TYPES:
@@ -311,6 +314,8 @@ def default_model_type(metadata: dict) -> str:
     m = metadata["model"]
     if m["position_embedding_type"] == "learned_absolute" and m["normalization"] == "LayerNorm":
         return "gpt2"
+    if m.get("multi_latent_attention"):
+        return DEEPSEEK_V3
     if m.get("moe_router_score_function") == "sigmoid" and m.get("moe_router_enable_expert_bias"):
         return GLM4_MOE
     if m.get("rotary_percent", 1.0) != 1.0:
@@ -367,9 +372,12 @@ def check_representable(m: dict, model_type: str) -> None:
     check_window_representable(m, model_type, need)
 
 
-def build_hf_config(m: dict, model_type: str, token_ids: dict, moe_training: dict | None = None):
+def build_hf_config(m: dict, model_type: str, token_ids: dict, source: dict | None = None):
     """The transformers config object for metadata["model"] ``m`` (already checked representable);
-    ``moe_training``: MOE_TRAINING_KEYS to write (the converted model's own), else the family's defaults."""
+    ``source``: the converted model's metadata["source"], whose MOE_TRAINING_KEYS (else the family's
+    defaults) and DeepSeek RoPE layout are written back."""
+    source = source or {}
+    moe_training = {k: source[k] for k in MOE_TRAINING_KEYS if k in source}
     with quiet_transformers():
         from transformers import GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
         common = {"vocab_size": m["vocab_size"], "tie_word_embeddings": not m["untie_embeddings_and_output_weights"],
@@ -394,11 +402,11 @@ def build_hf_config(m: dict, model_type: str, token_ids: dict, moe_training: dic
             return Phi3Config(original_max_position_embeddings=m["max_position_embeddings"],
                               **{**ids, **fields})
         if model_type == GPT_OSS:
-            return build_gpt_oss_config(m, fields, moe_training or {})
+            return build_gpt_oss_config(m, fields, moe_training)
         if model_type in DEEPSEEK_MODEL_TYPES:
-            return build_deepseek_config(m, model_type, fields, rope)
+            return build_deepseek_config(m, model_type, fields, rope, source)
         if model_type in MOE_MODEL_TYPES:
-            return build_moe_config(m, model_type, fields, moe_training or {})
+            return build_moe_config(m, model_type, fields, moe_training)
         if model_type == "llama":
             return LlamaConfig(attention_bias=False, mlp_bias=False, **fields)
         if model_type == "mistral":

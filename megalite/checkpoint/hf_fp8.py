@@ -26,9 +26,10 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max        # 448
 SCALE_SUFFIX = "_scale_inv"                            # weight -> weight_scale_inv
 DEFAULT_BLOCK = (128, 128)
-# the tensors an FP8 export quantises: the layers' linear projections (attention, dense MLP, experts,
-# shared experts), not the MTP module's eh_proj, which DeepSeek keeps in bf16 like the router and norms
-QUANTISED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\..*_proj\.weight$")
+# the tensors an FP8 export quantises: the layers' linear projections (attention, MLA's kv_a_proj_with_mqa
+# included, dense MLP, experts, shared experts), not the MTP module's eh_proj, which DeepSeek keeps in bf16
+# like the router and norms
+QUANTISED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\..*_proj(_with_mqa)?\.weight$")
 
 
 def quantization_config(block: tuple[int, int] = DEFAULT_BLOCK) -> dict:

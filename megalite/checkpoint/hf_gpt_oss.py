@@ -54,20 +54,25 @@ def check_gpt_oss_convertible(config, rope: dict) -> None:
     if not config.attention_bias:
         raise UserError("gpt_oss attention_bias=False is not supported: megalite's biases (the router's and the "
                         "experts' too) come on every linear layer together")
-    rope_type = rope.get("rope_type", "default")
+    check_yarn(config, rope)
+
+
+def check_yarn(config, rope: dict) -> None:
+    """RoPE parameters megalite's RoPE or YaRN reproduces (GPT-OSS, DeepSeek-V3), else one line."""
+    model_type, rope_type = config.model_type, rope.get("rope_type", "default")
     if rope_type not in ("default", "yarn"):
-        raise UserError(f"gpt_oss rope_type={rope_type!r} is not supported (supported: 'default', 'yarn')")
+        raise UserError(f"{model_type} rope_type={rope_type!r} is not supported (supported: 'default', 'yarn')")
     unknown = sorted(set(rope) - YARN_KEYS)
     if unknown:
-        raise UserError(f"gpt_oss rope_parameters {', '.join(unknown)} are not supported by megalite's RoPE")
+        raise UserError(f"{model_type} rope_parameters {', '.join(unknown)} are not supported by megalite's RoPE")
     if rope_type == "yarn" and rope.get("attention_factor") is not None:
-        implied = _attention_factor(_yarn_fields(config, rope))
+        implied = _attention_factor(yarn_fields(config, rope))
         if not math.isclose(rope["attention_factor"], implied, rel_tol=1e-12):
-            raise UserError(f"gpt_oss YaRN attention_factor={rope['attention_factor']} differs from the "
+            raise UserError(f"{model_type} YaRN attention_factor={rope['attention_factor']} differs from the "
                             f"{implied} its factor and mscale imply; megalite derives it from them")
 
 
-def _yarn_fields(config, rope: dict) -> dict:
+def yarn_fields(config, rope: dict) -> dict:
     """ModelConfig's YaRN fields for transformers' ``rope`` (its defaults where a key is absent)."""
     original = rope.get("original_max_position_embeddings") or config.max_position_embeddings
     factor = rope.get("factor") or config.max_position_embeddings / original
@@ -91,7 +96,7 @@ def gpt_oss_fields(config, rope: dict) -> dict:
     return {"swiglu": False, "quick_geglu": True, "glu_linear_offset": 1.0,
             "activation_func_clamp_value": float(config.swiglu_limit), "add_bias_linear": True,
             "softmax_type": "learnable", "position_embedding_type": "yarn" if yarn else "rope",
-            **(_yarn_fields(config, rope) if yarn else {}),
+            **(yarn_fields(config, rope) if yarn else {}),
             "num_experts": config.num_local_experts, "moe_router_topk": config.num_experts_per_tok,
             "moe_aux_loss_coeff": float(config.router_aux_loss_coef if config.output_router_logits else 0.0)}
 

@@ -426,8 +426,8 @@ def load_checkpoint(run: CheckpointState, path: str, load_optimizer: bool = True
 
 # ---- inference -----------------------------------------------------------------------------------
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """A single-process GPTModel in eval mode with the checkpoint's weights; ``model(input_ids)``
-    returns logits [batch, seq, vocab] over the tokenizer's true vocabulary."""
+    """A single-process GPTModel in eval mode with the checkpoint's weights and persistent buffers;
+    ``model(input_ids)`` returns logits [batch, seq, vocab] over the tokenizer's true vocabulary."""
     from megalite.model.gpt import DTYPES, GPTModel
     reader = CheckpointReader(path)
     dtype_name = {v: k for k, v in DTYPES.items()}[dtype]
@@ -438,6 +438,10 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
             g = model.global_name(name)
             source = f"optimizer.master.{g}" if reader.has(f"optimizer.master.{g}") else g
             param.copy_(expected_full(reader, source, param, g, config.vocab_size).reshape(param.shape))
+        for name, tensor in persistent_buffers([model]):      # the MoE routers' expert biases
+            if reader.has(name):             # one a checkpoint lacks keeps its initial value, as in training
+                check_shape(reader, name, tuple(tensor.shape))
+                tensor.copy_(reader.tensor(name))
     model.checkpoint_metadata = reader.metadata
     model.checkpoint_dir = reader.directory
     return model.to(device).eval()
