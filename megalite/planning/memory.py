@@ -202,12 +202,24 @@ def chunks_in_flight(layout: Layout, pp_rank: int, num_microbatches: int) -> int
     return min(warmup + 1, num_microbatches * layout.vpp)
 
 
+def loss_chunk_in_flight(layout: Layout, num_microbatches: int) -> int:
+    """Micro-batches through the last virtual stage (the loss's, and the MTP depths') whose backward has
+    not run, at most, on the rank that holds it (orders.py): GPipe holds all m; every other schedule
+    runs that stage's backward right after its forward - 1F1B and its zero-bubble and asynchronous forms
+    have no warm-up on the last rank, interleaved 1F1B's (which runs any schedule with virtual stages
+    but ZB-V) warm-up there is the other chunks' first (v - 1)p forwards, and ZB-V's rank 0 alternates
+    F and B of its second chunk."""
+    return num_microbatches if layout.schedule == "gpipe" and layout.vpp == 1 else 1
+
+
 def kept_activations(workload: Workload, layout: Layout, pp_rank: int, kernels: Kernels) -> float:
     """Bytes pipeline rank ``pp_rank`` keeps for backward at its fullest: the layers of every
     in-flight (chunk, micro-batch), the chunk outputs the pipeline executor keeps to backpropagate
-    from, the embedding dropout's noise, and on the last stage the MTP depths (deepseek.mtp_depth_bytes)."""
+    from, the embedding dropout's noise, and on the last stage the MTP depths (deepseek.mtp_depth_bytes)
+    of the micro-batches through the loss's chunk (``loss_chunk_in_flight``)."""
     model, e = workload.model, workload.dtype_bytes
-    in_flight = chunks_in_flight(layout, pp_rank, layout.num_microbatches(workload.global_batch_size))
+    microbatches = layout.num_microbatches(workload.global_batch_size)
+    in_flight = chunks_in_flight(layout, pp_rank, microbatches)
     layers_per_chunk = sum(rank_layers(workload, layout, pp_rank)) / layout.vpp     # (chunks alternate)
     moe_per_chunk = rank_moe_layers(workload, layout, pp_rank) / layout.vpp
     _, sp_tokens = token_counts(workload, layout)
@@ -221,7 +233,7 @@ def kept_activations(workload: Workload, layout: Layout, pp_rank: int, kernels: 
     if holds_head(layout, pp_rank) and mtp_depths(model):     # each depth: a layer of the last one's kind, a loss
         layer = layer_activation_bytes(workload, layout, kernels, model.is_moe_layer(model.num_layers))
         depth = mtp_depth_bytes(model, layer, output_layer_bytes(workload, layout, kernels)[0], sp_tokens, e)
-        kept += math.ceil(in_flight / layout.vpp) * mtp_depths(model) * depth
+        kept += loss_chunk_in_flight(layout, microbatches) * mtp_depths(model) * depth
     return kept
 
 

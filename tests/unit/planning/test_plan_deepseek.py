@@ -147,3 +147,40 @@ def test_mla_flops_replace_the_attention_term_by_hand():
     by_hand = 2 * (sum(MLA_V3) - 1536 - 512) + 2 * s * HEADS * (192 + 128)
     assert deepseek.mla_flops_correction(model) + counted == by_hand
     assert deepseek.mla_flops_correction(dataclasses.replace(model, multi_latent_attention=False)) == 0.0
+
+
+@pytest.mark.parametrize("schedule,pp,vpp", [("1f1b", 4, 1), ("1f1b", 4, 2), ("1f1b", 2, 4), ("gpipe", 4, 1),
+                                             ("gpipe", 2, 2), ("zb-h1", 4, 1), ("zbv", 4, 2)])
+def test_the_loss_chunk_holds_what_the_schedules_order_keeps(schedule, pp, vpp):
+    """The micro-batches through the last virtual stage (the loss and the MTP depths) whose backward has
+    not run, at most, counted on the order the pipeline executor runs."""
+    from megalite.parallel.pipeline.orders import schedule_order, stage_placement
+    m = 8
+    rank, chunk = next((r, c) for r in range(pp) for c in range(vpp)
+                       if stage_placement(schedule)(r, c, pp) == pp * vpp - 1)
+    alive = most = 0
+    for action in schedule_order(schedule, pp, rank, m, vpp):
+        if action.chunk == chunk and action.kind in "FB":
+            alive += 1 if action.kind == "F" else -1
+            most = max(most, alive)
+    assert memory.loss_chunk_in_flight(inputs.Layout(pp=pp, vpp=vpp, schedule=schedule), m) == most
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_mtp_on_an_interleaved_last_stage_is_a_dry_runs_peak(recompute):
+    """One MTP depth with a large vocabulary (its loss keeps an fp32 softmax as large as a layer) on the last
+    rank of a PP=2 x 2-chunk pipeline: interleaved 1F1B runs the loss chunk's backward right after its
+    forward, so the rank keeps one micro-batch's depth, not one per pair of chunks in flight. The planner's
+    peak and activations against a dry run of that rank (verify.py), within 10%."""
+    from megalite.planning import verify
+    model = plan_flags.model_from_flags(4, 256, 4, 8192, 256, ffn_hidden_size=704, num_query_groups=2, swiglu=True,
+                                        position_embedding_type="rope", normalization="RMSNorm",
+                                        add_bias_linear=False, untie_embeddings_and_output_weights=True,
+                                        attention_dropout=0.0, hidden_dropout=0.0, mtp_num_layers=1)
+    workload = inputs.Workload(model, 8, "bf16")
+    layout = inputs.Layout(pp=2, vpp=2, micro_batch_size=2, recompute=recompute)
+    measured = verify.measured_categories(verify.measure(verify.measuring_argv(
+        workload, layout, verify.Role(1, 1, "last")), 1))
+    planned = verify.estimated_categories(memory.rank_memory(workload, layout, 1, inputs.GPU_KERNELS))
+    for category in ("activations", "total"):
+        assert planned[category] == pytest.approx(measured[category], rel=0.1), (category, planned, measured)
