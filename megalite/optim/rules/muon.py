@@ -115,7 +115,7 @@ def _gather(local: torch.Tensor, matrix: Matrix) -> torch.Tensor:
     """The full 2-D weight from every TP rank's part (rows and columns at their recorded positions)."""
     parts = [torch.empty_like(local) for _ in matrix.rows]
     dist.all_gather(parts, local.contiguous(), group=matrix.group)
-    full = local.new_zeros(matrix.full_shape)
+    full = local.new_empty(matrix.full_shape)
     for part, rows, cols in zip(parts, matrix.rows, matrix.cols):
-        full.index_copy_(0, rows, local.new_zeros(len(rows), matrix.full_shape[1]).index_copy_(1, cols, part))
+        full[rows[:, None], cols[None, :]] = part
     return full
