@@ -122,3 +122,29 @@ def test_logical_matrices_of_fused_and_stacked_weights():
     for name in ("embedding.word_embeddings.weight", "output_layer.weight", "decoder.layers.0.mlp.router.weight"):
         assert not is_muon_matrix(name, matrix)
     assert not is_muon_matrix("decoder.layers.0.input_layernorm.weight", nn.Parameter(torch.zeros(3)))
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--muon-tp-mode", "distributed"], "invalid choice: 'distributed' (choose from 'duplicated')"),
+    (["--muon-num-ns-steps", "0"], "--muon-num-ns-steps: must be a positive integer"),
+    (["--fp16", "--loss-scale", "1"], "--optimizer muon with --fp16 needs loss scaling"),
+    (["--data-parallel-sharding-strategy", "optim_grads_params"], "does not run under ZeRO-3"),
+    (["--use-torch-fsdp2"], "does not run under --use-torch-fsdp2"),
+])
+def test_muon_bad_input_is_one_line(extra, fragment, capsys):
+    from megalite.errors import UserError
+    from megalite.train.command_line import parse_args
+    from megalite_test_utils import TINY_LLAMA_ARGS
+    with pytest.raises((UserError, SystemExit)) as caught:
+        parse_args(TINY_LLAMA_ARGS + ["--optimizer", "muon", *extra], world_size=1)
+    message = str(caught.value) if caught.type is UserError else capsys.readouterr().err
+    assert fragment in message and len(message.strip().splitlines()) == 1, message
+
+
+def test_muon_selects_the_whole_parameter_zero_layout():
+    from megalite.train.command_line import parse_args
+    from megalite_test_utils import TINY_LLAMA_ARGS
+    config = parse_args(TINY_LLAMA_ARGS + ["--optimizer", "muon", "--use-distributed-optimizer",
+                                           "--global-batch-size", "4"], world_size=2)
+    assert config.parallel.use_layer_wise_distributed_optimizer
+    assert not parse_args(TINY_LLAMA_ARGS + ["--use-distributed-optimizer"], world_size=2).parallel.use_layer_wise_distributed_optimizer
