@@ -165,7 +165,8 @@ def training_metadata(run: CheckpointState) -> dict:
                         "skipped_iterations": state.skipped_iterations, "nan_iterations": state.nan_iterations},
         "scheduler": run.scheduler.state_dict(),
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
-        "optimizer": {"step": run.optimizer.step_count, "has_master": run.buffer.param_dtype != torch.float32},
+        "optimizer": {"step": run.optimizer.step_count, "has_master": run.buffer.param_dtype != torch.float32,
+                      "rule": cfg.optimizer.optimizer},
         "source": run.source,      # where the weights first came from (e.g. a converted HF model)
         "index": {"shards": run.parallel.world_size, "bands": BANDS, "holder": "crc32(key) % shards"},
     }

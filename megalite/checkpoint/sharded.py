@@ -137,7 +137,8 @@ def owned_parts(run: CheckpointState,
         if not entry.stored_here or not writes(p, optimizer.grads_sharded, param_meta(entry.param)):
             continue
         slot, g = buffer.slots[entry.buffer_name], entry.global_name
-        ranges = optimizer_ranges(optimizer, slot) if data_rank is None else chunk_ranges(run, slot, data_rank)
+        ranges = optimizer_ranges(optimizer, slot) if data_rank is None else chunk_ranges(
+            run, slot, data_rank, optimizer.state_names_of(entry.buffer_name))
         for start, end, piece, master, state, cut in ranges:
             sources = {g: piece.param[cut]}
             if not master_is_weights:
@@ -148,10 +149,11 @@ def owned_parts(run: CheckpointState,
     return parts
 
 
-def chunk_ranges(run: CheckpointState, slot, data_rank: int):
+def chunk_ranges(run: CheckpointState, slot, data_rank: int, state_names: tuple[str, ...]):
     """optimizer_ranges as the rank at data-parallel x CP place ``data_rank`` (of the first instance) of a
     dense ZeRO layout has them: its chunk of each bucket, as storage-less tensors (where it writes, not
-    what), so that one built rank describes what all of its data-parallel group write."""
+    what), so that one built rank describes what all of its data-parallel group write. ``state_names``:
+    the rule's state of the slot's parameter."""
     buffer = run.buffer
     if not run.optimizer.grads_sharded or run.config.model.num_experts:
         raise ValueError("chunk_ranges describes dense ZeRO layouts only")
@@ -161,7 +163,7 @@ def chunk_ranges(run: CheckpointState, slot, data_rank: int):
             weights = torch.empty(end - start, dtype=buffer.param_dtype, device="meta")
             master = torch.empty(end - start, dtype=torch.float32, device="meta")
             yield (start, end, SimpleNamespace(param=weights), master,
-                   {k: master for k in run.optimizer.state_names}, slice(0, end - start))
+                   {k: master for k in state_names}, slice(0, end - start))
 
 
 def writer_rows(run: CheckpointState, entry: ParamEntry, place: Placement) -> int:
@@ -351,8 +353,10 @@ def load_tensors(run: CheckpointState, reader: CheckpointReader, load_optimizer:
     """Fill this rank's parameters and optimizer state from ``reader``, reading only what it holds."""
     differences = architecture_differences(reader, run.config.model)
     entries = param_entries(run.chunks)
-    states = run.optimizer.state_names if load_optimizer else ()
-    sources = {e.global_name: source_names(reader, e.global_name, states) for e in entries}
+    if load_optimizer:
+        check_same_rule(reader, run.config.optimizer.optimizer)
+    sources = {e.global_name: source_names(reader, e.global_name, run.optimizer.state_names_of(e.buffer_name)
+                                           if load_optimizer else ()) for e in entries}
     for entry in entries:
         for name in sources[entry.global_name].values():
             check_stored(reader, name, entry.param, entry.global_name, run.config.model.vocab_size, differences)
@@ -366,6 +370,15 @@ def load_tensors(run: CheckpointState, reader: CheckpointReader, load_optimizer:
         for master in run.optimizer.master_pieces:
             for tensor in run.optimizer.named_state(master).values():
                 tensor.zero_()
+
+
+def check_same_rule(reader: CheckpointReader, rule: str) -> None:
+    """The checkpoint's optimizer state is the state of this run's --optimizer (checkpoints from before the
+    choice existed hold AdamW's)."""
+    saved = reader.metadata["optimizer"].get("rule", "adam")
+    if saved != rule:
+        raise UserError(f"checkpoint {reader.directory} holds --optimizer {saved} state but this run uses --optimizer "
+                        f"{rule}: add --no-load-optim to start {rule} afresh from the checkpoint's weights")
 
 
 def buffer_targets(run: CheckpointState, reader: CheckpointReader) -> list[tuple[str, Box, torch.Tensor]]:

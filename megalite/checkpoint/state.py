@@ -32,12 +32,14 @@ class StateDict(Protocol):
 class ShardedOptimizer(Protocol):
     """The optimizer's state as the checkpoint reads it: the ranges of the flat parameter buffer this rank
     updates (``pieces``, each with ``start``, ``end`` and ``param``), their fp32 master copies, the update
-    rule's per-element state by name, its step count and the loss scaler."""
+    rule's per-element state by name (``state_names_of`` a parameter), its step count and the loss scaler."""
     pieces: list
     master_pieces: list[torch.Tensor]
     grads_sharded: bool
     state_names: tuple[str, ...]
     loss_scaler: StateDict | None
+
+    def state_names_of(self, name: str) -> tuple[str, ...]: ...
 
     def named_state(self, master: torch.Tensor) -> dict[str, torch.Tensor]: ...
 

@@ -264,7 +264,11 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
     strategy = args.data_parallel_sharding_strategy
     if strategy is None:       # FSDP2's default reshards after forward; --use-distributed-optimizer makes "optim"
         strategy = "optim_grads_params" if args.use_torch_fsdp2 else "no_shard"
-    return _from_flags(ParallelConfig, args, world_size=world_size, data_parallel_sharding_strategy=strategy)
+    # Muon orthogonalises whole matrices: its ZeRO takes the whole-parameter layout (as Megatron's does)
+    whole = args.use_layer_wise_distributed_optimizer or (args.optimizer == "muon" and not args.use_torch_fsdp2 and (
+        args.use_distributed_optimizer or strategy != "no_shard"))
+    return _from_flags(ParallelConfig, args, world_size=world_size, data_parallel_sharding_strategy=strategy,
+                       use_layer_wise_distributed_optimizer=whole)
 
 
 def _training_config(args, parallel: ParallelConfig) -> TrainingConfig:

@@ -16,6 +16,7 @@ from megalite.config.cli import (integer, moe_layer_pattern, non_negative_int, n
 from megalite.config.fields import derived, flag
 from megalite.config.deepseek_fields import DeepSeekFields
 from megalite.config.model_variants import ModelVariantFields
+from megalite.config.muon_fields import MuonFields
 from megalite.errors import UserError
 
 # ---- the pipeline schedules --pipeline-schedule names, in one place ------------------------------------
@@ -27,7 +28,7 @@ PIPELINE_SCHEDULES = SYNCHRONOUS_SCHEDULES + ASYNC_SCHEDULES
 # 3 (and parameters)
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # --optimizer: the update rules megalite implements (optim/rules/: one module each, registered by this name)
-OPTIMIZERS = ("adam",)
+OPTIMIZERS = ("adam", "muon")
 # --softmax-type: plain softmax, a fixed extra logit 0 in every denominator, or a learned one per head
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
@@ -296,10 +297,10 @@ class ParallelConfig:
 
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(MuonFields):
     lr: float = flag("--lr", number)
     optimizer: str = flag("--optimizer", default="adam", choices=OPTIMIZERS,
-                          help="update rule: adam = AdamW (decoupled weight decay)")
+                          help="update rule: adam = AdamW (decoupled weight decay), muon = Muon + AdamW")
     min_lr: float = flag("--min-lr", number, default=0.0)
     weight_decay: float = flag("--weight-decay", number, default=0.01)
     adam_beta1: float = flag("--adam-beta1", number, default=0.9)

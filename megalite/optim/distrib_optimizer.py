@@ -16,7 +16,7 @@ parameters stay sharded, so the update lands directly in this rank's parameter s
 """
 from __future__ import annotations
 
-from megalite.config.schema import OptimizerConfig
+from megalite.config.schema import ModelConfig, OptimizerConfig
 from megalite.parallel.data.protocol import DataParallel
 from megalite.optim.master_weights import Piece
 from megalite.optim.mixed_precision import MixedPrecisionOptimizer
@@ -25,10 +25,10 @@ from megalite.optim.mixed_precision import MixedPrecisionOptimizer
 class DistributedOptimizer(MixedPrecisionOptimizer):
     grads_sharded = True
 
-    def __init__(self, ddp: DataParallel, config: OptimizerConfig, parallel=None):
+    def __init__(self, ddp: DataParallel, config: OptimizerConfig, parallel=None, model: ModelConfig | None = None):
         if not ddp.shard_optimizer:
             raise ValueError("the distributed optimizer needs a sharding strategy other than no_shard")
-        super().__init__(ddp.buffer, ddp.named_params, config, parallel=parallel, ddp=ddp)
+        super().__init__(ddp.buffer, ddp.named_params, config, parallel=parallel, ddp=ddp, model=model)
 
     def _pieces(self) -> list[Piece]:
         """This rank's chunk of every bucket: the flat range, its parameters, its reduced gradients."""
@@ -48,8 +48,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.ddp.start_param_sync()
 
 
-def build_optimizer(ddp: DataParallel, config: OptimizerConfig, parallel=None) -> MixedPrecisionOptimizer:
-    """The optimizer for ``ddp``'s sharding strategy: replicated (no_shard) or distributed (ZeRO)."""
+def build_optimizer(ddp: DataParallel, config: OptimizerConfig, parallel=None,
+                    model: ModelConfig | None = None) -> MixedPrecisionOptimizer:
+    """The optimizer for ``ddp``'s sharding strategy: replicated (no_shard) or distributed (ZeRO).
+    ``model``: the model's config, which Muon needs (its logical matrices)."""
     if ddp.shard_optimizer:
-        return DistributedOptimizer(ddp, config, parallel)
-    return MixedPrecisionOptimizer(ddp.buffer, ddp.named_params, config, parallel=parallel, ddp=ddp)
+        return DistributedOptimizer(ddp, config, parallel, model)
+    return MixedPrecisionOptimizer(ddp.buffer, ddp.named_params, config, parallel=parallel, ddp=ddp, model=model)

@@ -7,7 +7,9 @@ whole buffer without ZeRO; this rank's chunk of every bucket with the distribute
 models), which the update rule steps and ``copy_back`` writes into the model's dtype.
 
 --decoupled-lr cuts the pieces where the input embedding and output layer begin and end, so each
-piece belongs to one learning-rate group (``decoupled``). Weight decay is decoupled (AdamW: the
+piece belongs to one learning-rate group (``decoupled``). An update rule acting on whole matrices (Muon)
+names the parameters (``whole``) that each become a piece of their own (``whole_names``: per piece, the
+parameter it is, or None); a piece holding only part of one is refused. Weight decay is decoupled (AdamW: the
 master shrinks by lr x weight_decay before the update) and skipped for biases and norm weights, as in
 Megatron; ``decay_ranges`` are the decayed ranges of each piece.
 """
@@ -43,14 +45,17 @@ def is_embedding_or_output(name: str) -> bool:
 
 class MasterWeights:
     """fp32 copies of ``pieces`` (module docstring): ``pieces``, ``masters`` (one per piece),
-    ``decoupled`` (per piece: in the --decoupled-lr group) and ``decay_ranges`` (per piece)."""
+    ``decoupled`` (per piece: in the --decoupled-lr group), ``whole_names`` and ``decay_ranges`` (per piece)."""
 
     def __init__(self, buffer: FlatLayout, named_params: list[tuple[str, nn.Parameter]], pieces: list[Piece],
-                 split_decoupled: bool):
+                 split_decoupled: bool, whole: tuple[str, ...] = ()):
         self.pieces, self.decoupled = pieces, [False] * len(pieces)
         if split_decoupled:
             self.pieces, self.decoupled = _split_pieces(pieces, _slot_ranges(
                 buffer, named_params, lambda name, _: is_embedding_or_output(name)))
+        self.whole_names = [None] * len(self.pieces)
+        if whole:
+            self._cut_whole(buffer, whole)
         self.flat = None             # the masters' one storage, when they are not the model's own weights
         if buffer.param_dtype == torch.float32:
             self.masters = [p.param for p in self.pieces]
@@ -58,6 +63,20 @@ class MasterWeights:
             self.flat, self.masters = _fp32_copies(self.pieces)
         decay = [(s, e, 1.0) for s, e in _slot_ranges(buffer, named_params, uses_weight_decay)]
         self.decay_ranges = [[(lo, hi) for lo, hi, _ in local_segments(decay, p.start, p.end)] for p in self.pieces]
+
+    def _cut_whole(self, buffer: FlatLayout, whole: tuple[str, ...]) -> None:
+        """Each parameter of ``whole`` that a piece holds becomes a piece of its own."""
+        ranges = {(buffer.slots[n].start, buffer.slots[n].end): n for n in whole}
+        pieces, decoupled = [], []
+        for piece, flag in zip(self.pieces, self.decoupled):
+            for (start, end), name in ranges.items():
+                if start < piece.end and piece.start < end and not piece.start <= start < end <= piece.end:
+                    raise ValueError(f"{name} must lie wholly in one optimizer piece: use the whole-parameter layout")
+            finer, _ = _split_pieces([piece], sorted(ranges))
+            pieces += finer
+            decoupled += [flag] * len(finer)
+        self.pieces, self.decoupled = pieces, decoupled
+        self.whole_names = [ranges.get((p.start, p.end)) for p in pieces]
 
     @property
     def grads(self) -> list[torch.Tensor]:

@@ -2,7 +2,7 @@
 
 The optimizer is made of parts, each in its own module: the master weights of the pieces of the flat
 layout this rank updates (master_weights.py), the fp16 loss scaler (loss_scaler.py), the gradient
-clipper (clip_grads.py) and the update rule that --optimizer names (rules/: AdamW). The coordinator
+clipper (clip_grads.py) and the update rule that --optimizer names (rules/: AdamW, Muon). The coordinator
 here owns them and runs one step in this order: unscale and check for overflow (fp16) -> global norm
 -> clip -> decoupled weight decay -> the rule's update -> copy back into the model's dtype -> the
 after-step hook (the distributed optimizer's parameter all-gather, distrib_optimizer.py).
@@ -18,11 +18,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megalite.config.schema import OptimizerConfig
+from megalite.config.schema import ModelConfig, OptimizerConfig
 from megalite.optim.clip_grads import GradClipper, any_not_finite, clip_pieces
 from megalite.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megalite.optim.master_weights import MasterWeights, Piece
+from megalite.optim.muon_matrices import build_matrix, is_muon_matrix
 from megalite.optim.rules import RULES
+from megalite.optim.rules.muon import Muon
 from megalite.parallel.data.protocol import DataParallel, FlatLayout
 from megalite.parallel.dry_run import REAL_RUN
 from megalite.observe.clocks import waiting
@@ -39,13 +41,25 @@ class MixedPrecisionOptimizer:
     grads_sharded = False        # True when each data-parallel rank holds a different part of the gradients
 
     def __init__(self, buffer: FlatLayout, named_params: list[tuple[str, nn.Parameter]],
-                 config: OptimizerConfig, parallel=None, ddp: DataParallel | None = None):
+                 config: OptimizerConfig, parallel=None, ddp: DataParallel | None = None,
+                 model: ModelConfig | None = None):
         """``parallel`` (ParallelState): reduce the norm / overflow flag over the model-parallel group.
-        ``ddp``: the data-parallel backend owning ``buffer`` (zero_grad resets its step state)."""
+        ``ddp``: the data-parallel backend owning ``buffer`` (zero_grad resets its step state).
+        ``model``: the model's config (Muon splits fused weights into their logical matrices by it)."""
         self.buffer, self.config, self.ddp, self.parallel = buffer, config, ddp, parallel
-        self.weights = MasterWeights(buffer, named_params, self._pieces(), config.decoupled_lr is not None)
+        muon = config.optimizer == "muon"
+        self.matrix_names = {n for n, p in named_params if is_muon_matrix(n, p)} if muon else set()
+        self.weights = MasterWeights(buffer, named_params, self._pieces(), config.decoupled_lr is not None,
+                                     whole=tuple(sorted(self.matrix_names)))
         self.clipper = GradClipper(named_params, buffer.slots, self.pieces, parallel, self._shard_groups())
-        self.rule = RULES[config.optimizer](self.master_pieces, self.weights.decoupled, config)
+        if muon:
+            params = dict(named_params)
+            tp = parallel.group("tp") if parallel is not None else None
+            matrices = [None if n is None else build_matrix(n, params[n], model, config, tp)
+                        for n in self.weights.whole_names]
+            self.rule = Muon(self.master_pieces, self.weights.decoupled, config, matrices)
+        else:
+            self.rule = RULES[config.optimizer](self.master_pieces, self.weights.decoupled, config)
         # fp16 compute needs loss scaling (FSDP2's shards are fp32 while forward/backward run in fp16)
         self.loss_scaler = _build_loss_scaler(config) if buffer.compute_dtype == torch.float16 else None
 
@@ -91,6 +105,11 @@ class MixedPrecisionOptimizer:
     def state_names(self) -> tuple[str, ...]:
         """The names of the rule's per-element state tensors (AdamW: exp_avg, exp_avg_sq)."""
         return self.rule.state_names
+
+    def state_names_of(self, name: str) -> tuple[str, ...]:
+        """The names of the rule's state tensors of parameter ``name`` (Muon: a matrix's momentum, AdamW's
+        moments for the rest)."""
+        return self.rule.matrix_state_names if name in self.matrix_names else self.rule.state_names
 
     def named_state(self, master: torch.Tensor) -> dict[str, torch.Tensor]:
         """The rule's state tensors of one master piece, by name."""

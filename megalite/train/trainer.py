@@ -112,7 +112,7 @@ class Trainer:
         self.last_saved_iteration: int | None = None
         self._build_model()
         # the global gradient norm is taken over TP/PP (and DP shards)
-        self.optimizer = build_optimizer(self.ddp, config.optimizer, self.parallel)
+        self.optimizer = build_optimizer(self.ddp, config.optimizer, self.parallel, config.model)
         self.scheduler = LRScheduler(config.optimizer, config.training.train_iters)
         self.pipeline = self._build_pipeline_comm()
         self.async_pipeline = build_async_pipeline(config, self.parallel, self.ddp, self.pipeline,

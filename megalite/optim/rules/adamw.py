@@ -18,6 +18,7 @@ from megalite.config.schema import OptimizerConfig
 
 class AdamW:
     state_names = ("exp_avg", "exp_avg_sq")
+    matrix_state_names = state_names
 
     def __init__(self, masters: list[torch.Tensor], decoupled: list[bool], config: OptimizerConfig):
         groups = [{"params": [m for m, d in zip(masters, decoupled) if d == flag], "decoupled": flag}

@@ -1,0 +1,106 @@
+"""Which parameters Muon orthogonalises, and the logical matrices inside each.
+
+Muon takes the weight matrices of the transformer layers (2-D parameters, and the stacked [E, ...]
+expert weights); the word embedding, the output layer, the MoE routers and every 1-D parameter (norms,
+biases) go to the scalar optimizer. It orthogonalises each LOGICAL matrix separately, as the models
+megalite imports hold them, on the full (unsharded) weight viewed 2-D [rows, cols]:
+- ``linear_qkv``: rows grouped per KV group g as [q heads of g; k_g; v_g]; Q is every group's q rows
+  in order (the Hugging Face q_proj), K and V likewise (--muon-no-split-qkv: one matrix);
+- a gated MLP's ``linear_fc1``: rows [gate; up], two matrices (--muon-fused-gate-up: one, as Megatron);
+- stacked expert weights: each expert's rows on their own (split into gate and up for a gated fc1);
+- everything else, MLA's projections included, is one matrix: MLA's ``linear_kv_up_proj`` (per head
+  [k without RoPE; v]) is one matrix, as Hugging Face's kv_b_proj and Megatron hold it.
+
+A ``Matrix`` records where this rank's local parameter (viewed 2-D) sits in the full weight, so a
+tensor-parallel shard can be gathered whole (--muon-tp-mode duplicated) and the update cut back out.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.config.schema import ModelConfig, OptimizerConfig
+from megalite.optim.master_weights import is_embedding_or_output
+from megalite.parallel.param_meta import full_shape, param_meta
+from megalite.parallel.tensor.layers import shard_positions
+
+
+def is_muon_matrix(name: str, param: nn.Parameter) -> bool:
+    """Muon's parameters: weight matrices other than the embedding, output layer and routers."""
+    return param.dim() >= 2 and not is_embedding_or_output(name) and ".router." not in name
+
+
+def logical_blocks(name: str, full_rows: int, model: ModelConfig, config: OptimizerConfig) -> list[list[tuple]]:
+    """The logical matrices of a parameter's full 2-D weight, each as its runs [start, end) of full rows."""
+    if name.endswith("linear_qkv.weight") and config.muon_split_qkv:
+        groups, d = model.num_query_groups, model.kv_channels
+        q = model.num_attention_heads // groups * d
+        stride = q + 2 * d
+        return [[(g * stride + a, g * stride + b) for g in range(groups)] for a, b in ((0, q), (q, q + d), (q + d, stride))]
+    experts = model.num_experts if ".experts." in name else 1
+    per = full_rows // experts
+    halves = 2 if name.endswith("linear_fc1.weight") and model.gated_linear_unit and not config.muon_fused_gate_up else 1
+    part = per // halves
+    return [[(e * per + h * part, e * per + (h + 1) * part)] for e in range(experts) for h in range(halves)]
+
+
+def scale_ratio(rows: int, cols: int, config: OptimizerConfig) -> float:
+    """The update's scale for a logical matrix of this shape (--muon-scale-mode x --muon-extra-scale-factor)."""
+    mode = config.muon_scale_mode
+    if mode == "spectral":
+        shape = math.sqrt(max(rows, cols))
+    elif mode == "unit_rms_norm":
+        shape = math.sqrt(rows / cols)
+    else:
+        shape = math.sqrt(max(1, rows / cols))
+    return config.muon_extra_scale_factor * shape
+
+
+@dataclass
+class Matrix:
+    """One Muon parameter on this rank: its local part viewed 2-D, the full weight it belongs to, the
+    logical matrices (as full-row indices) with their update scales, and how to gather it."""
+    name: str
+    local_shape: tuple[int, int]
+    full_shape: tuple[int, int]
+    blocks: list[tuple[torch.Tensor, float]]    # (full rows of one logical matrix, its scale ratio)
+    row_runs: list[tuple[int, int, float]]      # runs of local rows [a, b) in one logical matrix, its ratio
+    group: object = None                        # the TP group to gather over (None: the rank holds it whole)
+    rows: list = None                           # per TP rank: its full rows (per local row) and columns
+    cols: list = None
+
+
+def build_matrix(name: str, param: nn.Parameter, model: ModelConfig, config: OptimizerConfig, tp_group) -> Matrix:
+    """The ``Matrix`` of one Muon parameter (collective over ``tp_group`` when the parameter is TP-sharded:
+    the ranks' row and column positions are gathered once)."""
+    rows, cols, full_cols = shard_positions(param)
+    full_rows, device = full_shape(param)[0], param.device
+    blocks, block_of = [], torch.empty(full_rows, dtype=torch.long)
+    for i, runs in enumerate(logical_blocks(name, full_rows, model, config)):
+        index = torch.cat([torch.arange(a, b) for a, b in runs])
+        blocks.append((index.to(device), scale_ratio(len(index), full_cols, config)))
+        block_of[index] = i
+    local_blocks = block_of[rows].tolist()
+    row_runs, start = [], 0
+    for i in range(1, len(local_blocks) + 1):
+        if i == len(local_blocks) or local_blocks[i] != local_blocks[start]:
+            row_runs.append((start, i, blocks[local_blocks[start]][1]))
+            start = i
+    matrix = Matrix(name, (len(rows), len(cols)), (full_rows, full_cols), blocks, row_runs)
+    sharded = param_meta(param).tensor_model_parallel and tp_group is not None and dist.get_world_size(tp_group) > 1
+    if sharded:
+        matrix.group = tp_group
+        matrix.rows, matrix.cols = _gathered(rows.to(device), tp_group), _gathered(cols.to(device), tp_group)
+    return matrix
+
+
+def _gathered(index: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every TP rank's index vector (the same length on each). Zero-filled first, so a dry run's process
+    group, which moves nothing, leaves valid indices."""
+    out = [torch.zeros_like(index) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, index, group=group)
+    return out
