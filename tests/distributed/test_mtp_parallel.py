@@ -22,15 +22,16 @@ TIED = [a for a in ARGV if a != "--untie-embeddings-and-output-weights"]
 MOE = with_flags(ARGV, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff="1e-2",
                  moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)   # the depths: MoE too
 REFERENCE = {id(ARGV): "untied", id(TIED): "tied", id(MOE): "moe"}
-LAYOUTS = {"tp2-sp": (ARGV, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-           "pp2": (ARGV, ["--pipeline-model-parallel-size", "2"]),
-           "pp2-tied": (TIED, ["--pipeline-model-parallel-size", "2"]),
+# the default suite; tests/distributed/test_deepseek_layouts.py runs MTP at TP2+SP, PP2, CP2 and ZeRO-3 too
+LAYOUTS = {"pp2-tied": (TIED, ["--pipeline-model-parallel-size", "2"]),
            "cp2": (ARGV, ["--context-parallel-size", "2"]),
            "ep2-moe": (MOE, ["--expert-model-parallel-size", "2"]),
-           "dp2-zero1": (ARGV, ["--use-distributed-optimizer"]),
-           "dp2-zero3": (ARGV, ["--data-parallel-sharding-strategy", "optim_grads_params"]),
            "dp2-fsdp2-recompute": (ARGV, ["--use-torch-fsdp2", "--recompute-granularity", "full",
                                           "--recompute-method", "uniform"])}
+SLOW_LAYOUTS = {"tp2-sp": (ARGV, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                "pp2": (ARGV, ["--pipeline-model-parallel-size", "2"]),
+                "dp2-zero1": (ARGV, ["--use-distributed-optimizer"]),
+                "dp2-zero3": (ARGV, ["--data-parallel-sharding-strategy", "optim_grads_params"])}
 NAMES = ("lm loss", "mtp_1 loss", "mtp_2 loss")
 
 
@@ -69,14 +70,16 @@ def test_the_mtp_term_moves_the_weights(references):
     assert abs(plain[ITERS][0] - reference[ITERS][0]) > 1e-5
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS) + [pytest.param(name, marks=pytest.mark.slow)
+                                                        for name in sorted(SLOW_LAYOUTS)])
 def test_mtp_losses_equal_the_single_process_run(references, layout):
-    argv, flags = LAYOUTS[layout]
+    argv, flags = {**LAYOUTS, **SLOW_LAYOUTS}[layout]
     proc = run_pretrain(2, argv + flags, timeout=300)
     assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-3000:]
     assert_same(logged(proc.stdout), references[REFERENCE[id(argv)]], layout)
 
 
+@pytest.mark.slow            # test_deepseek_layouts.py resumes an MTP model at another layout by default
 def test_checkpoint_at_pp2_resumes_at_tp2(references, tmp_path):
     save = ["--save", str(tmp_path), "--exit-interval", "2"]       # stops (and saves) after iteration 2
     first = run_pretrain(2, ARGV + save + ["--pipeline-model-parallel-size", "2"], timeout=300)

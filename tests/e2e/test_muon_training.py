@@ -1,6 +1,7 @@
 """--optimizer muon through pretrain_gpt.py: a tiny Llama imported from transformers, trained 20 iterations,
 equals transformers + torch.optim.Muon (q, k, v, o, gate, up, down separately) + torch.optim.AdamW (the
-rest) with the same schedule and clipping, serially and at DP=2 ZeRO-1, TP=2 + SP and PP=2; AdamW differs.
+rest) with the same schedule and clipping, serially and at DP=2 ZeRO-1, TP=2 + SP, PP=2 and hybrid sharding
+(DP=4 in 2 instances); AdamW differs.
 A Muon checkpoint saved at DP=2 resumes serially with the uninterrupted losses; resuming it with AdamW is
 refused in one line."""
 import os
@@ -22,8 +23,10 @@ MUON_FLAGS = ["--optimizer", "muon", "--lr", str(LR), "--muon-coefficient-type",
               "--min-lr", str(MIN_LR), "--clip-grad", "1.0", "--seed", "5", "--muon-fp32-matmul-prec", "high"]
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LAYOUTS = {"dp2-zero1": (2, ["--use-distributed-optimizer"]),
-           "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-           "pp2": (2, ["--pipeline-model-parallel-size", "2"])}
+           "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])}
+SLOW_LAYOUTS = {"pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+                "hsdp-dp4": (4, ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
+                                 "--micro-batch-size", "1"])}
 
 
 def lr_at(step):
@@ -126,10 +129,11 @@ def test_muon_serial_equals_transformers_with_torch_muon_and_adamw(setup):
     assert max(abs(a - b) for a, b in zip(adam_losses, ref_losses)) > 1e-3      # the comparison can fail
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", list(LAYOUTS) + [pytest.param(name, marks=pytest.mark.slow)
+                                                      for name in SLOW_LAYOUTS])
 def test_muon_layouts_equal_transformers_with_torch_muon(setup, layout):
     tmp, argv, ref_losses, ref_weights = setup
-    ranks, extra = LAYOUTS[layout]
+    ranks, extra = {**LAYOUTS, **SLOW_LAYOUTS}[layout]
     losses, weights = train(tmp, argv, layout, ranks, extra)
     assert_matches(losses, weights, ref_losses, ref_weights)
 

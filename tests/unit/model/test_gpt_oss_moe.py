@@ -81,7 +81,9 @@ def test_quick_geglu_formula_and_the_dense_mlp():
     config = parse_args(with_flags(TINY_LLAMA_ARGS, swiglu=None, quick_geglu=True, glu_linear_offset=1.0,
                                    activation_func_clamp_value=7.0), world_size=1).model
     mlp = MLP(config, torch.float32, TensorParallel())
-    torch.nn.init.normal_(mlp.linear_fc1.weight, std=0.5)
+    torch.manual_seed(0)
+    for weight in (mlp.linear_fc1.weight, mlp.linear_fc2.weight):     # built with torch.empty: set every value
+        torch.nn.init.normal_(weight, std=0.5)
     x = torch.randn(3, 2, config.hidden_size)
     expected = mlp.linear_fc2(quick_geglu(mlp.linear_fc1(x), 1.0, 7.0))
     torch.testing.assert_close(mlp(x), expected)
