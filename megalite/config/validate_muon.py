@@ -3,7 +3,9 @@
 Muon orthogonalises whole matrices, so each rank that updates a matrix must hold all of it: serially,
 with replicated data parallelism, with ZeRO-1/2 in the whole-parameter layout (megatron_cli.py selects
 --use-layer-wise-distributed-optimizer with --optimizer muon, as Megatron does), under pipeline
-parallelism, and under tensor parallelism by gathering each sharded matrix (--muon-tp-mode duplicated).
+parallelism, under tensor parallelism by gathering each sharded matrix (--muon-tp-mode duplicated), and
+under expert parallelism, where each rank holds whole experts as long as the expert tensor parallel size
+is 1.
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from megalite.config.schema import MegaliteConfig
 from megalite.errors import UserError
 
 WORKING_LAYOUTS = ("it runs serially, with data parallelism (no_shard, or ZeRO-1/2 via --use-distributed-optimizer / "
-                   "--data-parallel-sharding-strategy optim|optim_grads), tensor and pipeline parallelism")
+                   "--data-parallel-sharding-strategy optim|optim_grads), tensor, pipeline and expert parallelism "
+                   "(expert tensor parallel size 1)")
 
 
 def check_muon(config: MegaliteConfig) -> None:
@@ -29,6 +32,6 @@ def check_muon(config: MegaliteConfig) -> None:
     if p.data_parallel_sharding_strategy != "no_shard" and not p.use_layer_wise_distributed_optimizer:
         raise UserError("--optimizer muon needs whole matrices on each ZeRO rank: add "
                         "--use-layer-wise-distributed-optimizer")
-    if m.num_experts and (p.expert_model_parallel_size > 1 or p.expert_tp_size > 1):
-        raise UserError("--optimizer muon runs MoE models with --expert-model-parallel-size 1 and expert tensor "
-                        f"parallel size 1 (--expert-tensor-parallel-size 1); {WORKING_LAYOUTS}")
+    if m.num_experts and p.expert_tp_size > 1:
+        raise UserError("--optimizer muon needs whole experts on each rank: give --expert-tensor-parallel-size 1 "
+                        f"(it defaults to --tensor-model-parallel-size); {WORKING_LAYOUTS}")

@@ -13,6 +13,8 @@ megalite imports hold them, on the full (unsharded) weight viewed 2-D [rows, col
 
 A ``Matrix`` records where this rank's local parameter (viewed 2-D) sits in the full weight, so a
 tensor-parallel shard can be gathered whole (--muon-tp-mode duplicated) and the update cut back out.
+Under expert parallelism (expert tensor parallel size 1) a rank holds whole experts of a stacked weight,
+so it orthogonalises its own experts without gathering.
 """
 from __future__ import annotations
 
@@ -62,12 +64,14 @@ def scale_ratio(rows: int, cols: int, config: OptimizerConfig) -> float:
 
 @dataclass
 class Matrix:
-    """One Muon parameter on this rank: its local part viewed 2-D, the full weight it belongs to, the
-    logical matrices (as full-row indices) with their update scales, and how to gather it."""
+    """One Muon parameter on this rank: its local part viewed 2-D, the weight it orthogonalises (the full
+    one gathered over TP; else its local part, a subset of a stacked expert weight's experts under expert
+    parallelism), the logical matrices in it (as row indices of that weight) with their update scales, and
+    how to gather it."""
     name: str
     local_shape: tuple[int, int]
     full_shape: tuple[int, int]
-    blocks: list[tuple[torch.Tensor, float]]    # (full rows of one logical matrix, its scale ratio)
+    blocks: list[tuple[torch.Tensor, float]]    # (rows of one logical matrix, its scale ratio)
     row_runs: list[tuple[int, int, float]]      # runs of local rows [a, b) in one logical matrix, its ratio
     group: object = None                        # the TP group to gather over (None: the rank holds it whole)
     rows: list = None                           # per TP rank: its full rows (per local row) and columns
@@ -90,12 +94,23 @@ def build_matrix(name: str, param: nn.Parameter, model: ModelConfig, config: Opt
         if i == len(local_blocks) or local_blocks[i] != local_blocks[start]:
             row_runs.append((start, i, blocks[local_blocks[start]][1]))
             start = i
-    matrix = Matrix(name, (len(rows), len(cols)), (full_rows, full_cols), blocks, row_runs)
     sharded = param_meta(param).tensor_model_parallel and tp_group is not None and dist.get_world_size(tp_group) > 1
-    if sharded:
-        matrix.group = tp_group
-        matrix.rows, matrix.cols = _gathered(rows.to(device), tp_group), _gathered(cols.to(device), tp_group)
+    if not sharded:
+        local = (len(rows), len(cols))
+        return Matrix(name, local, local, _local_blocks(blocks, rows, full_rows), row_runs)
+    matrix = Matrix(name, (len(rows), len(cols)), (full_rows, full_cols), blocks, row_runs, tp_group)
+    matrix.rows, matrix.cols = _gathered(rows.to(device), tp_group), _gathered(cols.to(device), tp_group)
     return matrix
+
+
+def _local_blocks(blocks: list[tuple[torch.Tensor, float]], rows: torch.Tensor, full_rows: int) -> list[tuple]:
+    """The logical matrices a rank holds without gathering, as its local row indices: every block of an
+    unsharded weight; of a stacked expert weight under expert parallelism, its own experts' blocks (each
+    expert lies wholly on one rank at expert tensor parallel size 1, which config/validate_muon.py checks)."""
+    local_of = torch.full((full_rows,), -1, dtype=torch.long)
+    local_of[rows] = torch.arange(len(rows))
+    local = [(local_of[index.cpu()], ratio) for index, ratio in blocks]
+    return [(index.to(blocks[0][0].device), ratio) for index, ratio in local if bool((index >= 0).all())]
 
 
 def _gathered(index: torch.Tensor, group) -> list[torch.Tensor]:
