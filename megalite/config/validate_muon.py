@@ -4,8 +4,8 @@ Muon orthogonalises whole matrices, so each rank that updates a matrix must hold
 with replicated data parallelism, with ZeRO-1/2 in the whole-parameter layout (megatron_cli.py selects
 --use-layer-wise-distributed-optimizer with --optimizer muon, as Megatron does), under pipeline
 parallelism, under tensor parallelism by gathering each sharded matrix (--muon-tp-mode duplicated), and
-under expert parallelism, where each rank holds whole experts as long as the expert tensor parallel size
-is 1.
+under expert parallelism, where each rank holds whole experts (gathered over expert tensor parallelism,
+as over TP).
 """
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from megalite.config.schema import MegaliteConfig
 from megalite.errors import UserError
 
 WORKING_LAYOUTS = ("it runs serially, with data parallelism (no_shard, or ZeRO-1/2 via --use-distributed-optimizer / "
-                   "--data-parallel-sharding-strategy optim|optim_grads), tensor, pipeline and expert parallelism "
-                   "(expert tensor parallel size 1)")
+                   "--data-parallel-sharding-strategy optim|optim_grads), tensor, pipeline, expert and expert "
+                   "tensor parallelism")
 
 
 def check_muon(config: MegaliteConfig) -> None:
-    o, p, m = config.optimizer, config.parallel, config.model
+    o, p = config.optimizer, config.parallel
     if o.optimizer != "muon":
         return
     if o.fp16 and o.loss_scale == 1.0:
@@ -32,6 +32,3 @@ def check_muon(config: MegaliteConfig) -> None:
     if p.data_parallel_sharding_strategy != "no_shard" and not p.use_layer_wise_distributed_optimizer:
         raise UserError("--optimizer muon needs whole matrices on each ZeRO rank: add "
                         "--use-layer-wise-distributed-optimizer")
-    if m.num_experts and p.expert_tp_size > 1:
-        raise UserError("--optimizer muon needs whole experts on each rank: give --expert-tensor-parallel-size 1 "
-                        f"(it defaults to --tensor-model-parallel-size); {WORKING_LAYOUTS}")

@@ -54,8 +54,8 @@ class MixedPrecisionOptimizer:
         self.clipper = GradClipper(named_params, buffer.slots, self.pieces, parallel, self._shard_groups())
         if muon:
             params = dict(named_params)
-            tp = parallel.group("tp") if parallel is not None else None
-            matrices = [None if n is None else build_matrix(n, params[n], model, config, tp)
+            tp, etp = (parallel.group("tp"), parallel.group("etp")) if parallel is not None else (None, None)
+            matrices = [None if n is None else build_matrix(n, params[n], model, config, tp, etp)
                         for n in self.weights.whole_names]
             self.rule = Muon(self.master_pieces, self.weights.decoupled, config, matrices)
         else:

@@ -13,8 +13,8 @@ megalite imports hold them, on the full (unsharded) weight viewed 2-D [rows, col
 
 A ``Matrix`` records where this rank's local parameter (viewed 2-D) sits in the full weight, so a
 tensor-parallel shard can be gathered whole (--muon-tp-mode duplicated) and the update cut back out.
-Under expert parallelism (expert tensor parallel size 1) a rank holds whole experts of a stacked weight,
-so it orthogonalises its own experts without gathering.
+Under expert parallelism a rank holds whole experts of a stacked weight and orthogonalises its own (with
+expert tensor parallelism, gathered over the ETP group first, as a TP-sharded matrix over TP).
 """
 from __future__ import annotations
 
@@ -73,20 +73,22 @@ class Matrix:
     full_shape: tuple[int, int]
     blocks: list[tuple[torch.Tensor, float]]    # (rows of one logical matrix, its scale ratio)
     row_runs: list[tuple[int, int, float]]      # runs of local rows [a, b) in one logical matrix, its ratio
-    group: object = None                        # the TP group to gather over (None: the rank holds it whole)
-    rows: list = None                           # per TP rank: its full rows (per local row) and columns
+    group: object = None                        # the TP / ETP group to gather over (None: the rank holds it whole)
+    rows: list = None                           # per rank of the group: its rows (per local row) and columns
     cols: list = None
 
 
-def build_matrix(name: str, param: nn.Parameter, model: ModelConfig, config: OptimizerConfig, tp_group) -> Matrix:
-    """The ``Matrix`` of one Muon parameter (collective over ``tp_group`` when the parameter is TP-sharded:
-    the ranks' row and column positions are gathered once)."""
+def build_matrix(name: str, param: nn.Parameter, model: ModelConfig, config: OptimizerConfig, tp_group,
+                 etp_group=None) -> Matrix:
+    """The ``Matrix`` of one Muon parameter (collective over ``tp_group`` when the parameter is TP-sharded,
+    over ``etp_group`` when it is an expert weight split over expert tensor parallelism: the ranks' row and
+    column positions are gathered once)."""
     rows, cols, full_cols = shard_positions(param)
     full_rows, device = full_shape(param)[0], param.device
     blocks, block_of = [], torch.empty(full_rows, dtype=torch.long)
     for i, runs in enumerate(logical_blocks(name, full_rows, model, config)):
         index = torch.cat([torch.arange(a, b) for a, b in runs])
-        blocks.append((index.to(device), scale_ratio(len(index), full_cols, config)))
+        blocks.append((index, scale_ratio(len(index), full_cols, config)))
         block_of[index] = i
     local_blocks = block_of[rows].tolist()
     row_runs, start = [], 0
@@ -94,23 +96,28 @@ def build_matrix(name: str, param: nn.Parameter, model: ModelConfig, config: Opt
         if i == len(local_blocks) or local_blocks[i] != local_blocks[start]:
             row_runs.append((start, i, blocks[local_blocks[start]][1]))
             start = i
-    sharded = param_meta(param).tensor_model_parallel and tp_group is not None and dist.get_world_size(tp_group) > 1
-    if not sharded:
-        local = (len(rows), len(cols))
-        return Matrix(name, local, local, _local_blocks(blocks, rows, full_rows), row_runs)
-    matrix = Matrix(name, (len(rows), len(cols)), (full_rows, full_cols), blocks, row_runs, tp_group)
-    matrix.rows, matrix.cols = _gathered(rows.to(device), tp_group), _gathered(cols.to(device), tp_group)
-    return matrix
+    meta = param_meta(param)
+    group = etp_group if meta.expert else tp_group if meta.tensor_model_parallel else None
+    local = (len(rows), len(cols))
+    if group is None or dist.get_world_size(group) == 1:
+        return Matrix(name, local, local, _local_blocks(blocks, rows, full_rows, device), row_runs)
+    ranks_rows, ranks_cols = _gathered(rows.to(device), group), _gathered(cols.to(device), group)
+    held = torch.cat(ranks_rows).unique().cpu()       # the rows the group holds (an expert weight: its experts)
+    compact = torch.full((full_rows,), -1, dtype=torch.long)
+    compact[held] = torch.arange(len(held))
+    compact = compact.to(device)
+    return Matrix(name, local, (len(held), full_cols), _local_blocks(blocks, held, full_rows, device), row_runs,
+                  group, [compact[r] for r in ranks_rows], ranks_cols)
 
 
-def _local_blocks(blocks: list[tuple[torch.Tensor, float]], rows: torch.Tensor, full_rows: int) -> list[tuple]:
-    """The logical matrices a rank holds without gathering, as its local row indices: every block of an
-    unsharded weight; of a stacked expert weight under expert parallelism, its own experts' blocks (each
-    expert lies wholly on one rank at expert tensor parallel size 1, which config/validate_muon.py checks)."""
+def _local_blocks(blocks: list[tuple[torch.Tensor, float]], rows: torch.Tensor, full_rows: int, device) -> list:
+    """The logical matrices among ``rows`` (the full rows a rank holds, or its TP / ETP group gathers), as
+    indices into them: every block of a dense weight; of a stacked expert weight under expert parallelism,
+    the blocks of the experts held (each expert lies wholly in one expert-parallel rank's part)."""
     local_of = torch.full((full_rows,), -1, dtype=torch.long)
     local_of[rows] = torch.arange(len(rows))
-    local = [(local_of[index.cpu()], ratio) for index, ratio in blocks]
-    return [(index.to(blocks[0][0].device), ratio) for index, ratio in local if bool((index >= 0).all())]
+    local = [(local_of[index], ratio) for index, ratio in blocks]
+    return [(index.to(device), ratio) for index, ratio in local if bool((index >= 0).all())]
 
 
 def _gathered(index: torch.Tensor, group) -> list[torch.Tensor]:

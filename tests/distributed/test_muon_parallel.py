@@ -1,8 +1,9 @@
 """--optimizer muon through pretrain_gpt.py at layouts that split experts or reshard a checkpoint.
 
 A tiny Llama-MoE (test_moe_parallel.py's: 8 experts, top-2, shared expert, aux loss) trained with Muon logs
-the serial run's losses and gradient norms at EP=2 and at EP=2 x DP=2 ZeRO-1: each expert of the stacked
-weights is a matrix of its own, orthogonalised on the rank that holds it. A dense Muon checkpoint saved at
+the serial run's losses and gradient norms at EP=2, EP=2 x DP=2 ZeRO-1, ETP=2 and EP=2 x ETP=2 ZeRO-1: each
+expert of the stacked weights is a matrix of its own, orthogonalised on the rank that holds it (gathered over
+the expert-tensor-parallel group first when ETP splits it). A dense Muon checkpoint saved at
 TP=2 x DP=2 ZeRO-1 resumes at DP=4 ZeRO-1 and serially with the uninterrupted run's losses (the momentum of
 the TP-sharded matrices reshards like every other tensor)."""
 import os
@@ -15,7 +16,10 @@ from test_moe_parallel import ARGV as MOE_ARGV, assert_equal_runs, train
 
 MUON = dict(optimizer="muon", lr="2e-2", muon_fp32_matmul_prec="high")
 LAYOUTS = {"ep2": (2, dict(expert_model_parallel_size=2)),
-           "ep2-dp2-zero1": (4, dict(expert_model_parallel_size=2, use_distributed_optimizer=True))}
+           "ep2-dp2-zero1": (4, dict(expert_model_parallel_size=2, use_distributed_optimizer=True)),
+           "ep1-etp2": (2, dict(expert_tensor_parallel_size=2)),
+           "ep2-etp2-zero1": (4, dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2,
+                                      use_distributed_optimizer=True))}
 
 
 @pytest.fixture(scope="module")

@@ -149,14 +149,3 @@ def test_muon_selects_the_whole_parameter_zero_layout():
     assert config.parallel.use_layer_wise_distributed_optimizer
     assert not parse_args(TINY_LLAMA_ARGS + ["--use-distributed-optimizer"], world_size=2).parallel.use_layer_wise_distributed_optimizer
 
-
-def test_muon_refuses_experts_split_over_expert_tensor_parallelism_in_one_line():
-    from megalite.errors import UserError
-    from megalite.train.command_line import parse_args
-    from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
-    moe = with_flags(TINY_LLAMA_ARGS, optimizer="muon", num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
-    parse_args(with_flags(moe, expert_model_parallel_size=2), world_size=2)          # whole experts: runs
-    with pytest.raises(UserError) as caught:
-        parse_args(with_flags(moe, expert_tensor_parallel_size=2), world_size=2)
-    message = str(caught.value)
-    assert "--expert-tensor-parallel-size 1" in message and len(message.splitlines()) == 1, message
