@@ -100,24 +100,27 @@ def build_matrix(name: str, param: nn.Parameter, model: ModelConfig, config: Opt
     group = etp_group if meta.expert else tp_group if meta.tensor_model_parallel else None
     local = (len(rows), len(cols))
     if group is None or dist.get_world_size(group) == 1:
-        return Matrix(name, local, local, _local_blocks(blocks, rows, full_rows, device), row_runs)
+        return Matrix(name, local, local, _held_blocks(blocks, _positions(rows, full_rows), device), row_runs)
     ranks_rows, ranks_cols = _gathered(rows.to(device), group), _gathered(cols.to(device), group)
     held = torch.cat(ranks_rows).unique().cpu()       # the rows the group holds (an expert weight: its experts)
-    compact = torch.full((full_rows,), -1, dtype=torch.long)
-    compact[held] = torch.arange(len(held))
-    compact = compact.to(device)
-    return Matrix(name, local, (len(held), full_cols), _local_blocks(blocks, held, full_rows, device), row_runs,
-                  group, [compact[r] for r in ranks_rows], ranks_cols)
+    position = _positions(held, full_rows)
+    return Matrix(name, local, (len(held), full_cols), _held_blocks(blocks, position, device), row_runs,
+                  group, [position.to(device)[r] for r in ranks_rows], ranks_cols)
 
 
-def _local_blocks(blocks: list[tuple[torch.Tensor, float]], rows: torch.Tensor, full_rows: int, device) -> list:
-    """The logical matrices among ``rows`` (the full rows a rank holds, or its TP / ETP group gathers), as
-    indices into them: every block of a dense weight; of a stacked expert weight under expert parallelism,
-    the blocks of the experts held (each expert lies wholly in one expert-parallel rank's part)."""
-    local_of = torch.full((full_rows,), -1, dtype=torch.long)
-    local_of[rows] = torch.arange(len(rows))
-    local = [(local_of[index], ratio) for index, ratio in blocks]
-    return [(index.to(device), ratio) for index, ratio in local if bool((index >= 0).all())]
+def _positions(rows: torch.Tensor, full_rows: int) -> torch.Tensor:
+    """Per full row, its index among ``rows`` (-1: not among them)."""
+    position = torch.full((full_rows,), -1, dtype=torch.long)
+    position[rows] = torch.arange(len(rows))
+    return position
+
+
+def _held_blocks(blocks: list[tuple[torch.Tensor, float]], position: torch.Tensor, device) -> list:
+    """The logical matrices among the rows held (a rank's own, or those its TP / ETP group gathers), as
+    indices into them (``position``): every block of a dense weight; of a stacked expert weight under expert
+    parallelism, the blocks of the experts held (each expert lies wholly in one expert-parallel rank's part)."""
+    held = [(position[index], ratio) for index, ratio in blocks]
+    return [(index.to(device), ratio) for index, ratio in held if bool((index >= 0).all())]
 
 
 def _gathered(index: torch.Tensor, group) -> list[torch.Tensor]:

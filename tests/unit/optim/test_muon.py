@@ -148,4 +148,3 @@ def test_muon_selects_the_whole_parameter_zero_layout():
                                            "--global-batch-size", "4"], world_size=2)
     assert config.parallel.use_layer_wise_distributed_optimizer
     assert not parse_args(TINY_LLAMA_ARGS + ["--use-distributed-optimizer"], world_size=2).parallel.use_layer_wise_distributed_optimizer
-
