@@ -15,11 +15,11 @@ from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 from test_moe_parallel import ARGV as MOE_ARGV, assert_equal_runs, train
 
 MUON = dict(optimizer="muon", lr="2e-2", muon_fp32_matmul_prec="high")
-LAYOUTS = {"ep2": (2, dict(expert_model_parallel_size=2)),
-           "ep2-dp2-zero1": (4, dict(expert_model_parallel_size=2, use_distributed_optimizer=True)),
-           "ep1-etp2": (2, dict(expert_tensor_parallel_size=2)),
+LAYOUTS = {"ep2-dp2-zero1": (4, dict(expert_model_parallel_size=2, use_distributed_optimizer=True)),
            "ep2-etp2-zero1": (4, dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2,
                                       use_distributed_optimizer=True))}
+SLOW_LAYOUTS = {"ep2": (2, dict(expert_model_parallel_size=2)),          # each part of the two above alone
+                "ep1-etp2": (2, dict(expert_tensor_parallel_size=2))}
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +33,10 @@ def test_muon_and_adamw_moe_runs_differ(serial_moe):
     assert max(abs(adam[i][0] - serial_moe[i][0]) for i in range(2, 5)) > 1e-3, (adam, serial_moe)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", list(LAYOUTS) + [pytest.param(name, marks=pytest.mark.slow)
+                                                      for name in SLOW_LAYOUTS])
 def test_muon_moe_at_expert_parallel_layouts_equals_serial(serial_moe, layout):
-    nproc, flags = LAYOUTS[layout]
+    nproc, flags = {**LAYOUTS, **SLOW_LAYOUTS}[layout]
     assert_equal_runs(serial_moe, train(nproc, {**MUON, **flags}, base=MOE_ARGV))
 
 
