@@ -378,7 +378,8 @@ def rank_memory(workload: Workload, layout: Layout, pp_rank: int, kernels: Kerne
     first under full recomputation) and, on the last stage, the loss and the output layer's
     backward come with every in-flight micro-batch's kept activations; after the last backward only
     the state is left, with the data-parallel reductions and gathers (``data_parallel_transients``)."""
-    weights, grads, optimizer = state_bytes(workload, layout, pp_rank)
+    weights, grads, optimizer = state_bytes(workload, layout, stage_parameters(workload, layout, pp_rank),
+                                            matrix_elements(workload, layout, pp_rank))
     weights *= 1 + weight_versions(layout, pp_rank, layout.num_microbatches(workload.global_batch_size))
     kept = kept_activations(workload, layout, pp_rank, kernels)
     # the rank's kinds of layer (dense, MoE): backward through the fullest, each one freed the least
@@ -404,14 +405,15 @@ def rank_memory(workload: Workload, layout: Layout, pp_rank: int, kernels: Kerne
     return Memory(weights + transients.weights, grads + transients.grads, optimizer, activations)
 
 
-def state_bytes(workload: Workload, layout: Layout, pp_rank: int) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes of pipeline rank ``pp_rank``'s parameters: the dense
+def state_bytes(workload: Workload, layout: Layout, params,
+                matrices: tuple[int, int] = (0, 0)) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes of a rank's parameters (``StageParameters``): the dense
     ones sharded over DP x CP, the experts over EDP (ZeRO over the expert-data-parallel group); with
-    hybrid sharding over one instance's share of them. Under Muon its matrices (muon.matrix_elements)
-    keep its state, the rest AdamW's; the whole-parameter layout it shards by gives each rank whole
-    parameters balanced by size, counted here at the mean share as the equal slices are."""
-    params = stage_parameters(workload, layout, pp_rank)
-    dense_matrices, expert_matrices = matrix_elements(workload, layout, pp_rank)
+    hybrid sharding over one instance's share of them. Under Muon the (dense, expert) elements of its
+    ``matrices`` (muon.matrix_elements) keep its state, the rest AdamW's; the whole-parameter layout it
+    shards by gives each rank whole parameters balanced by size, counted at the mean share as the equal
+    slices are."""
+    dense_matrices, expert_matrices = matrices
     total = [0.0, 0.0, 0.0]
     for count, shards, matrix in ((params.dense - dense_matrices, layout.zero_shards, False),
                                   (params.experts - expert_matrices, layout.expert_zero_shards, False),
@@ -436,7 +438,8 @@ def weight_versions(layout: Layout, pp_rank: int, num_microbatches: int) -> int:
 def state_memory(workload: Workload, layout: Layout) -> float:
     """The largest pipeline rank's (sharded) weights, gradients and optimizer state: a lower bound of
     ``estimate_memory``'s total, cheap to compute."""
-    return max(sum(state_bytes(workload, layout, r)) for r in memory_ranks(workload, layout))
+    return max(sum(state_bytes(workload, layout, stage_parameters(workload, layout, r),
+                               matrix_elements(workload, layout, r))) for r in memory_ranks(workload, layout))
 
 
 def estimate_memory(workload: Workload, layout: Layout, kernels: Kernels = GPU_KERNELS) -> Memory:

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from megalite.config import validate as rules
-from megalite.config.muon_fields import MuonFields
 from megalite.config.validate_muon import check_muon
 from megalite.config.schema import (ASYNC_SCHEDULES, SHARDING_STRATEGIES, DataConfig, MegaliteConfig, OptimizerConfig,
                                     TrainingConfig)
@@ -70,8 +69,7 @@ def candidate_config(workload: Workload, layout: Layout) -> MegaliteConfig:
         model=dataclasses.replace(workload.model, recompute_granularity=recompute,   # padded as pretrain_gpt.py pads
                                   padded_vocab_size=workload.padded_vocab(layout.tp)),
         parallel=dataclasses.replace(parallel_config(workload, layout), overlap_param_gather=overlap),
-        optimizer=OptimizerConfig(lr=1e-4, optimizer=workload.optimizer,
-                                  **{f.name: getattr(workload.muon, f.name) for f in dataclasses.fields(MuonFields)}),
+        optimizer=OptimizerConfig(**{**dataclasses.asdict(workload.muon), "lr": 1e-4, "optimizer": workload.optimizer}),
         data=DataConfig(),
         training=TrainingConfig(micro_batch_size=layout.micro_batch_size,
                                 global_batch_size=workload.global_batch_size, train_iters=1))

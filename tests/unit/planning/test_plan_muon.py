@@ -40,6 +40,12 @@ def workload_of(config) -> inputs.Workload:
     return plan_flags.workload_and_layout(config)[0]
 
 
+def planned_state(workload, layout):
+    """(weights, gradients, optimizer state) bytes of pipeline rank 0, as memory.rank_memory counts them."""
+    return memory.state_bytes(workload, layout, inputs.stage_parameters(workload, layout, 0),
+                              muon.matrix_elements(workload, layout, 0))
+
+
 def test_hand_count_of_a_tiny_llama():
     """Per layer: Q [64, 64], K and V [16, 64], proj [64, 64], gate and up [128, 64], fc2 [64, 128]."""
     config, _ = built(with_flags(LLAMA, optimizer="muon"))
@@ -51,7 +57,7 @@ def test_hand_count_of_a_tiny_llama():
     assert muon.matrix_elements(workload, inputs.Layout(), 0) == (2 * per_layer, 0)
     # fp32: 4 B weights + 4 B gradients, then 4 B of momentum for a matrix, 8 B of moments for the rest
     params = inputs.stage_parameters(workload, inputs.Layout(), 0)
-    assert memory.state_bytes(workload, inputs.Layout(), 0) == (4 * params.total, 4 * params.total,
+    assert planned_state(workload, inputs.Layout()) == (4 * params.total, 4 * params.total,
                                                                 4 * 2 * per_layer + 8 * (params.total - 2 * per_layer))
     # gate [128, 64]: m = 64, n = 128, per iteration 4 m^2 n + 2 m^3
     assert muon.newton_schulz_flops(128, 64, 5) == 5 * (4 * 64 * 64 * 128 + 2 * 64 ** 3)
@@ -90,7 +96,7 @@ def test_state_bytes_equal_the_real_optimizer_and_the_memory_report(optimizer, p
     buffer = ParamAndGradBuffer(named)
     optimizer_ = MixedPrecisionOptimizer(buffer, named, config.optimizer, model=config.model)
     workload, layout = plan_flags.workload_and_layout(config)
-    planned = memory.state_bytes(workload, layout, 0)[2]
+    planned = planned_state(workload, layout)[2]
     assert optimizer_.state_bytes() == pytest.approx(planned, abs=64)      # (AdamW's step counters)
     ddp = SimpleNamespace(buffer=buffer, shard_optimizer=False, named_params=named)
     assert measure(ddp, optimizer_)["theoretical"] == planned
@@ -101,7 +107,7 @@ def test_muon_keeps_about_half_of_adamws_state():
     muon_workload = workload_of(config)
     adam = dataclasses.replace(muon_workload, optimizer="adam")
     for layout in (inputs.Layout(), inputs.Layout(dp=2, sharding="optim")):
-        ratio = memory.state_bytes(muon_workload, layout, 0)[2] / memory.state_bytes(adam, layout, 0)[2]
+        ratio = planned_state(muon_workload, layout)[2] / planned_state(adam, layout)[2]
         assert 0.6 < ratio < 0.8           # the embedding and output layer are most of a tiny model's AdamW
 
 
@@ -143,7 +149,7 @@ def test_adam_figures_are_unchanged():
     params = inputs.stage_parameters(workload, layout, 0)
     dense = memory.state_bytes_per_parameter(2, "optim", layout.zero_shards)
     experts = memory.state_bytes_per_parameter(2, "optim", layout.expert_zero_shards)
-    assert memory.state_bytes(workload, layout, 0) == tuple(params.dense * a + params.experts * b
+    assert planned_state(workload, layout) == tuple(params.dense * a + params.experts * b
                                                             for a, b in zip(dense, experts))
 
 
@@ -158,3 +164,21 @@ def test_muon_plans_carry_the_flag_and_only_its_layouts():
     assert "optim" in {lay.sharding for lay in kept}
     zero1 = next(lay for lay in kept if lay.sharding == "optim")
     assert plan_flags.pretrain_flags(workload, zero1)[-2:] == ["--optimizer", "muon"]
+
+
+def test_the_tool_plans_muon(capsys):
+    """tools/plan_parallelism.py reads --optimizer muon and its settings from a pasted command line: Muon's
+    optimizer state is smaller, and the printed flags run Muon."""
+    import os
+    import sys
+    from megalite_test_utils import ROOT
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import plan_parallelism
+    argv = with_flags(LLAMA, global_batch_size=8) + ["--num-gpus", "2", "--gpu-memory-gb", "80", "--top", "1",
+                                                     "--tensor-model-parallel-size", "2"]
+    for optimizer in ("adam", "muon"):
+        workload, hardware, pins = plan_parallelism.planner_inputs(plan_parallelism.build_parser().parse_args(
+            with_flags(argv, optimizer=optimizer, muon_num_ns_steps=3)))
+        assert workload.optimizer == optimizer and workload.muon.muon_num_ns_steps == 3
+    assert plan_parallelism.main(with_flags(argv, optimizer="muon")) == 0
+    assert "--optimizer muon" in capsys.readouterr().out
