@@ -9,6 +9,7 @@ import dataclasses
 from megalite.checkpoint.hf_config import dropout_fields, model_fields
 from megalite.config import megatron_cli
 from megalite.config import validate as rules
+from megalite.config.muon_fields import MuonFields
 from megalite.config.schema import MegaliteConfig, ModelConfig, ParallelConfig
 from megalite.config.pipeline_split import SplitFlags, virtual_stage_layers
 from megalite.planning.inputs import Layout, Workload
@@ -26,6 +27,7 @@ def parallel_config(workload: Workload, layout: Layout) -> ParallelConfig:
         account_for_loss_in_pipeline_split=split.account_for_loss, pipeline_model_parallel_layout=split.layout,
         sequence_parallel=layout.sp, pipeline_schedule=layout.schedule,
         use_distributed_optimizer=layout.sharding != "no_shard", data_parallel_sharding_strategy=layout.sharding,
+        use_layer_wise_distributed_optimizer=workload.optimizer == "muon" and layout.sharding != "no_shard",
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
         num_distributed_optimizer_instances=layout.instances)
 
@@ -83,6 +85,8 @@ def pretrain_flags(workload: Workload, layout: Layout) -> list[str]:
         flags.append("--overlap-param-gather")
     if workload.precision != "fp32":
         flags.append(f"--{workload.precision}")
+    if workload.optimizer != "adam":
+        flags += ["--optimizer", workload.optimizer]
     return flags
 
 
@@ -118,7 +122,8 @@ def workload_and_layout(config: MegaliteConfig) -> tuple[Workload, Layout]:
                                 virtual_stages_per_rank=None)
     # megatron_cli.py has padded the vocabulary for this TP size already: keep it as it is (pad to 1)
     model = dataclasses.replace(config.model, vocab_size=config.model.padded_vocab_size)
-    workload = Workload(model, train.global_batch_size, precision, make_vocab_size_divisible_by=1)
+    workload = Workload(model, train.global_batch_size, precision, make_vocab_size_divisible_by=1,
+                        optimizer=opt.optimizer, muon=opt)
     sharding, dp = par.data_parallel_sharding_strategy, par.data_parallel_size
     etp = par.expert_tensor_parallel_size
     layout = Layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, dp, chunks,
@@ -131,6 +136,11 @@ def workload_and_layout(config: MegaliteConfig) -> tuple[Workload, Layout]:
                     ep=par.expert_model_parallel_size, etp=None if etp == par.tensor_model_parallel_size else etp,
                     instances=par.num_distributed_optimizer_instances)
     return workload, layout
+
+
+def muon_settings(args: argparse.Namespace) -> MuonFields:
+    """The --muon-* settings of parsed pretrain_gpt.py flags ``args``."""
+    return MuonFields(**{f.name: vars(args)[f.name] for f in dataclasses.fields(MuonFields)})
 
 
 def model_from_hf_config(config, seq_length: int) -> ModelConfig:

@@ -1,6 +1,7 @@
 """The planner's inputs and what a layout puts on each pipeline rank.
 
-A ``Workload`` (the model as a ``ModelConfig``, the global batch, the precision, the MoE imbalance margin),
+A ``Workload`` (the model as a ``ModelConfig``, the global batch, the precision, the MoE imbalance margin,
+the update rule),
 a ``Layout`` (TP x CP x PP x DP sizes, EP x ETP for the experts, virtual stages, micro-batch size,
 recomputation, ZeRO sharding, schedule, stage split), the ``Hardware`` and the ``Kernels`` (what CUDA and CPU
 builds keep differently). From them: the parameters of one transformer layer on one rank and the parameters
@@ -10,8 +11,9 @@ it, router and shared expert, like a dense layer's MLP).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from megalite.config.muon_fields import MuonFields
 from megalite.config.schema import ModelConfig, padded_vocab_size
 from megalite.config.pipeline_split import SplitFlags, virtual_stage_layers
 from megalite.planning.deepseek import mla_tensors, mtp_depths, mtp_glue_tensors, needs_embedding_copy
@@ -37,6 +39,8 @@ class Workload:
     attended_fraction: float = 1.0    # share of causal attention's pairs kept (documents, windows: attention.py)
     cp_comm_types: tuple = ("p2p",)   # --cp-comm-type, one or one per layer
     cp_a2a_size: int | None = None    # a2a+p2p: the all-to-all's size (--hierarchical-context-parallel-sizes A B)
+    optimizer: str = "adam"           # --optimizer: adam, or muon (planning/muon.py)
+    muon: MuonFields = field(default_factory=MuonFields)    # --muon-* settings (an OptimizerConfig will do)
 
     @property
     def dispatch_margin(self) -> float:

@@ -31,6 +31,7 @@ from megalite.config.pipeline_split import SplitFlags
 from megalite.planning.buckets import Param, backward_tensors, buckets_of, top_down_layers
 from megalite.planning.deepseek import mla_saved_elements, mtp_depth_bytes, mtp_depths
 from megalite.planning.experts import moe_activation_bytes, moe_backward_bytes
+from megalite.planning.muon import matrix_elements
 from megalite.planning.inputs import (GPU_KERNELS, Kernels, Layout, Workload, holds_embedding, holds_head,
                                       layer_experts, layer_tensors, local_attention_heads, rank_layers,
                                       rank_moe_layers, stage_parameters, token_counts)
@@ -39,14 +40,16 @@ GRAD_BYTES = 4          # megalite accumulates and reduces gradients in fp32 at 
 
 
 def state_bytes_per_parameter(param_bytes: int, sharding: str, dp: int, grad_bytes: int = GRAD_BYTES,
-                              optimizer: str = "adam") -> tuple[float, float, float]:
+                              optimizer: str = "adam", matrix: bool = False) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes per parameter (the ZeRO paper's accounting).
 
-    The update rule (--optimizer) keeps its named state tensors in fp32 (Adam: m and v, 8 B), plus an
-    fp32 master copy unless the weights are fp32 (4 B). With
+    The update rule (--optimizer) keeps its named state tensors in fp32 (Adam: m and v, 8 B; Muon: one
+    momentum, 4 B, for a ``matrix`` it steps, AdamW's two moments for the rest), plus an fp32 master copy
+    unless the weights are fp32 (4 B). With
     2-byte gradients this is the ZeRO paper's 16, 4 + 12/d, 2 + 14/d, 16/d; with megalite's fp32
     gradients and bf16 weights it is Megatron's 18 and 6 + 12/d (distributed optimizer)."""
-    state = 4 * len(RULES[optimizer].state_names) + (0 if param_bytes == 4 else 4)
+    rule = RULES[optimizer]
+    state = 4 * len(rule.matrix_state_names if matrix else rule.state_names) + (0 if param_bytes == 4 else 4)
     weights_shards, grads_shards, optimizer_shards = {
         "no_shard": (1, 1, 1), "optim": (1, 1, dp), "optim_grads": (1, dp, dp),
         "optim_grads_params": (dp, dp, dp)}[sharding]
@@ -375,8 +378,8 @@ def rank_memory(workload: Workload, layout: Layout, pp_rank: int, kernels: Kerne
     first under full recomputation) and, on the last stage, the loss and the output layer's
     backward come with every in-flight micro-batch's kept activations; after the last backward only
     the state is left, with the data-parallel reductions and gathers (``data_parallel_transients``)."""
-    params = stage_parameters(workload, layout, pp_rank)
-    weights, grads, optimizer = state_bytes(workload, layout, params)
+    weights, grads, optimizer = state_bytes(workload, layout, stage_parameters(workload, layout, pp_rank),
+                                            matrix_elements(workload, layout, pp_rank))
     weights *= 1 + weight_versions(layout, pp_rank, layout.num_microbatches(workload.global_batch_size))
     kept = kept_activations(workload, layout, pp_rank, kernels)
     # the rank's kinds of layer (dense, MoE): backward through the fullest, each one freed the least
@@ -402,13 +405,25 @@ def rank_memory(workload: Workload, layout: Layout, pp_rank: int, kernels: Kerne
     return Memory(weights + transients.weights, grads + transients.grads, optimizer, activations)
 
 
-def state_bytes(workload: Workload, layout: Layout, params) -> tuple[float, float, float]:
+def state_bytes(workload: Workload, layout: Layout, params,
+                matrices: tuple[int, int] = (0, 0)) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes of a rank's parameters (``StageParameters``): the dense
     ones sharded over DP x CP, the experts over EDP (ZeRO over the expert-data-parallel group); with
-    hybrid sharding over one instance's share of them."""
-    dense = state_bytes_per_parameter(workload.dtype_bytes, layout.sharding, layout.zero_shards)
-    experts = state_bytes_per_parameter(workload.dtype_bytes, layout.sharding, layout.expert_zero_shards)
-    return tuple(params.dense * a + params.experts * b for a, b in zip(dense, experts))
+    hybrid sharding over one instance's share of them. Under Muon the (dense, expert) elements of its
+    ``matrices`` (muon.matrix_elements) keep its state, the rest AdamW's; the whole-parameter layout it
+    shards by gives each rank whole parameters balanced by size, counted at the mean share as the equal
+    slices are."""
+    dense_matrices, expert_matrices = matrices
+    total = [0.0, 0.0, 0.0]
+    for count, shards, matrix in ((params.dense - dense_matrices, layout.zero_shards, False),
+                                  (params.experts - expert_matrices, layout.expert_zero_shards, False),
+                                  (dense_matrices, layout.zero_shards, True),
+                                  (expert_matrices, layout.expert_zero_shards, True)):
+        if count:
+            per = state_bytes_per_parameter(workload.dtype_bytes, layout.sharding, shards,
+                                            optimizer=workload.optimizer, matrix=matrix)
+            total = [t + count * b for t, b in zip(total, per)]
+    return tuple(total)
 
 
 def weight_versions(layout: Layout, pp_rank: int, num_microbatches: int) -> int:
@@ -423,8 +438,8 @@ def weight_versions(layout: Layout, pp_rank: int, num_microbatches: int) -> int:
 def state_memory(workload: Workload, layout: Layout) -> float:
     """The largest pipeline rank's (sharded) weights, gradients and optimizer state: a lower bound of
     ``estimate_memory``'s total, cheap to compute."""
-    return max(sum(state_bytes(workload, layout, stage_parameters(workload, layout, r)))
-               for r in memory_ranks(workload, layout))
+    return max(sum(state_bytes(workload, layout, stage_parameters(workload, layout, r),
+                               matrix_elements(workload, layout, r))) for r in memory_ranks(workload, layout))
 
 
 def estimate_memory(workload: Workload, layout: Layout, kernels: Kernels = GPU_KERNELS) -> Memory:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from megalite.config import validate as rules
+from megalite.config.validate_muon import check_muon
 from megalite.config.schema import (ASYNC_SCHEDULES, SHARDING_STRATEGIES, DataConfig, MegaliteConfig, OptimizerConfig,
                                     TrainingConfig)
 from megalite.errors import UserError
@@ -53,6 +54,7 @@ def layout_problem(workload: Workload, layout: Layout, gpus_per_node: int) -> st
         config = candidate_config(workload, layout)
         rules.check_layout(config)
         rules.check_async_schedule(config)
+        check_muon(config)
         stage_layers(layout, workload.model.num_layers)
     except UserError as error:
         return str(error)
@@ -67,7 +69,8 @@ def candidate_config(workload: Workload, layout: Layout) -> MegaliteConfig:
         model=dataclasses.replace(workload.model, recompute_granularity=recompute,   # padded as pretrain_gpt.py pads
                                   padded_vocab_size=workload.padded_vocab(layout.tp)),
         parallel=dataclasses.replace(parallel_config(workload, layout), overlap_param_gather=overlap),
-        optimizer=OptimizerConfig(lr=1e-4), data=DataConfig(),
+        optimizer=OptimizerConfig(**{**dataclasses.asdict(workload.muon), "lr": 1e-4, "optimizer": workload.optimizer}),
+        data=DataConfig(),
         training=TrainingConfig(micro_batch_size=layout.micro_batch_size,
                                 global_batch_size=workload.global_batch_size, train_iters=1))
 

@@ -6,7 +6,8 @@ data-parallel traffic over the NVLink / InfiniBand bandwidth. An MoE layer compu
 shared expert's and its router's (performance.moe_extra_flops_per_token) and dispatches its tokens
 (experts.dispatch_bytes), which nothing overlaps. Multi-latent attention's projections and head dimensions
 replace the attention term, and each multi-token prediction depth adds a layer, eh_proj and a loss on the
-last stage (deepseek.py). Collectives move ring volumes: per rank an all-reduce
+last stage (deepseek.py). Muon's optimizer step adds its Newton-Schulz iterations and its TP gathers
+(muon.py, ``muon_step_time``). Collectives move ring volumes: per rank an all-reduce
 sends 2(n-1)/n of its buffer, an all-gather or a reduce-scatter (n-1)/n.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from megalite.planning.experts import dispatch_bytes
 from megalite.planning.inputs import (Hardware, Layout, Workload, holds_head, local_attention_heads, rank_layers,
                                       rank_moe_layers, stage_parameters, token_counts)
 from megalite.planning.memory import GRAD_BYTES, memory_ranks
+from megalite.planning.muon import optimizer_step_work
 from megalite.train.performance import flops_per_iteration, mlp_flops_per_token, moe_extra_flops_per_token
 
 LOSS_BYTES_PER_LOGIT = 20   # fp32 logits: written, read twice (max, sum of exp) in forward, read + written in backward
@@ -36,16 +38,19 @@ class StepTime:
     imbalance: float = 0.0        # the slowest pipeline stage's time beyond the mean stage's
     context_parallel: float = 0.0     # ring attention's K/V traffic not hidden behind attention
     expert_parallel: float = 0.0      # MoE token dispatch (all-to-all or all-gather), on the critical path
+    newton_schulz: float = 0.0        # Muon's Newton-Schulz in the optimizer step, which nothing overlaps
+    muon_gathers: float = 0.0         # Muon's TP all-gathers of sharded matrices (--muon-tp-mode duplicated)
 
     @property
     def total(self) -> float:
         return (self.compute + self.imbalance + self.bubble + self.tensor_parallel + self.context_parallel
-                + self.expert_parallel + self.pipeline_parallel + self.data_parallel)
+                + self.expert_parallel + self.pipeline_parallel + self.data_parallel + self.newton_schulz
+                + self.muon_gathers)
 
     @property
     def communication(self) -> float:
         return (self.tensor_parallel + self.context_parallel + self.expert_parallel + self.pipeline_parallel
-                + self.data_parallel)
+                + self.data_parallel + self.muon_gathers)
 
 
 def moe_layer_extra_flops(workload: Workload, layout: Layout) -> tuple[float, float]:
@@ -227,8 +232,27 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
     pipeline_parallel = pp_bytes / link_bandwidth(hardware, layout.num_gpus)
 
     data_parallel = exposed_data_parallel_time(workload, layout, hardware, compute)
+    newton_schulz, muon_gathers = muon_step_time(workload, layout, hardware)
     return StepTime(compute, bubble, tensor_parallel, pipeline_parallel, data_parallel, model_flops,
-                    imbalance=slowest - compute, context_parallel=context_parallel, expert_parallel=expert_parallel)
+                    imbalance=slowest - compute, context_parallel=context_parallel, expert_parallel=expert_parallel,
+                    newton_schulz=newton_schulz, muon_gathers=muon_gathers)
+
+
+def muon_step_time(workload: Workload, layout: Layout, hardware: Hardware) -> tuple[float, float]:
+    """(Newton-Schulz seconds, TP gather seconds) of Muon's optimizer step on the pipeline rank that takes
+    longest (muon.optimizer_step_work): the step runs after the last backward and before the parameters
+    go out, so nothing hides it. Newton-Schulz runs at the bf16 peak (--muon-fp32-matmul-prec medium) or
+    the fp32 one, x the compute efficiency; the gathers move (tp-1)/tp of each fp32 matrix per rank."""
+    if workload.optimizer != "muon":
+        return 0.0, 0.0
+    precision = "bf16" if workload.muon.muon_fp32_matmul_prec == "medium" else "fp32"
+    rate = hardware.peak_flops(precision) * hardware.compute_efficiency
+    slowest = (0.0, 0.0)
+    for rank in range(layout.pp):
+        flops, gathered = optimizer_step_work(workload, layout, rank)
+        seconds = (flops / rate, ring_bytes("all_gather", gathered, layout.tp) / link_bandwidth(hardware, layout.tp))
+        slowest = max(slowest, seconds, key=sum)
+    return slowest
 
 
 def exposed_data_parallel_time(workload: Workload, layout: Layout, hardware: Hardware, compute: float) -> float:

@@ -12,7 +12,8 @@ state each rank holds from the tensors that exist (storage sizes, so padding and
 buckets count), next to the theoretical optimizer-state bytes of the ZeRO paper: Adam with fp32
 master weights keeps 12 bytes per parameter (master, m, v), sharded over the d data-parallel ranks by
 the distributed optimizer: 12Ψ/d, Ψ = parameters on this model-parallel rank. An fp32 model's own
-weights are its master copy, so there it is 8Ψ/d (m, v). MoE expert weights are replicated, and their
+weights are its master copy, so there it is 8Ψ/d (m, v). Under --optimizer muon its matrices keep one
+momentum instead of m and v: 4 bytes less for each of their elements. MoE expert weights are replicated, and their
 state sharded, over the expert-data-parallel ranks instead (d = EDP for them). Rank 0 prints one line
 per rank, and for a model with expert weights two more, the expert weights' share and the rest's:
 
@@ -200,9 +201,20 @@ class Throughput:
 KEYS = ("parameters", "gradients", "optimizer", "theoretical")
 
 
-def theoretical_optimizer_bytes(num_params: int, param_dtype: torch.dtype, shards: int) -> int:
+def theoretical_optimizer_bytes(num_params: int, param_dtype: torch.dtype, shards: int, fewer_states: int = 0) -> int:
+    """Adam's 12 (8) bytes per parameter over ``shards``, less 4 bytes for each of ``fewer_states``
+    (``fewer_state_elements``: Muon's matrices keep one fp32 momentum where Adam keeps two moments)."""
     per_param = 8 if param_dtype == torch.float32 else 12
-    return round(per_param * num_params / shards)
+    return round((per_param * num_params - 4 * fewer_states) / shards)
+
+
+def fewer_state_elements(ddp, optimizer, expert: bool) -> int:
+    """Elements x state tensors that the update rule keeps fewer of than for the rest (Muon: one momentum
+    for each element of its matrices, optimizer.state_names_of, where AdamW keeps two), over the expert
+    weights or the others; 0 under AdamW."""
+    full = len(optimizer.state_names)
+    return sum(p.numel() * (full - len(optimizer.state_names_of(name))) for name, p in ddp.named_params
+               if bool(param_meta(p).expert) == expert)
 
 
 def measure(ddp, optimizer) -> dict[str, int]:
@@ -211,11 +223,13 @@ def measure(ddp, optimizer) -> dict[str, int]:
     expert-data-parallel ranks, the dense weights' over the data-parallel ones."""
     buf = ddp.buffer
     shards = buf.dp_size if ddp.shard_optimizer else 1       # the shard group's size (hybrid sharding: DP/K)
+    dense_fewer = fewer_state_elements(ddp, optimizer, expert=False)
     measured = {"parameters": buf.param_bytes(), "gradients": buf.grad_bytes(), "optimizer": optimizer.state_bytes(),
-                "theoretical": theoretical_optimizer_bytes(buf.numel_unpadded, buf.param_dtype, shards)}
+                "theoretical": theoretical_optimizer_bytes(buf.numel_unpadded, buf.param_dtype, shards, dense_fewer)}
     experts = expert_share(ddp, optimizer) if any(param_meta(p).expert for p in buf.params) else None
     if experts is not None:
-        dense = theoretical_optimizer_bytes(buf.numel_unpadded - experts.pop("numel"), buf.param_dtype, shards)
+        dense = theoretical_optimizer_bytes(buf.numel_unpadded - experts.pop("numel"), buf.param_dtype, shards,
+                                            dense_fewer)
         measured["theoretical"] = dense + experts["theoretical"]
     return measured | {f"expert {key}": (experts or {}).get(key, 0) for key in KEYS}
 
@@ -242,7 +256,8 @@ def expert_share(ddp, optimizer) -> dict[str, int]:
             * buf.param_dtype.itemsize,
             "gradients": overlap(whole if buf.grad_data is not None else sharded, experts) * grads.element_size(),
             "optimizer": optimizer.state_bytes() * overlap(pieces, experts) // max(updated, 1),
-            "theoretical": theoretical_optimizer_bytes(numel, buf.param_dtype, edp if ddp.shard_optimizer else 1),
+            "theoretical": theoretical_optimizer_bytes(numel, buf.param_dtype, edp if ddp.shard_optimizer else 1,
+                                                       fewer_state_elements(ddp, optimizer, expert=True)),
             "numel": numel}
 
 
