@@ -2,7 +2,10 @@
 and the Mixture-of-Experts Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5 and DeepSeek-V3).
 
     hf_to_megalite(HF_DIR, CKPT_DIR)       -> CKPT_DIR/iter_0000000 (+ tracker), tokenizer copied inside
-    megalite_to_hf(CKPT_DIR, HF_DIR)       -> HF_DIR/config.json + model.safetensors (+ tokenizer files)
+    megalite_to_hf(CKPT_DIR, HF_DIR)       -> HF_DIR/config.json + model.safetensors or its shards (+ tokenizer)
+
+Both directions convert and write a bounded amount at a time, part by part (the embedding, each
+layer, the head), into several files when the model is large (hf_shards.py).
 
 Both directions are exact: tensors are only renamed, transposed, concatenated or split, never cast
 (except float64, which megalite does not store). What differs between the formats:
@@ -37,14 +40,16 @@ hf_config.py, the reading of HF weight files in hf_weights.py.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
+from typing import Iterator
 
 import torch
 
 from megalite.checkpoint.files import (ARCHITECTURE_FIELDS, METADATA, TRACKER, CheckpointReader, prepare_temporary_dir,
-                                       publish, with_architecture_defaults, write_metadata)
+                                       publish, temporary_dir, with_architecture_defaults, write_metadata)
 from megalite.checkpoint.hf_config import (EXTRA_FIELDS, QKV_BIAS_MODEL_TYPES, SUPPORTED_MODEL_TYPES,
                                            build_hf_config, check_convertible, check_representable, config_token_ids,
                                            default_model_type, dtype_name, extra_defaults, model_fields,
@@ -59,10 +64,9 @@ from megalite.checkpoint.hf_tokenizer import (TOKENIZER_FILES, copy_tokenizer, e
                                               names_tokenizer_class, tokenizer_files)
 from megalite.checkpoint.hf_moe import is_sparse, megalite_to_moe, moe_to_megalite, moe_training_settings
 from megalite.checkpoint.hf_weights import HFWeights
-from megalite.checkpoint.tensor_file import write_tensor_file
+from megalite.checkpoint.hf_shards import write_hf_parts, write_megalite_parts
 from megalite.errors import UserError
 
-MODEL_FILE = "model-00000.safetensors"          # the one tensor file of a converted megalite checkpoint
 TOKENIZER_SUBDIR = "tokenizer"                  # inside the iteration directory
 # HF weight files a previous export may have left; removed by --overwrite so no stale shard is loaded.
 HF_WEIGHT_PATTERNS = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
@@ -115,14 +119,14 @@ linear_to_conv1d = conv1d_to_linear      # the transpose is its own inverse
 # ==================================================================================================
 # Tensors: Hugging Face -> megalite
 # ==================================================================================================
-def llama_like_to_megalite(w: HFWeights, m: dict, model_type: str = "llama") -> dict[str, torch.Tensor]:
-    out = {"embedding.word_embeddings.weight": w.take("model.embed_tokens.weight")}
+# The converters yield the model in parts, the embedding first, each part a dict of tensors built only
+# when the writer asks for it and referenced by no local variable once yielded (hf_shards.py).
+def llama_like_to_megalite(w: HFWeights, m: dict, model_type: str = "llama") -> Iterator[dict[str, torch.Tensor]]:
+    yield {"embedding.word_embeddings.weight": w.take("model.embed_tokens.weight")}
     for i in range(m["num_layers"]):
-        out.update(_layer_to_megalite(w, f"model.layers.{i}.", f"decoder.layers.{i}.", m, model_type, is_sparse(m, i)))
-    out["decoder.final_layernorm.weight"] = w.take("model.norm.weight")
-    _take_output_layer(w, m, out)
-    out.update(mtp_to_megalite(w, m, lambda hf, mg, sparse: _layer_to_megalite(w, hf, mg, m, model_type, sparse)))
-    return out
+        yield _layer_to_megalite(w, f"model.layers.{i}.", f"decoder.layers.{i}.", m, model_type, is_sparse(m, i))
+    yield _take_output_layer(w, m, {"decoder.final_layernorm.weight": w.take("model.norm.weight")})
+    yield from mtp_to_megalite(w, m, lambda hf, mg, sparse: _layer_to_megalite(w, hf, mg, m, model_type, sparse))
 
 
 def _layer_to_megalite(w: HFWeights, hf: str, mg: str, m: dict, model_type: str, sparse: bool) -> dict:
@@ -165,34 +169,38 @@ def _layer_to_megalite(w: HFWeights, hf: str, mg: str, m: dict, model_type: str,
     return out
 
 
-def gpt2_to_megalite(w: HFWeights, m: dict) -> dict[str, torch.Tensor]:
-    heads, d = m["num_attention_heads"], m["kv_channels"]
-    out = {"embedding.word_embeddings.weight": w.take("transformer.wte.weight"),
+def gpt2_to_megalite(w: HFWeights, m: dict) -> Iterator[dict[str, torch.Tensor]]:
+    yield {"embedding.word_embeddings.weight": w.take("transformer.wte.weight"),
            "embedding.position_embeddings.weight": w.take("transformer.wpe.weight")}
     for i in range(m["num_layers"]):
-        hf, mg = f"transformer.h.{i}.", f"decoder.layers.{i}."
-        for norm_hf, norm_mg in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
-            for p in ("weight", "bias"):
-                out[f"{mg}{norm_mg}.{p}"] = w.take(f"{hf}{norm_hf}.{p}")
-        # c_attn: [h, 3h] Conv1D -> [3h, h] rows [q; k; v] -> grouped per head (nkv = heads)
-        qkv_w = conv1d_to_linear(w.take(hf + "attn.c_attn.weight"))
-        out[mg + "self_attention.linear_qkv.weight"] = fuse_qkv(*qkv_w.chunk(3, dim=0), heads, heads, d)
-        out[mg + "self_attention.linear_qkv.bias"] = fuse_qkv(*w.take(hf + "attn.c_attn.bias").chunk(3), heads, heads, d)
-        for hf_name, mg_name in (("attn.c_proj", "self_attention.linear_proj"), ("mlp.c_fc", "mlp.linear_fc1"),
-                                 ("mlp.c_proj", "mlp.linear_fc2")):
-            out[f"{mg}{mg_name}.weight"] = conv1d_to_linear(w.take(f"{hf}{hf_name}.weight"))
-            out[f"{mg}{mg_name}.bias"] = w.take(f"{hf}{hf_name}.bias")
-    out["decoder.final_layernorm.weight"] = w.take("transformer.ln_f.weight")
-    out["decoder.final_layernorm.bias"] = w.take("transformer.ln_f.bias")
-    _take_output_layer(w, m, out)
+        yield _gpt2_layer_to_megalite(w, f"transformer.h.{i}.", f"decoder.layers.{i}.", m)
+    yield _take_output_layer(w, m, {"decoder.final_layernorm.weight": w.take("transformer.ln_f.weight"),
+                                    "decoder.final_layernorm.bias": w.take("transformer.ln_f.bias")})
+
+
+def _gpt2_layer_to_megalite(w: HFWeights, hf: str, mg: str, m: dict) -> dict[str, torch.Tensor]:
+    heads, d, out = m["num_attention_heads"], m["kv_channels"], {}
+    for norm_hf, norm_mg in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+        for p in ("weight", "bias"):
+            out[f"{mg}{norm_mg}.{p}"] = w.take(f"{hf}{norm_hf}.{p}")
+    # c_attn: [h, 3h] Conv1D -> [3h, h] rows [q; k; v] -> grouped per head (nkv = heads)
+    qkv_w = conv1d_to_linear(w.take(hf + "attn.c_attn.weight"))
+    out[mg + "self_attention.linear_qkv.weight"] = fuse_qkv(*qkv_w.chunk(3, dim=0), heads, heads, d)
+    out[mg + "self_attention.linear_qkv.bias"] = fuse_qkv(*w.take(hf + "attn.c_attn.bias").chunk(3), heads, heads, d)
+    for hf_name, mg_name in (("attn.c_proj", "self_attention.linear_proj"), ("mlp.c_fc", "mlp.linear_fc1"),
+                             ("mlp.c_proj", "mlp.linear_fc2")):
+        out[f"{mg}{mg_name}.weight"] = conv1d_to_linear(w.take(f"{hf}{hf_name}.weight"))
+        out[f"{mg}{mg_name}.bias"] = w.take(f"{hf}{hf_name}.bias")
     return out
 
 
-def _take_output_layer(w: HFWeights, m: dict, out: dict) -> None:
+def _take_output_layer(w: HFWeights, m: dict, out: dict) -> dict:
+    """``out`` (the final norm) with the output head added, when it is not tied to the embedding."""
     if m["untie_embeddings_and_output_weights"]:
         out["output_layer.weight"] = w.take("lm_head.weight")
     elif w.has("lm_head.weight"):
         w.take("lm_head.weight")        # a tied model saved with its lm_head copy: the same tensor, stored once
+    return out
 
 
 # ==================================================================================================
@@ -217,16 +225,23 @@ class _MegaliteTensors:
         return self.get(name) if self.reader.has(name) else torch.zeros(size, dtype=self.dtype)
 
 
-def megalite_to_llama_like(t: _MegaliteTensors, m: dict, model_type: str, mtp_copies=()) -> dict[str, torch.Tensor]:
-    """``mtp_copies``: the copies of the embedding and output head each MTP layer carries (hf_deepseek)."""
-    out = {"model.embed_tokens.weight": t.get("embedding.word_embeddings.weight")}
+def megalite_to_llama_like(t: _MegaliteTensors, m: dict, model_type: str,
+                           mtp_copies=()) -> Iterator[dict[str, torch.Tensor]]:
+    """The HF model in parts, as the import's converters yield them. ``mtp_copies``: the copies of the
+    embedding and output head each MTP layer carries (hf_deepseek)."""
+    yield {"model.embed_tokens.weight": t.get("embedding.word_embeddings.weight")}
     for i in range(m["num_layers"]):
-        out.update(_layer_to_hf(t, f"model.layers.{i}.", f"decoder.layers.{i}.", m, model_type, is_sparse(m, i)))
-    out["model.norm.weight"] = t.norm("decoder.final_layernorm.weight", m["apply_layernorm_1p"])
+        yield _layer_to_hf(t, f"model.layers.{i}.", f"decoder.layers.{i}.", m, model_type, is_sparse(m, i))
+    yield _output_layer_to_hf(t, m, {"model.norm.weight": t.norm("decoder.final_layernorm.weight",
+                                                                 m["apply_layernorm_1p"])})
+    yield from megalite_to_mtp(t, m, lambda hf, mg, sparse: _layer_to_hf(t, hf, mg, m, model_type, sparse),
+                               mtp_copies)
+
+
+def _output_layer_to_hf(t: _MegaliteTensors, m: dict, out: dict) -> dict:
+    """``out`` (the final norm) with the output head added, when it is not tied to the embedding."""
     if m["untie_embeddings_and_output_weights"]:
         out["lm_head.weight"] = t.get("output_layer.weight")
-    out.update(megalite_to_mtp(t, m, lambda hf, mg, sparse: _layer_to_hf(t, hf, mg, m, model_type, sparse),
-                               mtp_copies))
     return out
 
 
@@ -271,27 +286,30 @@ def _layer_to_hf(t: _MegaliteTensors, hf: str, mg: str, m: dict, model_type: str
     return out
 
 
-def megalite_to_gpt2(t: _MegaliteTensors, m: dict) -> dict[str, torch.Tensor]:
-    h, heads, d, ffn = m["hidden_size"], m["num_attention_heads"], m["kv_channels"], m["ffn_hidden_size"]
-    out = {"transformer.wte.weight": t.get("embedding.word_embeddings.weight"),
+def megalite_to_gpt2(t: _MegaliteTensors, m: dict) -> Iterator[dict[str, torch.Tensor]]:
+    yield {"transformer.wte.weight": t.get("embedding.word_embeddings.weight"),
            "transformer.wpe.weight": t.get("embedding.position_embeddings.weight")}
     for i in range(m["num_layers"]):
-        hf, mg = f"transformer.h.{i}.", f"decoder.layers.{i}."
-        for norm_hf, norm_mg in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
-            out[f"{hf}{norm_hf}.weight"] = t.norm(f"{mg}{norm_mg}.weight", m["apply_layernorm_1p"])
-            out[f"{hf}{norm_hf}.bias"] = t.get(f"{mg}{norm_mg}.bias")
-        q, k, v = split_qkv(t.get(mg + "self_attention.linear_qkv.weight"), heads, heads, d)
-        out[hf + "attn.c_attn.weight"] = linear_to_conv1d(torch.cat([q, k, v]))
-        out[hf + "attn.c_attn.bias"] = torch.cat(split_qkv(t.bias(mg + "self_attention.linear_qkv.bias", 3 * h),
-                                                           heads, heads, d))
-        for hf_name, mg_name, size in (("attn.c_proj", "self_attention.linear_proj", h),
-                                       ("mlp.c_fc", "mlp.linear_fc1", ffn), ("mlp.c_proj", "mlp.linear_fc2", h)):
-            out[f"{hf}{hf_name}.weight"] = linear_to_conv1d(t.get(f"{mg}{mg_name}.weight"))
-            out[f"{hf}{hf_name}.bias"] = t.bias(f"{mg}{mg_name}.bias", size)
-    out["transformer.ln_f.weight"] = t.norm("decoder.final_layernorm.weight", m["apply_layernorm_1p"])
-    out["transformer.ln_f.bias"] = t.get("decoder.final_layernorm.bias")
-    if m["untie_embeddings_and_output_weights"]:
-        out["lm_head.weight"] = t.get("output_layer.weight")
+        yield _gpt2_layer_to_hf(t, f"transformer.h.{i}.", f"decoder.layers.{i}.", m)
+    yield _output_layer_to_hf(t, m, {
+        "transformer.ln_f.weight": t.norm("decoder.final_layernorm.weight", m["apply_layernorm_1p"]),
+        "transformer.ln_f.bias": t.get("decoder.final_layernorm.bias")})
+
+
+def _gpt2_layer_to_hf(t: _MegaliteTensors, hf: str, mg: str, m: dict) -> dict[str, torch.Tensor]:
+    h, heads, d, ffn = m["hidden_size"], m["num_attention_heads"], m["kv_channels"], m["ffn_hidden_size"]
+    out = {}
+    for norm_hf, norm_mg in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+        out[f"{hf}{norm_hf}.weight"] = t.norm(f"{mg}{norm_mg}.weight", m["apply_layernorm_1p"])
+        out[f"{hf}{norm_hf}.bias"] = t.get(f"{mg}{norm_mg}.bias")
+    q, k, v = split_qkv(t.get(mg + "self_attention.linear_qkv.weight"), heads, heads, d)
+    out[hf + "attn.c_attn.weight"] = linear_to_conv1d(torch.cat([q, k, v]))
+    out[hf + "attn.c_attn.bias"] = torch.cat(split_qkv(t.bias(mg + "self_attention.linear_qkv.bias", 3 * h),
+                                                       heads, heads, d))
+    for hf_name, mg_name, size in (("attn.c_proj", "self_attention.linear_proj", h),
+                                   ("mlp.c_fc", "mlp.linear_fc1", ffn), ("mlp.c_proj", "mlp.linear_fc2", h)):
+        out[f"{hf}{hf_name}.weight"] = linear_to_conv1d(t.get(f"{mg}{mg_name}.weight"))
+        out[f"{hf}{hf_name}.bias"] = t.bias(f"{mg}{mg_name}.bias", size)
     return out
 
 
@@ -316,21 +334,16 @@ def hf_to_megalite(hf_dir: str, output_dir: str, overwrite: bool = False, log=wa
     if model_type in DEEPSEEK_MODEL_TYPES:
         m["mtp_num_layers"] = mtp_depth(weights, m, log)
         family = {**deepseek_source(config), "mtp_copies": mtp_copies(weights, m)}
-    tensors = gpt2_to_megalite(weights, m) if model_type == "gpt2" else llama_like_to_megalite(weights, m, model_type)
-    weights.check_all_used()
-    embeddings = tensors["embedding.word_embeddings.weight"]
-    if embeddings.shape[0] != m["vocab_size"]:
-        raise UserError(f"--input {hf_dir}: config.json says vocab_size={m['vocab_size']} but the embeddings have "
-                        f"{embeddings.shape[0]} rows")
-    params_dtype = dtype_name(config) or DTYPE_NAMES.get(embeddings.dtype, "float32")
-    # megalite stores float32/bfloat16/float16; a float64 model is stored as its params dtype
-    tensors = {n: t if t.dtype in DTYPE_NAMES else t.to(getattr(torch, params_dtype)) for n, t in tensors.items()}
-    model = {**{k: m[k] for k in ARCHITECTURE_FIELDS + EXTRA_FIELDS}, "params_dtype": params_dtype}
-
-    _make_output_dir(output_dir)
-    # written as iter_0000000.tmp (tokenizer included) and published by one rename, as training saves
-    tmp = prepare_temporary_dir(output_dir, 0)
-    index = write_tensor_file(tmp, MODEL_FILE, tensors)
+    parts = gpt2_to_megalite(weights, m) if model_type == "gpt2" else llama_like_to_megalite(weights, m, model_type)
+    stored = _StoredDtypes(hf_dir, m, dtype_name(config))
+    # written part by part into iter_0000000.tmp (tokenizer included) and published by one rename, as
+    # training saves; what a refused model leaves half-written is removed
+    with _removed_on_error(output_dir, temporary_dir(output_dir, 0)):
+        _make_output_dir(output_dir)
+        tmp = prepare_temporary_dir(output_dir, 0)
+        index = write_megalite_parts(tmp, parts, stored)
+        weights.check_all_used()
+    model = {**{k: m[k] for k in ARCHITECTURE_FIELDS + EXTRA_FIELDS}, "params_dtype": stored.params_dtype}
     tokenizer = None
     if tokenizer_files(hf_dir):
         copy_tokenizer(hf_dir, os.path.join(tmp, TOKENIZER_SUBDIR))
@@ -376,34 +389,68 @@ def megalite_to_hf(checkpoint_dir: str, output_dir: str, model_type: str | None 
     _check_output_free(output_dir, overwrite, kind="hf")
 
     # zero biases (see _MegaliteTensors) take the stored weights' dtype, so the file has one dtype
-    tensors = _MegaliteTensors(reader, reader.tensor("embedding.word_embeddings.weight").dtype)
+    tensors = _MegaliteTensors(reader, reader.dtype("embedding.word_embeddings.weight"))
     source = meta.get("source") or {}
     m["rope_interleave"] = source.get("rope_interleave", True)      # DeepSeek's RoPE rows (hf_deepseek.py)
-    hf_tensors = megalite_to_gpt2(tensors, m) if model_type == "gpt2" else megalite_to_llama_like(
+    parts = megalite_to_gpt2(tensors, m) if model_type == "gpt2" else megalite_to_llama_like(
         tensors, m, model_type, source.get("mtp_copies", MTP_COPIES))
 
-    from safetensors.torch import save_file
-    _make_output_dir(output_dir)
-    if overwrite:
-        _remove_previous_export(output_dir)
-    has_tokenizer = export_tokenizer(meta.get("tokenizer"), reader.directory, output_dir, log)
-    token_ids = {k: source[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in source}
-    if not token_ids and has_tokenizer:
-        token_ids = {k: v for k, v in token_ids_from_tokenizer(output_dir).items() if v is not None}
-    config = build_hf_config(m, model_type, token_ids, source)
-    if fp8_blocks:
-        hf_tensors = quantize_checkpoint(hf_tensors)
-        config.quantization_config = quantization_config()
-    # each file is written under a temporary name and renamed; config.json last, so an interrupted
-    # export never leaves a directory that loads with the wrong weights
-    weights_tmp = os.path.join(output_dir, "model.safetensors.tmp")
-    save_file({n: t.contiguous() for n, t in hf_tensors.items()}, weights_tmp, metadata={"format": "pt"})
-    os.replace(weights_tmp, os.path.join(output_dir, "model.safetensors"))
-    with quiet_transformers():
-        config_tmp = os.path.join(output_dir, "config.json.tmp")
-        config.to_json_file(config_tmp)
-    os.replace(config_tmp, os.path.join(output_dir, "config.json"))
+    with _removed_on_error(output_dir):
+        _make_output_dir(output_dir)
+        if overwrite:
+            _remove_previous_export(output_dir)
+        has_tokenizer = export_tokenizer(meta.get("tokenizer"), reader.directory, output_dir, log)
+        token_ids = {k: source[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in source}
+        if not token_ids and has_tokenizer:
+            token_ids = {k: v for k, v in token_ids_from_tokenizer(output_dir).items() if v is not None}
+        config = build_hf_config(m, model_type, token_ids, source)
+        if fp8_blocks:
+            config.quantization_config = quantization_config()
+        # each file is written under a temporary name and renamed (hf_shards.py); config.json last, so an
+        # interrupted export never leaves a directory that loads with the wrong weights
+        write_hf_parts(output_dir, parts, quantize_checkpoint if fp8_blocks else _unchanged)
+        with quiet_transformers():
+            config_tmp = os.path.join(output_dir, "config.json.tmp")
+            config.to_json_file(config_tmp)
+        os.replace(config_tmp, os.path.join(output_dir, "config.json"))
     return output_dir
+
+
+class _StoredDtypes:
+    """Each converted part as megalite stores it: float32/bfloat16/float16, a float64 tensor cast to the
+    params dtype: config.json's, else the embedding's. The embedding comes in the first part, whose
+    rows are checked against the vocabulary first."""
+
+    def __init__(self, hf_dir: str, m: dict, params_dtype: str | None):
+        self.hf_dir, self.vocab_size, self.params_dtype = hf_dir, m["vocab_size"], params_dtype
+
+    def __call__(self, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        embeddings = part.get("embedding.word_embeddings.weight")
+        if embeddings is not None:
+            if embeddings.shape[0] != self.vocab_size:
+                raise UserError(f"--input {self.hf_dir}: config.json says vocab_size={self.vocab_size} but the "
+                                f"embeddings have {embeddings.shape[0]} rows")
+            self.params_dtype = self.params_dtype or DTYPE_NAMES.get(embeddings.dtype, "float32")
+        dtype = getattr(torch, self.params_dtype)
+        return {n: t if t.dtype in DTYPE_NAMES else t.to(dtype) for n, t in part.items()}
+
+
+def _unchanged(part: dict) -> dict:
+    return part
+
+
+@contextlib.contextmanager
+def _removed_on_error(output_dir: str, *written: str):
+    """On an error, remove the ``written`` directories and ``output_dir`` itself where it did not exist before."""
+    existed = os.path.exists(output_dir)
+    try:
+        yield
+    except BaseException:
+        for path in written:
+            shutil.rmtree(path, ignore_errors=True)
+        if not existed:
+            shutil.rmtree(output_dir, ignore_errors=True)
+        raise
 
 
 def _check_output_free(output_dir: str, overwrite: bool, kind: str) -> None:

@@ -275,29 +275,38 @@ def mtp_copies(w, m: dict) -> list[str]:
     return [c for c in MTP_COPIES if m["mtp_num_layers"] and w.has(f"model.layers.{m['num_layers']}.{c}.weight")]
 
 
-def mtp_to_megalite(w, m: dict, layer) -> dict:
-    """The MTP layers, HF -> megalite; ``layer(hf, mg, sparse)``: one transformer layer's tensors, built as
-    the main model's last layer. Their copies of the embedding and output head must equal the main model's,
-    which megalite's depths share."""
-    out, layers = {}, m["num_layers"]
+def mtp_to_megalite(w, m: dict, layer):
+    """The MTP layers, HF -> megalite, one dict of tensors per depth (converted as the writer asks);
+    ``layer(hf, mg, sparse)``: one transformer layer's tensors, built as the main model's last layer. Their
+    copies of the embedding and output head must equal the main model's, which megalite's depths share."""
     for k in range(m["mtp_num_layers"] or 0):
-        hf, mg = f"model.layers.{layers + k}.", f"mtp.layers.{k}."
-        out.update({f"{mg}{ours}.weight": w.take(f"{hf}{theirs}.weight") for theirs, ours in MTP_TENSORS})
-        for copy in MTP_COPIES:
-            name, main = f"{hf}{copy}.weight", _main_of(copy, m, hf=True)
-            if w.has(name) and not torch.equal(w.take(name), w.take(main)):
-                raise UserError(f"--input {w.hf_dir}: {name} differs from {main}; megalite's multi-token prediction "
-                                "shares the main model's embedding and output head, so it cannot hold another")
-        out.update(layer(hf, mg + "transformer_layer.", is_sparse(m, layers - 1)))
+        yield _mtp_layer_to_megalite(w, m, k, layer)
+
+
+def _mtp_layer_to_megalite(w, m: dict, k: int, layer) -> dict:
+    layers = m["num_layers"]
+    hf, mg = f"model.layers.{layers + k}.", f"mtp.layers.{k}."
+    out = {f"{mg}{ours}.weight": w.take(f"{hf}{theirs}.weight") for theirs, ours in MTP_TENSORS}
+    for copy in MTP_COPIES:
+        name, main = f"{hf}{copy}.weight", _main_of(copy, m, hf=True)
+        if w.has(name) and not torch.equal(w.take(name), w.take(main)):
+            raise UserError(f"--input {w.hf_dir}: {name} differs from {main}; megalite's multi-token prediction "
+                            "shares the main model's embedding and output head, so it cannot hold another")
+    out.update(layer(hf, mg + "transformer_layer.", is_sparse(m, layers - 1)))
     return out
 
 
-def megalite_to_mtp(t, m: dict, layer, copies) -> dict:
-    """Inverse of mtp_to_megalite, writing ``copies`` (of MTP_COPIES) from the main model's tensors."""
-    out, layers = {}, m["num_layers"]
+def megalite_to_mtp(t, m: dict, layer, copies):
+    """Inverse of mtp_to_megalite, one dict per depth, writing ``copies`` (of MTP_COPIES) from the main
+    model's tensors."""
     for k in range(m["mtp_num_layers"] or 0):
-        hf, mg = f"model.layers.{layers + k}.", f"mtp.layers.{k}."
-        out.update({f"{hf}{theirs}.weight": t.get(f"{mg}{ours}.weight") for theirs, ours in MTP_TENSORS})
-        out.update({f"{hf}{copy}.weight": t.get(_main_of(copy, m, hf=False)).clone() for copy in copies})
-        out.update(layer(hf, mg + "transformer_layer.", is_sparse(m, layers - 1)))
+        yield _mtp_layer_to_hf(t, m, k, layer, copies)
+
+
+def _mtp_layer_to_hf(t, m: dict, k: int, layer, copies) -> dict:
+    layers = m["num_layers"]
+    hf, mg = f"model.layers.{layers + k}.", f"mtp.layers.{k}."
+    out = {f"{hf}{theirs}.weight": t.get(f"{mg}{ours}.weight") for theirs, ours in MTP_TENSORS}
+    out.update({f"{hf}{copy}.weight": t.get(_main_of(copy, m, hf=False)).clone() for copy in copies})
+    out.update(layer(hf, mg + "transformer_layer.", is_sparse(m, layers - 1)))
     return out
