@@ -127,8 +127,10 @@ def memory_rows(rank: int, world: int) -> list:
     from megalite.train.performance import gather_memory
     buffer = SimpleNamespace(param_bytes=lambda: 100 + rank, grad_bytes=lambda: 200 + rank, numel_unpadded=12,
                              param_dtype=torch.float32, params=[torch.zeros(1)], dp_size=world)
-    ddp = SimpleNamespace(buffer=buffer, dp_size=world, shard_optimizer=True)
-    return gather_memory(ddp, SimpleNamespace(state_bytes=lambda: 300 + rank))
+    ddp = SimpleNamespace(buffer=buffer, dp_size=world, shard_optimizer=True, named_params=[])
+    adam = ("exp_avg", "exp_avg_sq")
+    return gather_memory(ddp, SimpleNamespace(state_bytes=lambda: 300 + rank, state_names=adam,
+                                              state_names_of=lambda name: adam))
 
 
 @contextlib.contextmanager
