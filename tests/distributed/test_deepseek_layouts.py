@@ -82,3 +82,14 @@ def test_checkpoint_saved_at_ep4_resumes_at_ep2_pp2(serial, tmp_path):
     assert_equal_runs(serial, first, iterations=range(1, 3))
     resumed = train(4, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2, load=save))
     assert_equal_runs(serial, resumed, iterations=range(3, 5))
+
+
+@pytest.mark.parametrize("flags", [
+    dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, expert_tensor_parallel_size=1,
+         data_parallel_sharding_strategy="optim_grads_params", **SP),
+    dict(pipeline_model_parallel_size=2, context_parallel_size=2)], ids=["ep2-tp2-sp-zero3", "pp2-cp2"])
+def test_deepseek_v3_under_nccl_semantics(serial, flags):
+    """One stream per rank pair, posting order, blocking receives: MLA's latent gathers, the ring with
+    unequal K/V head dims, the MTP stage's embedding copy and the grouped dispatch are all issued in the
+    same order on every rank (the tier compares the ranks' collective logs)."""
+    assert_equal_runs(serial, train(4, flags, nccl=True))

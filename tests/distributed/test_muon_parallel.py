@@ -40,6 +40,14 @@ def test_muon_moe_at_expert_parallel_layouts_equals_serial(serial_moe, layout):
     assert_equal_runs(serial_moe, train(nproc, {**MUON, **flags}, base=MOE_ARGV))
 
 
+def test_muon_gathers_under_nccl_semantics(serial_moe):
+    """Muon's all-gathers of TP-sharded matrices and of ETP-split experts are collectives every rank of
+    the group issues in the same order (the NCCL-semantics tier compares the ranks' logs)."""
+    flags = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+                 use_distributed_optimizer=True)
+    assert_equal_runs(serial_moe, train(4, {**MUON, **flags}, nccl=True, base=MOE_ARGV))
+
+
 def test_muon_checkpoint_saved_at_tp2_dp2_resumes_at_dp4_and_serially(tmp_path):
     save = str(tmp_path / "ckpt")
     argv = with_flags(TINY_LLAMA_ARGS, global_batch_size=8, micro_batch_size=1, **MUON)
