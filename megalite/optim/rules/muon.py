@@ -38,10 +38,45 @@ def newton_schulz(m: torch.Tensor, coefficients: tuple, steps: int, bf16: bool) 
     if tall:
         x = x.T
     x.div_(x.norm().clamp(min=NS_EPS))
-    for a, b, c in itertools.islice(itertools.cycle(coefficients), steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    x = _iterate(x, coefficients, steps, lambda y: y @ y.T)
     return (x.T if tall else x).float()
+
+
+def distributed_newton_schulz(part: torch.Tensor, split: int, counted: torch.Tensor | None, group,
+                              coefficients: tuple, steps: int, bf16: bool) -> torch.Tensor:
+    """This rank's part of the orthogonalised logical matrix whose ``part`` (2-D, fp32) the ranks of
+    ``group`` hold, split along dimension ``split`` (module docstring); ``counted``: the indices along
+    ``split`` of the part that enter the sums (None: all; a row several ranks hold counts once). A
+    collective: every rank of the group calls it for the same logical matrices in the same order."""
+    x = part.to(torch.bfloat16 if bf16 else torch.float32, copy=True)
+    if split == 0:
+        x = x.T                     # the split dimension is now x's columns, over which x x^T sums
+
+    def own(y: torch.Tensor) -> torch.Tensor:
+        return y if counted is None else y.index_select(1, counted)
+
+    squares = own(x).float().square().sum()
+    dist.all_reduce(squares, group=group)
+    x.div_(squares.sqrt().to(x.dtype).clamp(min=NS_EPS))
+    x = _iterate(x, coefficients, steps, lambda y: _summed_gram(own(y), group))
+    return (x.T if split == 0 else x).float()
+
+
+def _summed_gram(y: torch.Tensor, group) -> torch.Tensor:
+    """sum over the group's ranks of y_r y_r^T: each rank's product in y's dtype (a bf16 GEMM accumulates
+    in fp32 and rounds once, as the whole matrix's), summed in fp32."""
+    gram = (y @ y.T).float()
+    dist.all_reduce(gram, group=group)
+    return gram.to(y.dtype)
+
+
+def _iterate(x: torch.Tensor, coefficients: tuple, steps: int, gram) -> torch.Tensor:
+    """``steps`` Newton-Schulz iterations of the normalised ``x``, with coefficients (a, b, c) in turn:
+    A = gram(x) (x x^T), x <- a x + (b A + c A A) x."""
+    for a, b, c in itertools.islice(itertools.cycle(coefficients), steps):
+        g = gram(x)
+        x = torch.addmm(x, torch.addmm(g, g, g, beta=b, alpha=c), x, beta=a)
+    return x
 
 
 class Muon:
@@ -79,9 +114,11 @@ class Muon:
 
     def _orthogonalise(self, local: torch.Tensor, matrix: Matrix) -> torch.Tensor:
         """Newton-Schulz of each logical matrix of the full weight; this rank's part of the result."""
+        bf16 = self.config.muon_fp32_matmul_prec == "medium"
+        if matrix.parts is not None:
+            return self._orthogonalise_distributed(local, matrix, bf16)
         full = local if matrix.group is None else _gather(local, matrix)
         out = torch.empty_like(full)
-        bf16 = self.config.muon_fp32_matmul_prec == "medium"
         for index, _ in matrix.blocks:
             out.index_copy_(0, index, newton_schulz(full.index_select(0, index), self.coefficients,
                                                     self.config.muon_num_ns_steps, bf16))
@@ -89,6 +126,15 @@ class Muon:
             return out
         rank = dist.get_rank(matrix.group)
         return out.index_select(0, matrix.rows[rank]).index_select(1, matrix.cols[rank])
+
+    def _orthogonalise_distributed(self, local: torch.Tensor, matrix: Matrix, bf16: bool) -> torch.Tensor:
+        """--muon-tp-mode distributed: each logical matrix through Gram all-reduces over the TP group."""
+        out = torch.empty_like(local)
+        for rows, counted in matrix.parts:
+            out.index_copy_(0, rows, distributed_newton_schulz(local.index_select(0, rows), matrix.split, counted,
+                                                               matrix.group, self.coefficients,
+                                                               self.config.muon_num_ns_steps, bf16))
+        return out
 
     # ---- named state -----------------------------------------------------------------------------
     def named_state(self, master: torch.Tensor) -> dict[str, torch.Tensor]:

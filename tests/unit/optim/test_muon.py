@@ -125,7 +125,8 @@ def test_logical_matrices_of_fused_and_stacked_weights():
 
 
 @pytest.mark.parametrize("extra, fragment", [
-    (["--muon-tp-mode", "distributed"], "invalid choice: 'distributed' (choose from 'duplicated')"),
+    (["--muon-tp-mode", "rowwise"],
+     "invalid choice: 'rowwise' (choose from 'duplicated', 'distributed', 'blockwise')"),
     (["--muon-num-ns-steps", "0"], "--muon-num-ns-steps: must be a positive integer"),
     (["--fp16", "--loss-scale", "1"], "--optimizer muon with --fp16 needs loss scaling"),
     (["--data-parallel-sharding-strategy", "optim_grads_params"], "does not run under ZeRO-3"),

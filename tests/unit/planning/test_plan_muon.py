@@ -124,12 +124,12 @@ def test_tp_duplicated_runs_whole_matrices_and_gathers_them():
     (tp-1)/tp of each sharded fp32 matrix gathered; ZeRO-1 at DP=2 halves both; AdamW has neither."""
     config, _ = built(with_flags(LLAMA, optimizer="muon"))
     workload = workload_of(config)
-    whole, _ = muon.optimizer_step_work(workload, inputs.Layout(), 0)
+    whole, _, _ = muon.optimizer_step_work(workload, inputs.Layout(), 0)
     assert whole == sum(muon.newton_schulz_flops(r, c, 5) for m in muon.rank_matrices(workload, inputs.Layout(), 0)
                         for r, c in m.blocks)
-    flops, gathered = muon.optimizer_step_work(workload, inputs.Layout(tp=2), 0)
-    assert flops == whole and gathered == 4 * 2 * (96 * 64 + 64 * 64 + 256 * 64 + 64 * 128)
-    assert muon.optimizer_step_work(workload, inputs.Layout(tp=2, dp=2, sharding="optim"), 0) == (whole / 2, gathered / 2)
+    flops, gathered, reduced = muon.optimizer_step_work(workload, inputs.Layout(tp=2), 0)
+    assert flops == whole and gathered == 4 * 2 * (96 * 64 + 64 * 64 + 256 * 64 + 64 * 128) and reduced == 0
+    assert muon.optimizer_step_work(workload, inputs.Layout(tp=2, dp=2, sharding="optim"), 0) == (whole / 2, gathered / 2, 0)
     hardware = inputs.Hardware(num_gpus=4, gpu_memory_gb=80)
     t = timing.step_time(workload, inputs.Layout(tp=2, dp=2, sharding="optim"), hardware)
     assert t.newton_schulz == pytest.approx(whole / 2 / (989e12 * 0.55))
