@@ -12,9 +12,13 @@ megalite imports hold them, on the full (unsharded) weight viewed 2-D [rows, col
   [k without RoPE; v]) is one matrix, as Hugging Face's kv_b_proj and Megatron hold it.
 
 A ``Matrix`` records where this rank's local parameter (viewed 2-D) sits in the full weight, so a
-tensor-parallel shard can be gathered whole (--muon-tp-mode duplicated) and the update cut back out.
-Under expert parallelism a rank holds whole experts of a stacked weight and orthogonalises its own (with
-expert tensor parallelism, gathered over the ETP group first, as a TP-sharded matrix over TP).
+tensor-parallel shard can be gathered whole (--muon-tp-mode duplicated) and the update cut back out; under
+--muon-tp-mode distributed also which dimension TP splits and each logical matrix's local rows (a row or
+column several ranks hold, KV heads replicated over TP, enters the Gram sums on the lowest rank only);
+under blockwise the rank's part of each logical matrix is a matrix of its own, scaled by the part's shape
+(Megatron scales a blockwise shard by its local shape). Under expert parallelism a rank holds whole experts
+of a stacked weight and orthogonalises its own (with expert tensor parallelism, split over the ETP group as
+a TP-sharded matrix over TP, in the same mode).
 """
 from __future__ import annotations
 

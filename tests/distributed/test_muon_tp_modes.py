@@ -1,8 +1,8 @@
 """Muon's --muon-tp-mode on 2 gloo TP ranks, against Newton-Schulz of the whole matrix in one process.
 
 - distributed_newton_schulz on each rank's part of a tall, a wide and a square matrix, its rows or its
-  columns split (and rows that both ranks hold, which count once), equals newton_schulz of the whole
-  matrix in fp32 to rounding;
+  columns split (and two matrices stepped together, rows of one held by both ranks, which count once),
+  equals newton_schulz of the whole matrix in fp32 to rounding;
 - on every Muon weight of a tiny TP=2 Llama (one KV group, so both ranks hold K and V whole), the rule's
   orthogonalised update of each rank's part: duplicated and distributed equal the serial run's whole-matrix
   result cut to the rank's part (to rounding); blockwise equals newton_schulz of the rank's own part of each
@@ -32,11 +32,12 @@ def split_parts(rank: int, world: int) -> list:
     for i, shape in enumerate(SHAPES):
         for split in (0, 1):
             part = matrix_of(i, shape).chunk(world, split)[rank]
-            out[shape, split] = distributed_newton_schulz(part, split, None, dist.group.WORLD, QUINTIC, 5, False)
-    rows = torch.arange(0, 7) if rank == 0 else torch.arange(5, 12)       # rows 5 and 6 on both ranks
+            out[shape, split], = distributed_newton_schulz([part], split, [None], dist.group.WORLD, QUINTIC, 5, False)
+    # two logical matrices stepped together (one all-reduce each step), the second's rows 5, 6 on both ranks
+    rows = torch.arange(0, 7) if rank == 0 else torch.arange(5, 12)
     counted = None if rank == 0 else torch.arange(2, 7)
-    out["shared"] = distributed_newton_schulz(matrix_of(9, (12, 40))[rows], 0, counted, dist.group.WORLD,
-                                              QUINTIC, 5, False)
+    out["pair"] = distributed_newton_schulz([matrix_of(8, (20, 40)).chunk(world)[rank], matrix_of(9, (12, 40))[rows]],
+                                            0, [None, counted], dist.group.WORLD, QUINTIC, 5, False)
     return out
 
 
@@ -67,6 +68,7 @@ def updates(config, chunk, group):
         for mode in ("duplicated", "distributed", "blockwise"):
             optimizer = dataclasses.replace(config.optimizer, muon_tp_mode=mode)
             matrix = build_matrix(name, param, config.model, optimizer, group)
+            assert (matrix.parts is not None) == (group is not None and mode == "distributed"), (name, mode)
             results[mode] = (Muon([], [], optimizer, [])._orthogonalise(local, matrix), matrix.row_runs)
         out[name] = (rows, cols, full, results)
     return out
@@ -85,9 +87,11 @@ def test_distributed_newton_schulz_equals_the_whole_matrix():
         for split in (0, 1):
             ours = torch.cat([r[shape, split] for r in ranks], split)
             torch.testing.assert_close(ours, whole, rtol=0, atol=5e-6, msg=f"{shape} split {split}")
+    first = newton_schulz(matrix_of(8, (20, 40)), QUINTIC, 5, bf16=False)
+    torch.testing.assert_close(torch.cat([r["pair"][0] for r in ranks]), first, rtol=0, atol=5e-6)
     whole = newton_schulz(matrix_of(9, (12, 40)), QUINTIC, 5, bf16=False)
-    torch.testing.assert_close(ranks[0]["shared"], whole[:7], rtol=0, atol=5e-6)
-    torch.testing.assert_close(ranks[1]["shared"], whole[5:], rtol=0, atol=5e-6)
+    torch.testing.assert_close(ranks[0]["pair"][1], whole[:7], rtol=0, atol=5e-6)
+    torch.testing.assert_close(ranks[1]["pair"][1], whole[5:], rtol=0, atol=5e-6)
 
 
 def test_tp_modes_of_the_rule_on_a_tp2_llama():
