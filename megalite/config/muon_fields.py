@@ -22,6 +22,7 @@ NS_COEFFICIENTS = {
 }
 MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
 MUON_TP_MODES = ("duplicated", "distributed", "blockwise")
+MUON_MATMUL_PRECS = ("low", "medium", "high")          # Megatron's; only medium is bf16 (the flag's help)
 
 
 @dataclass(kw_only=True)
@@ -39,7 +40,7 @@ class MuonFields:
         "sqrt(rows / cols), shape_scaling sqrt(max(1, rows / cols))"))
     muon_extra_scale_factor: float = flag("--muon-extra-scale-factor", number, default=1.0, help=(
         "Muon: further update scale (0.2 with spectral = torch.optim.Muon's match_rms_adamw)"))
-    muon_fp32_matmul_prec: str = flag("--muon-fp32-matmul-prec", default="medium", choices=("low", "medium", "high"), help=(
+    muon_fp32_matmul_prec: str = flag("--muon-fp32-matmul-prec", default="medium", choices=MUON_MATMUL_PRECS, help=(
         "Muon: medium runs Newton-Schulz in bf16 as torch.optim.Muon (cast, then normalise); high in fp32, at "
         "the run's fp32 matmul precision (TF32 on GPUs unless --no-tf32); low is Megatron's value that torch's "
         "set_float32_matmul_precision ignores, leaving the run's precision: the same as high"))

@@ -149,7 +149,7 @@ def _distributed_parts(matrix: Matrix) -> tuple[int, list[tuple[torch.Tensor, to
     rank = dist.get_rank(matrix.group)
     split = 0 if len(matrix.cols[rank]) == matrix.full_shape[1] else 1
     along = matrix.rows if split == 0 else matrix.cols
-    first = ~torch.isin(along[rank], torch.cat(along[:rank])) if rank else torch.ones_like(along[rank], dtype=torch.bool)
+    first = ~torch.isin(along[rank], torch.cat(along[:rank] or [along[rank][:0]]))     # held by no lower rank
     block_of = torch.full((matrix.full_shape[0],), -1, dtype=torch.long, device=first.device)
     for i, (index, _) in enumerate(matrix.blocks):
         block_of[index] = i

@@ -129,7 +129,8 @@ def test_tp_duplicated_runs_whole_matrices_and_gathers_them():
                         for r, c in m.blocks)
     flops, gathered, reduced = muon.optimizer_step_work(workload, inputs.Layout(tp=2), 0)
     assert flops == whole and gathered == 4 * 2 * (96 * 64 + 64 * 64 + 256 * 64 + 64 * 128) and reduced == 0
-    assert muon.optimizer_step_work(workload, inputs.Layout(tp=2, dp=2, sharding="optim"), 0) == (whole / 2, gathered / 2, 0)
+    zero1 = inputs.Layout(tp=2, dp=2, sharding="optim")
+    assert muon.optimizer_step_work(workload, zero1, 0) == (whole / 2, gathered / 2, 0)
     hardware = inputs.Hardware(num_gpus=4, gpu_memory_gb=80)
     t = timing.step_time(workload, inputs.Layout(tp=2, dp=2, sharding="optim"), hardware)
     assert t.newton_schulz == pytest.approx(whole / 2 / (989e12 * 0.55))
