@@ -2,7 +2,7 @@
 
 - distributed_newton_schulz on each rank's part of a tall, a wide and a square matrix, its rows or its
   columns split (and two matrices stepped together, rows of one held by both ranks, which count once),
-  equals newton_schulz of the whole matrix in fp32 to rounding;
+  equals newton_schulz of the whole matrix in fp32 to rounding (in bf16, to a few bf16 units);
 - on every Muon weight of a tiny TP=2 Llama (one KV group, so both ranks hold K and V whole), the rule's
   orthogonalised update of each rank's part: duplicated and distributed equal the serial run's whole-matrix
   result cut to the rank's part (to rounding); blockwise equals newton_schulz of the rank's own part of each
@@ -32,7 +32,9 @@ def split_parts(rank: int, world: int) -> list:
     for i, shape in enumerate(SHAPES):
         for split in (0, 1):
             part = matrix_of(i, shape).chunk(world, split)[rank]
-            out[shape, split], = distributed_newton_schulz([part], split, [None], dist.group.WORLD, QUINTIC, 5, False)
+            for bf16 in (False, True):
+                out[shape, split, bf16], = distributed_newton_schulz([part], split, [None], dist.group.WORLD,
+                                                                     QUINTIC, 5, bf16)
     # two logical matrices stepped together (one all-reduce each step), the second's rows 5, 6 on both ranks
     rows = torch.arange(0, 7) if rank == 0 else torch.arange(5, 12)
     counted = None if rank == 0 else torch.arange(2, 7)
@@ -83,10 +85,13 @@ def test_distributed_newton_schulz_equals_the_whole_matrix():
     from megalite.optim.rules.muon import newton_schulz
     ranks = run_ranks(2, split_parts)
     for i, shape in enumerate(SHAPES):
-        whole = newton_schulz(matrix_of(i, shape), QUINTIC, 5, bf16=False)
+        whole, whole_bf16 = (newton_schulz(matrix_of(i, shape), QUINTIC, 5, bf16=bf16) for bf16 in (False, True))
         for split in (0, 1):
-            ours = torch.cat([r[shape, split] for r in ranks], split)
+            ours = torch.cat([r[shape, split, False] for r in ranks], split)
             torch.testing.assert_close(ours, whole, rtol=0, atol=5e-6, msg=f"{shape} split {split}")
+            # bf16: a few bf16 units (2^-8 near 1) from the whole matrix's bf16 iteration, and from fp32
+            ours = torch.cat([r[shape, split, True] for r in ranks], split)
+            assert (ours - whole_bf16).abs().max() <= 0.03 and 1e-3 < (ours - whole).abs().max() <= 0.03, (shape, split)
     first = newton_schulz(matrix_of(8, (20, 40)), QUINTIC, 5, bf16=False)
     torch.testing.assert_close(torch.cat([r["pair"][0] for r in ranks]), first, rtol=0, atol=5e-6)
     whole = newton_schulz(matrix_of(9, (12, 40)), QUINTIC, 5, bf16=False)
