@@ -3,9 +3,10 @@
 Muon orthogonalises whole matrices, so each rank that updates a matrix must hold all of it: serially,
 with replicated data parallelism, with ZeRO-1/2 in the whole-parameter layout (megatron_cli.py selects
 --use-layer-wise-distributed-optimizer with --optimizer muon, as Megatron does), under pipeline
-parallelism, under tensor parallelism by gathering each sharded matrix (--muon-tp-mode duplicated), and
-under expert parallelism, where each rank holds whole experts (gathered over expert tensor parallelism,
-as over TP).
+parallelism, under tensor parallelism by gathering each sharded matrix (--muon-tp-mode duplicated) or by
+summing its small Gram matrices over TP (distributed; blockwise instead orthogonalises each TP rank's part
+on its own, which changes the result with TP), and under expert parallelism, where each rank holds whole
+experts (split over expert tensor parallelism as a sharded matrix over TP).
 """
 from __future__ import annotations
 

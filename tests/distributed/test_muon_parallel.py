@@ -3,7 +3,8 @@
 A tiny Llama-MoE (test_moe_parallel.py's: 8 experts, top-2, shared expert, aux loss) trained with Muon logs
 the serial run's losses and gradient norms at EP=2, EP=2 x DP=2 ZeRO-1, ETP=2 and EP=2 x ETP=2 ZeRO-1: each
 expert of the stacked weights is a matrix of its own, orthogonalised on the rank that holds it (gathered over
-the expert-tensor-parallel group first when ETP splits it). A dense Muon checkpoint saved at
+the expert-tensor-parallel group first when ETP splits it); --muon-tp-mode distributed's all-reduces pass the
+NCCL-semantics tier with the serial losses. A dense Muon checkpoint saved at
 TP=2 x DP=2 ZeRO-1 resumes at DP=4 ZeRO-1 and serially with the uninterrupted run's losses (the momentum of
 the TP-sharded matrices reshards like every other tensor)."""
 import os
@@ -45,6 +46,14 @@ def test_muon_gathers_under_nccl_semantics(serial_moe):
     the group issues in the same order (the NCCL-semantics tier compares the ranks' logs)."""
     flags = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
                  use_distributed_optimizer=True)
+    assert_equal_runs(serial_moe, train(4, {**MUON, **flags}, nccl=True, base=MOE_ARGV))
+
+
+def test_muon_distributed_all_reduces_under_nccl_semantics(serial_moe):
+    """--muon-tp-mode distributed's all-reduces (sums of squares, Gram matrices) over TP and over the ETP
+    group (TP's size here) pass the NCCL-semantics tier, and the run logs the serial losses."""
+    flags = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+                 use_distributed_optimizer=True, muon_tp_mode="distributed")
     assert_equal_runs(serial_moe, train(4, {**MUON, **flags}, nccl=True, base=MOE_ARGV))
 
 
