@@ -20,12 +20,20 @@ LAYOUTS = {"tp2": (2, dict(tensor_model_parallel_size=2), False),
            "dp2-zero1": (2, dict(use_distributed_optimizer=True), False),
            "cp2-nccl": (2, dict(context_parallel_size=2), True)}
 SLOW_LAYOUTS = {"pp2": (2, dict(pipeline_model_parallel_size=2), False),
-                "dp2-zero1-bucketed": (2, dict(use_distributed_optimizer=True, ddp_bucket_size=500), False)}
+                "dp2-zero1-bucketed": (2, dict(use_distributed_optimizer=True, ddp_bucket_size=500), False),
+                "dp2-zero3": (2, dict(data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True,
+                                      overlap_param_gather=True, ddp_bucket_size=3000), False),
+                "dp2-fsdp2": (2, dict(use_torch_fsdp2=True), False),
+                "recompute-full": (1, dict(recompute_granularity="full", recompute_method="uniform",
+                                           recompute_num_layers=1), False)}
+MUON = dict(optimizer="muon", lr="2e-2", muon_fp32_matmul_prec="high")
+MLA = dict(multi_latent_attention=True, group_query_attention=None, num_query_groups=None, q_lora_rank=16,
+           kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8)
 
 
-def train(nproc: int, flags: dict, nccl: bool = False) -> dict[int, tuple[float, float, float | None]]:
+def train(nproc: int, flags: dict, nccl: bool = False, base=ARGV) -> dict[int, tuple[float, float, float | None]]:
     """iteration -> (lm loss, grad norm, max attention logit or None)."""
-    proc = run_pretrain(nproc, with_flags(ARGV, **flags), nccl=nccl)
+    proc = run_pretrain(nproc, with_flags(base, **flags), nccl=nccl)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = {}
     for line in proc.stdout.splitlines():
@@ -51,16 +59,33 @@ def test_clip_changes_the_run_and_logging_alone_does_not(serial):
     assert all(serial[i][2] < logged[i][2] for i in (2, 3, 4)), (serial, logged)
 
 
+def assert_equal_runs(reference: dict, run: dict) -> None:
+    for it in range(1, 5):
+        assert run[it][0] == pytest.approx(reference[it][0], rel=1e-5, abs=1e-5), f"loss at iteration {it}"
+        # the line prints both with three decimals: equal up to the last digit's rounding
+        assert run[it][1] == pytest.approx(reference[it][1], abs=1.1e-3), f"grad norm at iteration {it}"
+        assert run[it][2] == pytest.approx(reference[it][2], abs=1.1e-3), f"max logit at iteration {it}"
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS) + [pytest.param(name, marks=pytest.mark.slow)
                                                       for name in SLOW_LAYOUTS])
 def test_clipped_run_at_a_layout_equals_serial(serial, layout):
     nproc, flags, nccl = {**LAYOUTS, **SLOW_LAYOUTS}[layout]
-    run = train(nproc, {**CLIP, **flags}, nccl=nccl)
-    for it in range(1, 5):
-        assert run[it][0] == pytest.approx(serial[it][0], rel=1e-5, abs=1e-5), f"loss at iteration {it}"
-        # the line prints both with three decimals: equal up to the last digit's rounding
-        assert run[it][1] == pytest.approx(serial[it][1], abs=1.1e-3), f"grad norm at iteration {it}"
-        assert run[it][2] == pytest.approx(serial[it][2], abs=1.1e-3), f"max logit at iteration {it}"
+    assert_equal_runs(serial, train(nproc, {**CLIP, **flags}, nccl=nccl))
+
+
+def test_muon_clip_at_dp2_zero1_equals_serial():
+    """MuonClip: Muon's whole-matrix ZeRO layout, QK-clip on its masters."""
+    reference = train(1, {**CLIP, **MUON})
+    assert max(abs(reference[i][0] - train(1, MUON)[i][0]) for i in (2, 3, 4)) > 1e-4
+    assert_equal_runs(reference, train(2, {**CLIP, **MUON, "use_distributed_optimizer": True}))
+
+
+@pytest.mark.slow
+def test_mla_clip_at_tp2_and_cp2_equals_serial():
+    reference = train(1, {**CLIP, **MLA})
+    assert_equal_runs(reference, train(2, {**CLIP, **MLA, "tensor_model_parallel_size": 2, "sequence_parallel": True}))
+    assert_equal_runs(reference, train(2, {**CLIP, **MLA, "context_parallel_size": 2}))
 
 
 def test_a_clipped_step_reads_only_the_gradient_norm():
