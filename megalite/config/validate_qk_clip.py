@@ -7,7 +7,7 @@ from megalite.errors import UserError
 
 
 def check_qk_clip(config: MegaliteConfig) -> None:
-    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    m = config.model
     if not m.qk_clip:
         return
     if not 0.0 < m.qk_clip_alpha < 1.0:
@@ -20,7 +20,3 @@ def check_qk_clip(config: MegaliteConfig) -> None:
         raise UserError("--qk-clip rescales the query and key projections, but --qk-layernorm normalises each "
                         "head's q and k after them, so no attention logit would change: drop --qk-clip (keep "
                         "--log-max-attention-logit to watch the logits) or --qk-layernorm")
-    if m.attention_type == "self" and tp > m.num_query_groups:
-        raise UserError(f"--qk-clip with --tensor-model-parallel-size {tp} > --num-query-groups "
-                        f"{m.num_query_groups}: the ranks sharing a key head hold different query heads of its "
-                        "group, whose clip the group's largest logit decides; use a TP size <= the query groups")

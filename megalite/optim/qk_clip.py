@@ -62,8 +62,23 @@ class QKClip:
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)
         self.last_max = maxima.max()
         if self.clip:
-            for layer_max, layout, slots in zip(maxima.split(self.heads), self.layouts, self.slots):
-                self._rescale(weights, balancing_eta(unit_max(layer_max, layout), self.threshold), slots)
+            units = self._with_sharers([unit_max(m, layout) for m, layout in zip(maxima.split(self.heads),
+                                                                                  self.layouts)])
+            for layer_units, slots in zip(units, self.slots):
+                self._rescale(weights, balancing_eta(layer_units, self.threshold), slots)
+
+    def _with_sharers(self, units: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each layer's unit maxima, over the TP ranks that share its key heads (QKRows.sharers): one
+        all-gather over TP of every such layer's maxima."""
+        shared = [i for i, layout in enumerate(self.layouts) if layout.sharers is not None]
+        if not shared:
+            return units
+        group, first, count = self.layouts[shared[0]].sharers
+        local = torch.cat([units[i] for i in shared])
+        gathered = local.new_empty(dist.get_world_size(group) * local.numel())
+        dist.all_gather_into_tensor(gathered, local, group=group)
+        mine = gathered.view(-1, local.numel())[first:first + count].amax(0).split([units[i].numel() for i in shared])
+        return [mine[shared.index(i)] if i in shared else u for i, u in enumerate(units)]
 
     @staticmethod
     def _rescale(weights: MasterWeights, eta: torch.Tensor, slots: list) -> None:

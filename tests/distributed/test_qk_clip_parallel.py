@@ -81,6 +81,13 @@ def test_muon_clip_at_dp2_zero1_equals_serial():
     assert_equal_runs(reference, train(2, {**CLIP, **MUON, "use_distributed_optimizer": True}))
 
 
+def test_clip_with_more_tp_ranks_than_key_heads_equals_serial():
+    """One key head (MQA) at TP=2: each rank holds two query heads and a copy of the key, whose clip the
+    largest logit of all four heads decides."""
+    mqa = dict(num_query_groups=1)
+    assert_equal_runs(train(1, {**CLIP, **mqa}), train(2, {**CLIP, **mqa, "tensor_model_parallel_size": 2}))
+
+
 @pytest.mark.slow
 def test_mla_clip_at_tp2_and_cp2_equals_serial():
     reference = train(1, {**CLIP, **MLA})

@@ -116,10 +116,14 @@ class QKRows:
     factor eta covers: a query group under GQA (its key is shared by the group's query heads), a head
     under MLA. ``head_unit``: long [local heads], each head's unit. ``rows``: per parameter to rescale,
     (parameter, long [rows] the unit of each row, fp32 [rows] the power of eta each row takes: alpha for
-    query rows, 1 - alpha for key rows, 1 for MLA's RoPE query rows, 0 for rows left as they are)."""
+    query rows, 1 - alpha for key rows, 1 for MLA's RoPE query rows, 0 for rows left as they are).
+    ``sharers``: with more TP ranks than key heads, (TP group, first TP rank, ranks) of the ranks that hold
+    the other query heads of this rank's one group (and a copy of its key), whose maxima its unit's max
+    takes too; None where every rank holds whole groups."""
     units: int
     head_unit: torch.Tensor
     rows: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]
+    sharers: tuple | None = None
 
 
 def per_head_rows(powers: list[float], sizes: list[int], units: int, device) -> tuple[torch.Tensor, torch.Tensor]:

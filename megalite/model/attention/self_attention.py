@@ -41,6 +41,7 @@ class SelfAttention(nn.Module):
         self.head_dim = d
         self.num_heads = nq // tp.size                              # local to this rank
         self.num_groups = max(1, nkv // tp.size)
+        self.num_kv_heads = nkv
         self.heads_per_group = self.num_heads // self.num_groups
         self.dropout = config.attention_dropout
         self.selective_recompute = config.recompute_granularity == "selective"
@@ -115,7 +116,9 @@ class SelfAttention(nn.Module):
         d, hpg = self.head_dim, self.heads_per_group
         unit, power = per_head_rows([alpha, 1 - alpha, 0.0], [hpg * d, d, d], self.num_groups, device)
         head_unit = torch.arange(self.num_heads, device=device) // hpg
-        return QKRows(self.num_groups, head_unit, [(p, unit, power) for p in self.linear_qkv.parameters()])
+        replicas = self.tp.size // self.num_kv_heads
+        sharers = (self.tp.group, self.tp.rank // replicas * replicas, replicas) if replicas > 1 else None
+        return QKRows(self.num_groups, head_unit, [(p, unit, power) for p in self.linear_qkv.parameters()], sharers)
 
 
 def head_sinks(softmax_type: str, offset: nn.Parameter | None, num_heads: int, q: torch.Tensor) -> torch.Tensor | None:
