@@ -55,7 +55,7 @@ class QKClip:
         if not self.layers:
             return
         taken = [m.max_logits.take() for m in self.layers]
-        device = weights.masters[0].device if weights.masters else None
+        device = self.layers[0].linear_proj.weight.device
         maxima = torch.cat([torch.full((h,), float("-inf"), device=device) if t is None else t
                             for t, h in zip(taken, self.heads)])
         if self.group is not None and dist.get_world_size(self.group) > 1:
