@@ -16,7 +16,7 @@ from megalite.config.cli import (integer, moe_layer_pattern, non_negative_int, n
 from megalite.config.fields import derived, flag
 from megalite.config.deepseek_fields import DeepSeekFields
 from megalite.config.model_variants import ModelVariantFields
-from megalite.config.muon_fields import MuonFields
+from megalite.config.muon_fields import MuonFields, QKClipFields
 from megalite.errors import UserError
 
 # ---- the pipeline schedules --pipeline-schedule names, in one place ------------------------------------
@@ -68,7 +68,7 @@ def is_window_layer(window_size, window_attn_skip_freq, layer_number: int) -> bo
 
 
 @dataclass
-class ModelConfig(ModelVariantFields, DeepSeekFields):
+class ModelConfig(ModelVariantFields, DeepSeekFields, QKClipFields):
     num_layers: int = flag("--num-layers", positive_int)
     hidden_size: int = flag("--hidden-size", positive_int)
     num_attention_heads: int = flag("--num-attention-heads", positive_int)

@@ -44,6 +44,7 @@ from megalite.data.tokenizers import build_tokenizer
 from megalite.model.gpt import DTYPES
 from megalite.observe.clocks import Timers
 from megalite.optim.distrib_optimizer import build_optimizer
+from megalite.optim.qk_clip import build_qk_clip
 from megalite.optim.lr_scheduler import LRScheduler
 from megalite.parallel.context.ring_attention import build_context_parallel
 from megalite.parallel.data.build import build_data_parallel
@@ -113,6 +114,8 @@ class Trainer:
         self._build_model()
         # the global gradient norm is taken over TP/PP (and DP shards)
         self.optimizer = build_optimizer(self.ddp, config.optimizer, self.parallel, config.model)
+        self.optimizer.qk_clip = build_qk_clip(self.chunks, self.buffer, self.ddp.named_params, config.model,
+                                               self.parallel)
         self.scheduler = LRScheduler(config.optimizer, config.training.train_iters)
         self.pipeline = self._build_pipeline_comm()
         self.async_pipeline = build_async_pipeline(config, self.parallel, self.ddp, self.pipeline,
