@@ -32,7 +32,7 @@ from megalite.parallel.tensor.layers import (ColumnParallelLinear, TensorParalle
                                              vocab_parallel_lookup)
 from megalite.parallel.tensor.mappings import gather_from_tp_region, reduce_from_tp_region, scatter_to_sp_region
 from megalite.parallel.tensor.random import checkpoint
-from megalite.precision.gemm import GemmPrecision, build_gemm_precision
+from megalite.precision.gemm import GemmPrecision, build_gemm_precision, output_head_recipe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -105,9 +105,9 @@ class GPTModel(nn.Module):
                     # tied and on a later pipeline stage: a copy of the word embeddings, initialised equal
                     # (same global name) and kept equal by summing both gradients over the embedding group
                     self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, False,
-                                                             dtype, tp)
+                                                             dtype, tp, gemm_recipe=output_head_recipe(tp.gemm_recipe))
                 else:   # the head reads the word embeddings: the model owns the logits GEMM's precision
-                    self.output_precision = build_gemm_precision(tp.gemm_recipe)
+                    self.output_precision = build_gemm_precision(output_head_recipe(tp.gemm_recipe))
             self.mtp = None
             if post_process and config.mtp_num_layers:
                 self.mtp = MultiTokenPrediction(config, dtype, tp, cp, self.moe)

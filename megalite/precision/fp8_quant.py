@@ -1,0 +1,113 @@
+"""FP8 quantisation of a GEMM operand, and the FP8 GEMM of two quantised operands.
+
+Every recipe scales an operand in blocks along the GEMM's contraction dimension K: an operand [M, K] is
+cut into blocks of ``rows`` x ``cols`` elements (M x K: one scale per tensor; 1 x K: one per row; 1 x 128
+tiles; 128 x 128 blocks; 1 x 32 blocks), and each block b gets a scale s_b that maps its amax onto the
+format's largest value:
+
+    s_b = fp8_max / amax_b           q = saturate(x * s_b) in FP8          x ~ q * scale_inv_b, scale_inv_b = 1 / s_b
+
+(an all-zero block takes amax 1e-12, so its scale stays finite). MXFP8 rounds the other way, to a power of
+two stored as E8M0 (the OCP MX rule): scale_inv_b = 2^(floor(log2 amax_b) - emax), emax the exponent of
+the format's largest value (8 for E4M3, 15 for E5M2). A delayed-scaling operand brings its scale instead.
+
+A dimension that is not a whole number of blocks (the token count along a 1 x 128 tile) is padded with
+zeros, which change neither an amax nor a product; ``Quantised`` keeps the padded shape and the true one.
+
+The product of two quantised operands a [M, K] and b [N, K] (both with K last), a b^T, runs either on
+``torch._scaled_mm`` (``scaled_mm``: the real path, where the device has the kernel for the scale layout)
+or as dequantise, dequantise, fp32 matmul (``emulated_mm``); both read the same ``Quantised`` operands.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+AMAX_FLOOR = 1e-12                   # the amax of an all-zero block (torchao's EPS)
+E8M0 = getattr(torch, "float8_e8m0fnu", None)       # torch >= 2.7: MXFP8's power-of-two scale dtype
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+@dataclass
+class Quantised:
+    """An operand [M, K] in FP8: ``data`` [M', K'] (padded to whole blocks), ``scale_inv`` [M'/rows, K'/cols]
+    (fp32, or E8M0 for MXFP8) with x ~ data * scale_inv over each block, ``shape`` the true [M, K]."""
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    rows: int
+    cols: int
+    shape: tuple
+
+    def dequantise(self) -> torch.Tensor:
+        """The fp32 values the FP8 data stand for, [M, K]."""
+        scale = self.scale_inv.float().repeat_interleave(self.rows, 0).repeat_interleave(self.cols, 1)
+        return (self.data.float() * scale)[:self.shape[0], :self.shape[1]]
+
+
+def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    m, k = x.shape
+    return F.pad(x, (0, -k % cols, 0, -m % rows))
+
+
+def block_amax(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The fp32 amax of each rows x cols block of a 2-D ``x`` whose dimensions are whole blocks."""
+    m, k = x.shape
+    return x.float().abs().reshape(m // rows, rows, k // cols, cols).amax(dim=(1, 3))
+
+
+def quantise(x: torch.Tensor, dtype: torch.dtype, rows: int, cols: int, power_of_two: bool = False,
+             scale: torch.Tensor | None = None) -> Quantised:
+    """``x`` [M, K] in ``dtype`` with one scale per ``rows`` x ``cols`` block (clipped to the tensor: a block
+    larger than x is the whole tensor). ``scale``: the scalar scale of a delayed-scaling operand (one block)."""
+    shape = tuple(x.shape)
+    rows, cols = min(rows, shape[0]), min(cols, shape[1])
+    padded = _pad_to(x, rows, cols)
+    if scale is None:
+        amax = block_amax(padded, rows, cols).clamp(min=AMAX_FLOOR)
+        if power_of_two:
+            emax = math.floor(math.log2(fp8_max(dtype)))
+            scale_inv = torch.exp2(torch.floor(torch.log2(amax)) - emax).clamp(min=2.0 ** -127, max=2.0 ** 127)
+            scale = scale_inv.reciprocal()
+        else:
+            scale = fp8_max(dtype) / amax
+            scale_inv = scale.reciprocal()
+    else:
+        scale = scale.float().reshape(1, 1)
+        scale_inv = scale.reciprocal()
+    expanded = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
+    limit = fp8_max(dtype)
+    data = (padded.float() * expanded).clamp(-limit, limit).to(dtype).contiguous()     # row-major, as the kernel reads
+    if power_of_two:
+        scale_inv = scale_inv.to(E8M0)
+    return Quantised(data, scale_inv, rows, cols, shape)
+
+
+def emulated_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype) -> torch.Tensor:
+    """a b^T [M, N] from the dequantised operands, multiplied in fp32."""
+    return a.dequantise().matmul(b.dequantise().t()).to(out_dtype)
+
+
+def _kernel_scale(q: Quantised) -> torch.Tensor:
+    """A scale_inv in the layout torch._scaled_mm reads: a 0-d tensor for one scale per tensor; otherwise
+    [M/rows, K/cols] (an A operand) whose transpose is the B operand's [K/cols, N/rows], stored with its
+    M dimension contiguous for 1 x 128 tiles, as the blockwise kernels read them."""
+    s = q.scale_inv
+    if s.numel() == 1 and q.rows == q.data.shape[0] and q.cols == q.data.shape[1]:
+        return s.reshape(())
+    if q.rows == 1 and q.cols < q.data.shape[1]:
+        return s.t().contiguous().t()
+    return s
+
+
+def scaled_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype) -> torch.Tensor:
+    """a b^T [M, N] by torch._scaled_mm on the FP8 data and their scales (the real path)."""
+    sa, sb = _kernel_scale(a), _kernel_scale(b)
+    out = torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb.t() if sb.dim() else sb, out_dtype=out_dtype)
+    return out[:a.shape[0], :b.shape[0]]
