@@ -8,14 +8,15 @@ into the format's range: ``tensorwise`` one scale per tensor from its amax now (
 ``rowwise_with_gw_hp`` the same with the weight-gradient GEMM kept in the operands' precision; ``blockwise``
 DeepSeek-V3's 1x128 tiles for activations and gradients and 128x128 blocks for weights; ``mxfp8`` 1x32
 blocks with power-of-two (E8M0) scales. The output head, the router, the norms and core attention stay in
-the model's precision whatever the recipe.
+the model's precision whatever the recipe, and so do the first --num-layers-at-start-in-bf16 and the last
+--num-layers-at-end-in-bf16 transformer layers with --first-last-layers-bf16.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from megalite.config.cli import positive_int
+from megalite.config.cli import non_negative_int, positive_int
 from megalite.config.fields import flag
 
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -41,3 +42,18 @@ class Fp8Fields:
                                       help="delayed scaling: scale from the newest amax or the history's max")
     fp8_emulate: bool = flag(EMULATE_FLAG, default=False, help=(
         "FP8 without FP8 kernels: quantise, dequantise and multiply in fp32 (same quantised values and scales)"))
+    first_last_layers_bf16: bool = flag("--first-last-layers-bf16", default=False, help=(
+        "FP8: keep the first and last transformer layers' GEMMs in the model's precision"))
+    num_layers_at_start_in_bf16: int = flag("--num-layers-at-start-in-bf16", non_negative_int, default=1, help=(
+        "with --first-last-layers-bf16: how many layers at the start stay out of FP8"))
+    num_layers_at_end_in_bf16: int = flag("--num-layers-at-end-in-bf16", non_negative_int, default=1, help=(
+        "with --first-last-layers-bf16: how many layers at the end stay out of FP8"))
+
+    def fp8_layer(self, layer_number: int) -> bool:
+        """Whether 1-based transformer layer ``layer_number`` runs its GEMMs in FP8 (--fp8-format given and
+        the layer not among those --first-last-layers-bf16 keeps out)."""
+        if self.fp8_format is None:
+            return False
+        if not self.first_last_layers_bf16:
+            return True
+        return self.num_layers_at_start_in_bf16 < layer_number <= self.num_layers - self.num_layers_at_end_in_bf16

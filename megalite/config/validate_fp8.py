@@ -27,6 +27,11 @@ def _gemm_widths(m: ModelConfig, p: ParallelConfig) -> list[tuple[str, int]]:
 
 
 def check_fp8(m: ModelConfig, p: ParallelConfig) -> None:
+    per_stage = m.num_layers // p.pipeline_model_parallel_size
+    for name, count in (("start", m.num_layers_at_start_in_bf16), ("end", m.num_layers_at_end_in_bf16)):
+        if m.first_last_layers_bf16 and count > per_stage:
+            raise UserError(f"--num-layers-at-{name}-in-bf16 {count} is more than the {per_stage} layers of a "
+                            "pipeline stage; lower it")
     block = FP8_BLOCKS.get(m.fp8_recipe)
     if m.fp8_format is None or block is None:
         return

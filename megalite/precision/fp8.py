@@ -144,13 +144,13 @@ class DelayedScaling(Fp8Gemm):
             self.register_buffer(f"{role}_scale_used", torch.ones((), device="cpu"), persistent=False)
 
     def quantise(self, x: torch.Tensor, role: str) -> Quantised:
-        scale = self.grad_scale if role == GRAD else getattr(self, f"{role}_scale_used")
+        scale = self.grad_scale if role == GRAD else self.get_buffer(f"{role}_scale_used")
         return quantise(x, self.dtypes[role], WHOLE, WHOLE, scale=scale)
 
     @torch.no_grad()
     def record(self, role: str, x: torch.Tensor) -> None:
         """Push x's amax into the role's history and recompute its scale from the history."""
-        history, scale = getattr(self, f"{role}_amax_history"), getattr(self, f"{role}_scale")
+        history, scale = self.get_buffer(f"{role}_amax_history"), self.get_buffer(f"{role}_scale")
         history.copy_(history.roll(1))
         history[0] = x.detach().abs().max().float()
         amax = history.max() if self.recipe.amax_compute_algo == "max" else history[0]

@@ -47,8 +47,8 @@ class Quantised:
 
     def dequantise(self) -> torch.Tensor:
         """The fp32 values the FP8 data stand for, [M, K]."""
-        scale = self.scale_inv.float().repeat_interleave(self.rows, 0).repeat_interleave(self.cols, 1)
-        return (self.data.float() * scale)[:self.shape[0], :self.shape[1]]
+        values = by_blocks(self.data.float(), self.rows, self.cols) * self.scale_inv.float()[:, None, :, None]
+        return values.reshape(self.data.shape)[:self.shape[0], :self.shape[1]]
 
 
 def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -56,10 +56,10 @@ def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return F.pad(x, (0, -k % cols, 0, -m % rows))
 
 
-def block_amax(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """The fp32 amax of each rows x cols block of a 2-D ``x`` whose dimensions are whole blocks."""
+def by_blocks(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A 2-D ``x`` of whole blocks viewed as [M / rows, rows, K / cols, cols]."""
     m, k = x.shape
-    return x.float().abs().reshape(m // rows, rows, k // cols, cols).amax(dim=(1, 3))
+    return x.reshape(m // rows, rows, k // cols, cols)
 
 
 def quantise(x: torch.Tensor, dtype: torch.dtype, rows: int, cols: int, power_of_two: bool = False,
@@ -68,9 +68,9 @@ def quantise(x: torch.Tensor, dtype: torch.dtype, rows: int, cols: int, power_of
     larger than x is the whole tensor). ``scale``: the scalar scale of a delayed-scaling operand (one block)."""
     shape = tuple(x.shape)
     rows, cols = min(rows, shape[0]), min(cols, shape[1])
-    padded = _pad_to(x, rows, cols)
+    blocks = by_blocks(_pad_to(x, rows, cols).float(), rows, cols)
     if scale is None:
-        amax = block_amax(padded, rows, cols).clamp(min=AMAX_FLOOR)
+        amax = blocks.abs().amax(dim=(1, 3)).clamp(min=AMAX_FLOOR)
         if power_of_two:
             emax = math.floor(math.log2(fp8_max(dtype)))
             scale_inv = torch.exp2(torch.floor(torch.log2(amax)) - emax).clamp(min=2.0 ** -127, max=2.0 ** 127)
@@ -81,9 +81,9 @@ def quantise(x: torch.Tensor, dtype: torch.dtype, rows: int, cols: int, power_of
     else:
         scale = scale.float().reshape(1, 1)
         scale_inv = scale.reciprocal()
-    expanded = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
     limit = fp8_max(dtype)
-    data = (padded.float() * expanded).clamp(-limit, limit).to(dtype).contiguous()     # row-major, as the kernel reads
+    data = (blocks * scale[:, None, :, None]).clamp(-limit, limit).to(dtype)
+    data = data.reshape(blocks.shape[0] * rows, blocks.shape[2] * cols).contiguous()    # row-major, as the kernel reads
     if power_of_two:
         scale_inv = scale_inv.to(E8M0)
     return Quantised(data, scale_inv, rows, cols, shape)

@@ -107,7 +107,7 @@ def build_gemm_precision(recipe=DEFAULT_RECIPE) -> GemmPrecision:
     return RECIPES[recipe]()
 
 
-def output_head_recipe(recipe=DEFAULT_RECIPE):
-    """The output head's recipe: a recipe with settings (FP8) leaves the head in the model's precision, as
-    Megatron keeps it; a named recipe applies to the head too."""
+def high_precision_recipe(recipe=DEFAULT_RECIPE):
+    """The recipe of the GEMMs that stay out of FP8 (the output head, the layers --first-last-layers-bf16
+    names): the default for a recipe with settings (FP8); a named recipe applies to them too."""
     return recipe if isinstance(recipe, str) else DEFAULT_RECIPE
