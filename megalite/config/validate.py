@@ -42,7 +42,7 @@ def validate(config: MegaliteConfig, world_size: int) -> None:
     _check_data_parallel(config.parallel)
     _check_learning_rate(config.optimizer)
     check_muon(config)
-    check_fp8(config.model, config.parallel)
+    check_fp8(config)
     _check_data(config.data)
     check_masked_attention(config.model, config.data.reset_attention_mask)
     _check_checkpointing(config.training)

@@ -1,10 +1,16 @@
-"""The rules of FP8 GEMMs (--fp8-format): a recipe that scales in fixed blocks along the contraction
-dimension (blockwise 128, MXFP8 32) needs every linear's input and output width on each tensor-parallel
-rank to be whole blocks, which the FP8 kernels read."""
+"""The rules of FP8 GEMMs (--fp8-format), one line each:
+- a recipe that scales in fixed blocks along the contraction dimension (blockwise 128, MXFP8 32) needs
+  every linear's input and output width on each tensor-parallel rank to be whole blocks, which the FP8
+  kernels read;
+- the linears' FP8 backward GEMMs run in their own autograd Functions, which a torch.compile graph replaces
+  with its own backward (--compile);
+- delayed scaling records each forward's amaxes and keeps its scales for the backward, so a forward run
+  again by full recomputation would record twice and quantise the backward with other scales;
+- --first-last-layers-bf16 keeps at most one pipeline stage's layers at each end (Megatron's bound)."""
 from __future__ import annotations
 
 from megalite.config.fp8_fields import FP8_BLOCKS
-from megalite.config.schema import ModelConfig, ParallelConfig
+from megalite.config.schema import MegaliteConfig, ModelConfig, ParallelConfig
 from megalite.errors import UserError
 
 
@@ -26,7 +32,13 @@ def _gemm_widths(m: ModelConfig, p: ParallelConfig) -> list[tuple[str, int]]:
     return widths
 
 
-def check_fp8(m: ModelConfig, p: ParallelConfig) -> None:
+def check_fp8(config: MegaliteConfig) -> None:
+    m, p = config.model, config.parallel
+    if m.fp8_format is not None and config.training.compile:
+        raise UserError("--compile builds its own backward, not the FP8 one of --fp8-format; drop --compile")
+    if m.fp8_format is not None and m.fp8_recipe == "delayed" and m.recompute_granularity == "full":
+        raise UserError("--fp8-recipe delayed with --recompute-granularity full would record each forward twice; use "
+                        "--fp8-recipe tensorwise or --recompute-granularity selective")
     per_stage = m.num_layers // p.pipeline_model_parallel_size
     for name, count in (("start", m.num_layers_at_start_in_bf16), ("end", m.num_layers_at_end_in_bf16)):
         if m.first_last_layers_bf16 and count > per_stage:

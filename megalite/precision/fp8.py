@@ -139,9 +139,9 @@ class DelayedScaling(Fp8Gemm):
         super().__init__(recipe)
         for role in (INPUT, WEIGHT, GRAD):
             self.register_buffer(f"{role}_amax_history", torch.zeros(recipe.amax_history_len, device="cpu"))
-            self.register_buffer(f"{role}_scale", torch.ones((), device="cpu"))
+            self.register_buffer(f"{role}_scale", torch.ones(1, device="cpu"))
         for role in (INPUT, WEIGHT):
-            self.register_buffer(f"{role}_scale_used", torch.ones((), device="cpu"), persistent=False)
+            self.register_buffer(f"{role}_scale_used", torch.ones(1, device="cpu"), persistent=False)
 
     def quantise(self, x: torch.Tensor, role: str) -> Quantised:
         scale = self.grad_scale if role == GRAD else self.get_buffer(f"{role}_scale_used")

@@ -86,7 +86,26 @@ def test_bad_fp8_input_is_one_line():
                               tensor_model_parallel_size=2), world_size=2)
     with pytest.raises(UserError, match="--fp8-recipe"):
         parse_args(with_flags(FP8_ARGS, fp8_recipe="nvfp4"), world_size=1)
+    with pytest.raises(UserError, match="--compile builds its own backward, not the FP8 one"):
+        parse_args(with_flags(FP8_ARGS, fp8_recipe="tensorwise", compile=True), world_size=1)
+    with pytest.raises(UserError, match="--fp8-recipe delayed with --recompute-granularity full"):
+        parse_args(with_flags(FP8_ARGS, recompute_granularity="full", recompute_method="uniform",
+                              recompute_num_layers=1), world_size=1)
+    parse_args(with_flags(FP8_ARGS, fp8_recipe="tensorwise", recompute_granularity="full",
+                          recompute_method="uniform", recompute_num_layers=1), world_size=1)
     config = parse_args(with_flags(FP8_ARGS, fp8_recipe="blockwise"), world_size=1).model
     with pytest.raises(UserError, match=r"^--fp8-recipe blockwise has no FP8 kernel on cpu: use --fp8-recipe "
                                         r"tensorwise / delayed / rowwise / rowwise_with_gw_hp or --fp8-emulate"):
         gemm_recipe_for(config, torch.device("cpu"), torch.float32)
+
+
+def test_delayed_scaling_resumes_with_its_amax_history(tmp_path):
+    """The amax histories and scales are checkpointed: a run stopped after 2 iterations and resumed repeats
+    the uninterrupted run's losses bit for bit, which a fresh history (scale 1) would not."""
+    argv = with_flags(FP8_ARGS, fp8_recipe="delayed", fp8_amax_history_len=4, fp8_amax_compute_algo="max",
+                      lr_decay_iters=4)         # the schedule of the 4-iteration run in both
+    full_state, _ = run_pretrain(argv)
+    ckpt = str(tmp_path / "ckpt")
+    run_pretrain(with_flags(argv, train_iters=2, save=ckpt))
+    resumed_state, _ = run_pretrain(with_flags(argv, load=ckpt))
+    assert resumed_state.history == full_state.history[2:]
