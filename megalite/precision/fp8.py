@@ -10,8 +10,9 @@ power-of-two scales. Each GEMM quantises its operands anew along its own K (torc
 gradient's operands are scaled along the tokens.
 
 The product runs on ``torch._scaled_mm`` where the device has the kernel for the recipe's scale layout and
-operand dtypes (``has_kernel``, probed once per device and layout against the emulation) and the recipe
-was not told to emulate (--fp8-emulate); otherwise it is emulated: dequantise both, multiply in fp32.
+operand dtypes (``has_kernel``, probed once per device and layout against the emulation), the output's
+rows and columns are multiples of 16 (an expert's token count need not be) and the recipe was not told to
+emulate (--fp8-emulate); otherwise it is emulated: dequantise both, multiply in fp32.
 Either way the quantised values and scales are the same. The experts' grouped GEMMs run the same GEMM per
 expert, each expert's operands scaled as tensors of their own.
 
@@ -33,7 +34,8 @@ import torch
 from megalite.config.fp8_fields import EMULATE_FLAG, FP8_BLOCKS, FP8_RECIPES
 from megalite.config.schema import ModelConfig
 from megalite.errors import UserError
-from megalite.precision.fp8_quant import E4M3, E5M2, E8M0, Quantised, emulated_mm, fp8_max, quantise, scaled_mm
+from megalite.precision.fp8_quant import (E4M3, E5M2, E8M0, Quantised, emulated_mm, fp8_max, kernel_aligned, quantise,
+                                          scaled_mm)
 from megalite.precision.gemm import DEFAULT_RECIPE, GemmPrecision
 
 INPUT, WEIGHT, GRAD = "input", "weight", "grad"
@@ -75,8 +77,8 @@ class Fp8Gemm(GemmPrecision):
     def mm(self, a: torch.Tensor, a_role: str, b: torch.Tensor, b_role: str, out_dtype: torch.dtype) -> torch.Tensor:
         """a [M, K] times b [N, K] transposed, in FP8, as ``out_dtype`` [M, N]."""
         qa, qb = self.quantise(a, a_role), self.quantise(b, b_role)
-        if not self.recipe.emulate and has_kernel(self.recipe.name, self.recipe.fp8_format, a.device, a_role, b_role,
-                                                  out_dtype):
+        if not self.recipe.emulate and kernel_aligned(qa, qb) and has_kernel(
+                self.recipe.name, self.recipe.fp8_format, a.device, a_role, b_role, out_dtype):
             return scaled_mm(qa, qb, out_dtype)
         return emulated_mm(qa, qb, out_dtype)
 

@@ -15,8 +15,9 @@ A dimension that is not a whole number of blocks (the token count along a 1 x 12
 zeros, which change neither an amax nor a product; ``Quantised`` keeps the padded shape and the true one.
 
 The product of two quantised operands a [M, K] and b [N, K] (both with K last), a b^T, runs either on
-``torch._scaled_mm`` (``scaled_mm``: the real path, where the device has the kernel for the scale layout)
-or as dequantise, dequantise, fp32 matmul (``emulated_mm``); both read the same ``Quantised`` operands.
+``torch._scaled_mm`` (``scaled_mm``: the real path, where the device has the kernel for the scale layout
+and the output's shape is aligned, ``kernel_aligned``) or as dequantise, dequantise, fp32 matmul
+(``emulated_mm``); both read the same ``Quantised`` operands.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 AMAX_FLOOR = 1e-12                   # the amax of an all-zero block (torchao's EPS)
 E8M0 = getattr(torch, "float8_e8m0fnu", None)       # torch >= 2.7: MXFP8's power-of-two scale dtype
+KERNEL_ALIGNMENT = 16                # torch._scaled_mm's operands: every dimension a multiple of 16 (CUDA)
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -106,8 +108,17 @@ def _kernel_scale(q: Quantised) -> torch.Tensor:
     return s
 
 
+def kernel_aligned(a: Quantised, b: Quantised) -> bool:
+    """Whether the FP8 GEMM kernels take a b^T's output shape: M and N multiples of KERNEL_ALIGNMENT
+    (``scaled_mm`` pads K itself)."""
+    return a.data.shape[0] % KERNEL_ALIGNMENT == 0 and b.data.shape[0] % KERNEL_ALIGNMENT == 0
+
+
 def scaled_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype) -> torch.Tensor:
-    """a b^T [M, N] by torch._scaled_mm on the FP8 data and their scales (the real path)."""
+    """a b^T [M, N] by torch._scaled_mm on the FP8 data and their scales (the real path), K padded with
+    zeros to the kernels' alignment (a scale per row or per tensor covers the padding too)."""
     sa, sb = _kernel_scale(a), _kernel_scale(b)
-    out = torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb.t() if sb.dim() else sb, out_dtype=out_dtype)
+    pad = -a.data.shape[1] % KERNEL_ALIGNMENT
+    data_a, data_b = (F.pad(q.data.view(torch.uint8), (0, pad)).view(q.data.dtype) for q in (a, b))
+    out = torch._scaled_mm(data_a, data_b.t(), scale_a=sa, scale_b=sb.t() if sb.dim() else sb, out_dtype=out_dtype)
     return out[:a.shape[0], :b.shape[0]]
