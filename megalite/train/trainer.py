@@ -57,6 +57,7 @@ from megalite.parallel.pipeline.stages import chunk_forward
 from megalite.config.pipeline_split import stage_layers_of
 from megalite.parallel.expert.dispatch import build_moe_context
 from megalite.parallel.tensor.setup import build_tensor_parallel
+from megalite.precision.fp8 import gemm_recipe_for
 from megalite.train import loop
 from megalite.train.compile import compile_layers
 from megalite.train.faults import CollectiveFailure, collective_phase
@@ -164,6 +165,7 @@ class Trainer:
         seed = set_seed(config.training.seed, parallel.pp_rank)     # dropout's: each pipeline stage its own
         tp = build_tensor_parallel(parallel, config.parallel.sequence_parallel, seed, device,
                                    config.model.num_query_groups)
+        tp.gemm_recipe = gemm_recipe_for(config.model, device, DTYPES[config.model.params_dtype])
         cp = build_context_parallel(parallel, tuple(config.parallel.cp_comm_type),
                                     config.parallel.hierarchical_context_parallel_sizes)
         moe = build_moe_context(parallel, config.model.moe_token_dispatcher_type, tp.sequence_parallel) \
