@@ -23,6 +23,9 @@ FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
 # the scaling block along a GEMM's contraction dimension of the recipes whose kernels need whole blocks
 FP8_BLOCKS = {"blockwise": 128, "mxfp8": 32}
+# --fp8-param-gather: the recipes whose weight scales are the same for W and W^T (one per tensor, square
+# blocks), so the one gathered FP8 copy serves both the forward and the input-gradient GEMM
+PARAM_GATHER_RECIPES = ("tensorwise", "blockwise")
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 EMULATE_FLAG = "--fp8-emulate"
 

@@ -248,6 +248,9 @@ class ParallelConfig:
     ddp_bucket_size: Optional[int] = flag("--ddp-bucket-size", positive_int, default=None, help=(
         "elements per data-parallel gradient bucket (default max(40M, 1M x data-parallel size) with "
         "--overlap-grad-reduce, else one bucket)"))
+    fp8_param_gather: bool = flag("--fp8-param-gather", default=False, help=(
+        "ZeRO: gather the weights of FP8 layers in FP8 with their scales (half bf16's bytes); needs a sharding "
+        "strategy and --fp8-recipe tensorwise or blockwise"))
     grad_reduce_in_bf16: bool = flag("--grad-reduce-in-bf16", default=False,
                                      help="data-parallel gradient reductions in bf16 (gradient accumulation stays fp32)")
     gradient_accumulation_fusion: bool = flag("--no-gradient-accumulation-fusion", default=True, help=(

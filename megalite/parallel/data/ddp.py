@@ -86,12 +86,14 @@ from megalite.config.schema import SHARDING_STRATEGIES, ParallelConfig
 from megalite.parallel.data.bucket_comm import (DONE, Comm, GradReduction, InFlight, ParamGathers, comm_for,
                                               grad_reduction,
                                               shard_comms, traced, wait)
+from megalite.parallel.data.fp8_gather import Fp8ParamGather
 from megalite.parallel.data.grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.parallel.data.materialise import LocalElements
 from megalite.parallel.data.protocol import DataParallel
 from megalite.parallel.data.units import Unit, model_units, tensors_in
 from megalite.parallel.mesh import ParallelState
 from megalite.observe.clocks import waiting
+from megalite.precision.fp8_params import fp8_gathered_weights
 
 # Full-buffer collectives in flight at once that hold memory until waited on: gloo's (temporaries of the
 # bucket's size) and --grad-reduce-in-bf16's bf16 copies. Unbounded, all parameters after the step (or a
@@ -156,13 +158,17 @@ class DistributedDataParallel(DataParallel):
         self.shard_params = self.strategy == "optim_grads_params"
 
         named, unit_of, self.units = self._collect_units()
+        fp8 = fp8_gathered_weights(self.models) if config.fp8_param_gather and self.shard_optimizer else {}
         bucket_size = config.ddp_bucket_size or default_bucket_size(self.dp_size, self.overlap_grad_reduce)
         self.buffer = ParamAndGradBuffer(
             named, bucket_size, shard_rank, shard_size, self.shard_grads, self.shard_params,
             units=unit_of if self.shard_grads else None, device=device,
             staging_dtype=self.comm.reduce_dtype or torch.float32, expert_dp=expert_dp,
-            whole_params=config.use_layer_wise_distributed_optimizer and self.shard_optimizer)
+            whole_params=config.use_layer_wise_distributed_optimizer and self.shard_optimizer,
+            fp8_params=frozenset(fp8))
         named = self._swap_replacements(named)
+        # --fp8-param-gather: the FP8 layers' weights travel in FP8 (fp8_gather.py)
+        self._fp8 = Fp8ParamGather(self.buffer, fp8_gathered_weights(self.models)) if fp8 else None
         if config.gradient_accumulation_fusion:
             self.buffer.fuse_weight_grads()
         self.named_params = named
@@ -193,6 +199,10 @@ class DistributedDataParallel(DataParallel):
             for unit in self.units:
                 self._hooks.append(unit.module.register_forward_pre_hook(
                     lambda module, args, unit=unit: self._param_gathers.wait(unit.buckets)))
+        if self._fp8 is not None and not self.shard_params:
+            for unit in self.units:
+                self._hooks.append(unit.module.register_forward_pre_hook(
+                    lambda module, args, unit=unit: self._fp8.refresh(unit.buckets, self.comm_of)))
 
     # ---- structure -------------------------------------------------------------------------------
     @property
@@ -420,7 +430,9 @@ class DistributedDataParallel(DataParallel):
         order = []
         for unit in self.units:
             order += [b for b in unit.buckets if b not in order]
-        self._param_gathers.start(order + [b for b in self.buckets if b not in order])
+        if self._fp8 is not None:            # gathered in FP8 by the next forward that uses them
+            self._fp8.mark_stale()
+        self._param_gathers.start([b for b in order + [b for b in self.buckets if b not in order] if not b.fp8])
 
     def wait_for_param_gather(self) -> None:
         """Complete every pending parameter all-gather (before reading parameters outside forward)."""
@@ -437,10 +449,16 @@ class DistributedDataParallel(DataParallel):
             self._hooks.append(unit.end_module.register_forward_hook(
                 lambda module, args, output, unit=unit: self._post_forward(unit, output)))
 
+    def _is_gathered(self, bucket: Bucket) -> bool:
+        return self._fp8.is_gathered(bucket) if bucket.fp8 else self.buffer.is_gathered(bucket)
+
     @torch.no_grad()
     def _gather(self, buckets, async_op: bool) -> None:
         for bucket in buckets:
-            if self.buffer.is_gathered(bucket):
+            if self._is_gathered(bucket):
+                continue
+            if bucket.fp8:
+                self._fp8.gather(bucket, self.comm_of(bucket), async_op)
                 continue
             self.buffer.allocate(bucket)
             chunk = self.buffer.local_param_chunk(bucket)
@@ -457,12 +475,17 @@ class DistributedDataParallel(DataParallel):
         with waiting():
             self._gather(buckets, async_op=False)
             for bucket in buckets:
+                if bucket.fp8:
+                    self._fp8.wait(bucket)
                 work = self._gather_work.pop(bucket.index, None)
                 if work is not None:
                     wait(work, "param all-gather", bucket)
 
     def _release(self, buckets) -> None:
         for bucket in buckets:
+            if bucket.fp8:
+                self._fp8.release(bucket)
+                continue
             work = self._gather_work.pop(bucket.index, None)
             if work is not None:
                 wait(work, "param all-gather", bucket)

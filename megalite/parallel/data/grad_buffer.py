@@ -110,6 +110,7 @@ class Bucket:
     shard_start: int = 0             # where this rank's chunk of the bucket starts in the shard tensors
     bounds: tuple = (0, 0)           # rank r's chunk is [start + bounds[r], start + bounds[r + 1])
     own_bucket: bool = False         # holds one shared_embedding parameter and nothing else
+    fp8: bool = False                # holds weights gathered in FP8 (--fp8-param-gather) and nothing else
     unsharded: Transient | None = None   # ZeRO-3: the full bucket of parameters while gathered
     staging: Transient | None = None     # ZeRO-2/3: one micro-batch's gradients until reduced
     reduced: Transient | None = None     # ZeRO-2/3, equal chunks: this rank's reduced chunk while reduced
@@ -179,14 +180,15 @@ class ParamAndGradBuffer(FlatLayout):
                  dp_rank: int = 0, dp_size: int = 1, shard_grads: bool = False, shard_params: bool = False,
                  units: list[int] | None = None, device: torch.device | None = None,
                  staging_dtype: torch.dtype = torch.float32, expert_dp: tuple[int, int] | None = None,
-                 whole_params: bool = False):
+                 whole_params: bool = False, fp8_params: frozenset = frozenset()):
         """``units[i]`` is the module unit of ``named_params[i]``; a bucket never spans two units when
         given (ZeRO-2/3 reduce and gather per unit). ``bucket_size`` None: one bucket (per unit).
         ``device``: where storage lives (needed when the parameters are on the meta device).
         ``staging_dtype``: dtype of ZeRO-2/3 per-micro-batch gradient staging (bf16 with
         --grad-reduce-in-bf16, so the reduce-scatter moves half the bytes). ``expert_dp``: (rank, size)
         in the expert-data-parallel group, for expert weights (default: the data-parallel ones).
-        ``whole_params``: every parameter wholly in one rank's chunk (module docstring)."""
+        ``whole_params``: every parameter wholly in one rank's chunk (module docstring). ``fp8_params``: ids
+        of the weights gathered in FP8 (--fp8-param-gather): each unit's in buckets of their own."""
         if not named_params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         dtypes = {p.dtype for _, p in named_params}
@@ -200,6 +202,7 @@ class ParamAndGradBuffer(FlatLayout):
             raise ValueError("parameters are on the meta device: pass the device their storage goes to")
         self.dp_rank, self.dp_size, self.whole_params = dp_rank, dp_size, whole_params
         self.expert_dp = expert_dp or (dp_rank, dp_size)
+        self.fp8_params = fp8_params
         self.shard_grads, self.shard_params = shard_grads or shard_params, shard_params
         self.slots: dict[str, BufferSlot] = {}
         self.buckets: list[Bucket] = []
@@ -265,24 +268,27 @@ class ParamAndGradBuffer(FlatLayout):
         stages both hold) gets a bucket of its own when the buffer is sharded, so both stages shard it
         identically and its gradient can be summed across them after the data-parallel reduction."""
         limit = bucket_size if bucket_size else float("inf")
+        order = list(zip(named_params, units))
+        if self.fp8_params:        # each unit's FP8-gathered weights next to each other, so in buckets of their own
+            order.sort(key=lambda entry: (entry[1], id(entry[0][1]) in self.fp8_params))
         self._owner = {}
         for expert, ranks in ((False, self.dp_size), (True, self.expert_dp[1])):
             params = [p for _, p in named_params if bool(param_meta(p).expert) == expert]
             if self.whole_params and ranks > 1:
                 self._owner.update(zip(map(id, params), whole_param_owners([p.numel() for p in params], ranks)))
         offset, current, filled = 0, None, 0
-        for (name, param), unit in reversed(list(zip(named_params, units))):
+        for (name, param), unit in reversed(order):
             own_bucket = self.dp_size > 1 and param_meta(param).shared_embedding
-            expert = param_meta(param).expert
+            expert, fp8 = param_meta(param).expert, id(param) in self.fp8_params
             if current is not None and (filled >= limit or unit != current.unit or own_bucket
-                                        or current.own_bucket or expert != current.expert):
+                                        or current.own_bucket or expert != current.expert or fp8 != current.fp8):
                 offset = self._close(current)
                 current = None
             if current is None:
                 rank, size = self.expert_dp if expert else (self.dp_rank, self.dp_size)
                 shard_start = self.buckets[-1].shard_start + self.buckets[-1].chunk_numel if self.buckets else 0
                 current = Bucket(len(self.buckets), offset, offset, unit=unit, expert=expert, shard_rank=rank,
-                                 shard_size=size, shard_start=shard_start)
+                                 shard_size=size, shard_start=shard_start, fp8=fp8)
                 current.own_bucket, filled = own_bucket, 0
                 self.buckets.append(current)
             current.names.append(name)
