@@ -60,3 +60,11 @@ class Fp8Fields:
         if not self.first_last_layers_bf16:
             return True
         return self.num_layers_at_start_in_bf16 < layer_number <= self.num_layers - self.num_layers_at_end_in_bf16
+
+
+@dataclass(kw_only=True)
+class Fp8GatherFields:
+    """ParallelConfig's FP8 field: how ZeRO gathers the FP8 layers' weights."""
+    fp8_param_gather: bool = flag("--fp8-param-gather", default=False, help=(
+        "ZeRO: gather the weights of FP8 layers in FP8 with their scales (half bf16's bytes); needs a sharding "
+        "strategy, and --fp8-recipe tensorwise or blockwise to take effect"))

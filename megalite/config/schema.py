@@ -15,7 +15,7 @@ from megalite.config.cli import (integer, moe_layer_pattern, non_negative_int, n
                                  window_pair)
 from megalite.config.fields import derived, flag
 from megalite.config.deepseek_fields import DeepSeekFields
-from megalite.config.fp8_fields import Fp8Fields
+from megalite.config.fp8_fields import Fp8Fields, Fp8GatherFields
 from megalite.config.model_variants import ModelVariantFields
 from megalite.config.muon_fields import MuonFields, QKClipFields
 from megalite.errors import UserError
@@ -194,7 +194,7 @@ class ModelConfig(ModelVariantFields, DeepSeekFields, QKClipFields, Fp8Fields):
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Fp8GatherFields):
     world_size: int = derived("the launcher's WORLD_SIZE (parallel/launch_env.py)", 1)
     tensor_model_parallel_size: int = flag("--tensor-model-parallel-size", positive_int, default=1)
     pipeline_model_parallel_size: int = flag("--pipeline-model-parallel-size", positive_int, default=1)
@@ -248,9 +248,6 @@ class ParallelConfig:
     ddp_bucket_size: Optional[int] = flag("--ddp-bucket-size", positive_int, default=None, help=(
         "elements per data-parallel gradient bucket (default max(40M, 1M x data-parallel size) with "
         "--overlap-grad-reduce, else one bucket)"))
-    fp8_param_gather: bool = flag("--fp8-param-gather", default=False, help=(
-        "ZeRO: gather the weights of FP8 layers in FP8 with their scales (half bf16's bytes); needs a sharding "
-        "strategy and --fp8-recipe tensorwise or blockwise"))
     grad_reduce_in_bf16: bool = flag("--grad-reduce-in-bf16", default=False,
                                      help="data-parallel gradient reductions in bf16 (gradient accumulation stays fp32)")
     gradient_accumulation_fusion: bool = flag("--no-gradient-accumulation-fusion", default=True, help=(

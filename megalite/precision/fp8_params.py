@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from megalite.config.fp8_fields import PARAM_GATHER_RECIPES
 from megalite.precision.fp8 import WEIGHT, Fp8Gemm
@@ -30,19 +29,6 @@ from megalite.precision.fp8_quant import AMAX_FLOOR, Quantised, fp8_max
 def takes_gathered_weight(precision) -> bool:
     """Whether a layer's GEMM recipe can use a weight gathered in FP8."""
     return isinstance(precision, Fp8Gemm) and precision.recipe.name in PARAM_GATHER_RECIPES
-
-
-def fp8_gathered_weights(models: list[nn.Module]) -> dict[int, Fp8Gemm]:
-    """id(weight) -> its layer's recipe, for every linear (a module with a 2-D ``weight`` and a ``precision``)
-    whose GEMMs run in FP8 with a recipe that takes gathered weights. Other parameters (norms, embedding,
-    output head, router, layers kept in high precision, expert weights) are gathered in their own dtype."""
-    found = {}
-    for model in models:
-        for module in model.modules():
-            weight, precision = getattr(module, "weight", None), getattr(module, "precision", None)
-            if isinstance(weight, nn.Parameter) and weight.dim() == 2 and takes_gathered_weight(precision):
-                found[id(weight)] = precision
-    return found
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,10 @@ reduction of a backward pass runs on into the next forward. On gloo they are iss
 step, and its temporaries bound the collectives in flight (``MAX_IN_FLIGHT``; ZeRO-2/3 finish at the
 end of each backward). ``Comm.holds_temporaries`` decides (bucket_comm.py).
 
+``--fp8-param-gather`` (ZeRO-1/2/3): the weights of FP8 layers sit in buckets of their own, gathered in
+FP8 with scales of the whole weight (fp8_gather.py): ZeRO-3 around each use, ZeRO-1/2 by each unit's first
+forward after the optimizer step; the layers' GEMMs take those FP8 weights as they are.
+
 ``--grad-reduce-in-bf16``: the collectives carry bf16 gradients (half the bytes); accumulation over
 micro-batches and the optimizer's gradients stay fp32.
 
@@ -86,14 +90,13 @@ from megalite.config.schema import SHARDING_STRATEGIES, ParallelConfig
 from megalite.parallel.data.bucket_comm import (DONE, Comm, GradReduction, InFlight, ParamGathers, comm_for,
                                               grad_reduction,
                                               shard_comms, traced, wait)
-from megalite.parallel.data.fp8_gather import Fp8ParamGather
+from megalite.parallel.data.fp8_gather import Fp8ParamGather, fp8_gathered_weights
 from megalite.parallel.data.grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.parallel.data.materialise import LocalElements
 from megalite.parallel.data.protocol import DataParallel
-from megalite.parallel.data.units import Unit, model_units, tensors_in
+from megalite.parallel.data.units import Unit, collect_units, swap_replacements, tensors_in
 from megalite.parallel.mesh import ParallelState
 from megalite.observe.clocks import waiting
-from megalite.precision.fp8_params import fp8_gathered_weights
 
 # Full-buffer collectives in flight at once that hold memory until waited on: gloo's (temporaries of the
 # bucket's size) and --grad-reduce-in-bf16's bf16 copies. Unbounded, all parameters after the step (or a
@@ -166,7 +169,7 @@ class DistributedDataParallel(DataParallel):
             staging_dtype=self.comm.reduce_dtype or torch.float32, expert_dp=expert_dp,
             whole_params=config.use_layer_wise_distributed_optimizer and self.shard_optimizer,
             fp8_params=frozenset(fp8))
-        named = self._swap_replacements(named)
+        named = swap_replacements(self.models, self.units, named, self.buffer.replacements)
         # --fp8-param-gather: the FP8 layers' weights travel in FP8 (fp8_gather.py)
         self._fp8 = Fp8ParamGather(self.buffer, fp8_gathered_weights(self.models)) if fp8 else None
         if config.gradient_accumulation_fusion:
@@ -215,42 +218,8 @@ class DistributedDataParallel(DataParallel):
         return comm_for(bucket, self.comm, self.expert_comm)
 
     def _collect_units(self):
-        """Named trainable parameters, each one's unit index (the unit that owns it: a tied output
-        weight belongs to the embedding, the head only uses it), and the units in forward order."""
-        named, unit_of, units = [], [], []
-        for c, model in enumerate(self.models):
-            prefix = f"chunk{c}." if len(self.models) > 1 else ""
-            chain = model_units(model, prefix)
-            owner = {}
-            for index, unit in enumerate(chain):
-                for param in unit.module.parameters():
-                    owner.setdefault(id(param), index)
-            for name, param in model.named_parameters():
-                if not param.requires_grad:
-                    continue
-                index = owner.get(id(param), len(chain) - 1)
-                chain[index].params.append(param)
-                named.append((prefix + name, param))
-                unit_of.append(len(units) + index)
-            for unit in chain:                               # tied: the head reads the embedding's weight
-                unit.params += [p for p in unit.reads if all(p is not q for q in unit.params)]
-            units += chain
-        return named, unit_of, units
-
-    def _swap_replacements(self, named):
-        """Put the buffer's parameters (with storage) in place of the meta ones, in the modules and in
-        every list kept here."""
-        new = self.buffer.replacements
-        if not new:
-            return named
-        for model in self.models:
-            for module in model.modules():
-                for key, param in list(module._parameters.items()):
-                    if param is not None and id(param) in new:
-                        module._parameters[key] = new[id(param)]
-        for unit in self.units:
-            unit.params = [new.get(id(p), p) for p in unit.params]
-        return [(n, new.get(id(p), p)) for n, p in named]
+        """Named trainable parameters, each one's unit index and the units in forward order (units.collect_units)."""
+        return collect_units(self.models)
 
     def local_elements(self) -> list[LocalElements]:
         """This rank's elements of the storage-less parameters, in the buffer (materialise.py fills them)."""

@@ -22,12 +22,23 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from megalite.parallel.data.bucket_comm import Comm, traced, wait
 from megalite.parallel.data.grad_buffer import Bucket, ParamAndGradBuffer, Transient
-from megalite.precision.fp8 import WEIGHT
+from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.precision.fp8 import WEIGHT, Fp8Gemm
 from megalite.precision.fp8_params import (GatheredWeight, WeightBlocks, block_scales, quantise_shard,
-                                           shard_block_amax)
+                                           shard_block_amax, takes_gathered_weight)
+
+
+def fp8_gathered_weights(models: list[nn.Module]) -> dict[int, Fp8Gemm]:
+    """id(weight) -> its layer's recipe, for every tensor-parallel linear whose GEMMs run in FP8 with a recipe
+    that takes gathered weights. Other parameters (norms, embedding, output head, router, layers kept in high
+    precision, expert weights) are gathered in their own dtype."""
+    return {id(module.weight): module.precision for model in models for module in model.modules()
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight.requires_grad
+            and takes_gathered_weight(module.precision)}
 
 
 class Fp8ParamGather:

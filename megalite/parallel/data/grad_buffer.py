@@ -181,14 +181,13 @@ class ParamAndGradBuffer(FlatLayout):
                  units: list[int] | None = None, device: torch.device | None = None,
                  staging_dtype: torch.dtype = torch.float32, expert_dp: tuple[int, int] | None = None,
                  whole_params: bool = False, fp8_params: frozenset = frozenset()):
-        """``units[i]`` is the module unit of ``named_params[i]``; a bucket never spans two units when
-        given (ZeRO-2/3 reduce and gather per unit). ``bucket_size`` None: one bucket (per unit).
-        ``device``: where storage lives (needed when the parameters are on the meta device).
-        ``staging_dtype``: dtype of ZeRO-2/3 per-micro-batch gradient staging (bf16 with
-        --grad-reduce-in-bf16, so the reduce-scatter moves half the bytes). ``expert_dp``: (rank, size)
-        in the expert-data-parallel group, for expert weights (default: the data-parallel ones).
-        ``whole_params``: every parameter wholly in one rank's chunk (module docstring). ``fp8_params``: ids
-        of the weights gathered in FP8 (--fp8-param-gather): each unit's in buckets of their own."""
+        """``units[i]`` is the module unit of ``named_params[i]``; a bucket never spans two units when given
+        (ZeRO-2/3 reduce and gather per unit). ``bucket_size`` None: one bucket (per unit). ``device``: where
+        storage lives (needed when the parameters are on the meta device). ``staging_dtype``: dtype of ZeRO-2/3
+        per-micro-batch gradient staging (bf16 with --grad-reduce-in-bf16: the reduce-scatter moves half the
+        bytes). ``expert_dp``: (rank, size) in the expert-data-parallel group, for expert weights (default: the
+        data-parallel ones). ``whole_params``: every parameter wholly in one rank's chunk (module docstring).
+        ``fp8_params``: ids of the weights gathered in FP8, in buckets of their own (--fp8-param-gather)."""
         if not named_params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         dtypes = {p.dtype for _, p in named_params}
@@ -201,8 +200,7 @@ class ParamAndGradBuffer(FlatLayout):
         if device is None and self.device.type == "meta":
             raise ValueError("parameters are on the meta device: pass the device their storage goes to")
         self.dp_rank, self.dp_size, self.whole_params = dp_rank, dp_size, whole_params
-        self.expert_dp = expert_dp or (dp_rank, dp_size)
-        self.fp8_params = fp8_params
+        self.expert_dp, self.fp8_params = expert_dp or (dp_rank, dp_size), fp8_params
         self.shard_grads, self.shard_params = shard_grads or shard_params, shard_params
         self.slots: dict[str, BufferSlot] = {}
         self.buckets: list[Bucket] = []
@@ -262,7 +260,8 @@ class ParamAndGradBuffer(FlatLayout):
     # ---- layout ----------------------------------------------------------------------------------
     def _layout(self, named_params, bucket_size, units) -> None:
         """Reverse parameter order; a new bucket when the current one reaches ``bucket_size`` elements,
-        the module unit changes or expert weights meet dense ones (``_close`` places the parameters).
+        the module unit changes, expert weights meet dense ones or FP8-gathered weights others
+        (``_close`` places the parameters).
 
         A parameter marked ``shared_embedding`` (the word embedding that the first and last pipeline
         stages both hold) gets a bucket of its own when the buffer is sharded, so both stages shard it
