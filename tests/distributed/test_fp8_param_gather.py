@@ -15,8 +15,10 @@ from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 WIDE = dict(num_layers=4, hidden_size=128, ffn_hidden_size=384, num_query_groups=4)
 RECIPES = {"tensorwise": dict(fp8_format="hybrid", fp8_recipe="tensorwise"),
            "blockwise": dict(fp8_format="e4m3", fp8_recipe="blockwise", fp8_emulate=True)}
-LAYOUTS = [("tensorwise", "optim_grads_params", True), ("tensorwise", "optim", True)]
-SLOW_LAYOUTS = [("blockwise", "optim_grads_params", False), ("blockwise", "optim", False)]
+LAYOUTS = [("tensorwise", "optim_grads_params", True, {}), ("tensorwise", "optim", True, {})]
+LAYER_WISE = dict(use_layer_wise_distributed_optimizer=True)      # whole weights per rank, broadcast gathers
+SLOW_LAYOUTS = [("blockwise", "optim_grads_params", False, {}), ("blockwise", "optim", False, {}),
+                ("tensorwise", "optim_grads_params", False, LAYER_WISE)]
 
 
 def flags(strategy, overlap, recipe=None, **extra):
@@ -25,7 +27,7 @@ def flags(strategy, overlap, recipe=None, **extra):
 
 
 def _everything(rank, world):
-    return {"losses": fp8_losses(rank, world, [flags(s, o, r) for r, s, o in LAYOUTS], steps=2),
+    return {"losses": fp8_losses(rank, world, [flags(s, o, r, **e) for r, s, o, e in LAYOUTS], steps=2),
             "bytes": gathered_bytes(rank, world, [flags("optim_grads_params", False, "tensorwise", bf16=True),
                                                   flags("optim_grads_params", False, bf16=True)])}
 
@@ -36,10 +38,10 @@ def dp2():
 
 
 def assert_equal_serial(results, layouts, steps):
-    serial = {r: fp8_losses(0, 1, [flags("no_shard", False, r)], steps)[0] for r, _, _ in layouts}
+    serial = {r: fp8_losses(0, 1, [flags("no_shard", False, r)], steps)[0] for r, _, _, _ in layouts}
     for rank, result in enumerate(results):
-        for (recipe, strategy, overlap), losses in zip(layouts, result):
-            assert losses == pytest.approx(serial[recipe], rel=1e-5), f"{recipe} {strategy} rank {rank}"
+        for (recipe, strategy, _, extra), losses in zip(layouts, result):
+            assert losses == pytest.approx(serial[recipe], rel=1e-5), f"{recipe} {strategy} {extra} rank {rank}"
 
 
 def test_tensorwise_fp8_gathers_equal_the_serial_fp8_run(dp2):
@@ -47,12 +49,13 @@ def test_tensorwise_fp8_gathers_equal_the_serial_fp8_run(dp2):
 
 
 def _blockwise(rank, world):
-    return fp8_losses(rank, world, [flags(s, o, r) for r, s, o in SLOW_LAYOUTS], steps=2)
+    return fp8_losses(rank, world, [flags(s, o, r, **e) for r, s, o, e in SLOW_LAYOUTS], steps=2)
 
 
 @pytest.mark.slow
-def test_blockwise_fp8_gathers_equal_the_serial_fp8_run():
-    """128 x 128 weight blocks straddle the two ranks' shards: their amaxes are all-reduced per block."""
+def test_blockwise_and_layer_wise_fp8_gathers_equal_the_serial_fp8_run():
+    """128 x 128 weight blocks straddle the two ranks' shards: their amaxes are all-reduced per block. The
+    layer-wise layout gathers whole weights by one broadcast per owner."""
     assert_equal_serial(run_ranks(2, _blockwise), SLOW_LAYOUTS, 2)
 
 

@@ -57,39 +57,35 @@ class Fp8ParamGather:
         self._work: dict[int, object] = {}
         self._stale = {b.index for b in self.buckets}
 
-    def _weights(self, bucket: Bucket):
-        """(name, param, recipe, blocks, first, last) per weight of the bucket: [first, last) the part of its
-        flattened elements in this rank's chunk (first == last: none)."""
+    def _parts(self, bucket: Bucket) -> list[tuple]:
+        """(slot, recipe, blocks, first, at, values) per weight of the bucket: ``values`` its flattened
+        elements from ``first`` on that lie in this rank's chunk (maybe none), at offset ``at`` of the chunk."""
         start, end = self.buffer.local_range(bucket)
+        chunk, parts = self.buffer.local_param_chunk(bucket), []
         for name, param in zip(bucket.names, bucket.params):
             slot, precision = self.buffer.slots[name], self.precisions[id(param)]
             lo, hi = max(start, slot.start), min(end, slot.end)
-            yield (name, param, precision, WeightBlocks.of(precision, slot.shape),
-                   lo - slot.start, max(lo, hi) - slot.start)
+            at = min(lo, end) - start
+            parts.append((slot, precision, WeightBlocks.of(precision, slot.shape), lo - slot.start, at,
+                          chunk[at:at + max(hi - lo, 0)]))
+        return parts
 
     @torch.no_grad()
     def gather(self, bucket: Bucket, comm: Comm, async_op: bool) -> None:
         """Quantise this rank's chunk of ``bucket`` with scales of the whole weights and all-gather it."""
-        start = self.buffer.local_range(bucket)[0]
-        chunk, local = self.buffer.local_param_chunk(bucket), self.local[bucket.index]
-        weights = list(self._weights(bucket))
-        parts = [chunk[first + self.buffer.slots[name].start - start:last + self.buffer.slots[name].start - start]
-                 for name, _, _, _, first, last in weights]
-        amax = torch.cat([shard_block_amax(part, first, blocks)
-                          for part, (_, _, _, blocks, first, _) in zip(parts, weights)])
+        parts, local = self._parts(bucket), self.local[bucket.index]
+        amax = torch.cat([shard_block_amax(values, first, blocks) for _, _, blocks, first, _, values in parts])
         if comm.group is not None:
             with traced("fp8 amax all-reduce", bucket):
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=comm.group)
         out = self.gathered[bucket.index].allocate()
         offset = 0
-        for part, (name, _, precision, blocks, first, _) in zip(parts, weights):
+        for slot, precision, blocks, first, at, values in parts:
             dtype = precision.dtypes[WEIGHT]
             scales = block_scales(amax[offset:offset + blocks.count], dtype)
             offset += blocks.count
-            if part.numel():
-                at = first + self.buffer.slots[name].start - start
-                local[at:at + part.numel()] = quantise_shard(part, first, blocks, scales, dtype).view(torch.uint8)
-            slot = self.buffer.slots[name]
+            if values.numel():
+                local[at:at + values.numel()] = quantise_shard(values, first, blocks, scales, dtype).view(torch.uint8)
             data = out[slot.start - bucket.start:slot.end - bucket.start].view(dtype).view(slot.shape)
             precision.gathered = GatheredWeight(data, scales.reciprocal(), blocks)
         self._stale.discard(bucket.index)
