@@ -49,9 +49,9 @@ class Fp8ParamGather:
         self.buffer = buffer
         self.buckets = [b for b in buffer.buckets if b.fp8]
         self.precisions = {id(p): precisions[id(p)] for b in self.buckets for p in b.params}
-        self.gathered = {b.index: Transient(b.numel, torch.uint8, buffer.device) for b in self.buckets}
-        for t in self.gathered.values():
-            t.free()
+        for b in self.buckets:
+            b.fp8_gathered = Transient(b.numel, torch.uint8, buffer.device)
+            b.fp8_gathered.free()
         self.local = {b.index: torch.zeros(b.chunk_numel, dtype=torch.uint8, device=buffer.device)
                       for b in self.buckets}
         self._work: dict[int, object] = {}
@@ -78,7 +78,7 @@ class Fp8ParamGather:
         if comm.group is not None:
             with traced("fp8 amax all-reduce", bucket):
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=comm.group)
-        out = self.gathered[bucket.index].allocate()
+        out = bucket.fp8_gathered.allocate()
         offset = 0
         for slot, precision, blocks, first, at, values in parts:
             dtype = precision.dtypes[WEIGHT]
@@ -98,7 +98,7 @@ class Fp8ParamGather:
             self._work[bucket.index] = work
 
     def is_gathered(self, bucket: Bucket) -> bool:
-        return self.gathered[bucket.index].allocated and bucket.index not in self._stale
+        return bucket.fp8_gathered.allocated and bucket.index not in self._stale
 
     def wait(self, bucket: Bucket) -> None:
         work = self._work.pop(bucket.index, None)
@@ -108,7 +108,7 @@ class Fp8ParamGather:
     def release(self, bucket: Bucket) -> None:
         """Free the bucket's FP8 bytes; its layers' recipes quantise nothing until the next gather."""
         self.wait(bucket)
-        self.gathered[bucket.index].free()
+        bucket.fp8_gathered.free()
         for param in bucket.params:
             self.precisions[id(param)].gathered = None
 

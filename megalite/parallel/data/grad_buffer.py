@@ -112,6 +112,7 @@ class Bucket:
     own_bucket: bool = False         # holds one shared_embedding parameter and nothing else
     fp8: bool = False                # holds weights gathered in FP8 (--fp8-param-gather) and nothing else
     unsharded: Transient | None = None   # ZeRO-3: the full bucket of parameters while gathered
+    fp8_gathered: Transient | None = None  # --fp8-param-gather: the bucket's FP8 bytes while gathered (fp8_gather.py)
     staging: Transient | None = None     # ZeRO-2/3: one micro-batch's gradients until reduced
     reduced: Transient | None = None     # ZeRO-2/3, equal chunks: this rank's reduced chunk while reduced
     staging_chunks: list = field(default_factory=list)   # views of staging, one per data-parallel rank
@@ -457,11 +458,11 @@ class ParamAndGradBuffer(FlatLayout):
 
     def transients(self) -> list[tuple[str, Transient]]:
         """The buffers that hold storage only while in use, each with what it holds: ZeRO-3's gathered
-        buckets ("gathered parameters"), ZeRO-2/3's gradient staging and reduced chunks ("gradient
-        reduction")."""
+        buckets and the FP8 ones of --fp8-param-gather ("gathered parameters"), ZeRO-2/3's gradient
+        staging and reduced chunks ("gradient reduction")."""
         found = []
         for b in self.buckets:
-            found += [("gathered parameters", b.unsharded)] if b.unsharded is not None else []
+            found += [("gathered parameters", t) for t in (b.unsharded, b.fp8_gathered) if t is not None]
             found += [("gradient reduction", t) for t in (b.staging, b.reduced) if t is not None]
         return found
 
