@@ -23,6 +23,7 @@ MUON_FLAGS = ["--optimizer", "muon", "--lr", str(LR), "--muon-coefficient-type",
               "--min-lr", str(MIN_LR), "--clip-grad", "1.0", "--seed", "5", "--muon-fp32-matmul-prec", "high"]
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LAYOUTS = {"dp2-zero1": (2, ["--use-distributed-optimizer"]),
+           "dp2-zero3": (2, ["--data-parallel-sharding-strategy", "optim_grads_params"]),
            "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])}
 SLOW_LAYOUTS = {"pp2": (2, ["--pipeline-model-parallel-size", "2"]),
                 "hsdp-dp4": (4, ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
