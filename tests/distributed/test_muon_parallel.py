@@ -24,6 +24,11 @@ LAYOUTS = {"ep2-dp2-zero1": (4, dict(expert_model_parallel_size=2, use_distribut
            "ep2-dp2-zero3": (4, dict(expert_model_parallel_size=2, data_parallel_sharding_strategy="optim_grads_params"))}
 SLOW_LAYOUTS = {"ep2": (2, dict(expert_model_parallel_size=2)),          # each part of the two above alone
                 "ep1-etp2": (2, dict(expert_tensor_parallel_size=2))}
+# FSDP2 (no MoE there): row shards redistributed to whole matrices on their owners; DP=3 cuts rows unevenly
+DENSE_ARGV = with_flags(TINY_LLAMA_ARGS, global_batch_size=12)
+FSDP2_LAYOUTS = {"fsdp2-dp2": (2, dict(use_torch_fsdp2=True)),
+                 "fsdp2-dp2-tp2-sp": (4, dict(use_torch_fsdp2=True, tensor_model_parallel_size=2, sequence_parallel=True))}
+SLOW_FSDP2_LAYOUTS = {"fsdp2-dp3": (3, dict(use_torch_fsdp2=True))}
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +47,24 @@ def test_muon_and_adamw_moe_runs_differ(serial_moe):
 def test_muon_moe_at_expert_parallel_layouts_equals_serial(serial_moe, layout):
     nproc, flags = {**LAYOUTS, **SLOW_LAYOUTS}[layout]
     assert_equal_runs(serial_moe, train(nproc, {**MUON, **flags}, base=MOE_ARGV))
+
+
+@pytest.fixture(scope="module")
+def serial_dense():
+    return train(1, MUON, base=DENSE_ARGV)
+
+
+@pytest.mark.parametrize("layout", list(FSDP2_LAYOUTS) + [pytest.param(name, marks=pytest.mark.slow)
+                                                            for name in SLOW_FSDP2_LAYOUTS])
+def test_muon_under_fsdp2_equals_serial(serial_dense, layout):
+    """--use-torch-fsdp2: each rank's rows of a matrix's update go to its owner by one all-to-all, the owner
+    orthogonalises it whole (gathered over TP first) and a second all-to-all brings the rows back; under the
+    NCCL-semantics tier, every rank issues the same collectives in the same order. AdamW differs."""
+    nproc, flags = {**FSDP2_LAYOUTS, **SLOW_FSDP2_LAYOUTS}[layout]
+    assert_equal_runs(serial_dense, train(nproc, {**MUON, **flags}, nccl=True, base=DENSE_ARGV))
+    if layout == "fsdp2-dp2":
+        adam = train(1, {**MUON, "optimizer": "adam"}, base=DENSE_ARGV)
+        assert max(abs(adam[i][0] - serial_dense[i][0]) for i in range(2, 5)) > 1e-3, (adam, serial_dense)
 
 
 def test_muon_gathers_under_nccl_semantics(serial_moe):

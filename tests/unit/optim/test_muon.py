@@ -128,7 +128,6 @@ def test_logical_matrices_of_fused_and_stacked_weights():
     (["--muon-tp-mode", "distributed"], "invalid choice: 'distributed' (choose from 'duplicated')"),
     (["--muon-num-ns-steps", "0"], "--muon-num-ns-steps: must be a positive integer"),
     (["--fp16", "--loss-scale", "1"], "--optimizer muon with --fp16 needs loss scaling"),
-    (["--use-torch-fsdp2"], "does not run under --use-torch-fsdp2"),
 ])
 def test_muon_bad_input_is_one_line(extra, fragment, capsys):
     from megalite.errors import UserError
