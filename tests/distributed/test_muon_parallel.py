@@ -7,7 +7,9 @@ the expert-tensor-parallel group first when ETP splits it). A dense Muon checkpo
 TP=2 x DP=2 ZeRO-1 resumes at DP=4 ZeRO-1 and serially with the uninterrupted run's losses (the momentum of
 the TP-sharded matrices reshards like every other tensor). EP=2 x DP=2 ZeRO-3 equals serial too, and at DP=2
 ZeRO-3 (whole parameters, balanced by Newton-Schulz FLOPs) each rank's parameter, gradient and optimizer-state
-bytes are those of the parameters it owns: about half of the single process's each."""
+bytes are those of the parameters it owns: about half of the single process's each. Under FSDP2 (DP=2, DP=2 x
+TP=2 + SP, and DP=3 with uneven rows) the dense model equals serial, its rows redistributed to whole matrices on
+their owners, and its checkpoint resumes at ZeRO-3 and serially."""
 import os
 
 import pytest
@@ -134,3 +136,21 @@ def test_muon_zero3_rank_holds_its_owned_share():
         assert abs(sum(per_rank) - total) <= 64 and max(per_rank) <= 1.05 * total / 2, (kind, per_rank, total)
         print(f"Muon ZeRO-3 DP=2, {('parameters', 'gradients', 'optimizer state')[kind]}: per rank {per_rank} "
               f"bytes, max / (total/d) = {max(per_rank) / (total / 2):.4f}")
+
+
+@pytest.mark.slow
+def test_muon_checkpoint_saved_under_fsdp2_resumes_at_zero3_and_serially(tmp_path):
+    """The row-sharded momentum of an FSDP2 run reshards into ZeRO-3's whole-parameter owners and into the
+    single process, with the uninterrupted losses."""
+    save = str(tmp_path / "ckpt")
+    argv = with_flags(DENSE_ARGV, **MUON)
+    full = run_pretrain(2, with_flags(argv, use_torch_fsdp2=True, save=save, save_interval=2))
+    assert full.returncode == 0, full.stderr[-3000:]
+    uninterrupted = logged_losses(full.stdout)
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("2")
+    for nproc, flags in ((2, dict(data_parallel_sharding_strategy="optim_grads_params")), (1, {})):
+        resumed = run_pretrain(nproc, with_flags(argv, load=save, **flags))
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        ours = logged_losses(resumed.stdout)
+        assert sorted(ours) == [3, 4] and all(abs(ours[i] - uninterrupted[i]) <= 1e-5 for i in ours), (nproc, ours)
