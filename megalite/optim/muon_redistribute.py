@@ -35,16 +35,18 @@ from megalite.parallel.data.protocol import FlatLayout
 @dataclasses.dataclass
 class Redistribution:
     """Every Muon parameter of the model in parameter order: its whole (TP-local) ``Matrix``, its owner and
-    each rank's element count of it (its rows x columns); this rank's place in the data-parallel ``group``."""
+    each rank's element count of it (its rows x columns); this rank's place in the data-parallel ``group``
+    of ``ranks``."""
     matrices: list[Matrix]
     owners: list[int]
     counts: list[list[int]]         # counts[k][r]: elements of matrix k on rank r
     group: object
     rank: int
+    ranks: int
     device: torch.device
 
     def __post_init__(self):
-        peers, me = range(len(self.counts[0]) if self.counts else 1), self.rank
+        peers, me = range(self.ranks), self.rank
         # elements this rank sends to each owner, and receives from each peer for the matrices it owns
         self.sends = [sum(c[me] for o, c in zip(self.owners, self.counts) if o == p) for p in peers]
         self.receives = [sum(c[p] for o, c in zip(self.owners, self.counts) if o == me) for p in peers]
@@ -65,7 +67,7 @@ class Redistribution:
         for i, k in enumerate(self.owned):
             whole = torch.cat([peer[i] for peer in parts]).view(self.matrices[k].local_shape)
             results.append(orthogonalise(whole, self.matrices[k]).reshape(-1).split(self.counts[k]))
-        back = torch.cat([empty] + [result[p] for p in range(len(self.sends)) for result in results])
+        back = torch.cat([empty] + [result[p] for p in range(self.ranks) for result in results])
         out = send.new_empty(sum(self.sends))
         dist.all_to_all_single(out, back, self.sends, self.receives, group=self.group)
         return dict(zip((self.matrices[k].name for k in self.order),
@@ -115,4 +117,4 @@ def row_sharded_muon(weights: MasterWeights, named_params: list[tuple[str, nn.Pa
         specs.append(row_shard(by_name[name], r0, r0 + (piece.end - piece.start) // cols))
     device = named_params[0][1].device
     return RedistributedMuon(weights.masters, weights.decoupled, config, specs,
-                             Redistribution(whole, owners, counts, dp_group, rank, device))
+                             Redistribution(whole, owners, counts, dp_group, rank, size, device))
