@@ -21,7 +21,8 @@ NS_COEFFICIENTS = {
                 (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)),     # modded-nanogpt's, Megatron's default
 }
 MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
-MUON_TP_MODES = ("duplicated",)
+MUON_TP_MODES = ("duplicated", "distributed", "blockwise")
+MUON_MATMUL_PRECS = ("low", "medium", "high")          # Megatron's; only medium is bf16 (the flag's help)
 
 
 @dataclass(kw_only=True)
@@ -39,8 +40,10 @@ class MuonFields:
         "sqrt(rows / cols), shape_scaling sqrt(max(1, rows / cols))"))
     muon_extra_scale_factor: float = flag("--muon-extra-scale-factor", number, default=1.0, help=(
         "Muon: further update scale (0.2 with spectral = torch.optim.Muon's match_rms_adamw)"))
-    muon_fp32_matmul_prec: str = flag("--muon-fp32-matmul-prec", default="medium", choices=("medium", "high"), help=(
-        "Muon: medium runs Newton-Schulz in bf16 as torch.optim.Muon (cast, then normalise); high in fp32"))
+    muon_fp32_matmul_prec: str = flag("--muon-fp32-matmul-prec", default="medium", choices=MUON_MATMUL_PRECS, help=(
+        "Muon: medium runs Newton-Schulz in bf16 as torch.optim.Muon (cast, then normalise); high in fp32, at "
+        "the run's fp32 matmul precision (TF32 on GPUs unless --no-tf32); low is Megatron's value that torch's "
+        "set_float32_matmul_precision ignores, leaving the run's precision: the same as high"))
     muon_scalar_optimizer: str = flag("--muon-scalar-optimizer", default="adam", choices=("adam",), help=(
         "Muon: the optimizer of the embedding, output layer, norms, biases and routers (AdamW)"))
     muon_split_qkv: bool = flag("--muon-no-split-qkv", default=True, help=(
@@ -50,4 +53,7 @@ class MuonFields:
         "and up separately (as the imported models hold them)"))
     muon_tp_mode: str = flag("--muon-tp-mode", default="duplicated", choices=MUON_TP_MODES, help=(
         "Muon under tensor parallelism: duplicated gathers each sharded matrix's momentum over TP and runs "
-        "Newton-Schulz on the whole matrix on every TP rank"))
+        "Newton-Schulz on the whole matrix on every TP rank; distributed runs it on each rank's part with "
+        "all-reduces of the small Gram matrix over TP (equal to duplicated up to rounding); blockwise "
+        "orthogonalises each rank's part as a matrix of its own, scaled by its shape, with no communication: "
+        "the result then depends on the TP size"))

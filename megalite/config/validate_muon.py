@@ -6,9 +6,10 @@ layout (megatron_cli.py selects --use-layer-wise-distributed-optimizer with --op
 does: each rank owns whole parameters, balanced by Newton-Schulz FLOPs; ZeRO-3 gathers them per unit with
 one broadcast per owner), under --use-torch-fsdp2 (whose row shards are sent to an owner rank per matrix
 and back, optim/muon_redistribute.py), under pipeline parallelism, under tensor parallelism by gathering
-each sharded matrix (--muon-tp-mode duplicated), and under expert parallelism, where each rank holds whole
-experts (gathered over expert tensor parallelism, as over TP). The equal-slice ZeRO layout cuts matrices
-mid-row and is refused.
+each sharded matrix (--muon-tp-mode duplicated) or by summing its small Gram matrices over TP
+(distributed; blockwise instead orthogonalises each TP rank's part on its own, which changes the result
+with TP), and under expert parallelism, where each rank holds whole experts (split over expert tensor
+parallelism as a sharded matrix over TP). The equal-slice ZeRO layout cuts matrices mid-row and is refused.
 """
 from __future__ import annotations
 

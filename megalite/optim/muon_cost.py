@@ -13,9 +13,10 @@ Ownership (``owner_cost``): with ZeRO each data-parallel rank updates the whole 
 (parallel/data/grad_buffer.py), so under Muon the owners are balanced by these FLOPs, as Megatron's
 LayerWiseDistributedOptimizer balances by Newton-Schulz cost: a parameter's cost is the sum over the logical
 matrices that its owner orthogonalises for it, whole (a TP-sharded matrix is gathered whole under
---muon-tp-mode duplicated; a stacked expert weight counts only the experts this rank holds). The cost
-depends on the parameter's name, shape and sharding only, so every rank of a data-parallel group computes
-the same costs and picks the same owners.
+--muon-tp-mode duplicated; a stacked expert weight counts only the experts this rank holds). The other TP
+modes divide part of a TP-sharded matrix's work over TP (planning/muon.py counts them); the owners are
+balanced by the whole-matrix count whatever the mode. The cost depends on the parameter's name, shape and
+sharding only, so every rank of a data-parallel group computes the same costs and picks the same owners.
 """
 from __future__ import annotations
 

@@ -12,9 +12,13 @@ megalite imports hold them, on the full (unsharded) weight viewed 2-D [rows, col
   [k without RoPE; v]) is one matrix, as Hugging Face's kv_b_proj and Megatron hold it.
 
 A ``Matrix`` records where this rank's local parameter (viewed 2-D) sits in the full weight, so a
-tensor-parallel shard can be gathered whole (--muon-tp-mode duplicated) and the update cut back out.
-Under expert parallelism a rank holds whole experts of a stacked weight and orthogonalises its own (with
-expert tensor parallelism, gathered over the ETP group first, as a TP-sharded matrix over TP).
+tensor-parallel shard can be gathered whole (--muon-tp-mode duplicated) and the update cut back out; under
+--muon-tp-mode distributed also which dimension TP splits and each logical matrix's local rows (a row or
+column several ranks hold, KV heads replicated over TP, enters the Gram sums on the lowest rank only);
+under blockwise the rank's part of each logical matrix is a matrix of its own, scaled by the part's shape
+(Megatron scales a blockwise shard by its local shape). Under expert parallelism a rank holds whole experts
+of a stacked weight and orthogonalises its own (with expert tensor parallelism, split over the ETP group as
+a TP-sharded matrix over TP, in the same mode).
 """
 from __future__ import annotations
 
@@ -76,6 +80,8 @@ class Matrix:
     group: object = None                        # the TP / ETP group to gather over (None: the rank holds it whole)
     rows: list = None                           # per rank of the group: its rows (per local row) and columns
     cols: list = None
+    split: int = 0                              # --muon-tp-mode distributed: the dimension the group splits,
+    parts: list = None                          # and per logical matrix its local rows and counted indices
 
 
 def build_matrix(name: str, param: nn.Parameter, model: ModelConfig, config: OptimizerConfig, tp_group,
@@ -90,22 +96,69 @@ def build_matrix(name: str, param: nn.Parameter, model: ModelConfig, config: Opt
         index = torch.cat([torch.arange(a, b) for a, b in runs])
         blocks.append((index, scale_ratio(len(index), full_cols, config)))
         block_of[index] = i
-    local_blocks = block_of[rows].tolist()
-    row_runs, start = [], 0
-    for i in range(1, len(local_blocks) + 1):
-        if i == len(local_blocks) or local_blocks[i] != local_blocks[start]:
-            row_runs.append((start, i, blocks[local_blocks[start]][1]))
-            start = i
+    local_blocks = block_of[rows]
     meta = param_meta(param)
     group = etp_group if meta.expert else tp_group if meta.tensor_model_parallel else None
     local = (len(rows), len(cols))
     if group is None or dist.get_world_size(group) == 1:
-        return Matrix(name, local, local, _held_blocks(blocks, _positions(rows, full_rows), device), row_runs)
+        return Matrix(name, local, local, _held_blocks(blocks, _positions(rows, full_rows), device),
+                      _row_runs(local_blocks, [ratio for _, ratio in blocks]))
+    if config.muon_tp_mode == "blockwise":
+        return _blockwise(name, local_blocks, len(blocks), len(cols), config, device)
     ranks_rows, ranks_cols = _gathered(rows.to(device), group), _gathered(cols.to(device), group)
     held = torch.cat(ranks_rows).unique().cpu()       # the rows the group holds (an expert weight: its experts)
     position = _positions(held, full_rows)
-    return Matrix(name, local, (len(held), full_cols), _held_blocks(blocks, position, device), row_runs,
-                  group, [position.to(device)[r] for r in ranks_rows], ranks_cols)
+    matrix = Matrix(name, local, (len(held), full_cols), _held_blocks(blocks, position, device),
+                    _row_runs(local_blocks, [ratio for _, ratio in blocks]), group,
+                    [position.to(device)[r] for r in ranks_rows], ranks_cols)
+    if config.muon_tp_mode == "distributed":
+        matrix.split, matrix.parts = _distributed_parts(matrix)
+    return matrix
+
+
+def _row_runs(local_blocks: torch.Tensor, ratios: list[float]) -> list[tuple[int, int, float]]:
+    """The runs [a, b) of local rows in one logical matrix (``local_blocks``: each local row's), with its ratio."""
+    local_blocks = local_blocks.tolist()
+    row_runs, start = [], 0
+    for i in range(1, len(local_blocks) + 1):
+        if i == len(local_blocks) or local_blocks[i] != local_blocks[start]:
+            row_runs.append((start, i, ratios[local_blocks[start]]))
+            start = i
+    return row_runs
+
+
+def _blockwise(name: str, local_blocks: torch.Tensor, count: int, cols: int, config: OptimizerConfig,
+               device) -> Matrix:
+    """--muon-tp-mode blockwise: the rank's own part of each logical matrix (of ``count``) as a matrix of its
+    own, scaled by that part's shape (as Megatron, whose blockwise mode scales by the local shard's)."""
+    blocks, ratios = [], []
+    for i in range(count):
+        index = torch.nonzero(local_blocks == i).flatten()
+        ratios.append(scale_ratio(len(index), cols, config))
+        if len(index):
+            blocks.append((index.to(device), ratios[-1]))
+    local = (len(local_blocks), cols)
+    return Matrix(name, local, local, blocks, _row_runs(local_blocks, ratios))
+
+
+def _distributed_parts(matrix: Matrix) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor | None]]]:
+    """(the dimension the group splits: 0 rows, column-parallel weights; 1 columns, row-parallel ones; per
+    logical matrix of ``matrix.blocks``, the local rows in it and the indices along that dimension of those
+    rows that enter the Gram sums, None for all): a row or column several ranks hold (KV heads replicated
+    over TP) counts on the lowest of them only."""
+    rank = dist.get_rank(matrix.group)
+    split = 0 if len(matrix.cols[rank]) == matrix.full_shape[1] else 1
+    along = matrix.rows if split == 0 else matrix.cols
+    first = ~torch.isin(along[rank], torch.cat(along[:rank] or [along[rank][:0]]))     # held by no lower rank
+    block_of = torch.full((matrix.full_shape[0],), -1, dtype=torch.long, device=first.device)
+    for i, (index, _) in enumerate(matrix.blocks):
+        block_of[index] = i
+    local_blocks, parts = block_of[matrix.rows[rank]], []
+    for i in range(len(matrix.blocks)):
+        rows = torch.nonzero(local_blocks == i).flatten()
+        counted = first[rows] if split == 0 else first
+        parts.append((rows, None if bool(counted.all()) else torch.nonzero(counted).flatten()))
+    return split, parts
 
 
 def _positions(rows: torch.Tensor, full_rows: int) -> torch.Tensor:

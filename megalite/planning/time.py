@@ -39,7 +39,7 @@ class StepTime:
     context_parallel: float = 0.0     # ring attention's K/V traffic not hidden behind attention
     expert_parallel: float = 0.0      # MoE token dispatch (all-to-all or all-gather), on the critical path
     newton_schulz: float = 0.0        # Muon's Newton-Schulz in the optimizer step, which nothing overlaps
-    muon_gathers: float = 0.0         # Muon's TP all-gathers of sharded matrices (--muon-tp-mode duplicated)
+    muon_gathers: float = 0.0         # Muon's TP collectives: duplicated mode's all-gathers, distributed's all-reduces
 
     @property
     def total(self) -> float:
@@ -239,18 +239,20 @@ def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTim
 
 
 def muon_step_time(workload: Workload, layout: Layout, hardware: Hardware) -> tuple[float, float]:
-    """(Newton-Schulz seconds, TP gather seconds) of Muon's optimizer step on the pipeline rank that takes
-    longest (muon.optimizer_step_work): the step runs after the last backward and before the parameters
-    go out, so nothing hides it. Newton-Schulz runs at the bf16 peak (--muon-fp32-matmul-prec medium) or
-    the fp32 one, x the compute efficiency; the gathers move (tp-1)/tp of each fp32 matrix per rank."""
+    """(Newton-Schulz seconds, TP collective seconds) of Muon's optimizer step on the pipeline rank that
+    takes longest (muon.optimizer_step_work): the step runs after the last backward and before the
+    parameters go out, so nothing hides it. Newton-Schulz runs at the bf16 peak (--muon-fp32-matmul-prec
+    medium) or the fp32 one, x the compute efficiency; duplicated mode's gathers move (tp-1)/tp of each fp32
+    matrix per rank, distributed mode's Gram all-reduces 2(tp-1)/tp of each fp32 Gram matrix."""
     if workload.optimizer != "muon":
         return 0.0, 0.0
     precision = "bf16" if workload.muon.muon_fp32_matmul_prec == "medium" else "fp32"
     rate = hardware.peak_flops(precision) * hardware.compute_efficiency
     slowest = (0.0, 0.0)
     for rank in range(layout.pp):
-        flops, gathered = optimizer_step_work(workload, layout, rank)
-        seconds = (flops / rate, ring_bytes("all_gather", gathered, layout.tp) / link_bandwidth(hardware, layout.tp))
+        flops, gathered, reduced = optimizer_step_work(workload, layout, rank)
+        moved = ring_bytes("all_gather", gathered, layout.tp) + ring_bytes("all_reduce", reduced, layout.tp)
+        seconds = (flops / rate, moved / link_bandwidth(hardware, layout.tp))
         slowest = max(slowest, seconds, key=sum)
     return slowest
 

@@ -3,12 +3,13 @@
 A tiny Llama-MoE (test_moe_parallel.py's: 8 experts, top-2, shared expert, aux loss) trained with Muon logs
 the serial run's losses and gradient norms at EP=2, EP=2 x DP=2 ZeRO-1, ETP=2 and EP=2 x ETP=2 ZeRO-1: each
 expert of the stacked weights is a matrix of its own, orthogonalised on the rank that holds it (gathered over
-the expert-tensor-parallel group first when ETP splits it). A dense Muon checkpoint saved at
+the expert-tensor-parallel group first when ETP splits it); --muon-tp-mode distributed's all-reduces pass the
+NCCL-semantics tier with the serial losses. A dense Muon checkpoint saved at
 TP=2 x DP=2 ZeRO-1 resumes at DP=4 ZeRO-1 and serially with the uninterrupted run's losses (the momentum of
 the TP-sharded matrices reshards like every other tensor). EP=2 x DP=2 ZeRO-3 equals serial too, and at DP=2
 ZeRO-3 (whole parameters, balanced by Newton-Schulz FLOPs) each rank's parameter, gradient and optimizer-state
 bytes are those of the parameters it owns: about half of the single process's each. Under FSDP2 (DP=2, DP=2 x
-TP=2 + SP, and DP=3 with uneven rows) the dense model equals serial, its rows redistributed to whole matrices on
+TP=2 + SP in duplicated and distributed mode, and DP=3 with uneven rows) the dense model equals serial, its rows redistributed to whole matrices on
 their owners, and its checkpoint resumes at ZeRO-3 and serially."""
 import os
 
@@ -30,7 +31,9 @@ SLOW_LAYOUTS = {"ep2": (2, dict(expert_model_parallel_size=2)),          # each 
 DENSE_ARGV = with_flags(TINY_LLAMA_ARGS, global_batch_size=12)
 FSDP2_LAYOUTS = {"fsdp2-dp2": (2, dict(use_torch_fsdp2=True)),
                  "fsdp2-dp2-tp2-sp": (4, dict(use_torch_fsdp2=True, tensor_model_parallel_size=2, sequence_parallel=True))}
-SLOW_FSDP2_LAYOUTS = {"fsdp2-dp3": (3, dict(use_torch_fsdp2=True))}
+SLOW_FSDP2_LAYOUTS = {"fsdp2-dp3": (3, dict(use_torch_fsdp2=True)),
+                      "fsdp2-dp2-tp2-sp-distributed": (4, dict(use_torch_fsdp2=True, tensor_model_parallel_size=2,
+                                                               sequence_parallel=True, muon_tp_mode="distributed"))}
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +77,14 @@ def test_muon_gathers_under_nccl_semantics(serial_moe):
     the group issues in the same order (the NCCL-semantics tier compares the ranks' logs)."""
     flags = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
                  use_distributed_optimizer=True)
+    assert_equal_runs(serial_moe, train(4, {**MUON, **flags}, nccl=True, base=MOE_ARGV))
+
+
+def test_muon_distributed_all_reduces_under_nccl_semantics(serial_moe):
+    """--muon-tp-mode distributed's all-reduces (sums of squares, Gram matrices) over TP and over the ETP
+    group (TP's size here) pass the NCCL-semantics tier, and the run logs the serial losses."""
+    flags = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+                 use_distributed_optimizer=True, muon_tp_mode="distributed")
     assert_equal_runs(serial_moe, train(4, {**MUON, **flags}, nccl=True, base=MOE_ARGV))
 
 

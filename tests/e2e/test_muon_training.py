@@ -1,7 +1,8 @@
 """--optimizer muon through pretrain_gpt.py: a tiny Llama imported from transformers, trained 20 iterations,
 equals transformers + torch.optim.Muon (q, k, v, o, gate, up, down separately) + torch.optim.AdamW (the
-rest) with the same schedule and clipping, serially and at DP=2 ZeRO-1, DP=2 ZeRO-3, TP=2 + SP, PP=2 and hybrid
-sharding (DP=4 in 2 instances, ZeRO-1 and ZeRO-3 with overlap); AdamW differs.
+rest) with the same schedule and clipping, serially and at DP=2 ZeRO-1, DP=2 ZeRO-3, TP=2 + SP (--muon-tp-mode
+duplicated and distributed), PP=2 and hybrid sharding (DP=4 in 2 instances, ZeRO-1 and ZeRO-3 with overlap);
+AdamW differs, and so does blockwise mode at TP=2 (at TP=1 it is the serial rule).
 A Muon checkpoint saved at DP=2 resumes serially with the uninterrupted losses; resuming it with AdamW is
 refused in one line."""
 import os
@@ -24,7 +25,9 @@ MUON_FLAGS = ["--optimizer", "muon", "--lr", str(LR), "--muon-coefficient-type",
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LAYOUTS = {"dp2-zero1": (2, ["--use-distributed-optimizer"]),
            "dp2-zero3": (2, ["--data-parallel-sharding-strategy", "optim_grads_params"]),
-           "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])}
+           "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+           "tp2-sp-distributed": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                      "--muon-tp-mode", "distributed"])}
 SLOW_LAYOUTS = {"pp2": (2, ["--pipeline-model-parallel-size", "2"]),
                 "hsdp-dp4": (4, ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
                                  "--micro-batch-size", "1"]),
@@ -140,6 +143,19 @@ def test_muon_layouts_equal_transformers_with_torch_muon(setup, layout):
     ranks, extra = {**LAYOUTS, **SLOW_LAYOUTS}[layout]
     losses, weights = train(tmp, argv, layout, ranks, extra)
     assert_matches(losses, weights, ref_losses, ref_weights)
+
+
+@pytest.mark.slow
+def test_muon_blockwise_changes_the_result_with_tp_only(setup):
+    """--muon-tp-mode blockwise orthogonalises each TP rank's part of a matrix on its own: at TP=1 it is the
+    whole-matrix rule (equal to the reference), at TP=2 its weights leave the reference's tolerance (by
+    about 5x). The rule-level check runs by default (tests/distributed/test_muon_tp_modes.py)."""
+    tmp, argv, ref_losses, ref_weights = setup
+    blockwise = ["--muon-tp-mode", "blockwise"]
+    assert_matches(*train(tmp, argv, "blockwise-tp1", 1, blockwise), ref_losses, ref_weights)
+    _, weights = train(tmp, argv, "blockwise-tp2", 2, blockwise + LAYOUTS["tp2-sp"][1])
+    worst = max((weights[n] - ref_weights[n]).abs().max().item() for n in weights)
+    assert worst > 1e-3, worst
 
 
 def test_muon_checkpoint_saved_at_dp2_resumes_serially_and_refuses_adamw(setup):

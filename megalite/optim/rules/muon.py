@@ -11,10 +11,20 @@ like AdamW's, mixed_precision.py):
     per logical matrix M of input:  W_M <- W_M - lr x ratio(M) x NewtonSchulz(M)
 
 Newton-Schulz (``newton_schulz``) as torch.optim.Muon: cast to bf16 (--muon-fp32-matmul-prec medium; high
-stays fp32), transpose a tall matrix, divide by its Frobenius norm (at least 1e-7), then per iteration
-with coefficients (a, b, c): A = X X^T, X <- a X + (b A + c A A) X. A TP-sharded matrix is gathered over
-its TP group first (--muon-tp-mode duplicated): every TP rank orthogonalises the whole matrix and keeps
-its own part. The rule's named state is ``momentum`` for a matrix, AdamW's moments for the rest.
+and low stay fp32), transpose a tall matrix, divide by its Frobenius norm (at least 1e-7), then per
+iteration with coefficients (a, b, c): A = X X^T, X <- a X + (b A + c A A) X.
+
+A matrix sharded over a TP group (an expert weight: over its ETP group), by --muon-tp-mode:
+- duplicated: gathered over the group; every rank orthogonalises the whole matrix and keeps its part;
+- distributed (``distributed_newton_schulz``): each rank iterates on its own part X_r. Rows split: with
+  G = X^T X = sum_r X_r^T X_r (n x n, n the columns), all-reduced, X_r <- X_r (a I + b G + c G G); columns
+  split: G = X X^T = sum_r X_r X_r^T, X_r <- (a I + b G + c G G) X_r. Since A^k X = X (X^T X)^k both equal
+  torch's iteration on the whole matrix in exact arithmetic, tall or wide; the norm is the square root of
+  the all-reduced sum of squares. In bf16 each rank's Gram is a bf16 GEMM (fp32 accumulation, one rounding,
+  as the whole matrix's) and the sums are fp32;
+- blockwise: each rank's part of each logical matrix is orthogonalised alone (muon_matrices.py), no
+  communication.
+The rule's named state is ``momentum`` for a matrix, AdamW's moments for the rest.
 """
 from __future__ import annotations
 
@@ -38,10 +48,46 @@ def newton_schulz(m: torch.Tensor, coefficients: tuple, steps: int, bf16: bool) 
     if tall:
         x = x.T
     x.div_(x.norm().clamp(min=NS_EPS))
-    for a, b, c in itertools.islice(itertools.cycle(coefficients), steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    x, = _iterate([x], coefficients, steps, lambda ys: [y @ y.T for y in ys])
     return (x.T if tall else x).float()
+
+
+def distributed_newton_schulz(parts: list[torch.Tensor], split: int, counted: list[torch.Tensor | None], group,
+                              coefficients: tuple, steps: int, bf16: bool) -> list[torch.Tensor]:
+    """This rank's parts of the orthogonalised logical matrices whose ``parts`` (2-D, fp32, one unsplit
+    dimension n for all) the ranks of ``group`` hold, split along dimension ``split`` (module docstring);
+    ``counted``: per part, the indices along ``split`` that enter the sums (None: all; a row several ranks
+    hold counts once). One all-reduce carries every part's sum of squares, one per iteration every part's
+    n x n Gram matrix. A collective: every rank of the group calls it with the same logical matrices."""
+    xs = [p.to(torch.bfloat16 if bf16 else torch.float32, copy=True) for p in parts]
+    if split == 0:
+        xs = [x.T for x in xs]      # the split dimension is now x's columns, over which x x^T sums
+
+    def own(ys: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [y if index is None else y.index_select(1, index) for y, index in zip(ys, counted)]
+
+    squares = torch.stack([y.float().square().sum() for y in own(xs)])
+    dist.all_reduce(squares, group=group)
+    for x, square in zip(xs, squares):
+        x.div_(square.sqrt().to(x.dtype).clamp(min=NS_EPS))
+    xs = _iterate(xs, coefficients, steps, lambda ys: _summed_grams(own(ys), group))
+    return [(x.T if split == 0 else x).float() for x in xs]
+
+
+def _summed_grams(ys: list[torch.Tensor], group) -> torch.Tensor:
+    """Per y, the sum over the group's ranks of y_r y_r^T: each rank's product in y's dtype (a bf16 GEMM
+    accumulates in fp32 and rounds once, as the whole matrix's), summed in fp32."""
+    grams = torch.stack([y @ y.T for y in ys]).float()
+    dist.all_reduce(grams, group=group)
+    return grams.to(ys[0].dtype)
+
+
+def _iterate(xs: list[torch.Tensor], coefficients: tuple, steps: int, grams) -> list[torch.Tensor]:
+    """``steps`` Newton-Schulz iterations of each normalised x of ``xs``, with coefficients (a, b, c) in
+    turn: A = x x^T (``grams``: all of them), x <- a x + (b A + c A A) x."""
+    for a, b, c in itertools.islice(itertools.cycle(coefficients), steps):
+        xs = [torch.addmm(x, torch.addmm(g, g, g, beta=b, alpha=c), x, beta=a) for x, g in zip(xs, grams(xs))]
+    return xs
 
 
 class Muon:
@@ -88,9 +134,11 @@ class Muon:
 
     def _orthogonalise(self, local: torch.Tensor, matrix: Matrix) -> torch.Tensor:
         """Newton-Schulz of each logical matrix of the full weight; this rank's part of the result."""
+        bf16 = self.config.muon_fp32_matmul_prec == "medium"
+        if matrix.parts is not None:
+            return self._orthogonalise_distributed(local, matrix, bf16)
         full = local if matrix.group is None else _gather(local, matrix)
         out = torch.empty_like(full)
-        bf16 = self.config.muon_fp32_matmul_prec == "medium"
         for index, _ in matrix.blocks:
             out.index_copy_(0, index, newton_schulz(full.index_select(0, index), self.coefficients,
                                                     self.config.muon_num_ns_steps, bf16))
@@ -98,6 +146,16 @@ class Muon:
             return out
         rank = dist.get_rank(matrix.group)
         return out.index_select(0, matrix.rows[rank]).index_select(1, matrix.cols[rank])
+
+    def _orthogonalise_distributed(self, local: torch.Tensor, matrix: Matrix, bf16: bool) -> torch.Tensor:
+        """--muon-tp-mode distributed: each logical matrix through Gram all-reduces over the TP group."""
+        out = torch.empty_like(local)
+        parts = distributed_newton_schulz([local.index_select(0, rows) for rows, _ in matrix.parts], matrix.split,
+                                          [counted for _, counted in matrix.parts], matrix.group, self.coefficients,
+                                          self.config.muon_num_ns_steps, bf16)
+        for (rows, _), part in zip(matrix.parts, parts):
+            out.index_copy_(0, rows, part)
+        return out
 
     # ---- named state -----------------------------------------------------------------------------
     def named_state(self, master: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -75,6 +75,28 @@ def test_muon_rule_steps_as_torch_muon_and_adamw(nesterov):
     assert optimizer.step_count == 4.0
 
 
+def test_fp32_matmul_prec_low_is_megatrons_value_for_the_runs_precision():
+    """low (Megatron's value that torch's set_float32_matmul_precision ignores) steps as high, fp32 at the
+    run's precision, bit for bit; medium (bf16) differs."""
+    from megalite.train.command_line import parse_args
+    from megalite_test_utils import TINY_LLAMA_ARGS
+    assert parse_args(TINY_LLAMA_ARGS + ["--optimizer", "muon", "--muon-fp32-matmul-prec", "low"],
+                      world_size=1).optimizer.muon_fp32_matmul_prec == "low"
+    weights = {}
+    for prec in ("low", "high", "medium"):
+        model = Toy()
+        named = list(model.named_parameters())
+        config = OptimizerConfig(lr=2e-2, optimizer="muon", muon_fp32_matmul_prec=prec)
+        optimizer = MixedPrecisionOptimizer(ParamAndGradBuffer(named), named, config, model=model_config())
+        for step in range(2):
+            optimizer.zero_grad()
+            loss_of(model, step).backward()
+            optimizer.step(2e-2)
+        weights[prec] = model.up.weight.detach().clone()
+    assert torch.equal(weights["low"], weights["high"])
+    assert not torch.equal(weights["high"], weights["medium"])
+
+
 def test_muon_state_is_about_half_of_adamw_for_matrices():
     """An fp32 model's optimizer state: AdamW keeps 8 bytes per parameter, Muon 4 per matrix element and
     AdamW's 8 for the rest."""
@@ -125,7 +147,8 @@ def test_logical_matrices_of_fused_and_stacked_weights():
 
 
 @pytest.mark.parametrize("extra, fragment", [
-    (["--muon-tp-mode", "distributed"], "invalid choice: 'distributed' (choose from 'duplicated')"),
+    (["--muon-tp-mode", "rowwise"],
+     "invalid choice: 'rowwise' (choose from 'duplicated', 'distributed', 'blockwise')"),
     (["--muon-num-ns-steps", "0"], "--muon-num-ns-steps: must be a positive integer"),
     (["--fp16", "--loss-scale", "1"], "--optimizer muon with --fp16 needs loss scaling"),
 ])

@@ -124,12 +124,13 @@ def test_tp_duplicated_runs_whole_matrices_and_gathers_them():
     (tp-1)/tp of each sharded fp32 matrix gathered; ZeRO-1 at DP=2 halves both; AdamW has neither."""
     config, _ = built(with_flags(LLAMA, optimizer="muon"))
     workload = workload_of(config)
-    whole, _ = muon.optimizer_step_work(workload, inputs.Layout(), 0)
+    whole, _, _ = muon.optimizer_step_work(workload, inputs.Layout(), 0)
     assert whole == sum(muon.newton_schulz_flops(r, c, 5) for m in muon.rank_matrices(workload, inputs.Layout(), 0)
                         for r, c in m.blocks)
-    flops, gathered = muon.optimizer_step_work(workload, inputs.Layout(tp=2), 0)
-    assert flops == whole and gathered == 4 * 2 * (96 * 64 + 64 * 64 + 256 * 64 + 64 * 128)
-    assert muon.optimizer_step_work(workload, inputs.Layout(tp=2, dp=2, sharding="optim"), 0) == (whole / 2, gathered / 2)
+    flops, gathered, reduced = muon.optimizer_step_work(workload, inputs.Layout(tp=2), 0)
+    assert flops == whole and gathered == 4 * 2 * (96 * 64 + 64 * 64 + 256 * 64 + 64 * 128) and reduced == 0
+    zero1 = inputs.Layout(tp=2, dp=2, sharding="optim")
+    assert muon.optimizer_step_work(workload, zero1, 0) == (whole / 2, gathered / 2, 0)
     hardware = inputs.Hardware(num_gpus=4, gpu_memory_gb=80)
     t = timing.step_time(workload, inputs.Layout(tp=2, dp=2, sharding="optim"), hardware)
     assert t.newton_schulz == pytest.approx(whole / 2 / (989e12 * 0.55))
@@ -181,3 +182,56 @@ def test_the_tool_plans_muon(capsys):
         assert workload.optimizer == optimizer and workload.muon.muon_num_ns_steps == 3
     assert plan_parallelism.main(with_flags(argv, optimizer="muon")) == 0
     assert "--optimizer muon" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("shape, split", [((40, 12), 0), ((12, 40), 1), ((12, 40), 0)])
+def test_distributed_newton_schulz_flops_are_the_rules(shape, split, monkeypatch):
+    """torch's FLOP counter over one rank's part (half the split dimension) in the rule's own
+    distributed_newton_schulz, its all-reduces made no-ops: the Gram is n x n, n the unsplit dimension (40
+    for a wide matrix whose rows TP splits, which costs more than the whole matrix's 12 x 12)."""
+    from megalite.optim.rules import muon as rule
+    monkeypatch.setattr(rule.dist, "all_reduce", lambda tensor, group=None: None)
+    part = tuple(d // 2 if i == split else d for i, d in enumerate(shape))
+    with FlopCounterMode(display=False) as counter:
+        rule.distributed_newton_schulz([torch.randn(*part)], split, [None], None, NS_COEFFICIENTS["quintic"], 5, False)
+    assert counter.get_total_flops() == muon.distributed_newton_schulz_flops(shape, part, split, 5)
+
+
+def test_tp_distributed_and_blockwise_split_the_work():
+    """At TP=2 per rank: distributed runs each rank's parts with 64 x 64 Grams (hidden 64 is the unsplit
+    dimension of every matrix) and all-reduces them, 5 per step and a sum of squares, per logical matrix (7
+    per layer), gathering nothing; blockwise runs the parts alone with no collective; both do less than
+    duplicated; the step time charges the all-reduces' ring bytes."""
+    config, _ = built(with_flags(LLAMA, optimizer="muon"))
+    workload = workload_of(config)
+    tp2 = inputs.Layout(tp=2)
+    duplicated = muon.optimizer_step_work(workload, tp2, 0)
+    modes = {mode: dataclasses.replace(workload, muon=dataclasses.replace(workload.muon, muon_tp_mode=mode))
+             for mode in ("distributed", "blockwise")}
+    flops, gathered, reduced = muon.optimizer_step_work(modes["distributed"], tp2, 0)
+    assert gathered == 0 and reduced == 4 * 2 * 7 * (5 * 64 * 64 + 1)
+    # per layer, parts on a rank: Q [32, 64], K and V [8, 64], gate and up [64, 64] (rows split); proj [64, 32] and
+    # fc2 [64, 64] (columns split): 4 n^2 m_r + 2 n^3 per iteration, n = 64
+    parts_m = 32 + 8 + 8 + 32 + 64 + 64 + 64
+    assert flops == 2 * 5 * (4 * 64 * 64 * parts_m + 7 * 2 * 64 ** 3) < duplicated[0]
+    blockwise = muon.optimizer_step_work(modes["blockwise"], tp2, 0)
+    parts = [(32, 64), (8, 64), (8, 64), (64, 32), (64, 64), (64, 64), (64, 64)]
+    assert blockwise == (2 * sum(muon.newton_schulz_flops(r, c, 5) for r, c in parts), 0, 0)
+    assert blockwise[0] < flops
+    hardware = inputs.Hardware(num_gpus=2, gpu_memory_gb=80)
+    assert timing.step_time(modes["distributed"], tp2, hardware).muon_gathers == pytest.approx(reduced / 360e9)
+    assert timing.step_time(modes["blockwise"], tp2, hardware).muon_gathers == 0.0
+
+
+@pytest.mark.parametrize("argv", [LLAMA, MOE], ids=["llama", "moe"])
+def test_parts_cover_the_ranks_elements(argv):
+    """A sharded parameter's logical matrices on one rank hold its local elements, and split the full
+    weight's matrices along one dimension (replicated KV heads included: 8 heads, 2 groups at TP=4)."""
+    config, _ = built(with_flags(argv, optimizer="muon"))
+    workload = workload_of(config)
+    layout = inputs.Layout(tp=4, ep=2 if argv is MOE else 1, etp=2 if argv is MOE else 1)
+    matrices = [m for m in muon.rank_matrices(workload, layout, 0) if m.sharded]
+    assert matrices and all(sum(r * c for r, c in m.parts) == m.local for m in matrices)
+    for m in matrices:
+        kept = 1 - m.split
+        assert [b[kept] for b in m.blocks] == [p[kept] for p in m.parts]
