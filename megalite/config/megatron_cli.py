@@ -59,15 +59,12 @@ COMPAT_NO_EFFECT = ["--use-mcore-models", "--use-flash-attn", "--no-masked-softm
                     "--no-rope-fusion", "--attention-softmax-in-fp32",
                     "--accumulate-allreduce-grads-in-fp32", "--use-rotary-position-embeddings",
                     "--no-position-embedding", "--moe-permute-fusion"]
-FP8_FLAGS = ["--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]
+FP8_FLAGS = ["--fp8-param-gather"]
 COMPAT_FLAGS = [(name, dict(action="store_true")) for name in COMPAT_NO_EFFECT] + [
     ("--transformer-impl", dict(choices=["local", "transformer_engine"])),
     ("--attention-backend", dict(choices=["flash", "fused", "unfused", "local", "auto"])),
     ("--no-create-attention-mask-in-dataloader", dict(action="store_false",
                                                       dest="create_attention_mask_in_dataloader")),
-    ("--fp8-format", dict(choices=["e4m3", "hybrid"])),
-    ("--fp8-amax-history-len", dict(type=positive_int)),
-    ("--fp8-amax-compute-algo", dict(choices=["most_recent", "max"])),
     ("--fp8-param-gather", dict(action="store_true")),
     ("--distributed-backend", dict(choices=["nccl", "gloo"])),
     ("--cross-entropy-fusion-impl", dict(choices=["native", "te"])),
@@ -160,8 +157,8 @@ def startup_notes(argv: list[str]) -> list[str]:
                      "metadata.json, loadable at any layout) whatever the format named")
     fp8 = [f for f in FP8_FLAGS if f in argv]
     if fp8:
-        notes.append(f"{' '.join(fp8)}: megalite has no FP8 (Transformer Engine) kernels; matrix multiplies run in "
-                     f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}")
+        notes.append(f"{' '.join(fp8)}: megalite gathers parameters in their own dtype "
+                     f"({'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}), not in FP8")
     if "--tokenizer-type" not in argv and args.vocab_file and args.merge_file:
         notes.append("no --tokenizer-type: --vocab-file and --merge-file are read as GPT2BPETokenizer")
     unused = [f for f, v in (("--no-load-optim", args.no_load_optim), ("--no-load-rng", args.no_load_rng)) if v]

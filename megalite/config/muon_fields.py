@@ -1,4 +1,5 @@
-"""OptimizerConfig's fields for --optimizer muon. Flag names and defaults are Megatron's.
+"""OptimizerConfig's fields for --optimizer muon, and ModelConfig's for QK-clip. Flag names and defaults are
+Megatron's.
 
 Muon keeps one momentum per weight matrix and steps each matrix by its momentum orthogonalised with a
 few Newton-Schulz iterations, scaled by the matrix's shape (--muon-scale-mode) and by
@@ -6,6 +7,15 @@ few Newton-Schulz iterations, scaled by the matrix's shape (--muon-scale-mode) a
 sqrt(max(rows, cols))), which lets Muon reuse AdamW's learning rate and weight decay. The matrices of the
 transformer layers go to Muon; the embedding, output layer, norms, biases and routers go to the scalar
 optimizer (--muon-scalar-optimizer), whose embedding and output layer take --decoupled-lr when given.
+
+QKClipFields are ModelConfig's fields for QK-clip (MuonClip, Kimi K2), which runs with any optimizer, and
+for logging the max attention logit. After each optimizer step, every attention head whose largest
+pre-softmax logit q.k x scale of the step exceeded --qk-clip-threshold t has its query and key weights
+rescaled so that that logit would be t:
+eta = min(t / max logit, 1), queries x eta^alpha and keys x eta^(1 - alpha) (--qk-clip-alpha). Under
+grouped-query attention a key serves several query heads, so a group takes the largest logit of its heads.
+Under multi-latent attention the no-RoPE query part takes eta^alpha, its key part eta^(1 - alpha), and the
+RoPE query part the whole eta (its key is shared by every head and stays as it is).
 """
 from __future__ import annotations
 
@@ -57,3 +67,21 @@ class MuonFields:
         "all-reduces of the small Gram matrix over TP (equal to duplicated up to rounding); blockwise "
         "orthogonalises each rank's part as a matrix of its own, scaled by its shape, with no communication: "
         "the result then depends on the TP size"))
+
+
+@dataclass(kw_only=True)
+class QKClipFields:
+    qk_clip: bool = flag("--qk-clip", default=False, help=(
+        "after each optimizer step, rescale the query and key weights of every head whose max attention logit "
+        "exceeded --qk-clip-threshold (MuonClip); also logs the max logit"))
+    qk_clip_alpha: float = flag("--qk-clip-alpha", number, default=0.5, help=(
+        "QK-clip: queries take eta^alpha and keys eta^(1 - alpha) of the rescale eta = threshold / max logit"))
+    qk_clip_threshold: float = flag("--qk-clip-threshold", number, default=100.0, help=(
+        "QK-clip: the largest attention logit q.k x scale a head may keep"))
+    log_max_attention_logit: bool = flag("--log-max-attention-logit", default=False, help=(
+        "log the largest attention logit of the model over each step (implied by --qk-clip)"))
+
+    @property
+    def records_max_logit(self) -> bool:
+        """Whether attention records its per-head max logit on the training forward (an extra q k^T pass)."""
+        return self.qk_clip or self.log_max_attention_logit

@@ -15,8 +15,9 @@ from megalite.config.cli import (integer, moe_layer_pattern, non_negative_int, n
                                  window_pair)
 from megalite.config.fields import derived, flag
 from megalite.config.deepseek_fields import DeepSeekFields
+from megalite.config.fp8_fields import Fp8Fields
 from megalite.config.model_variants import ModelVariantFields
-from megalite.config.muon_fields import MuonFields
+from megalite.config.muon_fields import MuonFields, QKClipFields
 from megalite.errors import UserError
 
 # ---- the pipeline schedules --pipeline-schedule names, in one place ------------------------------------
@@ -24,8 +25,7 @@ SYNCHRONOUS_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zbv")    # flush every step:
 ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zbv")                     # backward split into B and W (Qi et al. 2024)
 ASYNC_SCHEDULES = ("pipedream", "pipedream-2bw")             # no flush, weight stashing (pipedream.py)
 PIPELINE_SCHEDULES = SYNCHRONOUS_SCHEDULES + ASYNC_SCHEDULES
-# --data-parallel-sharding-strategy: ZeRO stage 0 (replicated), 1 (optimizer state), 2 (and gradients),
-# 3 (and parameters)
+# --data-parallel-sharding-strategy: ZeRO stage 0 (replicated), 1 (optimizer state), 2 (+ gradients), 3 (+ params)
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # --optimizer: the update rules megalite implements (optim/rules/: one module each, registered by this name)
 OPTIMIZERS = ("adam", "muon")
@@ -68,7 +68,7 @@ def is_window_layer(window_size, window_attn_skip_freq, layer_number: int) -> bo
 
 
 @dataclass
-class ModelConfig(ModelVariantFields, DeepSeekFields):
+class ModelConfig(ModelVariantFields, DeepSeekFields, QKClipFields, Fp8Fields):
     num_layers: int = flag("--num-layers", positive_int)
     hidden_size: int = flag("--hidden-size", positive_int)
     num_attention_heads: int = flag("--num-attention-heads", positive_int)

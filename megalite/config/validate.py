@@ -19,7 +19,9 @@ from megalite.config.pipeline_split import layout_mtp_layers, stage_layers_of
 from megalite.config.validate_attention import (check_context_parallel, check_masked_attention,
                                                 check_multi_latent_attention, check_window)
 from megalite.config.validate_deepseek import check_group_routing, check_mtp
+from megalite.config.validate_fp8 import check_fp8
 from megalite.config.validate_muon import check_muon
+from megalite.config.validate_qk_clip import check_qk_clip
 from megalite.config.schema import (ASYNC_SCHEDULES, ZERO_BUBBLE_SCHEDULES, DataConfig, MegaliteConfig, ModelConfig,
                                     OptimizerConfig, ParallelConfig, TrainingConfig, rotary_dim)
 from megalite.errors import UserError
@@ -41,6 +43,8 @@ def validate(config: MegaliteConfig, world_size: int) -> None:
     _check_data_parallel(config.parallel)
     _check_learning_rate(config.optimizer)
     check_muon(config)
+    check_qk_clip(config)
+    check_fp8(config)
     _check_data(config.data)
     check_masked_attention(config.model, config.data.reset_attention_mask)
     _check_checkpointing(config.training)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dataclasses
 from contextlib import nullcontext
 from functools import partial
 
@@ -32,7 +33,7 @@ from megalite.parallel.tensor.layers import (ColumnParallelLinear, TensorParalle
                                              vocab_parallel_lookup)
 from megalite.parallel.tensor.mappings import gather_from_tp_region, reduce_from_tp_region, scatter_to_sp_region
 from megalite.parallel.tensor.random import checkpoint
-from megalite.precision.gemm import GemmPrecision, build_gemm_precision
+from megalite.precision.gemm import GemmPrecision, build_gemm_precision, high_precision_recipe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,6 +64,14 @@ class Embedding(nn.Module):
             return F.dropout(x, self.dropout, self.training)
         with self.tp.rng.fork() if self.dropout > 0 and self.training else nullcontext():
             return F.dropout(x, self.dropout, self.training)
+
+
+def layer_tp(tp: TensorParallel, config: ModelConfig, layer_number: int) -> TensorParallel:
+    """The TensorParallel a transformer layer builds its GEMMs with: ``tp``, or a copy in the model's
+    precision for a layer that --first-last-layers-bf16 keeps out of FP8."""
+    if config.fp8_layer(layer_number) or config.fp8_format is None:
+        return tp
+    return dataclasses.replace(tp, gemm_recipe=high_precision_recipe(tp.gemm_recipe))
 
 
 def sequence_first(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -98,16 +107,17 @@ class GPTModel(nn.Module):
             self.embedding = Embedding(config, dtype, tp) if pre_process else None
             self.decoder = nn.Module()
             self.decoder.layers = nn.ModuleList(
-                TransformerLayer(config, layer_offset + i + 1, dtype, tp, cp, self.moe) for i in range(n_local))
+                TransformerLayer(config, layer_offset + i + 1, dtype, layer_tp(tp, config, layer_offset + i + 1), cp,
+                                 self.moe) for i in range(n_local))
             if post_process:
                 self.decoder.final_layernorm = build_norm(config, dtype, tp)
                 if not (self.share_embeddings_and_output_weights and pre_process):
                     # tied and on a later pipeline stage: a copy of the word embeddings, initialised equal
                     # (same global name) and kept equal by summing both gradients over the embedding group
                     self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, False,
-                                                             dtype, tp)
+                                                             dtype, tp, gemm_recipe=high_precision_recipe(tp.gemm_recipe))
                 else:   # the head reads the word embeddings: the model owns the logits GEMM's precision
-                    self.output_precision = build_gemm_precision(tp.gemm_recipe)
+                    self.output_precision = build_gemm_precision(high_precision_recipe(tp.gemm_recipe))
             self.mtp = None
             if post_process and config.mtp_num_layers:
                 self.mtp = MultiTokenPrediction(config, dtype, tp, cp, self.moe)

@@ -40,6 +40,7 @@ class StepResult:
 
 class MixedPrecisionOptimizer:
     grads_sharded = False        # True when each data-parallel rank holds a different part of the gradients
+    qk_clip = None               # qk_clip.QKClip: after every step (refused or not), before the copy back
 
     def __init__(self, buffer: FlatLayout, named_params: list[tuple[str, nn.Parameter]],
                  config: OptimizerConfig, parallel=None, ddp: DataParallel | None = None,
@@ -144,19 +145,32 @@ class MixedPrecisionOptimizer:
         grads = self.weights.grads
         run = REAL_RUN if self.parallel is None else self.parallel.run     # whether the values mean anything
         if self.loss_scaler is not None and run.heeds(self._overflowed(grads)):
-            return StepResult(False, None)
+            return self._refused(StepResult(False, None))
         grad_norm = self.clipper.norm(grads)
         if run.heeds(not math.isfinite(grad_norm)):     # the same on every rank: all refuse the update
-            return StepResult(False, grad_norm, nonfinite=True)
+            return self._refused(StepResult(False, grad_norm, nonfinite=True))
         clip_pieces(grads, self.config.clip_grad, grad_norm)
         group_lr = {False: lr, True: lr if decoupled_lr is None else decoupled_lr}
         if self.config.weight_decay > 0.0:
             self.weights.decay(group_lr, self.config.weight_decay)
         self.rule.step(self.master_pieces, grads, group_lr)
+        self._publish()
+        return StepResult(True, grad_norm)
+
+    def _publish(self) -> None:
+        """QK-clip's rescale (with --qk-clip), then the masters into the model and to the other ranks."""
+        if self.qk_clip is not None:
+            self.qk_clip.after_update(self.weights)
         self.weights.copy_back()
         with waiting():                 # ZeRO: the parameter all-gather
             self._after_step()
-        return StepResult(True, grad_norm)
+
+    def _refused(self, result: StepResult) -> StepResult:
+        """A refused update still ends the step's max-logit record and clips, as Megatron's QK-clip runs
+        after every optimizer step."""
+        if self.qk_clip is not None:
+            self._publish()
+        return result
 
     def _overflowed(self, grads: list[torch.Tensor]) -> bool:
         """fp16: unscale the gradients, and whether any rank found an inf/NaN (the scaler updates)."""

@@ -97,8 +97,17 @@ DEFAULT_RECIPE = "default"
 RECIPES: dict[str, type[GemmPrecision]] = {DEFAULT_RECIPE: GemmPrecision}
 
 
-def build_gemm_precision(recipe: str = DEFAULT_RECIPE) -> GemmPrecision:
-    """A new instance of the recipe named ``recipe`` (one per layer: a recipe's state is that layer's)."""
+def build_gemm_precision(recipe=DEFAULT_RECIPE) -> GemmPrecision:
+    """A new instance of ``recipe`` (one per layer: a recipe's state is that layer's): a name in RECIPES,
+    or a recipe with settings, which builds itself (fp8.py's Fp8Recipe)."""
+    if not isinstance(recipe, str):
+        return recipe.build()
     if recipe not in RECIPES:
         raise ValueError(f"unknown GEMM precision recipe {recipe!r}; known: {', '.join(sorted(RECIPES))}")
     return RECIPES[recipe]()
+
+
+def high_precision_recipe(recipe=DEFAULT_RECIPE):
+    """The recipe of the GEMMs that stay out of FP8 (the output head, the layers --first-last-layers-bf16
+    names): the default for a recipe with settings (FP8); a named recipe applies to them too."""
+    return recipe if isinstance(recipe, str) else DEFAULT_RECIPE

@@ -230,6 +230,8 @@ def log_iteration(trainer: Run, interval: IntervalStats, seconds_per_iter: float
     batch_size = interval.last_batch_size or t.global_batch_size
     mtp_losses = interval.mtp.report() if interval.mtp is not None else {}
     losses = {"lm loss": loss, **moe_losses, **mtp_losses}
+    clip = trainer.optimizer.qk_clip            # --qk-clip / --log-max-attention-logit: a collective
+    logits = clip.report(trainer.device, trainer.parallel.world_size) if clip is not None else {}
     log(format_training_line(
         iteration=state.iteration, train_iters=t.train_iters, consumed_samples=state.consumed_train_samples,
         elapsed_ms=1000.0 * seconds_per_iter, learning_rate=trainer.scheduler.lr,
@@ -237,12 +239,12 @@ def log_iteration(trainer: Run, interval: IntervalStats, seconds_per_iter: float
         grad_norm=interval.last_grad_norm, skipped_iterations=state.skipped_iterations,
         nan_iterations=state.nan_iterations, tflops_per_gpu=rates.get("throughput (TFLOP/s/GPU)"),
         num_zeros=norms.get("num zeros"), params_norm=norms.get("params norm"),
-        extra=line_extras(rates, memory) | worst_load(moe_loads)))
+        extra=line_extras(rates, memory) | worst_load(moe_loads) | {k: f"{v:.3f}" for k, v in logits.items()}))
     timing = trainer.timers.report(interval.iterations)
     if timing:
         log(format_timers(timing))
     stragglers = interval.stragglers.report() if interval.stragglers is not None else {}   # on every rank
-    metrics = {**losses, **moe_loads, "learning rate": trainer.scheduler.lr, "grad norm": interval.last_grad_norm,
+    metrics = {**losses, **moe_loads, **logits, "learning rate": trainer.scheduler.lr, "grad norm": interval.last_grad_norm,
                "loss scale": trainer.optimizer.loss_scale, "consumed samples": state.consumed_train_samples,
                "global batch size": batch_size, "elapsed time per iteration (ms)": 1000.0 * seconds_per_iter,
                "skipped iterations": state.skipped_iterations, "nan iterations": state.nan_iterations, **norms,

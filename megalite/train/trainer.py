@@ -44,6 +44,7 @@ from megalite.data.tokenizers import build_tokenizer
 from megalite.model.gpt import DTYPES
 from megalite.observe.clocks import Timers
 from megalite.optim.distrib_optimizer import build_optimizer
+from megalite.optim.qk_clip import build_qk_clip
 from megalite.optim.lr_scheduler import LRScheduler
 from megalite.optim.muon_cost import owner_cost
 from megalite.parallel.context.ring_attention import build_context_parallel
@@ -57,6 +58,7 @@ from megalite.parallel.pipeline.stages import chunk_forward
 from megalite.config.pipeline_split import stage_layers_of
 from megalite.parallel.expert.dispatch import build_moe_context
 from megalite.parallel.tensor.setup import build_tensor_parallel
+from megalite.precision.fp8 import gemm_recipe_for
 from megalite.train import loop
 from megalite.train.compile import compile_layers
 from megalite.train.faults import CollectiveFailure, collective_phase
@@ -114,6 +116,8 @@ class Trainer:
         self._build_model()
         # the global gradient norm is taken over TP/PP (and DP shards)
         self.optimizer = build_optimizer(self.ddp, config.optimizer, self.parallel, config.model)
+        self.optimizer.qk_clip = build_qk_clip(self.chunks, self.buffer, self.ddp.named_params, config.model,
+                                               self.parallel)
         self.scheduler = LRScheduler(config.optimizer, config.training.train_iters)
         self.pipeline = self._build_pipeline_comm()
         self.async_pipeline = build_async_pipeline(config, self.parallel, self.ddp, self.pipeline,
@@ -162,6 +166,7 @@ class Trainer:
         seed = set_seed(config.training.seed, parallel.pp_rank)     # dropout's: each pipeline stage its own
         tp = build_tensor_parallel(parallel, config.parallel.sequence_parallel, seed, device,
                                    config.model.num_query_groups)
+        tp.gemm_recipe = gemm_recipe_for(config.model, device, DTYPES[config.model.params_dtype])
         cp = build_context_parallel(parallel, tuple(config.parallel.cp_comm_type),
                                     config.parallel.hierarchical_context_parallel_sizes)
         moe = build_moe_context(parallel, config.model.moe_token_dispatcher_type, tp.sequence_parallel) \

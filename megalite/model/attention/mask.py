@@ -71,9 +71,9 @@ class MaskSpec:
         """How queries at positions [q0, q1) of ``sample`` see keys at [k0, k1): a Relation, or the bool
         [q1 - q0, k1 - k0] mask of a block that the window or a document boundary cuts."""
         (q0, q1), (k0, k1) = q, k
-        left, right = self.window
-        right = 0 if self.causal else right
-        if (right >= 0 and k0 > q1 - 1 + right) or (left >= 0 and k1 - 1 < q0 - left):
+        left = self.window[0]
+        span = self.span_relation(q, k)
+        if span == Relation.EMPTY:
             return Relation.EMPTY
         docs = None
         if self.cu_seqlens is not None:
@@ -82,13 +82,24 @@ class MaskSpec:
             if docs[3] < docs[0] or docs[2] > docs[1]:
                 return Relation.EMPTY
         one_document = docs is None or len(set(docs)) == 1
-        within_left = left < 0 or k0 >= q1 - 1 - left
-        if one_document and within_left and (right < 0 or k1 - 1 <= q0 + right):
+        if one_document and span == Relation.FULL:
             return Relation.FULL
         if one_document and self.causal and (q0, q1) == (k0, k1) and (left < 0 or left >= q1 - q0 - 1):
             return Relation.CAUSAL
         device = self.cu_seqlens.device if self.cu_seqlens is not None else None
         return self.visible(sample, torch.arange(q0, q1, device=device), torch.arange(k0, k1, device=device))
+
+    def span_relation(self, q: tuple[int, int], k: tuple[int, int]) -> str | None:
+        """EMPTY or FULL where causality and the window alone decide how queries at positions [q0, q1) see
+        keys at [k0, k1) (documents aside), else None: a question of positions only, no tensor read."""
+        (q0, q1), (k0, k1) = q, k
+        left, right = self.window
+        right = 0 if self.causal else right
+        if (right >= 0 and k0 > q1 - 1 + right) or (left >= 0 and k1 - 1 < q0 - left):
+            return Relation.EMPTY
+        if (left < 0 or k0 >= q1 - 1 - left) and (right < 0 or k1 - 1 <= q0 + right):
+            return Relation.FULL
+        return None
 
     def same_for_every_sample(self) -> bool:
         """Whether every sample of the batch has the same mask (no per-sample documents)."""

@@ -31,6 +31,7 @@ from megalite.config.schema import ModelConfig
 from megalite.model.attention.core import run_core_attention
 from megalite.model.attention.inputs import AttentionInputs
 from megalite.model.attention.kv_cache import KVCache
+from megalite.model.attention.logit_clip import MaxLogits, QKRows, per_head_rows
 from megalite.model.attention.mask import MaskSpec
 from megalite.model.attention.rotary import Yarn
 from megalite.model.attention.self_attention import head_sinks, learnable_offset
@@ -75,6 +76,18 @@ class MultiLatentAttention(nn.Module):
         self.linear_proj = RowParallelLinear(heads * self.v_dim, h, False, dtype, tp)
         self.softmax_type = config.softmax_type
         self.softmax_offset = learnable_offset(heads, dtype, tp) if config.softmax_type == "learnable" else None
+        self.max_logits = MaxLogits() if config.records_max_logit else None     # QK-clip's (logit_clip.py)
+
+    def qk_rows(self, alpha: float) -> QKRows:
+        """QK-clip's view of the up projections, one rescale eta per head: its query rows [no-RoPE part x
+        eta^alpha; RoPE part x eta], the key rows of linear_kv_up_proj x eta^(1 - alpha), values as they
+        are; the RoPE key is shared by every head and stays as it is."""
+        q_proj = self.linear_q_proj if self.linear_q_proj is not None else self.linear_q_up_proj
+        device, n = q_proj.weight.device, self.num_heads
+        q_rows = per_head_rows([alpha, 1.0], [self.nope_dim, self.rope_dim], n, device)
+        kv_rows = per_head_rows([1 - alpha, 0.0], [self.nope_dim, self.v_dim], n, device)
+        return QKRows(n, torch.arange(n, device=device),
+                      [(q_proj.weight, *q_rows), (self.linear_kv_up_proj.weight, *kv_rows)])
 
     def enter_tp_region(self, latent: torch.Tensor) -> torch.Tensor:
         """A latent computed by a replicated projection -> the whole sequence's latent, the same on every
@@ -125,6 +138,8 @@ class MultiLatentAttention(nn.Module):
         k, v = self.expand_kv(latent, key)
         q = torch.cat([q_nope, q_rope], dim=-1)
         mask = self.mask if documents is None else self.mask.with_documents(documents)
+        if self.max_logits is not None and self.training:
+            self.max_logits.record(q, k, mask, self.scale, self.cp)
         out = run_core_attention(q, k, v, mask, scale=self.scale, dropout=self.dropout if self.training else 0.0,
                                  cp=self.cp, rng=self.tp.rng,
                                  selective_recompute=self.selective_recompute and self.training,

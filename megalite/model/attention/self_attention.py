@@ -12,6 +12,7 @@ from megalite.config.schema import ModelConfig
 from megalite.model.attention.core import run_core_attention
 from megalite.model.attention.inputs import AttentionInputs
 from megalite.model.attention.kv_cache import KVCache
+from megalite.model.attention.logit_clip import MaxLogits, QKRows, per_head_rows
 from megalite.model.attention.mask import MaskSpec
 from megalite.model.kernels import apply_rotary, records_autograd
 from megalite.model.norms import LayerNorm, build_norm
@@ -40,6 +41,7 @@ class SelfAttention(nn.Module):
         self.head_dim = d
         self.num_heads = nq // tp.size                              # local to this rank
         self.num_groups = max(1, nkv // tp.size)
+        self.num_kv_heads = nkv
         self.heads_per_group = self.num_heads // self.num_groups
         self.dropout = config.attention_dropout
         self.selective_recompute = config.recompute_granularity == "selective"
@@ -60,6 +62,7 @@ class SelfAttention(nn.Module):
         if config.qk_layernorm:         # --qk-layernorm: per-head norms of q and k, weights [head_dim]
             self.q_layernorm = build_norm(replace(config, hidden_size=d), dtype, tp)
             self.k_layernorm = build_norm(replace(config, hidden_size=d), dtype, tp)
+        self.max_logits = MaxLogits() if config.records_max_logit else None     # QK-clip's (logit_clip.py)
 
     def norm_heads(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """q or k [s, b, heads, d] normalised over d. Each TP rank holds its own heads, so the replicated
@@ -99,10 +102,23 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(layer_number, k, v)
         mask = self.mask if documents is None else self.mask.with_documents(documents)
+        if self.max_logits is not None and self.training:
+            self.max_logits.record(q, k, mask, self.head_dim ** -0.5, self.cp)
         out = run_core_attention(q, k, v, mask, dropout=self.dropout if self.training else 0.0, cp=self.cp,
                                  rng=self.tp.rng, selective_recompute=self.selective_recompute and self.training,
                                  sinks=self.sinks(q))
         return self.linear_proj(out)
+
+    def qk_rows(self, alpha: float) -> QKRows:
+        """QK-clip's view of linear_qkv (weight and bias): rows [q heads of g; k_g; v_g] per local query
+        group g, one rescale per group, queries x eta^alpha, keys x eta^(1 - alpha), values as they are."""
+        device = self.linear_qkv.weight.device
+        d, hpg = self.head_dim, self.heads_per_group
+        unit, power = per_head_rows([alpha, 1 - alpha, 0.0], [hpg * d, d, d], self.num_groups, device)
+        head_unit = torch.arange(self.num_heads, device=device) // hpg
+        replicas = self.tp.size // self.num_kv_heads
+        sharers = (self.tp.group, self.tp.rank // replicas * replicas, replicas) if replicas > 1 else None
+        return QKRows(self.num_groups, head_unit, [(p, unit, power) for p in self.linear_qkv.parameters()], sharers)
 
 
 def head_sinks(softmax_type: str, offset: nn.Parameter | None, num_heads: int, q: torch.Tensor) -> torch.Tensor | None:

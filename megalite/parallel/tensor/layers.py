@@ -57,7 +57,7 @@ class TensorParallel:
     sequence_parallel: bool = False
     rng: Optional[RNGTracker] = None
     kv_replica_group: Optional[object] = None   # the ranks sharing this rank's KV head (tensor/setup.py)
-    gemm_recipe: str = DEFAULT_RECIPE           # the GemmPrecision each layer built here runs its GEMMs with
+    gemm_recipe: object = DEFAULT_RECIPE        # the layers' GEMM recipe: a name, or precision/fp8.py's Fp8Recipe
 
     def __post_init__(self):
         if self.size == 1:
@@ -204,11 +204,13 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split across TP ranks; output stays split unless gathered.
 
     ``local_rows(full)`` picks this rank's rows of a full weight or bias (default: a contiguous chunk);
-    fused layouts (SwiGLU's [gate; up], grouped QKV) pass their own.
+    fused layouts (SwiGLU's [gate; up], grouped QKV) pass their own. ``gemm_recipe``: the GEMM recipe when
+    not ``tp``'s (the output head's).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, tp: TensorParallel,
-                 gather_output: bool = False, local_rows: Callable | None = None, local_out: int | None = None):
+                 gather_output: bool = False, local_rows: Callable | None = None, local_out: int | None = None,
+                 gemm_recipe=None):
         super().__init__()
         self.tp, self.gather_output = tp, gather_output
         local_rows = local_rows or tp.chunk
@@ -218,7 +220,7 @@ class ColumnParallelLinear(nn.Module):
                             (out_features, in_features), local_rows, sharded)
         self.bias = _mark(nn.Parameter(torch.empty(local_out, dtype=dtype)), (out_features,), local_rows,
                           sharded) if bias else None
-        self.precision = build_gemm_precision(tp.gemm_recipe)
+        self.precision = build_gemm_precision(tp.gemm_recipe if gemm_recipe is None else gemm_recipe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear_with_sequence_gather(x, self.weight, self.bias, self.tp, self.precision)

@@ -18,7 +18,7 @@ def test_accepted_flags_say_once_what_megalite_does_instead():
     assert len(notes) == 4, notes
     assert any("scaled_dot_product_attention" in n and "never builds an attention mask" in n for n in notes)
     assert any(n.startswith("--ckpt-format torch_dist: megalite writes its own reshardable format") for n in notes)
-    assert any(n.startswith("--fp8-format --fp8-param-gather: megalite has no FP8") for n in notes)
+    assert any(n.startswith("--fp8-param-gather: megalite gathers parameters in their own dtype") for n in notes)
     assert any(n.startswith("--tiktoken-pattern v2: only Megatron's TikTokenizer") for n in notes)
     assert config.optimizer.decoupled_lr == 5e-4 and config.optimizer.decoupled_min_lr == 0.0   # --min-lr
     assert startup_notes(TINY_LLAMA_ARGS) == []

@@ -1,0 +1,59 @@
+"""ModelConfig's fields for FP8 GEMMs. Flag names and defaults are Megatron's (Transformer Engine's recipes).
+
+--fp8-format turns FP8 on: ``e4m3`` quantises every GEMM operand to E4M3, ``hybrid`` the forward operands
+(activations, weights) to E4M3 and the gradients to E5M2. --fp8-recipe picks how each operand is scaled
+into the format's range: ``tensorwise`` one scale per tensor from its amax now (current scaling);
+``delayed`` one scale per tensor from the amaxes of its earlier uses (--fp8-amax-history-len,
+--fp8-amax-compute-algo); ``rowwise`` one scale per row along the GEMM's contraction dimension (torchao's),
+``rowwise_with_gw_hp`` the same with the weight-gradient GEMM kept in the operands' precision; ``blockwise``
+DeepSeek-V3's 1x128 tiles for activations and gradients and 128x128 blocks for weights; ``mxfp8`` 1x32
+blocks with power-of-two (E8M0) scales. The output head, the router, the norms and core attention stay in
+the model's precision whatever the recipe, and so do the first --num-layers-at-start-in-bf16 and the last
+--num-layers-at-end-in-bf16 transformer layers with --first-last-layers-bf16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megalite.config.cli import non_negative_int, positive_int
+from megalite.config.fields import flag
+
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
+# the scaling block along a GEMM's contraction dimension of the recipes whose kernels need whole blocks
+FP8_BLOCKS = {"blockwise": 128, "mxfp8": 32}
+AMAX_COMPUTE_ALGOS = ("most_recent", "max")
+EMULATE_FLAG = "--fp8-emulate"
+
+
+@dataclass(kw_only=True)
+class Fp8Fields:
+    fp8_format: Optional[str] = flag("--fp8-format", default=None, choices=FP8_FORMATS, help=(
+        "run the transformer layers' GEMMs in FP8: e4m3 for every operand, or hybrid (E4M3 activations and "
+        "weights, E5M2 gradients)"))
+    fp8_recipe: str = flag("--fp8-recipe", default="delayed", choices=FP8_RECIPES, help=(
+        "FP8 scaling: tensorwise (one scale per tensor, current amax), delayed (from an amax history), rowwise "
+        "(per row), rowwise_with_gw_hp (rowwise, weight gradient in high precision), blockwise (1x128 tiles, "
+        "128x128 weight blocks), mxfp8 (1x32 blocks, power-of-two scales)"))
+    fp8_amax_history_len: int = flag("--fp8-amax-history-len", positive_int, default=1, help=(
+        "delayed scaling: how many past amaxes each FP8 tensor keeps"))
+    fp8_amax_compute_algo: str = flag("--fp8-amax-compute-algo", default="most_recent", choices=AMAX_COMPUTE_ALGOS,
+                                      help="delayed scaling: scale from the newest amax or the history's max")
+    fp8_emulate: bool = flag(EMULATE_FLAG, default=False, help=(
+        "FP8 without FP8 kernels: quantise, dequantise and multiply in fp32 (same quantised values and scales)"))
+    first_last_layers_bf16: bool = flag("--first-last-layers-bf16", default=False, help=(
+        "FP8: keep the first and last transformer layers' GEMMs in the model's precision"))
+    num_layers_at_start_in_bf16: int = flag("--num-layers-at-start-in-bf16", non_negative_int, default=1, help=(
+        "with --first-last-layers-bf16: how many layers at the start stay out of FP8"))
+    num_layers_at_end_in_bf16: int = flag("--num-layers-at-end-in-bf16", non_negative_int, default=1, help=(
+        "with --first-last-layers-bf16: how many layers at the end stay out of FP8"))
+
+    def fp8_layer(self, layer_number: int) -> bool:
+        """Whether 1-based transformer layer ``layer_number`` runs its GEMMs in FP8 (--fp8-format given and
+        the layer not among those --first-last-layers-bf16 keeps out)."""
+        if self.fp8_format is None:
+            return False
+        if not self.first_last_layers_bf16:
+            return True
+        return self.num_layers_at_start_in_bf16 < layer_number <= self.num_layers - self.num_layers_at_end_in_bf16

@@ -1,0 +1,55 @@
+"""The rules of FP8 GEMMs (--fp8-format), one line each:
+- a recipe that scales in fixed blocks along the contraction dimension (blockwise 128, MXFP8 32) needs
+  every linear's input and output width on each tensor-parallel rank to be whole blocks, which the FP8
+  kernels read;
+- the linears' FP8 backward GEMMs run in their own autograd Functions, which a torch.compile graph replaces
+  with its own backward (--compile);
+- delayed scaling records each forward's amaxes and keeps its scales for the backward, so a forward run
+  again by full recomputation would record twice and quantise the backward with other scales;
+- --first-last-layers-bf16 keeps at most one pipeline stage's layers at each end (Megatron's bound)."""
+from __future__ import annotations
+
+from megalite.config.fp8_fields import FP8_BLOCKS
+from megalite.config.schema import MegaliteConfig, ModelConfig, ParallelConfig
+from megalite.errors import UserError
+
+
+def _gemm_widths(m: ModelConfig, p: ParallelConfig) -> list[tuple[str, int]]:
+    """(what, width per tensor-parallel rank) of the transformer layers' GEMM dimensions."""
+    tp = p.tensor_model_parallel_size
+    widths = [(f"--hidden-size {m.hidden_size}", m.hidden_size),
+              (f"--ffn-hidden-size {m.ffn_hidden_size}", m.ffn_hidden_size // tp),
+              (f"the query width {m.num_attention_heads * m.kv_channels} (heads x --kv-channels)",
+               m.num_attention_heads * m.kv_channels // tp)]
+    if m.num_query_groups >= tp:
+        widths.append((f"the key/value width {m.kv_projection_size} (--num-query-groups x --kv-channels)",
+                       m.kv_projection_size // tp))
+    if m.num_experts:
+        widths.append((f"the expert FFN width {m.expert_ffn_hidden_size}", m.expert_ffn_hidden_size // p.expert_tp_size))
+    if m.multi_latent_attention:
+        widths += [(f"--kv-lora-rank {m.kv_lora_rank}", m.kv_lora_rank)]
+        widths += [(f"--q-lora-rank {m.q_lora_rank}", m.q_lora_rank)] if m.q_lora_rank else []
+    return widths
+
+
+def check_fp8(config: MegaliteConfig) -> None:
+    m, p = config.model, config.parallel
+    if m.fp8_format is not None and config.training.compile:
+        raise UserError("--compile builds its own backward, not the FP8 one of --fp8-format; drop --compile")
+    if m.fp8_format is not None and m.fp8_recipe == "delayed" and m.recompute_granularity == "full":
+        raise UserError("--fp8-recipe delayed with --recompute-granularity full would record each forward twice; use "
+                        "--fp8-recipe tensorwise or --recompute-granularity selective")
+    per_stage = m.num_layers // p.pipeline_model_parallel_size
+    for name, count in (("start", m.num_layers_at_start_in_bf16), ("end", m.num_layers_at_end_in_bf16)):
+        if m.first_last_layers_bf16 and count > per_stage:
+            raise UserError(f"--num-layers-at-{name}-in-bf16 {count} is more than the {per_stage} layers of a "
+                            "pipeline stage; lower it")
+    block = FP8_BLOCKS.get(m.fp8_recipe)
+    if m.fp8_format is None or block is None:
+        return
+    tp = p.tensor_model_parallel_size
+    for what, width in _gemm_widths(m, p):
+        if width % block:
+            per_rank = f" ({width} per tensor-parallel rank)" if tp > 1 else ""
+            raise UserError(f"--fp8-recipe {m.fp8_recipe} scales in blocks of {block}: {what}{per_rank} is not a "
+                            f"multiple of {block}; change it or use --fp8-recipe tensorwise / rowwise")

@@ -1,0 +1,258 @@
+"""The FP8 recipes behind the GEMM seam (gemm.py): each GEMM of a linear or of the experts quantises its two
+operands along the contraction dimension (fp8_quant.py), multiplies them, and returns the product in the
+operands' dtype (or adds it into the fp32 ``main_grad``).
+
+Roles: a GEMM operand is an input (activation), a weight or an output gradient. Input and weight are E4M3;
+the gradient is E5M2 in the ``hybrid`` format and E4M3 in ``e4m3``. Each role is cut into the recipe's
+scaling blocks (``blocks``): tensorwise and delayed one per tensor, rowwise one per row along K, blockwise
+1 x 128 tiles for inputs and gradients and 128 x 128 blocks for weights, MXFP8 1 x 32 blocks with
+power-of-two scales. Each GEMM quantises its operands anew along its own K (torchao's way), so the weight
+gradient's operands are scaled along the tokens.
+
+The product runs on ``torch._scaled_mm`` where the device has the kernel for the recipe's scale layout and
+operand dtypes (``has_kernel``, probed once per device and layout against the emulation), the output's
+rows and columns are multiples of 16 (an expert's token count need not be) and the recipe was not told to
+emulate (--fp8-emulate); otherwise it is emulated: dequantise both, multiply in fp32.
+Either way the quantised values and scales are the same. The experts' grouped GEMMs run the same GEMM per
+expert, each expert's operands scaled as tensors of their own.
+
+Delayed scaling (``DelayedScaling``, Transformer Engine's): each role keeps an amax history
+(--fp8-amax-history-len, newest first) and a scale, buffers of the recipe module. A forward quantises the
+input and weight with their current scales, then records their amaxes: the history rolls one place, the
+new amax goes first, and the scale becomes fp8_max / (the newest amax, or the history's max with
+--fp8-amax-compute-algo max), kept where that amax is 0 or not finite. Its backward quantises the input and
+weight with the scales the forward used (as Transformer Engine reuses the forward's FP8 copies); the
+gradient's scale serves both backward GEMMs and is updated after the weight-gradient GEMM.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from megalite.config.fp8_fields import EMULATE_FLAG, FP8_BLOCKS, FP8_RECIPES
+from megalite.config.schema import ModelConfig
+from megalite.errors import UserError
+from megalite.precision.fp8_quant import (E4M3, E5M2, E8M0, Quantised, emulated_mm, fp8_max, kernel_aligned, quantise,
+                                          scaled_mm)
+from megalite.precision.gemm import DEFAULT_RECIPE, GemmPrecision
+
+INPUT, WEIGHT, GRAD = "input", "weight", "grad"
+WHOLE = 1 << 62                      # a block dimension that covers the whole tensor (quantise clips it)
+PAIRS = ((INPUT, WEIGHT), (GRAD, WEIGHT), (GRAD, INPUT))      # forward, grad_input, grad_weight
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """The FP8 settings the layers' recipes are built from (``TensorParallel.gemm_recipe``)."""
+    name: str
+    fp8_format: str = "hybrid"
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+    emulate: bool = False
+
+    def build(self) -> "Fp8Gemm":
+        return FP8_RECIPE_CLASSES[self.name](self)
+
+
+class Fp8Gemm(GemmPrecision):
+    """Current scaling with one scale per tensor (--fp8-recipe tensorwise); the other recipes override
+    ``blocks`` (their scaling blocks) or the scales they quantise with."""
+    power_of_two = False
+
+    def __init__(self, recipe: Fp8Recipe):
+        super().__init__()
+        self.recipe = recipe
+        self.dtypes = {INPUT: E4M3, WEIGHT: E4M3, GRAD: E5M2 if recipe.fp8_format == "hybrid" else E4M3}
+
+    def blocks(self, role: str) -> tuple[int, int]:
+        """(rows, cols) of one scaling block of an operand [M, K] of ``role``."""
+        return WHOLE, WHOLE
+
+    def quantise(self, x: torch.Tensor, role: str) -> Quantised:
+        rows, cols = self.blocks(role)
+        return quantise(x, self.dtypes[role], rows, cols, self.power_of_two)
+
+    def mm(self, a: torch.Tensor, a_role: str, b: torch.Tensor, b_role: str, out_dtype: torch.dtype) -> torch.Tensor:
+        """a [M, K] times b [N, K] transposed, in FP8, as ``out_dtype`` [M, N]."""
+        qa, qb = self.quantise(a, a_role), self.quantise(b, b_role)
+        if not self.recipe.emulate and kernel_aligned(qa, qb) and has_kernel(
+                self.recipe.name, self.recipe.fp8_format, a.device, a_role, b_role, out_dtype):
+            return scaled_mm(qa, qb, out_dtype)
+        return emulated_mm(qa, qb, out_dtype)
+
+    # hooks of delayed scaling: which amaxes a GEMM use records
+    def observe_forward(self, x: torch.Tensor, w: torch.Tensor) -> None:
+        """Called before a forward's GEMMs with its input and weight."""
+
+    def observe_backward(self, grad_out: torch.Tensor) -> None:
+        """Called after a backward's weight-gradient GEMMs with the output gradient."""
+
+    # ---- a linear layer ----------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        self.observe_forward(x, w)
+        y = self.mm(x.reshape(-1, x.shape[-1]), INPUT, w, WEIGHT, x.dtype).reshape(*x.shape[:-1], w.shape[0])
+        return y if bias is None else y + bias
+
+    def grad_input(self, grad_out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        return self.mm(g, GRAD, w.t(), WEIGHT, grad_out.dtype).reshape(*grad_out.shape[:-1], w.shape[1])
+
+    def grad_weight(self, grad_out: torch.Tensor, x: torch.Tensor,
+                    main_grad: torch.Tensor | None = None) -> torch.Tensor | None:
+        product = self.mm(grad_out.t(), GRAD, x.t(), INPUT, grad_out.dtype if main_grad is None else main_grad.dtype)
+        self.observe_backward(grad_out)
+        if main_grad is None:
+            return product
+        main_grad.add_(product)
+        return None
+
+    # ---- the experts: one FP8 GEMM per expert ------------------------------------------------------------
+    def grouped_forward(self, rows: torch.Tensor, weight: torch.Tensor, counts: list) -> torch.Tensor:
+        self.observe_forward(rows, weight)
+        out = rows.new_empty(rows.shape[0], weight.shape[1])
+        for part, result, w in zip(rows.split(counts), out.split(counts), weight):
+            if part.shape[0]:
+                result.copy_(self.mm(part, INPUT, w, WEIGHT, rows.dtype))
+        return out
+
+    def grouped_grad_input(self, grad_out: torch.Tensor, weight: torch.Tensor, counts: list) -> torch.Tensor:
+        out = grad_out.new_empty(grad_out.shape[0], weight.shape[2])
+        for part, result, w in zip(grad_out.split(counts), out.split(counts), weight):
+            if part.shape[0]:
+                result.copy_(self.mm(part, GRAD, w.t(), WEIGHT, grad_out.dtype))
+        return out
+
+    def grouped_grad_weight(self, grad_out: torch.Tensor, rows: torch.Tensor, counts: list) -> torch.Tensor:
+        out = grad_out.new_zeros(len(counts), grad_out.shape[1], rows.shape[1])
+        for g, part, result in zip(grad_out.split(counts), rows.split(counts), out):
+            if part.shape[0]:
+                result.copy_(self.mm(g.t(), GRAD, part.t(), INPUT, grad_out.dtype))
+        self.observe_backward(grad_out)
+        return out
+
+
+class DelayedScaling(Fp8Gemm):
+    """One scale per tensor from an amax history (module docstring): buffers ``{role}_amax_history``
+    [history length] (newest first) and ``{role}_scale``, and the scales the last forward used."""
+
+    def __init__(self, recipe: Fp8Recipe):
+        super().__init__(recipe)
+        for role in (INPUT, WEIGHT, GRAD):
+            self.register_buffer(f"{role}_amax_history", torch.zeros(recipe.amax_history_len, device="cpu"))
+            self.register_buffer(f"{role}_scale", torch.ones(1, device="cpu"))
+        for role in (INPUT, WEIGHT):
+            self.register_buffer(f"{role}_scale_used", torch.ones(1, device="cpu"), persistent=False)
+
+    def quantise(self, x: torch.Tensor, role: str) -> Quantised:
+        scale = self.grad_scale if role == GRAD else self.get_buffer(f"{role}_scale_used")
+        return quantise(x, self.dtypes[role], WHOLE, WHOLE, scale=scale)
+
+    @torch.no_grad()
+    def record(self, role: str, x: torch.Tensor) -> None:
+        """Push x's amax into the role's history and recompute its scale from the history."""
+        history, scale = self.get_buffer(f"{role}_amax_history"), self.get_buffer(f"{role}_scale")
+        history.copy_(history.roll(1))
+        history[0] = x.detach().abs().max().float()
+        amax = history.max() if self.recipe.amax_compute_algo == "max" else history[0]
+        usable = torch.isfinite(amax) & (amax > 0)
+        scale.copy_(torch.where(usable, fp8_max(self.dtypes[role]) / amax, scale))
+
+    def observe_forward(self, x: torch.Tensor, w: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.input_scale_used.copy_(self.input_scale)
+            self.weight_scale_used.copy_(self.weight_scale)
+        self.record(INPUT, x)
+        self.record(WEIGHT, w)
+
+    def observe_backward(self, grad_out: torch.Tensor) -> None:
+        self.record(GRAD, grad_out)
+
+
+class RowwiseScaling(Fp8Gemm):
+    """One scale per row of each operand along K (torchao's rowwise)."""
+
+    def blocks(self, role: str) -> tuple[int, int]:
+        return 1, WHOLE
+
+
+class RowwiseScalingHighPrecisionWeightGrad(RowwiseScaling):
+    """Rowwise, with the weight-gradient GEMMs in the operands' own precision (torchao's rowwise_with_gw_hp)."""
+    grad_weight = GemmPrecision.grad_weight
+    grouped_grad_weight = GemmPrecision.grouped_grad_weight
+
+
+class BlockwiseScaling(Fp8Gemm):
+    """DeepSeek-V3's: 1 x 128 tiles along K for inputs and gradients, 128 x 128 blocks for weights."""
+
+    def blocks(self, role: str) -> tuple[int, int]:
+        block = FP8_BLOCKS["blockwise"]
+        return (block, block) if role == WEIGHT else (1, block)
+
+
+class MXFP8Scaling(Fp8Gemm):
+    """1 x 32 blocks along K for every operand, power-of-two scales stored as E8M0."""
+    power_of_two = True
+
+    def blocks(self, role: str) -> tuple[int, int]:
+        return 1, FP8_BLOCKS["mxfp8"]
+
+
+FP8_RECIPE_CLASSES: dict[str, type[Fp8Gemm]] = {
+    "tensorwise": Fp8Gemm, "delayed": DelayedScaling, "rowwise": RowwiseScaling,
+    "rowwise_with_gw_hp": RowwiseScalingHighPrecisionWeightGrad, "blockwise": BlockwiseScaling,
+    "mxfp8": MXFP8Scaling}
+if E8M0 is None:            # torch without the E8M0 dtype has no MXFP8
+    del FP8_RECIPE_CLASSES["mxfp8"]
+
+
+@functools.cache
+def has_kernel(name: str, fp8_format: str, device: torch.device, a_role: str, b_role: str,
+               out_dtype: torch.dtype) -> bool:
+    """Whether torch._scaled_mm on ``device`` runs recipe ``name``'s GEMM of an ``a_role`` by a ``b_role``
+    operand and gives the emulation's product (checked once on a small GEMM of whole blocks)."""
+    if device.type == "meta":
+        return False
+    recipe = Fp8Recipe(name, fp8_format, emulate=True)
+    gemm = recipe.build()
+    g = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(256, 256, generator=g, device=device, dtype=out_dtype) for _ in range(2))
+    if isinstance(gemm, DelayedScaling):
+        gemm.to(device)
+    qa, qb = gemm.quantise(a, a_role), gemm.quantise(b, b_role)
+    try:
+        real = scaled_mm(qa, qb, out_dtype).float()
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+    emulated = emulated_mm(qa, qb, torch.float32)
+    return bool(torch.allclose(real, emulated, rtol=1e-2, atol=1e-2 * emulated.abs().max().item()))
+
+
+def check_fp8_kernels(recipe: Fp8Recipe, device: torch.device, dtype: torch.dtype) -> None:
+    """A one-line error unless ``device`` has the kernels of ``recipe``'s GEMMs or the recipe emulates them."""
+    if recipe.emulate or device.type == "meta":        # a dry run multiplies nothing
+        return
+    if recipe.name not in FP8_RECIPE_CLASSES:
+        raise UserError(f"--fp8-recipe {recipe.name} needs torch's float8_e8m0fnu dtype (torch >= 2.7); "
+                        "upgrade torch or pick another recipe")
+
+    def works(name: str) -> bool:
+        return all(has_kernel(name, recipe.fp8_format, device, a, b, dtype) for a, b in PAIRS)
+
+    if not works(recipe.name):
+        usable = [name for name in FP8_RECIPES if name in FP8_RECIPE_CLASSES and works(name)]
+        instead = f"--fp8-recipe {' / '.join(usable)} or " if usable else ""
+        raise UserError(f"--fp8-recipe {recipe.name} has no FP8 kernel on {device.type}: use {instead}{EMULATE_FLAG} "
+                        "(quantise, dequantise, multiply in fp32)")
+
+
+def gemm_recipe_for(config: ModelConfig, device: torch.device, dtype: torch.dtype):
+    """The layers' GEMM recipe for ``config``: its FP8 recipe with --fp8-format (after checking ``device``
+    has the kernels for its ``dtype`` GEMMs, or the recipe emulates them), else the default recipe."""
+    if config.fp8_format is None:
+        return DEFAULT_RECIPE
+    recipe = Fp8Recipe(config.fp8_recipe, config.fp8_format, config.fp8_amax_history_len,
+                       config.fp8_amax_compute_algo, config.fp8_emulate)
+    check_fp8_kernels(recipe, device, dtype)
+    return recipe
