@@ -144,6 +144,15 @@ class ShardLayout(FlatLayout):
     def grad_bytes(self) -> int:
         return sum(s.grad.numel() * s.grad.element_size() for s in self.buckets)
 
+    def state_tensors(self, kind: str) -> list[torch.Tensor]:
+        """This rank's shards of its parameters or of their gradients (``kind``)."""
+        return [s.values if kind == "parameters" else s.grad for s in self.buckets]
+
+    def transients(self) -> list:
+        """None of megalite's own: FSDP2 allocates its gathered parameters and reduction buffers inside the
+        step, where the memory account sees them as they are made."""
+        return []
+
 
 def mixed_precision_policy(params_dtype: torch.dtype, grad_reduce_in_bf16: bool) -> MixedPrecisionPolicy:
     """16-bit parameters in compute; gradients reduced in fp32 (or bf16); sharded parameters stay fp32."""

@@ -80,6 +80,10 @@ class FlatLayout(Protocol):
 
     def grad_bytes(self) -> int: ...
 
+    def state_tensors(self, kind: str) -> list[torch.Tensor]: ...
+
+    def transients(self) -> list: ...
+
 
 class DataParallel(abc.ABC):
     """One rank's data-parallel backend over its model chunks.
