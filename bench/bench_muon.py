@@ -9,7 +9,7 @@ backward -- and megalite.optim.rules.muon's Newton-Schulz function, and times bo
 slowest rank's; the figure is the median over the timed steps. The Newton-Schulz share is its time over
 the step's, summed over steps and ranks; under TP's duplicated mode the momentum all-gather before it
 is timed too. The pairs take turns, round after round, so load from other work on the machine falls on
-both optimizers alike. State bytes are the memory report's (train/performance.py ``measure``: the
+both optimizers alike. The whole training step is timed too, for the optimizer step's share of it. State bytes are the memory report's (train/performance.py ``measure``: the
 tensors the rule keeps, the fp32 master copy where the model is not fp32) on each rank, the largest
 rank's compared.
 
@@ -43,11 +43,11 @@ class Shape:
     """A Llama whose transformer-layer matrices hold most of its parameters (a small vocabulary), as in
     a large model, so the state ratio measures Muon's matrices rather than the embeddings' AdamW."""
     layers: int = 4
-    hidden: int = 512
-    ffn: int = 1408
-    heads: int = 8
+    hidden: int = 256
+    ffn: int = 704
+    heads: int = 4
     kv_heads: int = 2
-    vocab: int = 1024
+    vocab: int = 512
     seq: int = 128
     mbs: int = 2
     gbs: int = 4
@@ -58,7 +58,7 @@ class Shape:
 
 
 FULL = Shape()
-QUICK = replace(FULL, layers=2, hidden=256, ffn=704, heads=4)
+QUICK = replace(FULL, layers=2, hidden=128, ffn=352)
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def _time_steps(rank, world, shape, flags, steps, warmup):
     from megalite.train.step import train_step
     from megalite.train.trainer import build_trainer
     trainer = build_trainer(parse_args(llama_argv(shape, shape.mbs, shape.gbs) + list(flags), world_size=world))
-    clocks = {"step": Clock(), "ns": Clock(), "gather": Clock()}
+    clocks = {"step": Clock(), "ns": Clock(), "gather": Clock(), "train": Clock()}
     for name, clock in (("newton_schulz", "ns"), ("_gather", "gather")):     # module globals the rule calls
         if hasattr(muon_rule, name):
             setattr(muon_rule, name, clocks[clock].wrap(getattr(muon_rule, name)))
@@ -120,10 +120,10 @@ def _time_steps(rank, world, shape, flags, steps, warmup):
         return inner(*args, **kwargs)
 
     trainer.optimizer.step = step
-    data, times = random_batches(shape, rank), []
+    data, times, timed_train_step = random_batches(shape, rank), [], clocks["train"].wrap(train_step)
     for i in range(warmup + steps):
         before = {name: clock.total for name, clock in clocks.items()}
-        train_step(trainer, data)
+        timed_train_step(trainer, data)
         if i >= warmup:
             times.append({name: clock.total - before[name] for name, clock in clocks.items()})
     trainer.ddp.wait_for_param_gather()
@@ -133,33 +133,34 @@ def _time_steps(rank, world, shape, flags, steps, warmup):
 
 def run_pairs(layouts: list[Layout], args) -> dict:
     """(layout, optimizer) -> every rank's results of every round; the pairs take turns each round."""
-    cores = os.cpu_count() or 1
     runs = {}
     for _ in range(args.rounds):
         for layout in layouts:
             for opt, opt_flags in OPTIMIZERS.items():
                 flags = layout.flags + opt_flags + (layout.muon_flags if opt == "Muon" else ())
-                ranks = spawn(layout.world, max(1, cores // layout.world), _time_steps, args.shape, flags,
+                ranks = spawn(layout.world, args.threads, _time_steps, args.shape, flags,
                               args.steps, args.warmup)
                 runs.setdefault((layout.name, opt), []).append(ranks)
     return runs
 
 
 def summarise(rounds: list) -> dict:
-    """Median step seconds (the slowest rank per step), the Newton-Schulz and gather shares, the largest
-    rank's state bytes and theoretical bytes."""
-    steps = [max(rank["times"][i]["step"] for rank in ranks) for ranks in rounds for i in range(len(ranks[0]["times"]))]
+    """Median optimizer-step and training-step seconds (the slowest rank per step), the Newton-Schulz and
+    gather shares of the optimizer step, the largest rank's state bytes and theoretical bytes."""
+    def median(key):
+        return statistics.median(max(rank["times"][i][key] for rank in ranks) for ranks in rounds
+                                 for i in range(len(ranks[0]["times"])))
     total = {key: sum(t[key] for ranks in rounds for rank in ranks for t in rank["times"]) for key in ("step", "ns", "gather")}
     last = rounds[-1]
-    return {"step": statistics.median(steps), "ns": total["ns"] / total["step"], "gather": total["gather"] / total["step"],
+    return {"step": median("step"), "train": median("train"), "ns": total["ns"] / total["step"], "gather": total["gather"] / total["step"],
             "state": max(rank["memory"]["optimizer"] for rank in last),
-            "theory": max(rank["memory"]["theoretical"] for rank in last), "params": last[0]["params"],
-            "n": len(steps)}
+            "theory": max(rank["memory"]["theoretical"] for rank in last)}
 
 
 def table(layouts: list[Layout], runs: dict) -> tuple[list[str], dict]:
     rows = ["| layout | optimizer | opt. step ms | Muon / AdamW | Newton-Schulz share | TP gather share | "
-            "state bytes (largest rank) | theory | Muon / AdamW |", "|---|---|---|---|---|---|---|---|---|"]
+            "training step ms | opt. step share | state bytes (largest rank) | theory | Muon / AdamW |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     ratios = {}
     for layout in layouts:
         s = {opt: summarise(runs[(layout.name, opt)]) for opt in OPTIMIZERS}
@@ -168,7 +169,8 @@ def table(layouts: list[Layout], runs: dict) -> tuple[list[str], dict]:
         for opt, r in s.items():
             muon = opt == "Muon"
             rows.append(f"| {layout.name} | {opt} | {r['step'] * 1e3:.1f} | {f'**{time_ratio:.2f}x**' if muon else '1.00x'} | "
-                        f"{r['ns'] * 100:.0f}% | {r['gather'] * 100:.0f}% | {r['state']:,} | {r['theory']:,} | "
+                        f"{r['ns'] * 100:.0f}% | {r['gather'] * 100:.0f}% | {r['train'] * 1e3:.0f} | "
+                        f"{r['step'] / r['train'] * 100:.0f}% | {r['state']:,} | {r['theory']:,} | "
                         f"{f'**{state_ratio:.3f}x**' if muon else '1.000x'} |")
             print(rows[-1], flush=True)
     return rows, ratios
@@ -181,6 +183,8 @@ def main(argv):
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every pair, taking turns")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (one: every layout's "
+                        "ranks compute alike, and a machine shared with other work is not oversubscribed)")
     add_common_args(parser)
     args = parser.parse_args(argv)
     args.shape = QUICK if args.quick else FULL
@@ -189,11 +193,14 @@ def main(argv):
     layouts = [lay for lay in LAYOUTS if lay.name in args.layouts]
     rows, ratios = table(layouts, run_pairs(layouts, args))
     command = command_line("bench_muon.py", argv)
-    body = [f"{args.shape.describe()}; fp32, gloo on localhost, {os.cpu_count()} cores split evenly over each "
-            f"layout's ranks. Both optimizers at Megatron's defaults (Muon: momentum 0.9, 5 quintic Newton-Schulz "
+    body = [f"{args.shape.describe()}; fp32, gloo on localhost, {args.threads} thread(s) per rank on "
+            f"{os.cpu_count()} cores. Both optimizers at Megatron's defaults (Muon: momentum 0.9, 5 quintic Newton-Schulz "
             f"iterations in bf16, Q/K/V and gate/up split). Optimizer step: median of {args.rounds} rounds x "
             f"{args.steps} steps after {args.warmup} warm-up per run, the slowest rank per step, a barrier before "
             "it (untimed); it includes the gradient-norm all-reduce, clipping and ZeRO's parameter all-gather. "
+            "Training step: the whole iteration (forward, backward, gradient sync, optimizer step), whose share "
+            "the optimizer step is; this model is small, so the optimizer's share is far larger than in a "
+            "billion-parameter run, where forward and backward grow with the tokens and Newton-Schulz does not. "
             "State bytes: the memory report's optimizer state on the largest rank (an fp32 model: no master "
             "copy), beside its theoretical figure. The matrices' share of the parameters sets the state ratio: "
             "their state halves, the embedding's, output layer's, norms' and routers' stays AdamW's.", "", *rows]

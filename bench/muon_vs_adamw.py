@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -96,9 +97,11 @@ def draw(curves: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax_train, ax_valid) = plt.subplots(1, 2, figsize=(10, 3.8))
+    others = iter(["C1", "C2", "C4", "C5", "C6", "C7", "C8", "C9"])    # C0 and C3 are the headline pair's
     for label, run in curves.items():
-        style = dict(linestyle="-" if label in HEADLINE_RUNS else ":", linewidth=2 if label in HEADLINE_RUNS else 1,
-                     color=("C0" if label.startswith("AdamW") else "C3") if label in HEADLINE_RUNS else None)
+        headline = label in HEADLINE_RUNS
+        style = dict(linestyle="-" if headline else ":", linewidth=2 if headline else 1,
+                     color=("C0" if label.startswith("AdamW") else "C3") if headline else next(others))
         ax_train.plot(*zip(*run["train"]), label=label, **style)
         ax_valid.plot(*zip(*run["valid"]), marker="o", markersize=3, label=label, **style)
     for ax, title in ((ax_train, "training loss (mean of each 10 iterations)"), (ax_valid, "validation loss")):
@@ -115,15 +118,15 @@ def draw(curves: dict, path: str) -> None:
     plt.close(fig)
 
 
-def report(curves: dict, args, command: str) -> None:
-    """The section of bench/RESULTS.md; ``command``: the one that trained the runs."""
+def report(curves: dict, args, command: str, trained: str) -> None:
+    """The section of bench/RESULTS.md; ``command``: the one that trained the runs, at ``trained``."""
     adam, mu = best(curves, "AdamW"), best(curves, "Muon")
     rows = ["| run | flags beyond the demo's | training loss at the last iteration | validation loss |",
             "|---|---|---|---|"]
     for label, run in curves.items():
         rows.append(f"| {label} | `{' '.join(run['flags'])}` | {final(run, 'train'):.4f} | {final(run, 'valid'):.4f} |")
     iters = curves[adam]["train"][-1][0]
-    body = [f"The demo's model and data (4 layers, hidden 128, SentencePiece vocab 4096, {iters} iterations of "
+    body = [f"Trained {trained} (the machine line above is when this section was written). The demo's model and data (4 layers, hidden 128, SentencePiece vocab 4096, {iters} iterations of "
             "16 x 128 tokens, cosine lr to a tenth after 20 warm-up iterations, weight decay 0.1, clip 1.0), "
             f"serial, seed 1234: every run sees the same batches. Muon runs use momentum 0.95 with Nesterov "
             "(torch.optim.Muon's defaults) and the spectral scale times --muon-extra-scale-factor; their "
@@ -154,17 +157,18 @@ def main(argv):
     if args.plot_only:
         with open(curves_path) as f:
             saved = json.load(f)
-        curves, command = saved["runs"], saved["command"]
+        curves, command, trained = saved["runs"], saved["command"], saved["trained"]
     else:
         runs = HEADLINE_RUNS | (SWEEP_RUNS if args.sweep else {})
         with ThreadPoolExecutor(args.jobs) as pool:
             results = list(pool.map(lambda item: train(*item, args), runs.items()))
         curves, command = dict(zip(runs, results)), command_line("muon_vs_adamw.py", argv)
+        trained = time.strftime("%Y-%m-%d %H:%M")
         os.makedirs(os.path.dirname(curves_path), exist_ok=True)
         with open(curves_path, "w") as f:
-            json.dump({"command": command, "runs": curves}, f)
+            json.dump({"command": command, "trained": trained, "runs": curves}, f)
     draw(curves, plot_path)
-    report(curves, args, command)
+    report(curves, args, command, trained)
 
 
 if __name__ == "__main__":
