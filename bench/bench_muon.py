@@ -14,10 +14,12 @@ tensors the rule keeps, the fp32 master copy where the model is not fp32) on eac
 rank's compared.
 
 A layout is one entry of LAYOUTS (flags for every run, and flags for Muon only, such as its TP mode);
---layouts picks entries by name, so another TP mode or ZeRO stage is one more entry.
+--layouts picks entries by name, so another ZeRO stage is one more entry. "TP=2" stands for one layout
+per --muon-tp-modes entry (any mode megalite's --muon-tp-mode accepts), each against its own AdamW run.
 
     python bench/bench_muon.py                                # default layouts, writes bench/RESULTS.md
     python bench/bench_muon.py --layouts serial "DP=2 ZeRO-1" --steps 5 --rounds 3
+    python bench/bench_muon.py --layouts TP=2 --muon-tp-modes duplicated distributed
     python bench/bench_muon.py --quick                        # smoke test: a smaller model, one timed step
 """
 from __future__ import annotations
@@ -36,6 +38,8 @@ from results import Headline, add_common_args, command_line, publish  # noqa: E4
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from megalite.config.muon_fields import MUON_TP_MODES  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -71,14 +75,29 @@ class Layout:
 
 ZERO1 = ("--use-distributed-optimizer", "--use-layer-wise-distributed-optimizer")
 MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall")
+TP = "TP=2"
+
+
+def tp_layout(mode: str) -> Layout:
+    return Layout(f"{TP} {mode}", 2, ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+                  ("--muon-tp-mode", mode))
+
+
 LAYOUTS = (
     Layout("serial", 1),
     Layout("DP=2 ZeRO-1", 2, ZERO1),
-    Layout("TP=2 duplicated", 2, ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
-           ("--muon-tp-mode", "duplicated")),
+    Layout(TP, 2),                        # expanded by chosen(): one layout per --muon-tp-modes entry
     Layout("EP=2 MoE (4 experts, top-2)", 2, ("--expert-model-parallel-size", "2") + MOE),
 )
-DEFAULT_LAYOUTS = tuple(layout.name for layout in LAYOUTS)
+
+
+def chosen(names: list[str], tp_modes: list[str]) -> list[Layout]:
+    """The layouts named, in LAYOUTS' order, TP=2 once per TP mode."""
+    picked = []
+    for layout in LAYOUTS:
+        if layout.name in names:
+            picked += [tp_layout(mode) for mode in tp_modes] if layout.name == TP else [layout]
+    return picked
 OPTIMIZERS = {"AdamW": ("--optimizer", "adam"), "Muon": ("--optimizer", "muon")}
 
 
@@ -178,8 +197,11 @@ def table(layouts: list[Layout], runs: dict) -> tuple[list[str], dict]:
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS), choices=[lay.name for lay in LAYOUTS],
-                        metavar="LAYOUT", help=f"layouts to measure, of: {', '.join(lay.name for lay in LAYOUTS)}")
+    names = [lay.name for lay in LAYOUTS]
+    parser.add_argument("--layouts", nargs="+", default=names, choices=names, metavar="LAYOUT",
+                        help=f"layouts to measure, of: {', '.join(names)}")
+    parser.add_argument("--muon-tp-modes", nargs="+", default=["duplicated"], choices=MUON_TP_MODES,
+                        help="Muon's TP modes to measure at TP=2 (--muon-tp-mode)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every pair, taking turns")
@@ -190,7 +212,7 @@ def main(argv):
     args.shape = QUICK if args.quick else FULL
     if args.quick:
         args.steps, args.rounds = 1, 1
-    layouts = [lay for lay in LAYOUTS if lay.name in args.layouts]
+    layouts = chosen(args.layouts, args.muon_tp_modes)
     rows, ratios = table(layouts, run_pairs(layouts, args))
     command = command_line("bench_muon.py", argv)
     body = [f"{args.shape.describe()}; fp32, gloo on localhost, {args.threads} thread(s) per rank on "
@@ -202,7 +224,9 @@ def main(argv):
             "the optimizer step is; this model is small, so the optimizer's share is far larger than in a "
             "billion-parameter run, where forward and backward grow with the tokens and Newton-Schulz does not. "
             "State bytes: the memory report's optimizer state on the largest rank (an fp32 model: no master "
-            "copy), beside its theoretical figure. The matrices' share of the parameters sets the state ratio: "
+            "copy), beside its theoretical figure. ZeRO-1 gives each rank whole matrices, so each orthogonalises "
+            "about half of them; TP's duplicated mode gathers each sharded matrix and orthogonalises it whole on "
+            "every TP rank. The matrices' share of the parameters sets the state ratio: "
             "their state halves, the embedding's, output layer's, norms' and routers' stays AdamW's.", "", *rows]
     headlines = [Headline(f"Muon optimizer step, {name}", "AdamW optimizer step, same layout and model",
                           f"{t:.2f}x time (Newton-Schulz {ns * 100:.0f}% of Muon's step)", command)
