@@ -86,6 +86,8 @@ def tp_layout(mode: str) -> Layout:
 LAYOUTS = (
     Layout("serial", 1),
     Layout("DP=2 ZeRO-1", 2, ZERO1),
+    Layout("DP=2 ZeRO-3", 2, ("--data-parallel-sharding-strategy", "optim_grads_params")),
+    Layout("DP=2 FSDP2", 2, ("--use-torch-fsdp2",)),
     Layout(TP, 2),                        # expanded by chosen(): one layout per --muon-tp-modes entry
     Layout("EP=2 MoE (4 experts, top-2)", 2, ("--expert-model-parallel-size", "2") + MOE),
 )
@@ -128,7 +130,8 @@ def _time_steps(rank, world, shape, flags, steps, warmup):
     from megalite.train.trainer import build_trainer
     trainer = build_trainer(parse_args(llama_argv(shape, shape.mbs, shape.gbs) + list(flags), world_size=world))
     clocks = {"step": Clock(), "ns": Clock(), "gather": Clock(), "train": Clock()}
-    for name, clock in (("newton_schulz", "ns"), ("_gather", "gather")):     # module globals the rule calls
+    for name, clock in (("newton_schulz", "ns"), ("distributed_newton_schulz", "ns"),
+                        ("_gather", "gather")):                              # module globals the rule calls
         if hasattr(muon_rule, name):
             setattr(muon_rule, name, clocks[clock].wrap(getattr(muon_rule, name)))
     inner = clocks["step"].wrap(trainer.optimizer.step)
@@ -200,7 +203,7 @@ def main(argv):
     names = [lay.name for lay in LAYOUTS]
     parser.add_argument("--layouts", nargs="+", default=names, choices=names, metavar="LAYOUT",
                         help=f"layouts to measure, of: {', '.join(names)}")
-    parser.add_argument("--muon-tp-modes", nargs="+", default=["duplicated"], choices=MUON_TP_MODES,
+    parser.add_argument("--muon-tp-modes", nargs="+", default=list(MUON_TP_MODES), choices=MUON_TP_MODES,
                         help="Muon's TP modes to measure at TP=2 (--muon-tp-mode)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=1)
