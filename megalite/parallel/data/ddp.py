@@ -88,8 +88,7 @@ from torch import nn
 
 from megalite.config.schema import SHARDING_STRATEGIES, ParallelConfig
 from megalite.parallel.data.bucket_comm import (DONE, Comm, GradReduction, InFlight, ParamGathers, comm_for,
-                                              grad_reduction,
-                                              shard_comms, traced, wait)
+                                              grad_reduction, shard_comms, traced, wait)
 from megalite.parallel.data.fp8_gather import Fp8ParamGather, fp8_gathered_weights
 from megalite.parallel.data.grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.parallel.data.materialise import LocalElements
@@ -136,11 +135,12 @@ class DistributedDataParallel(DataParallel):
 
     ``device``: where the buffer's storage lives; needed when the models were built on the meta device
     (sharded start-up): their parameters are swapped for ones viewing the buffer (this rank's part only),
-    whose values materialise.py fills from ``local_elements()`` (build.py).
+    whose values materialise.py fills from ``local_elements()`` (build.py). ``owner_cost``: what the
+    whole-parameter layout balances owners by (grad_buffer.py; None: size).
     """
 
     def __init__(self, model: nn.Module | list[nn.Module], config: ParallelConfig, parallel: ParallelState,
-                 num_microbatches: int = 1, device: torch.device | None = None):
+                 num_microbatches: int = 1, device: torch.device | None = None, owner_cost=None):
         self.models = list(model) if isinstance(model, (list, tuple)) else [model]
         self.strategy = config.data_parallel_sharding_strategy      # ParallelConfig folds in the ZeRO-1 flag
         if self.strategy not in SHARDING_STRATEGIES:
@@ -167,7 +167,7 @@ class DistributedDataParallel(DataParallel):
             named, bucket_size, shard_rank, shard_size, self.shard_grads, self.shard_params,
             units=unit_of if self.shard_grads else None, device=device,
             staging_dtype=self.comm.reduce_dtype or torch.float32, expert_dp=expert_dp,
-            whole_params=config.use_layer_wise_distributed_optimizer and self.shard_optimizer,
+            whole_params=config.use_layer_wise_distributed_optimizer and self.shard_optimizer, owner_cost=owner_cost,
             fp8_params=frozenset(fp8))
         named = swap_replacements(self.models, self.units, named, self.buffer.replacements)
         # --fp8-param-gather: the FP8 layers' weights travel in FP8 (fp8_gather.py)
