@@ -77,7 +77,8 @@ class Fp8Gemm(GemmPrecision):
         rows, cols = self.blocks(role)
         return quantise(x, self.dtypes[role], rows, cols, self.power_of_two)
 
-    def mm(self, a: torch.Tensor, a_role: str, b: torch.Tensor | Quantised, b_role: str, out_dtype: torch.dtype) -> torch.Tensor:
+    def mm(self, a: torch.Tensor, a_role: str, b: torch.Tensor | Quantised, b_role: str,
+           out_dtype: torch.dtype) -> torch.Tensor:
         """a [M, K] times b [N, K] transposed, in FP8, as ``out_dtype`` [M, N] (b may come quantised)."""
         qa = self.quantise(a, a_role)
         qb = b if isinstance(b, Quantised) else self.quantise(b, b_role)
@@ -102,12 +103,14 @@ class Fp8Gemm(GemmPrecision):
     # ---- a linear layer ----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         self.observe_forward(x, w)
-        y = self.mm(x.reshape(-1, x.shape[-1]), INPUT, self.weight_operand(w), WEIGHT, x.dtype).reshape(*x.shape[:-1], w.shape[0])
+        y = self.mm(x.reshape(-1, x.shape[-1]), INPUT, self.weight_operand(w), WEIGHT, x.dtype)
+        y = y.reshape(*x.shape[:-1], w.shape[0])
         return y if bias is None else y + bias
 
     def grad_input(self, grad_out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        return self.mm(g, GRAD, self.weight_operand(w, transposed=True), WEIGHT, grad_out.dtype).reshape(*grad_out.shape[:-1], w.shape[1])
+        grad_x = self.mm(g, GRAD, self.weight_operand(w, transposed=True), WEIGHT, grad_out.dtype)
+        return grad_x.reshape(*grad_out.shape[:-1], w.shape[1])
 
     def grad_weight(self, grad_out: torch.Tensor, x: torch.Tensor,
                     main_grad: torch.Tensor | None = None) -> torch.Tensor | None:

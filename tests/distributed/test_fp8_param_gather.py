@@ -81,7 +81,8 @@ def test_fp8_gathers_under_nccl_semantics():
 
 def test_bad_fp8_param_gather_input_is_one_line():
     fp8 = dict(fp8_format="hybrid", fp8_recipe="tensorwise", fp8_param_gather=True)
-    with pytest.raises(UserError, match="--fp8-param-gather needs a sharding strategy: add --use-distributed-optimizer"):
+    no_strategy = "--fp8-param-gather needs a sharding strategy: add --use-distributed-optimizer"
+    with pytest.raises(UserError, match=no_strategy):
         parse_args(with_flags(TINY_LLAMA_ARGS, **fp8), world_size=1)
     with pytest.raises(UserError, match="--fp8-param-gather gathers the weights of FP8 layers: add --fp8-format"):
         parse_args(with_flags(TINY_LLAMA_ARGS, fp8_param_gather=True, use_distributed_optimizer=True), world_size=1)
