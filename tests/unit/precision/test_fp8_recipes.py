@@ -1,7 +1,8 @@
 """The FP8 recipes (megalite/precision/fp8.py): each GEMM of a linear, run through the linear's autograd
 Function, equals quantise -> dequantise -> fp32 matmul with a quantiser written here (block by block, from
 the recipes' definitions), for every recipe and format, on the real (torch._scaled_mm) and the emulated
-path; both paths quantise alike; delayed scaling's history and scales follow Transformer Engine's rule; the
+path; both paths quantise alike; delayed scaling's history (one entry per step) and scales follow Transformer
+Engine's rule; the
 experts' grouped GEMMs are per-expert FP8 GEMMs."""
 import math
 
@@ -165,28 +166,40 @@ def test_quantised_values_match_the_reference_quantiser():
 
 
 def test_delayed_scaling_history_and_scales():
-    """Each forward quantises with the scale from earlier amaxes, then records; the backward reuses the
-    forward's input and weight scales; the gradient's scale updates after the weight gradient."""
+    """Every GEMM of a step quantises with the scales of the earlier steps' amaxes; the step's amax (the
+    max over its micro-batches) enters the history once, after the step; an evaluation forward records
+    nothing."""
     precision = Fp8Recipe("delayed", "hybrid", amax_history_len=3, amax_compute_algo="max").build()
-    amaxes = []
-    for step, factor in enumerate([2.0, 8.0, 1.0, 0.5]):
-        x, w, g = operands(tokens=64, seed=step)
-        x, g = x * factor, g * factor
+    amaxes, grad_amaxes = [], []
+    for step, factors in enumerate([(2.0, 3.0), (8.0, 1.0), (1.0, 0.5), (0.5, 0.25)]):
         scales = {"input": precision.input_scale.item(), "weight": precision.weight_scale.item(),
                   "grad": precision.grad_scale.item()}
-        for got, want in zip(through_linear(precision, x, w, g), reference_products("delayed", "hybrid", x, w, g,
-                                                                                    scales)):
-            assert_fp32_close(got, want)
-        amaxes.append(x.abs().max().item())
+        step_max, grad_max, before = 0.0, 0.0, precision.input_amax_history.clone()
+        for micro, factor in enumerate(factors):
+            x, w, g = operands(tokens=64, seed=2 * step + micro)
+            x, g = x * factor, g * factor
+            for got, want in zip(through_linear(precision, x, w, g), reference_products("delayed", "hybrid", x, w,
+                                                                                        g, scales)):
+                assert_fp32_close(got, want)
+            step_max, grad_max = max(step_max, x.abs().max().item()), max(grad_max, g.abs().max().item())
+        precision.eval()
+        precision(operands(seed=99)[0] * 100.0, w)           # evaluation: no record
+        precision.train()
+        assert torch.equal(precision.input_amax_history, before)          # unchanged until the step finishes
+        fp8.finish_delayed_scaling_step([precision], [None])
+        amaxes.append(step_max)
+        grad_amaxes.append(grad_max)
         recent = list(reversed(amaxes[-3:])) + [0.0] * (3 - len(amaxes[-3:]))
         assert precision.input_amax_history.tolist() == pytest.approx(recent)
         assert precision.input_scale.item() == pytest.approx(448.0 / max(amaxes[-3:]))
-        assert precision.grad_amax_history[0].item() == pytest.approx(g.abs().max().item())
-        assert precision.grad_scale.item() == pytest.approx(57344.0 / precision.grad_amax_history.max().item())
+        assert precision.grad_amax_history[0].item() == pytest.approx(grad_max)
+        assert precision.grad_scale.item() == pytest.approx(57344.0 / max(grad_amaxes[-3:]))
     newest = Fp8Recipe("delayed", "e4m3", amax_history_len=3).build()
     for factor in (4.0, 1.0):
         newest(operands(seed=1)[0] * factor, operands()[1])
+        fp8.finish_delayed_scaling_step([newest], [None])
     assert newest.input_scale.item() == pytest.approx(448.0 / newest.input_amax_history[0].item())
+    assert newest.input_amax_history[0].item() < newest.input_amax_history[1].item()
     assert set(newest.state_dict()) == {f"{r}_{s}" for r in ("input", "weight", "grad") for s in ("amax_history", "scale")}
 
 
