@@ -24,7 +24,9 @@ keep nothing), and after the step's last backward ``finish_delayed_scaling_step`
 (MAX) over every rank of the pipeline stage (the tensor-, context-, data- and expert-parallel ranks:
 Transformer Engine's amax reduction group), rolls the histories one place with the step's amax first, and
 sets each scale to fp8_max / (the newest amax, or the history's max with --fp8-amax-compute-algo max),
-kept where that amax is 0 or not finite. The scales are therefore fixed through a step: every micro-batch's
+kept where that amax is 0 or not finite. The first step, with no history yet, scales each tensor from its
+amax now, as tensorwise does (Transformer Engine starts from scale 1, which flushes small gradients to
+zero, and flushes others at another layout, where the 1 / micro-batches factor is applied elsewhere). The scales are therefore fixed through a step: every micro-batch's
 forward and backward, in any pipeline schedule (1F1B, interleaved, zero-bubble's deferred weight
 gradients) and with full recomputation, use the same ones, and the amax a step records is the max over
 all of its micro-batches, whichever ranks ran them, so every layout records serial's history.
@@ -146,7 +148,9 @@ class Fp8Gemm(GemmPrecision):
 class DelayedScaling(Fp8Gemm):
     """One scale per tensor from an amax history (module docstring): buffers ``{role}_amax_history``
     [history length] (newest first) and ``{role}_scale``, and the running max of this step's amaxes
-    (``step_amax``, one per role, not saved: a checkpoint is written between steps)."""
+    (``step_amax``, one per role, not saved: a checkpoint is written between steps). Until a step has been
+    recorded (a fresh history) it scales like tensorwise, from the amaxes now (``recorded``: whether one
+    has, read from the history once, then kept on the host)."""
 
     def __init__(self, recipe: Fp8Recipe, layout: GemmLayout = SERIAL):
         super().__init__(recipe, layout)
@@ -154,12 +158,17 @@ class DelayedScaling(Fp8Gemm):
             self.register_buffer(f"{role}_amax_history", torch.zeros(recipe.amax_history_len, device="cpu"))
             self.register_buffer(f"{role}_scale", torch.ones(1, device="cpu"))
         self.register_buffer("step_amax", torch.zeros(len(ROLES), device="cpu"), persistent=False)
+        self.recorded: bool | None = None
 
     def quantise(self, x: torch.Tensor, role: str, axes: tuple[str, str] | None = None) -> Quantised:
         if self.training and x.numel():
             with torch.no_grad():
                 i = ROLES.index(role)
                 self.step_amax[i] = torch.maximum(self.step_amax[i], x.detach().abs().max().float())
+        if self.recorded is None:            # once: the history is the same on every rank of the stage
+            self.recorded = bool(self.input_amax_history.any())
+        if not self.recorded:
+            return super().quantise(x, role, axes)
         return quantise(x, self.dtypes[role], WHOLE, WHOLE, scale=self.get_buffer(f"{role}_scale"))
 
     @torch.no_grad()
@@ -174,6 +183,7 @@ class DelayedScaling(Fp8Gemm):
             usable = torch.isfinite(amax) & (amax > 0)
             scale.copy_(torch.where(usable, fp8_max(self.dtypes[role]) / amax, scale))
         self.step_amax.zero_()
+        self.recorded = True
 
 
 def check_resumed_recipe(has_tensor, chunks: Iterable[nn.Module], fp8_recipe: str | None) -> None:

@@ -98,7 +98,7 @@ def test_bad_fp8_input_is_one_line():
 
 def test_delayed_scaling_resumes_with_its_amax_history(tmp_path):
     """The amax histories and scales are checkpointed: a run stopped after 2 iterations and resumed repeats
-    the uninterrupted run's losses bit for bit, which a fresh history (scale 1) would not."""
+    the uninterrupted run's losses bit for bit, which a fresh history (tensorwise scales) would not."""
     argv = with_flags(FP8_ARGS, fp8_recipe="delayed", fp8_amax_history_len=4, fp8_amax_compute_algo="max",
                       lr_decay_iters=4)         # the schedule of the 4-iteration run in both
     full_state, _ = run_pretrain(argv)
