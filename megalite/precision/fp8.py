@@ -26,10 +26,11 @@ Transformer Engine's amax reduction group), rolls the histories one place with t
 sets each scale to fp8_max / (the newest amax, or the history's max with --fp8-amax-compute-algo max),
 kept where that amax is 0 or not finite. The first step, with no history yet, scales each tensor from its
 amax now, as tensorwise does (Transformer Engine starts from scale 1, which flushes small gradients to
-zero, and flushes others at another layout, where the 1 / micro-batches factor is applied elsewhere). The scales are therefore fixed through a step: every micro-batch's
-forward and backward, in any pipeline schedule (1F1B, interleaved, zero-bubble's deferred weight
-gradients) and with full recomputation, use the same ones, and the amax a step records is the max over
-all of its micro-batches, whichever ranks ran them, so every layout records serial's history.
+zero, and flushes others at another layout, where the 1 / micro-batches factor is applied elsewhere).
+The scales are therefore fixed through a step: every micro-batch's forward and backward, in any pipeline
+schedule (1F1B, interleaved, zero-bubble's deferred weight gradients) and with full recomputation, use the
+same ones, and the amax a step records is the max over all of its micro-batches, whichever ranks ran
+them, so every layout records serial's history (to the fp32 rounding of the values it takes the max of).
 
 Current scaling (the other recipes) reduces block amaxes over the ranks that hold parts of one block
 (fp8_layout.py), per GEMM.
@@ -165,8 +166,9 @@ class DelayedScaling(Fp8Gemm):
             with torch.no_grad():
                 i = ROLES.index(role)
                 self.step_amax[i] = torch.maximum(self.step_amax[i], x.detach().abs().max().float())
-        if self.recorded is None:            # once: the history is the same on every rank of the stage
-            self.recorded = bool(self.input_amax_history.any())
+        if self.recorded is None:            # once (one host sync): the history is the same on every rank of the stage
+            history = self.input_amax_history
+            self.recorded = history.device.type != "meta" and bool(history.any())
         if not self.recorded:
             return super().quantise(x, role, axes)
         return quantise(x, self.dtypes[role], WHOLE, WHOLE, scale=self.get_buffer(f"{role}_scale"))
