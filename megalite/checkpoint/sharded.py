@@ -47,6 +47,7 @@ from megalite.config.schema import ModelConfig
 from megalite.errors import UserError
 from megalite.parallel.data.grad_buffer import Bucket
 from megalite.parallel.param_meta import full_shape, param_meta
+from megalite.precision.fp8 import check_resumed_recipe
 
 
 # ---- RNG -----------------------------------------------------------------------------------------
@@ -360,6 +361,7 @@ def load_tensors(run: CheckpointState, reader: CheckpointReader, load_optimizer:
     for entry in entries:
         for name in sources[entry.global_name].values():
             check_stored(reader, name, entry.param, entry.global_name, run.config.model.vocab_size, differences)
+    check_resumed_recipe(reader.has, run.chunks, run.config.model.fp8_format and run.config.model.fp8_recipe)
     if differences:          # every tensor fits, but the model differs (e.g. fewer layers, another rotary base)
         raise UserError(f"checkpoint {reader.directory} is from a different model: {differences[0]}; match the model "
                         "flags or add --use-checkpoint-args")

@@ -4,8 +4,6 @@
   kernels read;
 - the linears' FP8 backward GEMMs run in their own autograd Functions, which a torch.compile graph replaces
   with its own backward (--compile);
-- delayed scaling records each forward's amaxes and keeps its scales for the backward, so a forward run
-  again by full recomputation would record twice and quantise the backward with other scales;
 - --first-last-layers-bf16 keeps at most one pipeline stage's layers at each end (Megatron's bound);
 - --fp8-param-gather changes ZeRO's parameter all-gathers (megalite's own data parallelism), so it needs
   FP8 layers and a sharding strategy."""
@@ -38,9 +36,6 @@ def check_fp8(config: MegaliteConfig) -> None:
     m, p = config.model, config.parallel
     if m.fp8_format is not None and config.training.compile:
         raise UserError("--compile builds its own backward, not the FP8 one of --fp8-format; drop --compile")
-    if m.fp8_format is not None and m.fp8_recipe == "delayed" and m.recompute_granularity == "full":
-        raise UserError("--fp8-recipe delayed with --recompute-granularity full would record each forward twice; use "
-                        "--fp8-recipe tensorwise or --recompute-granularity selective")
     _check_fp8_param_gather(m, p)
     per_stage = m.num_layers // p.pipeline_model_parallel_size
     for name, count in (("start", m.num_layers_at_start_in_bf16), ("end", m.num_layers_at_end_in_bf16)):

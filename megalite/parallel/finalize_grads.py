@@ -14,7 +14,9 @@
    gradients over the embedding group, so both receive the same update;
 4. the MoE routers' step: each router's tokens per expert of the step, summed over the pipeline stage's
    ranks in one all-reduce, move its expert bias (auxiliary-loss-free balancing) and are kept for the
-   load statistics of the log (model/moe.py).
+   load statistics of the log (model/moe.py);
+5. the FP8 delayed-scaling recipes' step: each one's amaxes of the step, reduced (MAX) over the stage's
+   ranks (TP x CP, then DP), enter its amax history and set its scales (precision/fp8.py).
 
 Steps 2 and 3 reduce whatever part of each gradient this rank holds after step 1 (the full gradient,
 or a ZeRO / FSDP2 shard: ``DataParallel.all_reduce_param_grads``); without a data-parallel wrapper they
@@ -32,6 +34,7 @@ from megalite.parallel.data.protocol import DataParallel
 from megalite.parallel.mesh import ParallelState
 from megalite.parallel.param_meta import param_meta
 from megalite.parallel.tensor.layers import TensorParallel
+from megalite.precision.fp8 import finish_delayed_scaling_step
 
 
 class ModelChunk(Protocol):
@@ -46,7 +49,7 @@ class ModelChunk(Protocol):
 
 def finalize_model_grads(chunks: list[ModelChunk], parallel: ParallelState, ddp: DataParallel | None = None,
                          timers=None) -> None:
-    """Steps 1-3 of the module docstring for this rank's model chunks. ``timers`` (observe/clocks.py's
+    """Steps 1-5 of the module docstring for this rank's model chunks. ``timers`` (observe/clocks.py's
     Timers) times step 1 as ``all-grads-sync``."""
     if ddp is not None:
         if timers is not None:
@@ -60,6 +63,7 @@ def finalize_model_grads(chunks: list[ModelChunk], parallel: ParallelState, ddp:
     finalize_tensor_parallel_grads(params, chunks[0].tp, ddp)
     sync_shared_embedding_grads(chunks, parallel, ddp)
     finish_router_step(chunks)
+    finish_delayed_scaling_step(chunks, (parallel.group("tp_cp"), parallel.group("dp")))
 
 
 @torch.no_grad()

@@ -17,28 +17,44 @@ Either way the quantised values and scales are the same. The experts' grouped GE
 expert, each expert's operands scaled as tensors of their own.
 
 Delayed scaling (``DelayedScaling``, Transformer Engine's): each role keeps an amax history
-(--fp8-amax-history-len, newest first) and a scale, buffers of the recipe module. A forward quantises the
-input and weight with their current scales, then records their amaxes: the history rolls one place, the
-new amax goes first, and the scale becomes fp8_max / (the newest amax, or the history's max with
---fp8-amax-compute-algo max), kept where that amax is 0 or not finite. Its backward quantises the input and
-weight with the scales the forward used (as Transformer Engine reuses the forward's FP8 copies); the
-gradient's scale serves both backward GEMMs and is updated after the weight-gradient GEMM.
+(--fp8-amax-history-len, newest first) and a scale, buffers of the recipe module, and quantises with that
+scale. The history takes one entry per optimizer step: every GEMM of a training forward or backward keeps
+the running max of its operands' amaxes (``step_amax``; evaluation forwards, the module in eval mode,
+keep nothing), and after the step's last backward ``finish_delayed_scaling_step`` reduces those maxima
+(MAX) over every rank of the pipeline stage (the tensor-, context-, data- and expert-parallel ranks:
+Transformer Engine's amax reduction group), rolls the histories one place with the step's amax first, and
+sets each scale to fp8_max / (the newest amax, or the history's max with --fp8-amax-compute-algo max),
+kept where that amax is 0 or not finite. The first step, with no history yet, scales each tensor from its
+amax now, as tensorwise does (Transformer Engine starts from scale 1, which flushes small gradients to
+zero, and flushes others at another layout, where the 1 / micro-batches factor is applied elsewhere).
+The scales are therefore fixed through a step: every micro-batch's forward and backward, in any pipeline
+schedule (1F1B, interleaved, zero-bubble's deferred weight gradients) and with full recomputation, use the
+same ones, and the amax a step records is the max over all of its micro-batches, whichever ranks ran
+them, so every layout records serial's history (to the fp32 rounding of the values it takes the max of).
+
+Current scaling (the other recipes) reduces block amaxes over the ranks that hold parts of one block
+(fp8_layout.py), per GEMM.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from megalite.config.fp8_fields import EMULATE_FLAG, FP8_BLOCKS, FP8_RECIPES
 from megalite.config.schema import ModelConfig
 from megalite.errors import UserError
 from megalite.precision.fp8_quant import (E4M3, E5M2, E8M0, Quantised, emulated_mm, fp8_max, kernel_aligned, quantise,
                                           scaled_mm)
+from megalite.precision.fp8_layout import FORWARD_AXES, GRAD_INPUT_AXES, GRAD_WEIGHT_AXES, SERIAL, GemmLayout
 from megalite.precision.gemm import DEFAULT_RECIPE, GemmPrecision
 
 INPUT, WEIGHT, GRAD = "input", "weight", "grad"
+ROLES = (INPUT, WEIGHT, GRAD)
 WHOLE = 1 << 62                      # a block dimension that covers the whole tensor (quantise clips it)
 PAIRS = ((INPUT, WEIGHT), (GRAD, WEIGHT), (GRAD, INPUT))      # forward, grad_input, grad_weight
 
@@ -52,36 +68,41 @@ class Fp8Recipe:
     amax_compute_algo: str = "most_recent"
     emulate: bool = False
 
-    def build(self) -> "Fp8Gemm":
-        return FP8_RECIPE_CLASSES[self.name](self)
+    def build(self, layout: GemmLayout = SERIAL) -> "Fp8Gemm":
+        return FP8_RECIPE_CLASSES[self.name](self, layout)
 
 
 class Fp8Gemm(GemmPrecision):
     """Current scaling with one scale per tensor (--fp8-recipe tensorwise); the other recipes override
-    ``blocks`` (their scaling blocks) or the scales they quantise with."""
+    ``blocks`` (their scaling blocks) or the scales they quantise with. ``layout``: the ranks holding the
+    other parts of the operands (fp8_layout.py), over which block amaxes are reduced."""
     power_of_two = False
     # the layer's weight gathered in FP8 with its scales (fp8_params.GatheredWeight, set and cleared by the
     # data-parallel wrapper under --fp8-param-gather): the GEMMs take it as is instead of quantising the weight
     gathered = None
 
-    def __init__(self, recipe: Fp8Recipe):
+    def __init__(self, recipe: Fp8Recipe, layout: GemmLayout = SERIAL):
         super().__init__()
-        self.recipe = recipe
+        self.recipe, self.layout = recipe, layout
         self.dtypes = {INPUT: E4M3, WEIGHT: E4M3, GRAD: E5M2 if recipe.fp8_format == "hybrid" else E4M3}
 
     def blocks(self, role: str) -> tuple[int, int]:
         """(rows, cols) of one scaling block of an operand [M, K] of ``role``."""
         return WHOLE, WHOLE
 
-    def quantise(self, x: torch.Tensor, role: str) -> Quantised:
+    def quantise(self, x: torch.Tensor, role: str, axes: tuple[str, str] | None = None) -> Quantised:
+        """x [M, K] of ``role`` in FP8; ``axes``: the linear's axes along M and K (fp8_layout.py), None for an
+        operand no other rank holds part of."""
         rows, cols = self.blocks(role)
-        return quantise(x, self.dtypes[role], rows, cols, self.power_of_two)
+        return quantise(x, self.dtypes[role], rows, cols, self.power_of_two,
+                        reduce_amax=self.layout.amax_reduction(tuple(x.shape), (rows, cols), axes))
 
-    def mm(self, a: torch.Tensor, a_role: str, b: torch.Tensor | Quantised, b_role: str,
-           out_dtype: torch.dtype) -> torch.Tensor:
-        """a [M, K] times b [N, K] transposed, in FP8, as ``out_dtype`` [M, N] (b may come quantised)."""
-        qa = self.quantise(a, a_role)
-        qb = b if isinstance(b, Quantised) else self.quantise(b, b_role)
+    def mm(self, a: torch.Tensor, a_role: str, b: torch.Tensor | Quantised, b_role: str, out_dtype: torch.dtype,
+           axes: tuple = (None, None)) -> torch.Tensor:
+        """a [M, K] times b [N, K] transposed, in FP8, as ``out_dtype`` [M, N]; ``axes``: a's and b's (b may
+        come quantised: a weight gathered in FP8)."""
+        qa = self.quantise(a, a_role, axes[0])
+        qb = b if isinstance(b, Quantised) else self.quantise(b, b_role, axes[1])
         if not self.recipe.emulate and kernel_aligned(qa, qb) and has_kernel(
                 self.recipe.name, self.recipe.fp8_format, a.device, a_role, b_role, out_dtype):
             return scaled_mm(qa, qb, out_dtype)
@@ -93,29 +114,21 @@ class Fp8Gemm(GemmPrecision):
             return self.gathered.quantised(transposed)
         return w.t() if transposed else w
 
-    # hooks of delayed scaling: which amaxes a GEMM use records
-    def observe_forward(self, x: torch.Tensor, w: torch.Tensor) -> None:
-        """Called before a forward's GEMMs with its input and weight."""
-
-    def observe_backward(self, grad_out: torch.Tensor) -> None:
-        """Called after a backward's weight-gradient GEMMs with the output gradient."""
-
     # ---- a linear layer ----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        self.observe_forward(x, w)
-        y = self.mm(x.reshape(-1, x.shape[-1]), INPUT, self.weight_operand(w), WEIGHT, x.dtype)
+        y = self.mm(x.reshape(-1, x.shape[-1]), INPUT, self.weight_operand(w), WEIGHT, x.dtype, FORWARD_AXES)
         y = y.reshape(*x.shape[:-1], w.shape[0])
         return y if bias is None else y + bias
 
     def grad_input(self, grad_out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_x = self.mm(g, GRAD, self.weight_operand(w, transposed=True), WEIGHT, grad_out.dtype)
+        grad_x = self.mm(g, GRAD, self.weight_operand(w, transposed=True), WEIGHT, grad_out.dtype, GRAD_INPUT_AXES)
         return grad_x.reshape(*grad_out.shape[:-1], w.shape[1])
 
     def grad_weight(self, grad_out: torch.Tensor, x: torch.Tensor,
                     main_grad: torch.Tensor | None = None) -> torch.Tensor | None:
-        product = self.mm(grad_out.t(), GRAD, x.t(), INPUT, grad_out.dtype if main_grad is None else main_grad.dtype)
-        self.observe_backward(grad_out)
+        product = self.mm(grad_out.t(), GRAD, x.t(), INPUT, grad_out.dtype if main_grad is None else main_grad.dtype,
+                          GRAD_WEIGHT_AXES)
         if main_grad is None:
             return product
         main_grad.add_(product)
@@ -123,7 +136,6 @@ class Fp8Gemm(GemmPrecision):
 
     # ---- the experts: one FP8 GEMM per expert ------------------------------------------------------------
     def grouped_forward(self, rows: torch.Tensor, weight: torch.Tensor, counts: list) -> torch.Tensor:
-        self.observe_forward(rows, weight)
         out = rows.new_empty(rows.shape[0], weight.shape[1])
         for part, result, w in zip(rows.split(counts), out.split(counts), weight):
             if part.shape[0]:
@@ -142,45 +154,80 @@ class Fp8Gemm(GemmPrecision):
         for g, part, result in zip(grad_out.split(counts), rows.split(counts), out):
             if part.shape[0]:
                 result.copy_(self.mm(g.t(), GRAD, part.t(), INPUT, grad_out.dtype))
-        self.observe_backward(grad_out)
         return out
 
 
 class DelayedScaling(Fp8Gemm):
     """One scale per tensor from an amax history (module docstring): buffers ``{role}_amax_history``
-    [history length] (newest first) and ``{role}_scale``, and the scales the last forward used."""
+    [history length] (newest first) and ``{role}_scale``, and the running max of this step's amaxes
+    (``step_amax``, one per role, not saved: a checkpoint is written between steps). Until a step has been
+    recorded (a fresh history) it scales like tensorwise, from the amaxes now (``recorded``: whether one
+    has, read from the history once, then kept on the host)."""
 
-    def __init__(self, recipe: Fp8Recipe):
-        super().__init__(recipe)
-        for role in (INPUT, WEIGHT, GRAD):
+    def __init__(self, recipe: Fp8Recipe, layout: GemmLayout = SERIAL):
+        super().__init__(recipe, layout)
+        for role in ROLES:
             self.register_buffer(f"{role}_amax_history", torch.zeros(recipe.amax_history_len, device="cpu"))
             self.register_buffer(f"{role}_scale", torch.ones(1, device="cpu"))
-        for role in (INPUT, WEIGHT):
-            self.register_buffer(f"{role}_scale_used", torch.ones(1, device="cpu"), persistent=False)
+        self.register_buffer("step_amax", torch.zeros(len(ROLES), device="cpu"), persistent=False)
+        self.recorded: bool | None = None
 
-    def quantise(self, x: torch.Tensor, role: str) -> Quantised:
-        scale = self.grad_scale if role == GRAD else self.get_buffer(f"{role}_scale_used")
-        return quantise(x, self.dtypes[role], WHOLE, WHOLE, scale=scale)
+    def quantise(self, x: torch.Tensor, role: str, axes: tuple[str, str] | None = None) -> Quantised:
+        if self.training and x.numel():
+            with torch.no_grad():
+                i = ROLES.index(role)
+                self.step_amax[i] = torch.maximum(self.step_amax[i], x.detach().abs().max().float())
+        if self.recorded is None:            # once (one host sync): the history is the same on every rank of the stage
+            history = self.input_amax_history
+            self.recorded = history.device.type != "meta" and bool(history.any())
+        if not self.recorded:
+            return super().quantise(x, role, axes)
+        return quantise(x, self.dtypes[role], WHOLE, WHOLE, scale=self.get_buffer(f"{role}_scale"))
 
     @torch.no_grad()
-    def record(self, role: str, x: torch.Tensor) -> None:
-        """Push x's amax into the role's history and recompute its scale from the history."""
-        history, scale = self.get_buffer(f"{role}_amax_history"), self.get_buffer(f"{role}_scale")
-        history.copy_(history.roll(1))
-        history[0] = x.detach().abs().max().float()
-        amax = history.max() if self.recipe.amax_compute_algo == "max" else history[0]
-        usable = torch.isfinite(amax) & (amax > 0)
-        scale.copy_(torch.where(usable, fp8_max(self.dtypes[role]) / amax, scale))
+    def finish_step(self, amaxes: torch.Tensor) -> None:
+        """Push the step's amax of each role (``amaxes`` [3], reduced) into its history, recompute its scale
+        from the history, and start the next step's maxima."""
+        for role, amax in zip(ROLES, amaxes):
+            history, scale = self.get_buffer(f"{role}_amax_history"), self.get_buffer(f"{role}_scale")
+            history.copy_(history.roll(1))
+            history[0] = amax
+            amax = history.max() if self.recipe.amax_compute_algo == "max" else history[0]
+            usable = torch.isfinite(amax) & (amax > 0)
+            scale.copy_(torch.where(usable, fp8_max(self.dtypes[role]) / amax, scale))
+        self.step_amax.zero_()
+        self.recorded = True
 
-    def observe_forward(self, x: torch.Tensor, w: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.input_scale_used.copy_(self.input_scale)
-            self.weight_scale_used.copy_(self.weight_scale)
-        self.record(INPUT, x)
-        self.record(WEIGHT, w)
 
-    def observe_backward(self, grad_out: torch.Tensor) -> None:
-        self.record(GRAD, grad_out)
+def check_resumed_recipe(has_tensor, chunks: Iterable[nn.Module], fp8_recipe: str | None) -> None:
+    """A checkpoint with delayed scaling's amax histories (``has_tensor(name)``: whether it stores ``name``)
+    resumes only into delayed scaling: one line naming the flag where a layer's GEMM recipe in this run
+    (``fp8_recipe``, None without FP8) is another, which would drop that layer's history. ``chunks``: the
+    model chunks, with ``global_name`` (a name in the checkpoint)."""
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if isinstance(module, GemmPrecision) and not isinstance(module, DelayedScaling) and \
+                    has_tensor(chunk.global_name(f"{name}.{INPUT}_amax_history")):
+                this_run = f"--fp8-recipe {fp8_recipe}" if fp8_recipe else "no --fp8-format"
+                raise UserError(f"the checkpoint was trained with --fp8-recipe delayed (it holds the amax history of "
+                                f"{chunk.global_name(name)}) but this run has {this_run}; resume it with "
+                                "--fp8-recipe delayed")
+
+
+@torch.no_grad()
+def finish_delayed_scaling_step(chunks: Iterable[nn.Module], groups: Iterable) -> None:
+    """After a step's last backward: every delayed-scaling recipe of ``chunks`` records the step's amaxes,
+    reduced (MAX) over each of ``groups`` (together every rank of the pipeline stage; None: a group of one)
+    in one all-reduce per group (module docstring)."""
+    recipes = [m for chunk in chunks for m in chunk.modules() if isinstance(m, DelayedScaling)]
+    if not recipes:
+        return
+    amaxes = torch.stack([recipe.step_amax for recipe in recipes])
+    for group in groups:
+        if group is not None:
+            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+    for recipe, step in zip(recipes, amaxes):
+        recipe.finish_step(step)
 
 
 class RowwiseScaling(Fp8Gemm):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -65,14 +66,17 @@ def by_blocks(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 def quantise(x: torch.Tensor, dtype: torch.dtype, rows: int, cols: int, power_of_two: bool = False,
-             scale: torch.Tensor | None = None) -> Quantised:
+             scale: torch.Tensor | None = None, reduce_amax: Callable | None = None) -> Quantised:
     """``x`` [M, K] in ``dtype`` with one scale per ``rows`` x ``cols`` block (clipped to the tensor: a block
-    larger than x is the whole tensor). ``scale``: the scalar scale of a delayed-scaling operand (one block)."""
+    larger than x is the whole tensor). ``scale``: the scalar scale of a delayed-scaling operand (one block).
+    ``reduce_amax``: takes the block amaxes [M/rows, K/cols] and returns them reduced (MAX) over the ranks
+    that hold the other parts of the same blocks."""
     shape = tuple(x.shape)
     rows, cols = min(rows, shape[0]), min(cols, shape[1])
     blocks = by_blocks(_pad_to(x, rows, cols).float(), rows, cols)
     if scale is None:
-        amax = blocks.abs().amax(dim=(1, 3)).clamp(min=AMAX_FLOOR)
+        amax = blocks.abs().amax(dim=(1, 3))
+        amax = (amax if reduce_amax is None else reduce_amax(amax)).clamp(min=AMAX_FLOOR)
         if power_of_two:
             emax = math.floor(math.log2(fp8_max(dtype)))
             scale_inv = torch.exp2(torch.floor(torch.log2(amax)) - emax).clamp(min=2.0 ** -127, max=2.0 ** 127)

@@ -97,11 +97,12 @@ DEFAULT_RECIPE = "default"
 RECIPES: dict[str, type[GemmPrecision]] = {DEFAULT_RECIPE: GemmPrecision}
 
 
-def build_gemm_precision(recipe=DEFAULT_RECIPE) -> GemmPrecision:
+def build_gemm_precision(recipe=DEFAULT_RECIPE, layout=None) -> GemmPrecision:
     """A new instance of ``recipe`` (one per layer: a recipe's state is that layer's): a name in RECIPES,
-    or a recipe with settings, which builds itself (fp8.py's Fp8Recipe)."""
+    or a recipe with settings, which builds itself (fp8.py's Fp8Recipe) for the layer's ``layout`` (the
+    ranks holding other parts of its operands, fp8_layout.py's GemmLayout; None: no other rank does)."""
     if not isinstance(recipe, str):
-        return recipe.build()
+        return recipe.build() if layout is None else recipe.build(layout)
     if recipe not in RECIPES:
         raise ValueError(f"unknown GEMM precision recipe {recipe!r}; known: {', '.join(sorted(RECIPES))}")
     return RECIPES[recipe]()

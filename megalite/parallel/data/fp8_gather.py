@@ -28,6 +28,7 @@ from megalite.parallel.data.bucket_comm import Comm, traced, wait
 from megalite.parallel.data.grad_buffer import Bucket, ParamAndGradBuffer, Transient
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.precision.fp8 import WEIGHT, Fp8Gemm
+from megalite.precision.fp8_layout import FORWARD_AXES
 from megalite.precision.fp8_params import (GatheredWeight, WeightBlocks, block_scales, quantise_shard,
                                            shard_block_amax, takes_gathered_weight)
 
@@ -39,6 +40,19 @@ def fp8_gathered_weights(models: list[nn.Module]) -> dict[int, Fp8Gemm]:
     return {id(module.weight): module.precision for model in models for module in model.modules()
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight.requires_grad
             and takes_gathered_weight(module.precision)}
+
+
+def _reduce_over_tensor_parallel(amax: torch.Tensor, parts: list[tuple]) -> None:
+    """The amaxes of a weight whose scaling block spans the tensor-parallel ranks' parts (tensorwise: one
+    block, the whole weight) reduced over those ranks as well, as the layer's own quantisation of the weight
+    does (precision/fp8_layout.py); block recipes' blocks are whole on each TP rank and take nothing. Every
+    rank of the TP group holds the same buckets' weights in the same order, so the collectives line up."""
+    offset = 0
+    for slot, precision, blocks, *_ in parts:
+        reduce = precision.layout.amax_reduction(tuple(slot.shape), precision.blocks(WEIGHT), FORWARD_AXES[1])
+        if reduce is not None:
+            amax[offset:offset + blocks.count] = reduce(amax[offset:offset + blocks.count].clone())
+        offset += blocks.count
 
 
 class Fp8ParamGather:
@@ -78,6 +92,7 @@ class Fp8ParamGather:
         if comm.group is not None:
             with traced("fp8 amax all-reduce", bucket):
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=comm.group)
+        _reduce_over_tensor_parallel(amax, parts)
         out = bucket.fp8_gathered.allocate()
         offset = 0
         for slot, precision, blocks, first, at, values in parts:

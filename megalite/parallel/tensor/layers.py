@@ -9,7 +9,9 @@ column layer keeps only this rank's [s/t, b, h] input for backward and gathers i
 
 Each linear owns a ``precision`` (megalite/precision/gemm.py, the recipe ``TensorParallel.gemm_recipe``
 names) and runs all three of its GEMMs through it: the forward, the input gradient and the weight
-gradient, in a plain backward and in the zero-bubble split alike.
+gradient, in a plain backward and in the zero-bubble split alike. The precision knows the linear's layout
+(``TensorParallel.gemm_layout``: its TP group and the axis it cuts, and the CP group), over which an FP8
+recipe reduces its amaxes (precision/fp8_layout.py).
 
 Every parameter's record (``param_meta``) holds ``full_shape``, ``partition_dim`` (the dimension its
 shard selects along, as in Megatron) and ``take_shard(full) -> local``; ``shard_positions`` turns those
@@ -41,6 +43,7 @@ from megalite.parallel.tensor.mappings import (all_gather, all_gather_sequence_a
                                                gather_from_tp_region, reduce_from_tp_region,
                                                reduce_scatter_sequence_async, reduce_scatter_to_sp_region)
 from megalite.parallel.tensor.random import RNGTracker
+from megalite.precision.fp8_layout import IN, OUT, GemmLayout
 from megalite.precision.gemm import DEFAULT_RECIPE, GemmPrecision, build_gemm_precision
 
 
@@ -58,10 +61,19 @@ class TensorParallel:
     rng: Optional[RNGTracker] = None
     kv_replica_group: Optional[object] = None   # the ranks sharing this rank's KV head (tensor/setup.py)
     gemm_recipe: object = DEFAULT_RECIPE        # the layers' GEMM recipe: a name, or precision/fp8.py's Fp8Recipe
+    cp_group: Optional[object] = None           # the context-parallel ranks (other tokens of the same sequences)
+    cp_size: int = 1
 
     def __post_init__(self):
         if self.size == 1:
             self.group = None
+        if self.cp_size == 1:
+            self.cp_group = None
+
+    def gemm_layout(self, split: str) -> GemmLayout:
+        """Where a linear's operands are cut, its weight along ``split`` (precision/fp8_layout.py): the ranks
+        over which an FP8 recipe reduces block amaxes."""
+        return GemmLayout(self.group, self.size, split, self.cp_group, self.cp_size)
 
     def chunk(self, full: torch.Tensor, dim: int = 0) -> torch.Tensor:
         return full.chunk(self.size, dim=dim)[self.rank]
@@ -220,7 +232,8 @@ class ColumnParallelLinear(nn.Module):
                             (out_features, in_features), local_rows, sharded)
         self.bias = _mark(nn.Parameter(torch.empty(local_out, dtype=dtype)), (out_features,), local_rows,
                           sharded) if bias else None
-        self.precision = build_gemm_precision(tp.gemm_recipe if gemm_recipe is None else gemm_recipe)
+        self.precision = build_gemm_precision(tp.gemm_recipe if gemm_recipe is None else gemm_recipe,
+                                              tp.gemm_layout(OUT))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear_with_sequence_gather(x, self.weight, self.bias, self.tp, self.precision)
@@ -241,7 +254,7 @@ class RowParallelLinear(nn.Module):
             self.bias = _mark(nn.Parameter(torch.empty(out_features, dtype=dtype)), (out_features,),
                               lambda full: full, sharded=False)
             mark(self.bias, sequence_parallel=tp.sequence_parallel)
-        self.precision = build_gemm_precision(tp.gemm_recipe)
+        self.precision = build_gemm_precision(tp.gemm_recipe, tp.gemm_layout(IN))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, None, self.precision)

@@ -1,5 +1,6 @@
-"""Building a rank's TensorParallel context: its group, sequence parallelism, RNG tracker, and the group
-of TP ranks that hold the same KV head (whose K/V gradients parallel/finalize_grads.py sums)."""
+"""Building a rank's TensorParallel context: its group, sequence parallelism, RNG tracker, the group
+of TP ranks that hold the same KV head (whose K/V gradients parallel/finalize_grads.py sums), and the
+context-parallel group (over which FP8 recipes reduce the amaxes of token-split operands)."""
 from __future__ import annotations
 
 import torch
@@ -13,7 +14,8 @@ def build_tensor_parallel(state: ParallelState, sequence_parallel: bool, seed: i
                           device: torch.device, num_query_groups: int) -> TensorParallel:
     tp = TensorParallel(group=state.group("tp"), rank=state.tp_rank, size=state.tp_size,
                         sequence_parallel=sequence_parallel and state.tp_size > 1,
-                        rng=build_rng_tracker(seed, state.tp_rank, device))
+                        rng=build_rng_tracker(seed, state.tp_rank, device), cp_group=state.group("cp"),
+                        cp_size=state.cp_size)
     tp.kv_replica_group = _kv_replica_group(state, num_query_groups)
     return tp
 

@@ -1,7 +1,8 @@
 """The FP8 recipes (megalite/precision/fp8.py): each GEMM of a linear, run through the linear's autograd
 Function, equals quantise -> dequantise -> fp32 matmul with a quantiser written here (block by block, from
 the recipes' definitions), for every recipe and format, on the real (torch._scaled_mm) and the emulated
-path; both paths quantise alike; delayed scaling's history and scales follow Transformer Engine's rule; the
+path; both paths quantise alike; delayed scaling's history (one entry per step) and scales follow Transformer
+Engine's rule; the
 experts' grouped GEMMs are per-expert FP8 GEMMs."""
 import math
 
@@ -99,8 +100,7 @@ def paths(name: str, fmt: str) -> list[bool]:
 @pytest.mark.parametrize("name", RECIPES)
 def test_each_gemm_equals_quantise_dequantise_fp32_matmul(name, fmt):
     x, w, g = operands()
-    expected = reference_products(name, fmt, x, w, g, scales={r: 1.0 for r in BLOCKS[name]}
-                                  if name == "delayed" else None)     # a fresh history: scale 1
+    expected = reference_products(name, fmt, x, w, g)        # delayed with a fresh history: tensorwise
     for emulate in paths(name, fmt):
         precision = Fp8Recipe(name, fmt, emulate=emulate).build()
         for got, want in zip(through_linear(precision, x, w, g), expected):
@@ -143,8 +143,7 @@ def test_real_and_emulated_paths_quantise_alike(name, monkeypatch):
 def test_main_grad_accumulates_the_fp8_weight_gradient(name):
     x, w, g = operands(tokens=64)
     precision = Fp8Recipe(name, "hybrid", emulate=True).build()
-    expected = reference_products(name, "hybrid", x, w, g, scales={"grad": 1.0, "input": 1.0}
-                                  if name == "delayed" else None)[2]
+    expected = reference_products(name, "hybrid", x, w, g)[2]
     main_grad = torch.full_like(w, 0.5)
     assert precision.grad_weight(g, x, main_grad) is None
     assert_fp32_close(main_grad, expected + 0.5)
@@ -165,35 +164,47 @@ def test_quantised_values_match_the_reference_quantiser():
 
 
 def test_delayed_scaling_history_and_scales():
-    """Each forward quantises with the scale from earlier amaxes, then records; the backward reuses the
-    forward's input and weight scales; the gradient's scale updates after the weight gradient."""
+    """Every GEMM of a step quantises with the scales of the earlier steps' amaxes (the first step, with no
+    history, from its own amaxes, as tensorwise); the step's amax (the max over its micro-batches) enters the
+    history once, after the step; an evaluation forward records nothing."""
     precision = Fp8Recipe("delayed", "hybrid", amax_history_len=3, amax_compute_algo="max").build()
-    amaxes = []
-    for step, factor in enumerate([2.0, 8.0, 1.0, 0.5]):
-        x, w, g = operands(tokens=64, seed=step)
-        x, g = x * factor, g * factor
+    amaxes, grad_amaxes = [], []
+    for step, factors in enumerate([(2.0, 3.0), (8.0, 1.0), (1.0, 0.5), (0.5, 0.25)]):
         scales = {"input": precision.input_scale.item(), "weight": precision.weight_scale.item(),
-                  "grad": precision.grad_scale.item()}
-        for got, want in zip(through_linear(precision, x, w, g), reference_products("delayed", "hybrid", x, w, g,
-                                                                                    scales)):
-            assert_fp32_close(got, want)
-        amaxes.append(x.abs().max().item())
+                  "grad": precision.grad_scale.item()} if step else None        # the first step: tensorwise
+        step_max, grad_max, before = 0.0, 0.0, precision.input_amax_history.clone()
+        for micro, factor in enumerate(factors):
+            x, w, g = operands(tokens=64, seed=2 * step + micro)
+            x, g = x * factor, g * factor
+            for got, want in zip(through_linear(precision, x, w, g), reference_products("delayed", "hybrid", x, w,
+                                                                                        g, scales)):
+                assert_fp32_close(got, want)
+            step_max, grad_max = max(step_max, x.abs().max().item()), max(grad_max, g.abs().max().item())
+        precision.eval()
+        precision(operands(seed=99)[0] * 100.0, w)           # evaluation: no record
+        precision.train()
+        assert torch.equal(precision.input_amax_history, before)          # unchanged until the step finishes
+        fp8.finish_delayed_scaling_step([precision], [None])
+        amaxes.append(step_max)
+        grad_amaxes.append(grad_max)
         recent = list(reversed(amaxes[-3:])) + [0.0] * (3 - len(amaxes[-3:]))
         assert precision.input_amax_history.tolist() == pytest.approx(recent)
         assert precision.input_scale.item() == pytest.approx(448.0 / max(amaxes[-3:]))
-        assert precision.grad_amax_history[0].item() == pytest.approx(g.abs().max().item())
-        assert precision.grad_scale.item() == pytest.approx(57344.0 / precision.grad_amax_history.max().item())
+        assert precision.grad_amax_history[0].item() == pytest.approx(grad_max)
+        assert precision.grad_scale.item() == pytest.approx(57344.0 / max(grad_amaxes[-3:]))
     newest = Fp8Recipe("delayed", "e4m3", amax_history_len=3).build()
     for factor in (4.0, 1.0):
         newest(operands(seed=1)[0] * factor, operands()[1])
+        fp8.finish_delayed_scaling_step([newest], [None])
     assert newest.input_scale.item() == pytest.approx(448.0 / newest.input_amax_history[0].item())
+    assert newest.input_amax_history[0].item() < newest.input_amax_history[1].item()
     assert set(newest.state_dict()) == {f"{r}_{s}" for r in ("input", "weight", "grad") for s in ("amax_history", "scale")}
 
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_grouped_gemms_are_per_expert_fp8_gemms(name):
-    """Experts' GEMMs: each expert's rows and weight quantised as tensors of their own (delayed: the whole
-    grouped operand shares the recipe's scale)."""
+    """Experts' GEMMs: each expert's rows and weight quantised as tensors of their own (delayed too while its
+    history is fresh; then the whole grouped operand shares the recipe's scale)."""
     counts = [70, 0, 60]
     x, _, g = operands(tokens=sum(counts))
     weight = torch.randn(3, 128, 256, generator=torch.Generator().manual_seed(1)) * 0.05
@@ -202,7 +213,7 @@ def test_grouped_gemms_are_per_expert_fp8_gemms(name):
     d_rows = precision.grouped_grad_input(g, weight, counts)
     d_weight = precision.grouped_grad_weight(g, x, counts)
     start = 0
-    scales = {r: 1.0 for r in BLOCKS[name]} if name == "delayed" else None
+    scales = None                                   # delayed with a fresh history scales like tensorwise
     for e, n in enumerate(counts):
         rows, grad = x[start:start + n], g[start:start + n]
         if n:
