@@ -60,6 +60,7 @@ class Fp8Gemm(GemmPrecision):
     """Current scaling with one scale per tensor (--fp8-recipe tensorwise); the other recipes override
     ``blocks`` (their scaling blocks) or the scales they quantise with."""
     power_of_two = False
+    watch = None            # train/fp8_stats.py's Fp8Watch: scale range and NaN/Inf flag, on the device
 
     def __init__(self, recipe: Fp8Recipe):
         super().__init__()
@@ -77,6 +78,9 @@ class Fp8Gemm(GemmPrecision):
     def mm(self, a: torch.Tensor, a_role: str, b: torch.Tensor, b_role: str, out_dtype: torch.dtype) -> torch.Tensor:
         """a [M, K] times b [N, K] transposed, in FP8, as ``out_dtype`` [M, N]."""
         qa, qb = self.quantise(a, a_role), self.quantise(b, b_role)
+        if self.watch is not None:
+            self.watch.observe_scale_inv(qa.scale_inv)
+            self.watch.observe_scale_inv(qb.scale_inv)
         if not self.recipe.emulate and kernel_aligned(qa, qb) and has_kernel(
                 self.recipe.name, self.recipe.fp8_format, a.device, a_role, b_role, out_dtype):
             return scaled_mm(qa, qb, out_dtype)
@@ -155,6 +159,8 @@ class DelayedScaling(Fp8Gemm):
         history, scale = self.get_buffer(f"{role}_amax_history"), self.get_buffer(f"{role}_scale")
         history.copy_(history.roll(1))
         history[0] = x.detach().abs().max().float()
+        if self.watch is not None:
+            self.watch.observe_amax(history[0])
         amax = history.max() if self.recipe.amax_compute_algo == "max" else history[0]
         usable = torch.isfinite(amax) & (amax > 0)
         scale.copy_(torch.where(usable, fp8_max(self.dtypes[role]) / amax, scale))

@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""FP8 convergence on the demo corpus: the loss curves of bf16 and of each FP8 recipe over the same
+iterations, the same data order and the same initial weights, trained serially by pretrain_gpt.py.
+
+The model is the demo's small Llama (examples/demo.sh) with two widths changed so that every recipe's
+scaling block divides every GEMM dimension (blockwise scales in blocks of 128 along each GEMM's
+contraction dimension): the SwiGLU width is 384 (the demo's 352 is not a multiple of 128) and attention
+has 4 key/value heads of 32 (the demo's 2 query groups give a key/value width of 64). The sequences (64
+tokens) and the global batch (one sequence) are smaller than the demo's so that the runs fit a shared CPU. Recipes whose GEMMs have no CPU kernel
+(torch._scaled_mm on a CPU takes tensorwise and rowwise scales) run emulated (--fp8-emulate: the same
+quantised values and scales, multiplied in fp32).
+
+    python bench/fp8_convergence.py                      # every recipe, 300 iterations (CPU: long)
+    python bench/fp8_convergence.py --plot-only          # redraw the PNG and table from earlier runs
+    python bench/fp8_convergence.py --recipes tensorwise --iters 20
+
+Writes runs/fp8_convergence/<run>/metrics.jsonl, bench/fp8_convergence.png, and prints a Markdown table
+of each run's loss at the last logged iteration (the mean over its last log interval) against bf16's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megalite.config.fp8_fields import FP8_RECIPES  # noqa: E402
+from megalite.precision.fp8 import FP8_RECIPE_CLASSES, PAIRS, has_kernel  # noqa: E402
+
+import torch  # noqa: E402
+
+BASELINE = "bf16"
+MODEL = ("--num-layers 4 --hidden-size 128 --ffn-hidden-size 384 --num-attention-heads 4 "
+         "--seq-length 64 --max-position-embeddings 64 --position-embedding-type rope --normalization RMSNorm "
+         "--swiglu --disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout 0.0 "
+         "--hidden-dropout 0.0 --bf16").split()
+TRAINING = ("--micro-batch-size 1 --global-batch-size 1 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine "
+            "--lr-warmup-iters 20 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --log-interval 10 "
+            "--eval-iters 0 --num-workers 0").split()
+DATA = ("--data-path data/stdlib_text_document --split 98,2,0 --tokenizer-type SentencePieceTokenizer "
+        "--tokenizer-model data/stdlib_sp.model").split()
+
+
+def recipe_flags(recipe: str, fp8_format: str) -> list[str]:
+    """pretrain_gpt.py's FP8 flags for ``recipe``, emulated where this machine has no kernel for it."""
+    if recipe == BASELINE:
+        return []
+    flags = ["--fp8-format", fp8_format, "--fp8-recipe", recipe]
+    cpu = torch.device("cpu")
+    if not all(has_kernel(recipe, fp8_format, cpu, a, b, torch.bfloat16) for a, b in PAIRS):
+        flags.append("--fp8-emulate")
+    return flags
+
+
+def train(recipe: str, args) -> str:
+    """Train one run; returns its metrics file."""
+    out = os.path.join(args.out_dir, recipe)
+    os.makedirs(out, exist_ok=True)
+    metrics = os.path.join(out, "metrics.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    command = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *MODEL, *TRAINING, *DATA,
+               "--train-iters", str(args.iters), "--metrics-file", metrics, *recipe_flags(recipe, args.fp8_format)]
+    print(" ".join(command[1:]), flush=True)
+    with open(os.path.join(out, "train.log"), "w") as log:
+        subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
+    return metrics
+
+
+def losses(metrics: str) -> dict[int, float]:
+    with open(metrics) as f:
+        rows = [json.loads(line) for line in f]
+    return {row["iteration"]: row["lm loss"] for row in rows if "lm loss" in row}
+
+
+def plot(curves: dict[str, dict[int, float]], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=90)
+    for name, curve in curves.items():
+        ax.plot(list(curve), list(curve.values()), label=name, lw=1.2, ls="-" if name == BASELINE else "--")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss (mean over 10 iterations)")
+    ax.set_title("FP8 recipes vs bf16, demo corpus, same data and initial weights")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def table(curves: dict[str, dict[int, float]]) -> str:
+    base = curves[BASELINE]
+    last = max(base)
+    lines = [f"| run | lm loss at iteration {last} | vs bf16 | within 1.5% |", "|---|---|---|---|"]
+    for name, curve in curves.items():
+        loss = curve[last]
+        gap = loss / base[last] - 1
+        lines.append(f"| {name} | {loss:.4f} | {100 * gap:+.2f}% | {'yes' if abs(gap) <= 0.015 else 'no'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    available = [r for r in FP8_RECIPES if r in FP8_RECIPE_CLASSES]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipes", nargs="+", default=available, choices=available)
+    parser.add_argument("--fp8-format", default="hybrid", choices=("e4m3", "hybrid"))
+    parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "fp8_convergence"))
+    parser.add_argument("--png", default=os.path.join(ROOT, "bench", "fp8_convergence.png"))
+    parser.add_argument("--plot-only", action="store_true", help="draw from the runs already in --out-dir")
+    args = parser.parse_args()
+    runs = [BASELINE, *args.recipes]
+    for run in runs if not args.plot_only else []:
+        train(run, args)
+    curves = {run: losses(os.path.join(args.out_dir, run, "metrics.jsonl")) for run in runs
+              if os.path.exists(os.path.join(args.out_dir, run, "metrics.jsonl"))}
+    plot(curves, args.png)
+    print(table(curves))
+    print(f"plot: {os.path.relpath(args.png, ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
