@@ -10,9 +10,9 @@ tokens) and the global batch (one sequence) are smaller than the demo's so that 
 (torch._scaled_mm on a CPU takes tensorwise and rowwise scales) run emulated (--fp8-emulate: the same
 quantised values and scales, multiplied in fp32).
 
-    python bench/fp8_convergence.py                      # every recipe, 300 iterations (CPU: long)
+    python bench/fp8_convergence.py                      # bf16 and every recipe, 300 iterations (CPU: long)
     python bench/fp8_convergence.py --plot-only          # redraw the PNG and table from earlier runs
-    python bench/fp8_convergence.py --recipes tensorwise --iters 20
+    python bench/fp8_convergence.py --runs bf16 tensorwise --iters 20
 
 Writes runs/fp8_convergence/<run>/metrics.jsonl, bench/fp8_convergence.png, and prints a Markdown table
 of each run's loss at the last logged iteration (the mean over its last log interval) against bf16's.
@@ -107,16 +107,17 @@ def table(curves: dict[str, dict[int, float]]) -> str:
 def main() -> None:
     available = [r for r in FP8_RECIPES if r in FP8_RECIPE_CLASSES]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipes", nargs="+", default=available, choices=available)
+    parser.add_argument("--runs", nargs="+", default=[BASELINE, *available], choices=[BASELINE, *available],
+                        help="which runs to train (all of them are drawn)")
     parser.add_argument("--fp8-format", default="hybrid", choices=("e4m3", "hybrid"))
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "fp8_convergence"))
     parser.add_argument("--png", default=os.path.join(ROOT, "bench", "fp8_convergence.png"))
     parser.add_argument("--plot-only", action="store_true", help="draw from the runs already in --out-dir")
     args = parser.parse_args()
-    runs = [BASELINE, *args.recipes]
-    for run in runs if not args.plot_only else []:
+    for run in args.runs if not args.plot_only else []:
         train(run, args)
+    runs = [BASELINE, *available]
     curves = {run: losses(os.path.join(args.out_dir, run, "metrics.jsonl")) for run in runs
               if os.path.exists(os.path.join(args.out_dir, run, "metrics.jsonl"))}
     plot(curves, args.png)
