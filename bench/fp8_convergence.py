@@ -15,7 +15,9 @@ quantised values and scales, multiplied in fp32).
     python bench/fp8_convergence.py --runs bf16 tensorwise --iters 20
 
 Writes runs/fp8_convergence/<run>/metrics.jsonl, bench/fp8_convergence.png, and prints a Markdown table
-of each run's loss at the last logged iteration (the mean over its last log interval) against bf16's.
+of each run's loss at the last iteration against bf16's: the training loss (the mean over the last log
+interval, one sequence per iteration) and the validation loss (32 held-out sequences, the same for every
+run).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ MODEL = ("--num-layers 4 --hidden-size 128 --ffn-hidden-size 384 --num-attention
          "--hidden-dropout 0.0 --bf16").split()
 TRAINING = ("--micro-batch-size 1 --global-batch-size 1 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine "
             "--lr-warmup-iters 20 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --log-interval 10 "
-            "--eval-iters 0 --num-workers 0").split()
+            "--eval-interval 100 --eval-iters 32 --num-workers 0").split()
 DATA = ("--data-path data/stdlib_text_document --split 98,2,0 --tokenizer-type SentencePieceTokenizer "
         "--tokenizer-model data/stdlib_sp.model").split()
 
@@ -71,36 +73,46 @@ def train(recipe: str, args) -> str:
     return metrics
 
 
-def losses(metrics: str) -> dict[int, float]:
+def losses(metrics: str) -> dict[str, dict[int, float]]:
+    """{"train": iteration -> the mean lm loss of the log interval ending there, "validation": iteration ->
+    the validation lm loss} of one run."""
     with open(metrics) as f:
         rows = [json.loads(line) for line in f]
-    return {row["iteration"]: row["lm loss"] for row in rows if "lm loss" in row}
+    return {kind: {row["iteration"]: row[key] for row in rows if key in row}
+            for kind, key in (("train", "lm loss"), ("validation", "validation lm loss"))}
 
 
-def plot(curves: dict[str, dict[int, float]], path: str) -> None:
+def plot(curves: dict[str, dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=90)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=80)
     for name, curve in curves.items():
-        ax.plot(list(curve), list(curve.values()), label=name, lw=1.2, ls="-" if name == BASELINE else "--")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("lm loss (mean over 10 iterations)")
-    ax.set_title("FP8 recipes vs bf16, demo corpus, same data and initial weights")
-    ax.legend()
-    ax.grid(alpha=0.3)
+        style = dict(label=name, lw=1.2, ls="-" if name == BASELINE else "--")
+        axes[0].plot(list(curve["train"]), list(curve["train"].values()), **style)
+        axes[1].plot(list(curve["validation"]), list(curve["validation"].values()), marker="o", ms=3, **style)
+    for ax, title in zip(axes, ("training lm loss (mean over 10 iterations)", "validation lm loss (32 sequences)")):
+        ax.set_xlabel("iteration")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle("FP8 recipes vs bf16 on the demo corpus: same data, same initial weights", fontsize=11)
     fig.tight_layout()
     fig.savefig(path)
 
 
-def table(curves: dict[str, dict[int, float]]) -> str:
+def table(curves: dict[str, dict]) -> str:
     base = curves[BASELINE]
-    last = max(base)
-    lines = [f"| run | lm loss at iteration {last} | vs bf16 | within 1.5% |", "|---|---|---|---|"]
+    last = max(base["train"])
+    lines = [f"| run | training loss, iterations {last - 9}-{last} | vs bf16 | validation loss at {last} | vs bf16 | "
+             "both within 1.5% |", "|---|---|---|---|---|---|"]
     for name, curve in curves.items():
-        loss = curve[last]
-        gap = loss / base[last] - 1
-        lines.append(f"| {name} | {loss:.4f} | {100 * gap:+.2f}% | {'yes' if abs(gap) <= 0.015 else 'no'} |")
+        train_loss, valid_loss = curve["train"].get(last), curve["validation"].get(last)
+        if train_loss is None or valid_loss is None:
+            continue
+        gaps = (train_loss / base["train"][last] - 1, valid_loss / base["validation"][last] - 1)
+        lines.append(f"| {name} | {train_loss:.4f} | {100 * gaps[0]:+.2f}% | {valid_loss:.4f} | {100 * gaps[1]:+.2f}% | "
+                     f"{'yes' if max(map(abs, gaps)) <= 0.015 else 'no'} |")
     return "\n".join(lines)
 
 
