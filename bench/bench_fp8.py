@@ -74,7 +74,8 @@ def main(argv=None) -> int:
     names = list(next(iter(rows.values())))
     header = " | ".join(f"M={m} K={k} N={n}: ms (x fp32)" for m, k, n in shapes)
     body = [f"torch {torch.__version__}, {torch.get_num_threads()} threads; operands bf16 for bf16 and FP8 "
-            "(format hybrid: E4M3 inputs and weights).", "", f"| GEMM | {header} |",
+            "(format hybrid: E4M3 inputs and weights). On a CPU shared with other work the figures vary by up to 2x "
+            "between runs: read them as orders of magnitude.", "", f"| GEMM | {header} |",
             "|---|" + "---|" * len(shapes)]
     for name in names:
         cells = [f"{1e3 * rows[s][name]:.2f} ({rows[s][name] / rows[s]['fp32 torch.mm']:.1f}x)" for s in shapes]
