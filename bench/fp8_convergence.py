@@ -14,7 +14,8 @@ quantised values and scales, multiplied in fp32).
     python bench/fp8_convergence.py --plot-only          # redraw the PNG and table from earlier runs
     python bench/fp8_convergence.py --runs bf16 tensorwise --iters 20
 
-Writes runs/fp8_convergence/<run>/metrics.jsonl, bench/fp8_convergence.png, and prints a Markdown table
+Writes runs/fp8_convergence/<run>/metrics.jsonl, bench/fp8_convergence.png, and (printed and as a section of
+bench/RESULTS.md) a Markdown table
 of each run's loss at the last iteration against bf16's: the training loss (the mean over the last log
 interval, one sequence per iteration) and the validation loss (32 held-out sequences, the same for every
 run).
@@ -29,6 +30,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from results import RESULTS, replace_section, section_lines  # noqa: E402
 
 from megalite.config.fp8_fields import FP8_RECIPES  # noqa: E402
 from megalite.precision.fp8 import FP8_RECIPE_CLASSES, PAIRS, has_kernel  # noqa: E402
@@ -36,6 +39,7 @@ from megalite.precision.fp8 import FP8_RECIPE_CLASSES, PAIRS, has_kernel  # noqa
 import torch  # noqa: E402
 
 BASELINE = "bf16"
+TITLE = "FP8 convergence: bf16 and each FP8 recipe on the demo corpus, 300 iterations"
 MODEL = ("--num-layers 4 --hidden-size 128 --ffn-hidden-size 384 --num-attention-heads 4 "
          "--seq-length 64 --max-position-embeddings 64 --position-embedding-type rope --normalization RMSNorm "
          "--swiglu --disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout 0.0 "
@@ -126,6 +130,7 @@ def main() -> None:
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "fp8_convergence"))
     parser.add_argument("--png", default=os.path.join(ROOT, "bench", "fp8_convergence.png"))
     parser.add_argument("--plot-only", action="store_true", help="draw from the runs already in --out-dir")
+    parser.add_argument("--results", default=RESULTS, help="the results file whose FP8 convergence section to write")
     args = parser.parse_args()
     for run in args.runs if not args.plot_only else []:
         train(run, args)
@@ -133,8 +138,14 @@ def main() -> None:
     curves = {run: losses(os.path.join(args.out_dir, run, "metrics.jsonl")) for run in runs
               if os.path.exists(os.path.join(args.out_dir, run, "metrics.jsonl"))}
     plot(curves, args.png)
-    print(table(curves))
+    rows = table(curves)
+    print(rows)
     print(f"plot: {os.path.relpath(args.png, ROOT)}")
+    body = [f"pretrain_gpt.py, serial, on data/stdlib_text_document: `{' '.join(MODEL + TRAINING)}`", "", f"Runs: {', '.join(curves)}; emulated (--fp8-emulate, no CPU kernel): "
+            f"{', '.join(r for r in curves if '--fp8-emulate' in recipe_flags(r, args.fp8_format)) or 'none'}. "
+            f"Plot: bench/{os.path.basename(args.png)}.", "", rows]
+    replace_section("fp8_convergence", section_lines(TITLE, "python bench/fp8_convergence.py", [], body, False),
+                    args.results)
 
 
 if __name__ == "__main__":
