@@ -26,10 +26,8 @@ results file and exits 0.
     python bench/gpu_mfu.py --smoke              # the whole script on CPU with a tiny model (checks the
                                                  # script; no MFU, writes nothing; alias --cpu-check)
     python bench/gpu_mfu.py --no-compile         # the eager runs only
-    python bench/gpu_mfu.py --fp8 blockwise      # megalite in FP8 (--fp8-recipe blockwise) against megalite in
-                                                 # bf16, same model and micro-batch, eager (FP8 has its own
-                                                 # backward, which --compile would replace); --fp8-format
-                                                 # hybrid unless --fp8-format e4m3
+    python bench/gpu_mfu.py --fp8 blockwise      # megalite FP8 (--fp8-recipe blockwise, --fp8-format hybrid
+                                                 # or e4m3) vs megalite bf16, eager, same micro-batch
 """
 from __future__ import annotations
 
