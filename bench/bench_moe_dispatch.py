@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_parallel import spawn  # noqa: E402
-from llama_flags import llama_argv  # noqa: E402
+from llama_flags import llama_argv, random_batches  # noqa: E402
 from results import Headline, add_common_args, command_line, publish  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -207,19 +207,12 @@ def profile_steps(rank: int, world: int, shape: Shape, dispatcher: str, steps: i
     from megalite.train.step import train_step
     from megalite.train.trainer import build_trainer
     trainer = build_trainer(parse_args(shape.argv(world, dispatcher), world_size=world), print_fn=lambda *_: None)
-    generator = torch.Generator().manual_seed(rank)
-
-    def batches():
-        while True:
-            x = torch.randint(0, shape.vocab - 1, (shape.mbs, shape.seq + 1), generator=generator)
-            yield {"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": torch.ones(shape.mbs, shape.seq),
-                   "position_ids": torch.arange(shape.seq).expand(shape.mbs, shape.seq)}
 
     def barrier():
         if world > 1:
             torch.distributed.barrier()
 
-    data, times = batches(), []
+    data, times = random_batches(shape, rank), []
     for i in range(warmup + steps):
         barrier()
         start = time.perf_counter()

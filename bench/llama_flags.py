@@ -17,3 +17,14 @@ def llama_argv(shape, micro_batch: int, global_batch: int) -> list[str]:
         "--weight-decay", "0.1", "--clip-grad", "1.0", "--mock-data",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(shape.vocab - 1),   # NullTokenizer adds EOD
         "--train-iters", "1000", "--eval-iters", "0"]
+
+
+def random_batches(shape, seed: int):
+    """Endless micro-batches of ``shape.mbs`` x ``shape.seq`` random tokens below the NullTokenizer's EOD,
+    as train_step reads them (the shape also needs ``mbs``)."""
+    import torch
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        x = torch.randint(0, shape.vocab - 1, (shape.mbs, shape.seq + 1), generator=generator)
+        yield {"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": torch.ones(shape.mbs, shape.seq),
+               "position_ids": torch.arange(shape.seq).expand(shape.mbs, shape.seq)}

@@ -60,6 +60,8 @@ BENCHES = (
     Bench("bench_layouts.py", ("bench_layouts",), "Layouts at scale: dry runs beside the planner"),
     Bench("bench_async_save.py", ("bench_async_save",), "Asynchronous checkpoint saves: training stall"),
     Bench("bench_init.py", ("bench_init",), "Initial weights of a 1B-parameter shard"),
+    Bench("bench_muon.py", ("bench_muon",), "Muon vs AdamW: optimizer step time and state per rank, per layout"),
+    Bench("muon_vs_adamw.py", ("muon_vs_adamw",), "Muon vs AdamW: loss on the demo corpus at equal tokens"),
 )
 
 

@@ -23,6 +23,9 @@ FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
 # the scaling block along a GEMM's contraction dimension of the recipes whose kernels need whole blocks
 FP8_BLOCKS = {"blockwise": 128, "mxfp8": 32}
+# --fp8-param-gather: the recipes whose weight scales are the same for W and W^T (one per tensor, square
+# blocks), so the one gathered FP8 copy serves both the forward and the input-gradient GEMM
+PARAM_GATHER_RECIPES = ("tensorwise", "blockwise")
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 EMULATE_FLAG = "--fp8-emulate"
 
@@ -60,3 +63,11 @@ class Fp8Fields:
         if not self.first_last_layers_bf16:
             return True
         return self.num_layers_at_start_in_bf16 < layer_number <= self.num_layers - self.num_layers_at_end_in_bf16
+
+
+@dataclass(kw_only=True)
+class Fp8GatherFields:
+    """ParallelConfig's FP8 field: how ZeRO gathers the FP8 layers' weights."""
+    fp8_param_gather: bool = flag("--fp8-param-gather", default=False, help=(
+        "ZeRO: gather the weights of FP8 layers in FP8 with their scales (half bf16's bytes); needs a sharding "
+        "strategy, and --fp8-recipe tensorwise or blockwise to take effect"))

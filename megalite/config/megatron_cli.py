@@ -18,6 +18,7 @@ from megalite.config import validate as rules
 from megalite.config.batch_schedule import parse_step_schedule, rampup_schedule, train_iters_for_samples
 from megalite.config.cli import OneLineArgumentParser, non_negative_int, number, positive_int
 from megalite.config.fields import FIELD_DEFAULT, FLAG
+from megalite.config.fp8_fields import PARAM_GATHER_RECIPES
 from megalite.config.schema import (CONFIG_SECTIONS, DataConfig, MegaliteConfig, ModelConfig, OptimizerConfig,
                                     ParallelConfig, TrainingConfig, default_ffn_hidden_size, default_kv_channels,
                                     padded_vocab_size)
@@ -59,13 +60,11 @@ COMPAT_NO_EFFECT = ["--use-mcore-models", "--use-flash-attn", "--no-masked-softm
                     "--no-rope-fusion", "--attention-softmax-in-fp32",
                     "--accumulate-allreduce-grads-in-fp32", "--use-rotary-position-embeddings",
                     "--no-position-embedding", "--moe-permute-fusion"]
-FP8_FLAGS = ["--fp8-param-gather"]
 COMPAT_FLAGS = [(name, dict(action="store_true")) for name in COMPAT_NO_EFFECT] + [
     ("--transformer-impl", dict(choices=["local", "transformer_engine"])),
     ("--attention-backend", dict(choices=["flash", "fused", "unfused", "local", "auto"])),
     ("--no-create-attention-mask-in-dataloader", dict(action="store_false",
                                                       dest="create_attention_mask_in_dataloader")),
-    ("--fp8-param-gather", dict(action="store_true")),
     ("--distributed-backend", dict(choices=["nccl", "gloo"])),
     ("--cross-entropy-fusion-impl", dict(choices=["native", "te"])),
 ] + [(name, dict(action="store_true")) for name in ("--auto-detect-ckpt-format", "--enable-experimental",
@@ -155,10 +154,10 @@ def startup_notes(argv: list[str]) -> list[str]:
     if args.ckpt_format is not None:
         notes.append(f"--ckpt-format {args.ckpt_format}: megalite writes its own reshardable format (safetensors + "
                      "metadata.json, loadable at any layout) whatever the format named")
-    fp8 = [f for f in FP8_FLAGS if f in argv]
-    if fp8:
-        notes.append(f"{' '.join(fp8)}: megalite gathers parameters in their own dtype "
-                     f"({'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}), not in FP8")
+    if args.fp8_param_gather and args.fp8_recipe not in PARAM_GATHER_RECIPES:
+        notes.append(f"--fp8-param-gather: --fp8-recipe {args.fp8_recipe}'s weights are gathered in their own dtype "
+                     f"({'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}); FP8 gathers take --fp8-recipe "
+                     f"{' or '.join(PARAM_GATHER_RECIPES)}")
     if "--tokenizer-type" not in argv and args.vocab_file and args.merge_file:
         notes.append("no --tokenizer-type: --vocab-file and --merge-file are read as GPT2BPETokenizer")
     unused = [f for f, v in (("--no-load-optim", args.no_load_optim), ("--no-load-rng", args.no_load_rng)) if v]

@@ -15,7 +15,7 @@ from megalite.config.cli import (integer, moe_layer_pattern, non_negative_int, n
                                  window_pair)
 from megalite.config.fields import derived, flag
 from megalite.config.deepseek_fields import DeepSeekFields
-from megalite.config.fp8_fields import Fp8Fields
+from megalite.config.fp8_fields import Fp8Fields, Fp8GatherFields
 from megalite.config.model_variants import ModelVariantFields
 from megalite.config.muon_fields import MuonFields, QKClipFields
 from megalite.errors import UserError
@@ -194,7 +194,7 @@ class ModelConfig(ModelVariantFields, DeepSeekFields, QKClipFields, Fp8Fields):
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Fp8GatherFields):
     world_size: int = derived("the launcher's WORLD_SIZE (parallel/launch_env.py)", 1)
     tensor_model_parallel_size: int = flag("--tensor-model-parallel-size", positive_int, default=1)
     pipeline_model_parallel_size: int = flag("--pipeline-model-parallel-size", positive_int, default=1)

@@ -65,6 +65,9 @@ def _check_dry_run(config: MegaliteConfig) -> None:
     if config.training.save:
         raise UserError("--fake-process-group trains one rank on values its absent peers never sent, so its "
                         "checkpoint would be garbage; drop --save")
+    if p.no_storage and p.use_torch_fsdp2:
+        raise UserError("--no-storage runs on the meta device, where --use-torch-fsdp2's fully_shard finds no "
+                        "device to shard on; drop --no-storage (the dry run with storage measures the same bytes)")
 
 
 # ---- the model ---------------------------------------------------------------------------------------

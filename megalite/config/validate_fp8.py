@@ -7,6 +7,8 @@
 - delayed scaling records each forward's amaxes and keeps its scales for the backward, so a forward run
   again by full recomputation would record twice and quantise the backward with other scales;
 - --first-last-layers-bf16 keeps at most one pipeline stage's layers at each end (Megatron's bound);
+- --fp8-param-gather changes ZeRO's parameter all-gathers (megalite's own data parallelism), so it needs
+  FP8 layers and a sharding strategy;
 - --moe-router-padding-for-fp8 pads the experts' rows for FP8 GEMMs, so it needs both."""
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def check_fp8(config: MegaliteConfig) -> None:
     if m.fp8_format is not None and m.fp8_recipe == "delayed" and m.recompute_granularity == "full":
         raise UserError("--fp8-recipe delayed with --recompute-granularity full would record each forward twice; use "
                         "--fp8-recipe tensorwise or --recompute-granularity selective")
+    _check_fp8_param_gather(m, p)
     per_stage = m.num_layers // p.pipeline_model_parallel_size
     for name, count in (("start", m.num_layers_at_start_in_bf16), ("end", m.num_layers_at_end_in_bf16)):
         if m.first_last_layers_bf16 and count > per_stage:
@@ -57,3 +60,16 @@ def check_fp8(config: MegaliteConfig) -> None:
             per_rank = f" ({width} per tensor-parallel rank)" if tp > 1 else ""
             raise UserError(f"--fp8-recipe {m.fp8_recipe} scales in blocks of {block}: {what}{per_rank} is not a "
                             f"multiple of {block}; change it or use --fp8-recipe tensorwise / rowwise")
+
+
+def _check_fp8_param_gather(m: ModelConfig, p: ParallelConfig) -> None:
+    if not p.fp8_param_gather:
+        return
+    if m.fp8_format is None:
+        raise UserError("--fp8-param-gather gathers the weights of FP8 layers: add --fp8-format e4m3|hybrid")
+    if p.data_parallel_sharding_strategy == "no_shard":
+        raise UserError("--fp8-param-gather needs a sharding strategy: add --use-distributed-optimizer or "
+                        "--data-parallel-sharding-strategy optim_grads_params")
+    if p.use_torch_fsdp2:
+        raise UserError("--fp8-param-gather is megalite's own ZeRO's, not --use-torch-fsdp2's: drop --use-torch-fsdp2 "
+                        "(--data-parallel-sharding-strategy optim_grads_params is ZeRO-3)")

@@ -9,7 +9,8 @@ models), which the update rule steps and ``copy_back`` writes into the model's d
 --decoupled-lr cuts the pieces where the input embedding and output layer begin and end, so each
 piece belongs to one learning-rate group (``decoupled``). An update rule acting on whole matrices (Muon)
 names the parameters (``whole``) that each become a piece of their own (``whole_names``: per piece, the
-parameter it is, or None); a piece holding only part of one is refused. Weight decay is decoupled (AdamW: the
+parameter it is, or None); a piece holding only part of one is refused, except whole rows of it where the
+layout cuts parameters by rows (``row_shards``: FSDP2, whose rule gathers the rows, muon_redistribute.py). Weight decay is decoupled (AdamW: the
 master shrinks by lr x weight_decay before the update) and skipped for biases and norm weights, as in
 Megatron; ``decay_ranges`` are the decayed ranges of each piece.
 """
@@ -48,14 +49,14 @@ class MasterWeights:
     ``decoupled`` (per piece: in the --decoupled-lr group), ``whole_names`` and ``decay_ranges`` (per piece)."""
 
     def __init__(self, buffer: FlatLayout, named_params: list[tuple[str, nn.Parameter]], pieces: list[Piece],
-                 split_decoupled: bool, whole: tuple[str, ...] = ()):
+                 split_decoupled: bool, whole: tuple[str, ...] = (), row_shards: bool = False):
         self.pieces, self.decoupled = pieces, [False] * len(pieces)
         if split_decoupled:
             self.pieces, self.decoupled = _split_pieces(pieces, _slot_ranges(
                 buffer, named_params, lambda name, _: is_embedding_or_output(name)))
         self.whole_names = [None] * len(self.pieces)
         if whole:
-            self._cut_whole(buffer, whole)
+            self._cut_whole(buffer, whole, row_shards)
         self.flat = None             # the masters' one storage, when they are not the model's own weights
         if buffer.param_dtype == torch.float32:
             self.masters = [p.param for p in self.pieces]
@@ -64,19 +65,23 @@ class MasterWeights:
         decay = [(s, e, 1.0) for s, e in _slot_ranges(buffer, named_params, uses_weight_decay)]
         self.decay_ranges = [[(lo, hi) for lo, hi, _ in local_segments(decay, p.start, p.end)] for p in self.pieces]
 
-    def _cut_whole(self, buffer: FlatLayout, whole: tuple[str, ...]) -> None:
-        """Each parameter of ``whole`` that a piece holds becomes a piece of its own."""
+    def _cut_whole(self, buffer: FlatLayout, whole: tuple[str, ...], row_shards: bool) -> None:
+        """Each parameter of ``whole`` that a piece holds becomes a piece of its own (``row_shards``: a
+        piece inside one is its rows, named by it)."""
         ranges = {(buffer.slots[n].start, buffer.slots[n].end): n for n in whole}
-        pieces, decoupled = [], []
+        pieces, decoupled, names = [], [], []
         for piece, flag in zip(self.pieces, self.decoupled):
+            inside = None
             for (start, end), name in ranges.items():
-                if start < piece.end and piece.start < end and not piece.start <= start < end <= piece.end:
+                if row_shards and start <= piece.start and piece.end <= end:
+                    inside = name
+                elif start < piece.end and piece.start < end and not piece.start <= start < end <= piece.end:
                     raise ValueError(f"{name} must lie wholly in one optimizer piece: use the whole-parameter layout")
             finer, _ = _split_pieces([piece], sorted(ranges))
             pieces += finer
             decoupled += [flag] * len(finer)
-        self.pieces, self.decoupled = pieces, decoupled
-        self.whole_names = [ranges.get((p.start, p.end)) for p in pieces]
+            names += [inside or ranges.get((p.start, p.end)) for p in finer]
+        self.pieces, self.decoupled, self.whole_names = pieces, decoupled, names
 
     @property
     def grads(self) -> list[torch.Tensor]:

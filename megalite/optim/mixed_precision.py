@@ -23,6 +23,7 @@ from megalite.optim.clip_grads import GradClipper, any_not_finite, clip_pieces
 from megalite.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megalite.optim.master_weights import MasterWeights, Piece
 from megalite.optim.muon_matrices import build_matrix, is_muon_matrix
+from megalite.optim.muon_redistribute import row_sharded_muon
 from megalite.optim.rules import RULES
 from megalite.optim.rules.muon import Muon
 from megalite.parallel.data.protocol import DataParallel, FlatLayout
@@ -51,11 +52,13 @@ class MixedPrecisionOptimizer:
         muon = config.optimizer == "muon"
         self.matrix_names = {n for n, p in named_params if is_muon_matrix(n, p)} if muon else set()
         self.weights = MasterWeights(buffer, named_params, self._pieces(), config.decoupled_lr is not None,
-                                     whole=tuple(sorted(self.matrix_names)))
+                                     whole=tuple(sorted(self.matrix_names)), row_shards=buffer.row_shards)
         self.clipper = GradClipper(named_params, buffer.slots, self.pieces, parallel, self._shard_groups())
-        if muon:
+        tp, etp = (parallel.group("tp"), parallel.group("etp")) if parallel is not None else (None, None)
+        if muon and buffer.row_shards:         # FSDP2: each matrix gathered whole on its owner
+            self.rule = row_sharded_muon(self.weights, named_params, buffer, model, config, (tp, etp), ddp.group)
+        elif muon:
             params = dict(named_params)
-            tp, etp = (parallel.group("tp"), parallel.group("etp")) if parallel is not None else (None, None)
             matrices = [None if n is None else build_matrix(n, params[n], model, config, tp, etp)
                         for n in self.weights.whole_names]
             self.rule = Muon(self.master_pieces, self.weights.decoupled, config, matrices)

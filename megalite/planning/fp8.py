@@ -16,13 +16,14 @@ linears save their inputs for backward in the model's precision, so FP8 adds no 
 copy to what a step keeps. It adds the FP8 copies of the operands of the GEMM that runs, one byte per
 element plus the recipe's scales, freed when it returns (``gemm_copy_bytes``: the layer's largest GEMM).
 
-Communication: with --fp8-param-gather the ZeRO-1 / ZeRO-3 parameter all-gathers move the FP8 layers'
-weights at one byte per element plus their scales (``SCALE_BYTES``), the other parameters in the model's
-precision (``gathered_bytes``); gradients are reduced in fp32 as before.
+Communication: with --fp8-param-gather and a recipe whose weight scales serve W and W^T alike
+(``PARAM_GATHER_RECIPES``: tensorwise, blockwise) the ZeRO-1 / ZeRO-3 parameter all-gathers move the FP8
+layers' dense weights at one byte per element plus their scales (``scale_bytes``), everything else (expert
+weights too) in the model's precision (``gathered_bytes``); gradients are reduced in fp32 as before.
 """
 from __future__ import annotations
 
-from megalite.config.fp8_fields import FP8_BLOCKS
+from megalite.config.fp8_fields import FP8_BLOCKS, PARAM_GATHER_RECIPES
 from megalite.config.schema import ModelConfig
 from megalite.planning.deepseek import mla_tensors
 from megalite.planning.inputs import (Hardware, Layout, Workload, expert_parameters, local_attention_heads,
@@ -83,9 +84,10 @@ def rank_fp8_weights(workload: Workload, layout: Layout, pp_rank: int) -> tuple[
 def gathered_bytes(workload: Workload, params: int, fp8_params: int) -> float:
     """Bytes of one parameter all-gather of ``params`` elements of which ``fp8_params`` are FP8 weights:
     with --fp8-param-gather those at one byte plus their scales, the rest in the model's precision."""
-    if not (workload.fp8_param_gather and workload.model.fp8_format):
+    model = workload.model
+    if not (workload.fp8_param_gather and model.fp8_format and model.fp8_recipe in PARAM_GATHER_RECIPES):
         return workload.dtype_bytes * params
-    fp8 = fp8_params * (1 + scale_bytes(workload.model.fp8_recipe, workload.model.hidden_size))
+    fp8 = fp8_params * (1 + scale_bytes(model.fp8_recipe, model.hidden_size))
     return workload.dtype_bytes * (params - fp8_params) + fp8
 
 

@@ -8,10 +8,9 @@ norms and biases are AdamW's, with two moments. Each parameter's full weight spl
 Q, K and V (one fused matrix with --muon-no-split-qkv), gate and up (one with --muon-fused-gate-up), each
 expert on its own.
 
-Newton-Schulz (optim/rules/muon.newton_schulz) of a logical matrix of shape (m, n), m <= n (a tall one is
-transposed first), costs per iteration: A = X X^T, 2 m^2 n FLOPs; B = bA + cA A (an addmm), 2 m^3;
-X <- aX + B X (an addmm), 2 m^2 n; the normalisation and the scalings are O(mn) and not counted. It runs
---muon-num-ns-steps iterations once per optimizer step, in bf16 (--muon-fp32-matmul-prec medium) or fp32.
+Newton-Schulz of a logical matrix of shape (m, n), m <= n, costs 4 m^2 n + 2 m^3 FLOPs per iteration
+(optim/muon_cost.newton_schulz_flops, which derives it), --muon-num-ns-steps iterations once per optimizer
+step, in bf16 (--muon-fp32-matmul-prec medium) or fp32.
 Who runs it: every rank that updates the matrix. A TP-replicated matrix (MLA's down projections, the shared
 expert's gate) is whole on each rank already; a TP-sharded one (an expert weight: split over ETP) by mode:
 - duplicated: each TP rank all-gathers the fp32 update input and runs Newton-Schulz on the whole matrix
@@ -21,7 +20,8 @@ expert's gate) is whole on each rank already; a TP-sharded one (an expert weight
   (its X), and all-reduces the fp32 n x n Gram once per iteration and the sum of squares once;
 - blockwise: each rank runs Newton-Schulz on its own parts, no communication.
 Under ZeRO (the whole-parameter layout Muon runs on) each data-parallel rank updates only the parameters it
-owns, balanced by size: the planner counts the mean share, 1/d, as it does for the optimizer state.
+owns, balanced by Newton-Schulz FLOPs (each rank within the largest matrix's cost of the mean): the planner
+counts the mean share, 1/d.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from megalite.config.schema import ModelConfig
 from megalite.config.muon_fields import MuonFields
+from megalite.optim.muon_cost import newton_schulz_flops
 from megalite.planning.deepseek import mtp_depths
 from megalite.planning.inputs import (Layout, Workload, holds_head, layer_experts, local_attention_heads,
                                       rank_layer_numbers)
@@ -57,12 +58,6 @@ def sharded(local: int, blocks: tuple, tp: int, split: int = 0, expert: bool = F
         return MatrixParam(local, blocks, expert=expert)
     even = tuple((r // tp, c) if split == 0 else (r, c // tp) for r, c in blocks)
     return MatrixParam(local, blocks, True, expert, split, parts or even)
-
-
-def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
-    """FLOPs of ``steps`` Newton-Schulz iterations on one (rows, cols) matrix (module docstring)."""
-    m, n = min(rows, cols), max(rows, cols)
-    return steps * (4 * m * m * n + 2 * m ** 3)
 
 
 def distributed_newton_schulz_flops(block: tuple[int, int], part: tuple[int, int], split: int, steps: int) -> int:

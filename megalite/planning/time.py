@@ -294,10 +294,10 @@ def exposed_data_parallel_time(workload: Workload, layout: Layout, hardware: Har
     m = layout.num_microbatches(workload.global_batch_size)
     params = [stage_parameters(workload, layout, r) for r in memory_ranks(workload, layout)]
     seconds = 0.0
-    fp8 = [rank_fp8_weights(workload, layout, r) for r in memory_ranks(workload, layout)]
+    fp8 = [rank_fp8_weights(workload, layout, r) for r in memory_ranks(workload, layout)]    # (dense, experts)
     span = layout.tp * layout.shards                 # the stage's tp x cp x dp ranks
     for psi, fp8_psi, s in ((max(p.dense for p in params), max(f[0] for f in fp8), layout.zero_shards),
-                            (max(p.experts for p in params), max(f[1] for f in fp8), layout.expert_zero_shards)):
+                            (max(p.experts for p in params), 0, layout.expert_zero_shards)):   # experts: own dtype
         sent = data_parallel_bytes(workload, layout.sharding, psi, s, m, fp8_psi)
         seconds += sent / link_bandwidth(hardware, span // layout.instances)
         seconds += replica_all_reduce_bytes(layout.sharding, psi, s, layout.instances, m) / link_bandwidth(hardware, span)

@@ -61,6 +61,9 @@ class Fp8Gemm(GemmPrecision):
     ``blocks`` (their scaling blocks) or the scales they quantise with."""
     power_of_two = False
     watch = None            # train/fp8_stats.py's Fp8Watch: scale range and NaN/Inf flag, on the device
+    # the layer's weight gathered in FP8 with its scales (fp8_params.GatheredWeight, set and cleared by the
+    # data-parallel wrapper under --fp8-param-gather): the GEMMs take it as is instead of quantising the weight
+    gathered = None
 
     def __init__(self, recipe: Fp8Recipe):
         super().__init__()
@@ -75,9 +78,11 @@ class Fp8Gemm(GemmPrecision):
         rows, cols = self.blocks(role)
         return quantise(x, self.dtypes[role], rows, cols, self.power_of_two)
 
-    def mm(self, a: torch.Tensor, a_role: str, b: torch.Tensor, b_role: str, out_dtype: torch.dtype) -> torch.Tensor:
-        """a [M, K] times b [N, K] transposed, in FP8, as ``out_dtype`` [M, N]."""
-        qa, qb = self.quantise(a, a_role), self.quantise(b, b_role)
+    def mm(self, a: torch.Tensor, a_role: str, b: torch.Tensor | Quantised, b_role: str,
+           out_dtype: torch.dtype) -> torch.Tensor:
+        """a [M, K] times b [N, K] transposed, in FP8, as ``out_dtype`` [M, N] (b may come quantised)."""
+        qa = self.quantise(a, a_role)
+        qb = b if isinstance(b, Quantised) else self.quantise(b, b_role)
         if self.watch is not None:
             self.watch.observe_scale_inv(qa.scale_inv)
             self.watch.observe_scale_inv(qb.scale_inv)
@@ -85,6 +90,12 @@ class Fp8Gemm(GemmPrecision):
                 self.recipe.name, self.recipe.fp8_format, a.device, a_role, b_role, out_dtype):
             return scaled_mm(qa, qb, out_dtype)
         return emulated_mm(qa, qb, out_dtype)
+
+    def weight_operand(self, w: torch.Tensor, transposed: bool = False) -> torch.Tensor | Quantised:
+        """W (or W^T) as a GEMM operand: the gathered FP8 weight standing for it, when there is one."""
+        if self.gathered is not None:
+            return self.gathered.quantised(transposed)
+        return w.t() if transposed else w
 
     # hooks of delayed scaling: which amaxes a GEMM use records
     def observe_forward(self, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -96,12 +107,14 @@ class Fp8Gemm(GemmPrecision):
     # ---- a linear layer ----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         self.observe_forward(x, w)
-        y = self.mm(x.reshape(-1, x.shape[-1]), INPUT, w, WEIGHT, x.dtype).reshape(*x.shape[:-1], w.shape[0])
+        y = self.mm(x.reshape(-1, x.shape[-1]), INPUT, self.weight_operand(w), WEIGHT, x.dtype)
+        y = y.reshape(*x.shape[:-1], w.shape[0])
         return y if bias is None else y + bias
 
     def grad_input(self, grad_out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        return self.mm(g, GRAD, w.t(), WEIGHT, grad_out.dtype).reshape(*grad_out.shape[:-1], w.shape[1])
+        grad_x = self.mm(g, GRAD, self.weight_operand(w, transposed=True), WEIGHT, grad_out.dtype)
+        return grad_x.reshape(*grad_out.shape[:-1], w.shape[1])
 
     def grad_weight(self, grad_out: torch.Tensor, x: torch.Tensor,
                     main_grad: torch.Tensor | None = None) -> torch.Tensor | None:

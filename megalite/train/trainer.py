@@ -46,6 +46,7 @@ from megalite.observe.clocks import Timers
 from megalite.optim.distrib_optimizer import build_optimizer
 from megalite.optim.qk_clip import build_qk_clip
 from megalite.optim.lr_scheduler import LRScheduler
+from megalite.optim.muon_cost import owner_cost
 from megalite.parallel.context.ring_attention import build_context_parallel
 from megalite.parallel.data.build import build_data_parallel
 from megalite.parallel.initialize import initialize_distributed, set_matmul_precision, set_seed
@@ -178,7 +179,8 @@ class Trainer:
                                     stage_layers=stage_layers_of(config.model.num_layers, config.parallel),
                                     placement=stage_placement(config.parallel.pipeline_schedule), moe=moe)
         model = chunks[0]
-        ddp = build_data_parallel(chunks, config.parallel, parallel, config.num_microbatches, device)
+        ddp = build_data_parallel(chunks, config.parallel, parallel, config.num_microbatches, device,
+                                  owner_cost(config.model, config.optimizer))
         # after the data-parallel wrapper: its hooks stay on the modules, only each layer's forward is compiled
         compile_layers(chunks, config, device, self.print_fn if parallel.is_logging_rank else quiet)
         self.chunks, self.model, self.ddp, self.buffer = chunks, model, ddp, ddp.buffer

@@ -62,9 +62,10 @@ def dry_run(argv: list[str], world: int, rank: int) -> str:
     return proc.stdout
 
 
-def check_layout(world: int, flags: dict, ranks) -> None:
+def check_layout(world: int, flags: dict, ranks, no_storage: bool = True) -> None:
     """Each dry run holds the real rank's state, and accounts its first step's bytes exactly as the real
-    rank does (--log-memory-breakdown); without storage, within the inputs' host-to-device copies."""
+    rank does (--log-memory-breakdown); without storage (where the layout runs so), within the inputs'
+    host-to-device copies."""
     argv = with_flags(BASE, **flags)
     real = run_pretrain(world, argv + ["--log-memory-breakdown"])
     assert real.returncode == 0, real.stderr[-3000:]
@@ -75,7 +76,8 @@ def check_layout(world: int, flags: dict, ranks) -> None:
         assert memory_lines(out) == {rank: expected[rank]}, f"rank {rank}"
         assert parse_breakdowns(out) == {rank: breakdowns[rank]}, f"rank {rank}"
         assert re.search(r"iteration\s+2/\s+2 \|", out), out[-2000:]            # it logs as the rank it plays
-        check_no_storage(dry_run(argv + ["--no-storage"], world, rank), rank, breakdowns[rank])
+        if no_storage:
+            check_no_storage(dry_run(argv + ["--no-storage"], world, rank), rank, breakdowns[rank])
 
 
 def check_no_storage(out: str, rank: int, real: dict) -> None:
@@ -98,6 +100,11 @@ def test_a_dry_run_holds_what_the_real_rank_holds(layout):
 @pytest.mark.parametrize("layout", SLOW_LAYOUTS)
 def test_a_dry_run_holds_what_the_real_rank_holds_moe(layout):
     check_layout(*SLOW_LAYOUTS[layout])
+
+
+def test_a_dry_run_holds_what_the_real_rank_holds_under_fsdp2():
+    """FSDP2's shards as the memory account's parameters and gradients; --no-storage is refused with it."""
+    check_layout(2, dict(use_torch_fsdp2=True), (1,), no_storage=False)
 
 
 def test_a_dry_run_reads_a_real_dataset_as_a_later_rank_from_the_environment(tmp_path):

@@ -1,8 +1,8 @@
 """--optimizer muon through pretrain_gpt.py: a tiny Llama imported from transformers, trained 20 iterations,
 equals transformers + torch.optim.Muon (q, k, v, o, gate, up, down separately) + torch.optim.AdamW (the
-rest) with the same schedule and clipping, serially and at DP=2 ZeRO-1, TP=2 + SP (--muon-tp-mode duplicated
-and distributed), PP=2 and hybrid sharding (DP=4 in 2 instances); AdamW differs, and so does blockwise mode
-at TP=2 (at TP=1 it is the serial rule).
+rest) with the same schedule and clipping, serially and at DP=2 ZeRO-1, DP=2 ZeRO-3, TP=2 + SP (--muon-tp-mode
+duplicated and distributed), PP=2 and hybrid sharding (DP=4 in 2 instances, ZeRO-1 and ZeRO-3 with overlap);
+AdamW differs, and so does blockwise mode at TP=2 (at TP=1 it is the serial rule).
 A Muon checkpoint saved at DP=2 resumes serially with the uninterrupted losses; resuming it with AdamW is
 refused in one line."""
 import os
@@ -24,12 +24,16 @@ MUON_FLAGS = ["--optimizer", "muon", "--lr", str(LR), "--muon-coefficient-type",
               "--min-lr", str(MIN_LR), "--clip-grad", "1.0", "--seed", "5", "--muon-fp32-matmul-prec", "high"]
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LAYOUTS = {"dp2-zero1": (2, ["--use-distributed-optimizer"]),
+           "dp2-zero3": (2, ["--data-parallel-sharding-strategy", "optim_grads_params"]),
            "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
            "tp2-sp-distributed": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                       "--muon-tp-mode", "distributed"])}
 SLOW_LAYOUTS = {"pp2": (2, ["--pipeline-model-parallel-size", "2"]),
                 "hsdp-dp4": (4, ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
-                                 "--micro-batch-size", "1"])}
+                                 "--micro-batch-size", "1"]),
+                "hsdp-dp4-zero3": (4, ["--data-parallel-sharding-strategy", "optim_grads_params",
+                                       "--num-distributed-optimizer-instances", "2", "--overlap-grad-reduce",
+                                       "--overlap-param-gather", "--micro-batch-size", "1"])}
 
 
 def lr_at(step):

@@ -108,17 +108,26 @@ class Muon:
         scalar = [(m, g) for m, g in zip(masters, grads) if id(m) not in self.matrices]
         if self.scalar is not None:
             self.scalar.step([m for m, _ in scalar], [g for _, g in scalar], group_lr)
-        for master, grad in zip(masters, grads):
-            if id(master) in self.matrices:
-                self._step_matrix(master, grad, self.matrices[id(master)], group_lr[False])
+        self._step_matrices([(m, g, self.matrices[id(m)]) for m, g in zip(masters, grads) if id(m) in self.matrices],
+                            group_lr[False])
         self.steps += 1
 
-    def _step_matrix(self, master: torch.Tensor, grad: torch.Tensor, matrix: Matrix, lr: float) -> None:
+    def _step_matrices(self, items: list[tuple[torch.Tensor, torch.Tensor, Matrix]], lr: float) -> None:
+        """Step each (master, gradient, matrix) in turn (muon_redistribute.py batches them instead)."""
+        for master, grad, matrix in items:
+            update = self._update_input(master, grad)
+            self._apply(master, self._orthogonalise(update.view(matrix.local_shape), matrix), matrix, lr)
+
+    def _update_input(self, master: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The momentum step (elementwise) and what Newton-Schulz orthogonalises (module docstring)."""
         c = self.config
         buf = self.momentum[id(master)]
         buf.lerp_(grad, 1 - c.muon_momentum)
-        update = grad.lerp(buf, c.muon_momentum) if c.muon_nesterov else buf
-        orthogonal = self._orthogonalise(update.view(matrix.local_shape), matrix)
+        return grad.lerp(buf, c.muon_momentum) if c.muon_nesterov else buf
+
+    @staticmethod
+    def _apply(master: torch.Tensor, orthogonal: torch.Tensor, matrix: Matrix, lr: float) -> None:
+        """W <- W - lr x ratio x orthogonal, per run of local rows in one logical matrix."""
         weights = master.view(matrix.local_shape)
         for a, b, ratio in matrix.row_runs:
             weights[a:b].add_(orthogonal[a:b], alpha=-(lr * ratio))

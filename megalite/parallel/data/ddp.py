@@ -34,6 +34,10 @@ reduction of a backward pass runs on into the next forward. On gloo they are iss
 step, and its temporaries bound the collectives in flight (``MAX_IN_FLIGHT``; ZeRO-2/3 finish at the
 end of each backward). ``Comm.holds_temporaries`` decides (bucket_comm.py).
 
+``--fp8-param-gather`` (ZeRO-1/2/3): the weights of FP8 layers sit in buckets of their own, gathered in
+FP8 with scales of the whole weight (fp8_gather.py): ZeRO-3 around each use, ZeRO-1/2 by each unit's first
+forward after the optimizer step; the layers' GEMMs take those FP8 weights as they are.
+
 ``--grad-reduce-in-bf16``: the collectives carry bf16 gradients (half the bytes); accumulation over
 micro-batches and the optimizer's gradients stay fp32.
 
@@ -84,12 +88,12 @@ from torch import nn
 
 from megalite.config.schema import SHARDING_STRATEGIES, ParallelConfig
 from megalite.parallel.data.bucket_comm import (DONE, Comm, GradReduction, InFlight, ParamGathers, comm_for,
-                                              grad_reduction,
-                                              shard_comms, traced, wait)
+                                              grad_reduction, shard_comms, traced, wait)
+from megalite.parallel.data.fp8_gather import Fp8ParamGather, fp8_gathered_weights
 from megalite.parallel.data.grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.parallel.data.materialise import LocalElements
 from megalite.parallel.data.protocol import DataParallel
-from megalite.parallel.data.units import Unit, model_units, tensors_in
+from megalite.parallel.data.units import Unit, collect_units, swap_replacements, tensors_in
 from megalite.parallel.mesh import ParallelState
 from megalite.observe.clocks import waiting
 
@@ -131,11 +135,12 @@ class DistributedDataParallel(DataParallel):
 
     ``device``: where the buffer's storage lives; needed when the models were built on the meta device
     (sharded start-up): their parameters are swapped for ones viewing the buffer (this rank's part only),
-    whose values materialise.py fills from ``local_elements()`` (build.py).
+    whose values materialise.py fills from ``local_elements()`` (build.py). ``owner_cost``: what the
+    whole-parameter layout balances owners by (grad_buffer.py; None: size).
     """
 
     def __init__(self, model: nn.Module | list[nn.Module], config: ParallelConfig, parallel: ParallelState,
-                 num_microbatches: int = 1, device: torch.device | None = None):
+                 num_microbatches: int = 1, device: torch.device | None = None, owner_cost=None):
         self.models = list(model) if isinstance(model, (list, tuple)) else [model]
         self.strategy = config.data_parallel_sharding_strategy      # ParallelConfig folds in the ZeRO-1 flag
         if self.strategy not in SHARDING_STRATEGIES:
@@ -156,13 +161,17 @@ class DistributedDataParallel(DataParallel):
         self.shard_params = self.strategy == "optim_grads_params"
 
         named, unit_of, self.units = self._collect_units()
+        fp8 = fp8_gathered_weights(self.models) if config.fp8_param_gather and self.shard_optimizer else {}
         bucket_size = config.ddp_bucket_size or default_bucket_size(self.dp_size, self.overlap_grad_reduce)
         self.buffer = ParamAndGradBuffer(
             named, bucket_size, shard_rank, shard_size, self.shard_grads, self.shard_params,
             units=unit_of if self.shard_grads else None, device=device,
             staging_dtype=self.comm.reduce_dtype or torch.float32, expert_dp=expert_dp,
-            whole_params=config.use_layer_wise_distributed_optimizer and self.shard_optimizer)
-        named = self._swap_replacements(named)
+            whole_params=config.use_layer_wise_distributed_optimizer and self.shard_optimizer, owner_cost=owner_cost,
+            fp8_params=frozenset(fp8))
+        named = swap_replacements(self.models, self.units, named, self.buffer.replacements)
+        # --fp8-param-gather: the FP8 layers' weights travel in FP8 (fp8_gather.py)
+        self._fp8 = Fp8ParamGather(self.buffer, fp8_gathered_weights(self.models)) if fp8 else None
         if config.gradient_accumulation_fusion:
             self.buffer.fuse_weight_grads()
         self.named_params = named
@@ -193,6 +202,10 @@ class DistributedDataParallel(DataParallel):
             for unit in self.units:
                 self._hooks.append(unit.module.register_forward_pre_hook(
                     lambda module, args, unit=unit: self._param_gathers.wait(unit.buckets)))
+        if self._fp8 is not None and not self.shard_params:
+            for unit in self.units:
+                self._hooks.append(unit.module.register_forward_pre_hook(
+                    lambda module, args, unit=unit: self._fp8.refresh(unit.buckets, self.comm_of)))
 
     # ---- structure -------------------------------------------------------------------------------
     @property
@@ -205,42 +218,8 @@ class DistributedDataParallel(DataParallel):
         return comm_for(bucket, self.comm, self.expert_comm)
 
     def _collect_units(self):
-        """Named trainable parameters, each one's unit index (the unit that owns it: a tied output
-        weight belongs to the embedding, the head only uses it), and the units in forward order."""
-        named, unit_of, units = [], [], []
-        for c, model in enumerate(self.models):
-            prefix = f"chunk{c}." if len(self.models) > 1 else ""
-            chain = model_units(model, prefix)
-            owner = {}
-            for index, unit in enumerate(chain):
-                for param in unit.module.parameters():
-                    owner.setdefault(id(param), index)
-            for name, param in model.named_parameters():
-                if not param.requires_grad:
-                    continue
-                index = owner.get(id(param), len(chain) - 1)
-                chain[index].params.append(param)
-                named.append((prefix + name, param))
-                unit_of.append(len(units) + index)
-            for unit in chain:                               # tied: the head reads the embedding's weight
-                unit.params += [p for p in unit.reads if all(p is not q for q in unit.params)]
-            units += chain
-        return named, unit_of, units
-
-    def _swap_replacements(self, named):
-        """Put the buffer's parameters (with storage) in place of the meta ones, in the modules and in
-        every list kept here."""
-        new = self.buffer.replacements
-        if not new:
-            return named
-        for model in self.models:
-            for module in model.modules():
-                for key, param in list(module._parameters.items()):
-                    if param is not None and id(param) in new:
-                        module._parameters[key] = new[id(param)]
-        for unit in self.units:
-            unit.params = [new.get(id(p), p) for p in unit.params]
-        return [(n, new.get(id(p), p)) for n, p in named]
+        """Named trainable parameters, each one's unit index and the units in forward order (units.collect_units)."""
+        return collect_units(self.models)
 
     def local_elements(self) -> list[LocalElements]:
         """This rank's elements of the storage-less parameters, in the buffer (materialise.py fills them)."""
@@ -420,7 +399,9 @@ class DistributedDataParallel(DataParallel):
         order = []
         for unit in self.units:
             order += [b for b in unit.buckets if b not in order]
-        self._param_gathers.start(order + [b for b in self.buckets if b not in order])
+        if self._fp8 is not None:            # gathered in FP8 by the next forward that uses them
+            self._fp8.mark_stale()
+        self._param_gathers.start([b for b in order + [b for b in self.buckets if b not in order] if not b.fp8])
 
     def wait_for_param_gather(self) -> None:
         """Complete every pending parameter all-gather (before reading parameters outside forward)."""
@@ -437,10 +418,16 @@ class DistributedDataParallel(DataParallel):
             self._hooks.append(unit.end_module.register_forward_hook(
                 lambda module, args, output, unit=unit: self._post_forward(unit, output)))
 
+    def _is_gathered(self, bucket: Bucket) -> bool:
+        return self._fp8.is_gathered(bucket) if bucket.fp8 else self.buffer.is_gathered(bucket)
+
     @torch.no_grad()
     def _gather(self, buckets, async_op: bool) -> None:
         for bucket in buckets:
-            if self.buffer.is_gathered(bucket):
+            if self._is_gathered(bucket):
+                continue
+            if bucket.fp8:
+                self._fp8.gather(bucket, self.comm_of(bucket), async_op)
                 continue
             self.buffer.allocate(bucket)
             chunk = self.buffer.local_param_chunk(bucket)
@@ -457,12 +444,17 @@ class DistributedDataParallel(DataParallel):
         with waiting():
             self._gather(buckets, async_op=False)
             for bucket in buckets:
+                if bucket.fp8:
+                    self._fp8.wait(bucket)
                 work = self._gather_work.pop(bucket.index, None)
                 if work is not None:
                     wait(work, "param all-gather", bucket)
 
     def _release(self, buckets) -> None:
         for bucket in buckets:
+            if bucket.fp8:
+                self._fp8.release(bucket)
+                continue
             work = self._gather_work.pop(bucket.index, None)
             if work is not None:
                 wait(work, "param all-gather", bucket)

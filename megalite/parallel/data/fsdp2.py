@@ -37,7 +37,9 @@ rank's FSDP2 shard of a parameter, rows [r0, r1) of dim 0, is the contiguous fla
 [slot.start + r0 * row, slot.start + r1 * row) of it; its ``buckets`` are the local shards, one per
 parameter this rank holds rows of, so megalite's DistributedOptimizer steps the shards' local tensors with fused AdamW, and
 checkpoints write and read them as boxes by global name and offsets: a run saved under FSDP2 resumes
-under megalite's ZeRO-3 or any other layout, and the reverse.
+under megalite's ZeRO-3 or any other layout, and the reverse. Its shards are rows of parameters
+(``row_shards``): --optimizer muon sends them to an owner rank per matrix for Newton-Schulz
+(optim/muon_redistribute.py).
 
 Numerics: every micro-batch's gradients are reduce-scattered and summed into the fp32 shard (like
 ddp.py's ZeRO-2/3), divided by the group size after a SUM (never ReduceOp.AVG, whose result differs
@@ -97,6 +99,7 @@ def dim0_shard(rows: int, rank: int, size: int) -> tuple[int, int]:
 
 class ShardLayout(FlatLayout):
     """The FlatLayout of a rank's FSDP2 shards: one bucket per parameter shard this rank holds."""
+    row_shards = True
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], dp_rank: int, dp_size: int,
                  compute_dtype: torch.dtype):
@@ -140,6 +143,15 @@ class ShardLayout(FlatLayout):
 
     def grad_bytes(self) -> int:
         return sum(s.grad.numel() * s.grad.element_size() for s in self.buckets)
+
+    def state_tensors(self, kind: str) -> list[torch.Tensor]:
+        """This rank's shards of its parameters or of their gradients (``kind``)."""
+        return [s.values if kind == "parameters" else s.grad for s in self.buckets]
+
+    def transients(self) -> list:
+        """None of megalite's own: FSDP2 allocates its gathered parameters and reduction buffers inside the
+        step, where the memory account sees them as they are made."""
+        return []
 
 
 def mixed_precision_policy(params_dtype: torch.dtype, grad_reduce_in_bf16: bool) -> MixedPrecisionPolicy:

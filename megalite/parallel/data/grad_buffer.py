@@ -25,10 +25,11 @@ Two layouts of a bucket's parameters (``whole_params``, --use-layer-wise-distrib
   bucket padded to a multiple of the group size and cut into equal chunks, so a chunk boundary may cut
   a parameter anywhere, mid-row included; the collectives are a reduce-scatter and an all-gather;
 - whole parameters (the layout of Megatron's LayerWiseDistributedOptimizer, which optimizers acting on
-  whole matrices such as Muon need): each parameter is assigned to one rank, balanced by size
-  (``whole_param_owners``), and rank r's parameters fill its region; regions have unequal lengths and
-  no padding, so a rank holds only its own parameters' elements. Unequal regions are reduced with one
-  reduce per owner and gathered with one broadcast per owner (bucket_comm.Comm).
+  whole matrices such as Muon need): each parameter is assigned to one rank, balanced by size or by a
+  per-parameter cost (``owner_cost``: Muon's Newton-Schulz FLOPs; owners.py), and rank r's parameters
+  fill its region; regions have unequal lengths and no padding, so a rank holds only its own parameters'
+  elements. Unequal regions are reduced with one reduce per owner and gathered with one broadcast per
+  owner (bucket_comm.Comm).
 
 ZeRO sharding of the storage itself:
 - ``shard_grads`` (ZeRO-2/3): no full fp32 gradient buffer; only this rank's chunks (``grad_shard``).
@@ -58,6 +59,7 @@ import torch
 from torch import nn
 
 from megalite.parallel.data.materialise import LocalElements
+from megalite.parallel.data.owners import region_offsets, whole_param_owners
 from megalite.parallel.data.protocol import FlatLayout
 from megalite.parallel.param_meta import mark, param_meta
 
@@ -110,7 +112,9 @@ class Bucket:
     shard_start: int = 0             # where this rank's chunk of the bucket starts in the shard tensors
     bounds: tuple = (0, 0)           # rank r's chunk is [start + bounds[r], start + bounds[r + 1])
     own_bucket: bool = False         # holds one shared_embedding parameter and nothing else
+    fp8: bool = False                # holds weights gathered in FP8 (--fp8-param-gather) and nothing else
     unsharded: Transient | None = None   # ZeRO-3: the full bucket of parameters while gathered
+    fp8_gathered: Transient | None = None  # --fp8-param-gather: the bucket's FP8 bytes while gathered (fp8_gather.py)
     staging: Transient | None = None     # ZeRO-2/3: one micro-batch's gradients until reduced
     reduced: Transient | None = None     # ZeRO-2/3, equal chunks: this rank's reduced chunk while reduced
     staging_chunks: list = field(default_factory=list)   # views of staging, one per data-parallel rank
@@ -146,32 +150,6 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def whole_param_owners(sizes: list[int], ranks: int) -> list[int]:
-    """The rank owning each parameter in the whole-parameter layout: largest first, each to the rank
-    holding the fewest elements so far (ties: the lowest rank), over all the parameters of one group,
-    so what a rank holds is within the largest parameter of the mean. How a bucket is split does not
-    change what its collectives move (every rank takes part in each owner's reduce and broadcast)."""
-    owner, loads = [0] * len(sizes), [0] * ranks
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        owner[i] = min(range(ranks), key=lambda r: (loads[r], r))
-        loads[owner[i]] += sizes[i]
-    return owner
-
-
-def region_offsets(sizes: list[int], owner: list[int], ranks: int) -> tuple[list[int], list[int]]:
-    """One bucket in the whole-parameter layout: the ranks' regions back to back in rank order, each as
-    long as the parameters its rank owns (``owner``). Returns each parameter's offset in the bucket (a
-    rank's parameters in their given order from its region's start) and each rank's region length."""
-    share = [0] * ranks
-    for size, r in zip(sizes, owner):
-        share[r] += size
-    filled, offsets = [sum(share[:r]) for r in range(ranks)], []
-    for size, r in zip(sizes, owner):
-        offsets.append(filled[r])
-        filled[r] += size
-    return offsets, share
-
-
 class ParamAndGradBuffer(FlatLayout):
     """The flat parameter and fp32 gradient storage of DistributedDataParallel (module docstring)."""
 
@@ -179,14 +157,14 @@ class ParamAndGradBuffer(FlatLayout):
                  dp_rank: int = 0, dp_size: int = 1, shard_grads: bool = False, shard_params: bool = False,
                  units: list[int] | None = None, device: torch.device | None = None,
                  staging_dtype: torch.dtype = torch.float32, expert_dp: tuple[int, int] | None = None,
-                 whole_params: bool = False):
-        """``units[i]`` is the module unit of ``named_params[i]``; a bucket never spans two units when
-        given (ZeRO-2/3 reduce and gather per unit). ``bucket_size`` None: one bucket (per unit).
-        ``device``: where storage lives (needed when the parameters are on the meta device).
-        ``staging_dtype``: dtype of ZeRO-2/3 per-micro-batch gradient staging (bf16 with
-        --grad-reduce-in-bf16, so the reduce-scatter moves half the bytes). ``expert_dp``: (rank, size)
-        in the expert-data-parallel group, for expert weights (default: the data-parallel ones).
-        ``whole_params``: every parameter wholly in one rank's chunk (module docstring)."""
+                 whole_params: bool = False, owner_cost=None, fp8_params: frozenset = frozenset()):
+        """``units[i]`` is the module unit of ``named_params[i]``; a bucket never spans two units when given (ZeRO-2/3
+        reduce and gather per unit). ``bucket_size`` None: one bucket (per unit). ``device``: where storage lives
+        (needed when the parameters are on the meta device). ``staging_dtype``: dtype of ZeRO-2/3 per-micro-batch
+        gradient staging (bf16 with --grad-reduce-in-bf16: the reduce-scatter moves half the bytes). ``expert_dp``:
+        (rank, size) in the expert-data-parallel group, for expert weights (default: the data-parallel ones).
+        ``whole_params``: each parameter in one rank's chunk, its owner balanced by ``owner_cost(name, param)``
+        (owners.py). ``fp8_params``: ids of the weights gathered in FP8 (--fp8-param-gather), in buckets of theirs."""
         if not named_params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         dtypes = {p.dtype for _, p in named_params}
@@ -199,13 +177,13 @@ class ParamAndGradBuffer(FlatLayout):
         if device is None and self.device.type == "meta":
             raise ValueError("parameters are on the meta device: pass the device their storage goes to")
         self.dp_rank, self.dp_size, self.whole_params = dp_rank, dp_size, whole_params
-        self.expert_dp = expert_dp or (dp_rank, dp_size)
+        self.expert_dp, self.fp8_params = expert_dp or (dp_rank, dp_size), fp8_params
         self.shard_grads, self.shard_params = shard_grads or shard_params, shard_params
         self.slots: dict[str, BufferSlot] = {}
         self.buckets: list[Bucket] = []
         self._views: dict[tuple, torch.Tensor] = {}
         self.numel_unpadded = sum(p.numel() for p in self.params)
-        self._layout(named_params, bucket_size, units or [0] * len(named_params))
+        self._layout(named_params, bucket_size, units or [0] * len(named_params), owner_cost)
         self.numel = self.buckets[-1].end
         self.shard_numel = sum(b.chunk_numel for b in self.buckets)
 
@@ -257,32 +235,38 @@ class ParamAndGradBuffer(FlatLayout):
         self.zero_grad()
 
     # ---- layout ----------------------------------------------------------------------------------
-    def _layout(self, named_params, bucket_size, units) -> None:
+    def _layout(self, named_params, bucket_size, units, owner_cost=None) -> None:
         """Reverse parameter order; a new bucket when the current one reaches ``bucket_size`` elements,
-        the module unit changes or expert weights meet dense ones (``_close`` places the parameters).
+        the module unit changes, expert weights meet dense ones or FP8-gathered weights others
+        (``_close`` places the parameters).
 
         A parameter marked ``shared_embedding`` (the word embedding that the first and last pipeline
         stages both hold) gets a bucket of its own when the buffer is sharded, so both stages shard it
         identically and its gradient can be summed across them after the data-parallel reduction."""
         limit = bucket_size if bucket_size else float("inf")
+        order = list(zip(named_params, units))
+        if self.fp8_params:        # each unit's FP8-gathered weights next to each other, so in buckets of their own
+            order.sort(key=lambda entry: (entry[1], id(entry[0][1]) in self.fp8_params))
         self._owner = {}
         for expert, ranks in ((False, self.dp_size), (True, self.expert_dp[1])):
-            params = [p for _, p in named_params if bool(param_meta(p).expert) == expert]
+            group = [(n, p) for n, p in named_params if bool(param_meta(p).expert) == expert]
             if self.whole_params and ranks > 1:
-                self._owner.update(zip(map(id, params), whole_param_owners([p.numel() for p in params], ranks)))
+                costs = [owner_cost(n, p) for n, p in group] if owner_cost else None
+                self._owner.update(zip((id(p) for _, p in group),
+                                       whole_param_owners([p.numel() for _, p in group], ranks, costs)))
         offset, current, filled = 0, None, 0
-        for (name, param), unit in reversed(list(zip(named_params, units))):
+        for (name, param), unit in reversed(order):
             own_bucket = self.dp_size > 1 and param_meta(param).shared_embedding
-            expert = param_meta(param).expert
+            expert, fp8 = param_meta(param).expert, id(param) in self.fp8_params
             if current is not None and (filled >= limit or unit != current.unit or own_bucket
-                                        or current.own_bucket or expert != current.expert):
+                                        or current.own_bucket or expert != current.expert or fp8 != current.fp8):
                 offset = self._close(current)
                 current = None
             if current is None:
                 rank, size = self.expert_dp if expert else (self.dp_rank, self.dp_size)
                 shard_start = self.buckets[-1].shard_start + self.buckets[-1].chunk_numel if self.buckets else 0
                 current = Bucket(len(self.buckets), offset, offset, unit=unit, expert=expert, shard_rank=rank,
-                                 shard_size=size, shard_start=shard_start)
+                                 shard_size=size, shard_start=shard_start, fp8=fp8)
                 current.own_bucket, filled = own_bucket, 0
                 self.buckets.append(current)
             current.names.append(name)
@@ -452,11 +436,11 @@ class ParamAndGradBuffer(FlatLayout):
 
     def transients(self) -> list[tuple[str, Transient]]:
         """The buffers that hold storage only while in use, each with what it holds: ZeRO-3's gathered
-        buckets ("gathered parameters"), ZeRO-2/3's gradient staging and reduced chunks ("gradient
-        reduction")."""
+        buckets and the FP8 ones of --fp8-param-gather ("gathered parameters"), ZeRO-2/3's gradient
+        staging and reduced chunks ("gradient reduction")."""
         found = []
         for b in self.buckets:
-            found += [("gathered parameters", b.unsharded)] if b.unsharded is not None else []
+            found += [("gathered parameters", t) for t in (b.unsharded, b.fp8_gathered) if t is not None]
             found += [("gradient reduction", t) for t in (b.staging, b.reduced) if t is not None]
         return found
 

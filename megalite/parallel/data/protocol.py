@@ -64,6 +64,9 @@ class FlatLayout(Protocol):
     params: list
     param_data: torch.Tensor | None
     grad_data: torch.Tensor | None
+    # a bucket holds rows [r0, r1) of one parameter (FSDP2's Shard(0)), not whole parameters: an update
+    # rule acting on whole matrices gathers them (optim/muon_redistribute.py)
+    row_shards: bool = False
 
     def local_range(self, bucket) -> tuple[int, int]: ...
 
@@ -76,6 +79,10 @@ class FlatLayout(Protocol):
     def param_bytes(self) -> int: ...
 
     def grad_bytes(self) -> int: ...
+
+    def state_tensors(self, kind: str) -> list[torch.Tensor]: ...
+
+    def transients(self) -> list: ...
 
 
 class DataParallel(abc.ABC):
