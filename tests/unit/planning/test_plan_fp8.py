@@ -106,6 +106,12 @@ def test_memory_adds_the_largest_gemms_fp8_copies():
     assert with_fp8.activations - without.activations == pytest.approx(copy)
 
 
+def test_a_parsed_command_line_carries_the_fp8_param_gather():
+    config = parse_args(with_flags(LLAMA, use_distributed_optimizer=True, fp8_param_gather=True), world_size=2)
+    assert plan_flags.workload_and_layout(config)[0].fp8_param_gather
+    assert not plan_flags.workload_and_layout(parse_args(LLAMA, world_size=2))[0].fp8_param_gather
+
+
 def test_the_tool_reads_fp8_flags():
     import os
     import sys
