@@ -26,6 +26,8 @@ results file and exits 0.
     python bench/gpu_mfu.py --smoke              # the whole script on CPU with a tiny model (checks the
                                                  # script; no MFU, writes nothing; alias --cpu-check)
     python bench/gpu_mfu.py --no-compile         # the eager runs only
+    python bench/gpu_mfu.py --fp8 blockwise      # megalite FP8 (--fp8-recipe blockwise, --fp8-format hybrid
+                                                 # or e4m3) vs megalite bf16, eager, same micro-batch
 """
 from __future__ import annotations
 
@@ -45,9 +47,11 @@ from results import Headline, add_common_args, command_line, publish  # noqa: E4
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from megalite.config.fp8_fields import FP8_FORMATS, FP8_RECIPES  # noqa: E402
 
 NO_GPU = "no CUDA GPU on this machine: GPU MFU not measured"
 KEY, TITLE = "gpu_mfu", "GPU MFU: ~1B Llama, bf16, one GPU, megalite vs transformers"
+FP8_KEY, FP8_TITLE = "gpu_fp8", "GPU FP8: ~1B Llama, one GPU, megalite FP8 vs bf16 tokens/s"
 
 @dataclass(frozen=True)
 class Shape:
@@ -84,10 +88,13 @@ class Run:
     warmup: int
     steps: int
     compile: bool = False        # torch.compile per transformer layer
+    fp8: str | None = None       # megalite's --fp8-recipe (None: bf16 GEMMs)
+    fp8_format: str = "hybrid"
 
     @property
     def label(self) -> str:
-        return ("megalite" if self.kind == "megalite" else "transformers") + (" compiled" if self.compile else "")
+        name = ("megalite" if self.kind == "megalite" else "transformers") + (" compiled" if self.compile else "")
+        return name + (f" fp8 {self.fp8}" if self.fp8 else "")
 
 
 # ---- arithmetic ---------------------------------------------------------------------------------
@@ -143,6 +150,10 @@ def megalite_argv(run: Run) -> list[str]:
         argv += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     if run.compile:
         argv += ["--compile"]
+    if run.fp8:
+        argv += ["--fp8-format", run.fp8_format, "--fp8-recipe", run.fp8]
+        if os.environ.get("CUDA_VISIBLE_DEVICES") == "":      # --smoke: a CPU has kernels for some recipes only
+            argv += ["--fp8-emulate"]
     return argv
 
 
@@ -301,14 +312,17 @@ def run_side(run: Run) -> dict:
 
 def measure_all(run: Run, peak_override: float | None, compiled: bool = True) -> list[tuple[Run, dict]]:
     """megalite eager first (it fits the micro-batch), then megalite compiled and transformers eager and
-    compiled with the same micro-batch; all again at half the micro-batch whenever one runs out of memory."""
-    variants = [("megalite", False), ("hf", False)]
+    compiled with the same micro-batch; all again at half the micro-batch whenever one runs out of memory.
+    With ``run.fp8``: megalite eager in bf16, then in FP8."""
+    variants = [("megalite", False, None), ("hf", False, None)]
     if compiled:
-        variants = [("megalite", False), ("megalite", True), ("hf", False), ("hf", True)]
+        variants = [("megalite", False, None), ("megalite", True, None), ("hf", False, None), ("hf", True, None)]
+    if run.fp8:
+        variants = [("megalite", False, None), ("megalite", False, run.fp8)]
     while True:
         results, retry = [], False
-        for kind, compile_ in variants:
-            side = replace(run, kind=kind, compile=compile_)
+        for kind, compile_, fp8 in variants:
+            side = replace(run, kind=kind, compile=compile_, fp8=fp8)
             result = run_side(side)
             if result.get("oom"):
                 run, retry = halved(run, result["micro_batch"], side.label), True
@@ -396,6 +410,24 @@ def report(results: list[tuple[Run, dict]], peak: float | None, peak_source: str
     return headlines, body
 
 
+def fp8_report(results: list[tuple[Run, dict]], peak: float | None, command: str):
+    """Headline and table of megalite FP8 against megalite bf16 (``measure_all`` with ``run.fp8``)."""
+    (bf16_run, bf16), (fp8_run, fp8) = results
+    b, f = figures(bf16, bf16_run, peak), figures(fp8, fp8_run, peak)
+    headlines = [Headline(f"GPU FP8 throughput, megalite --fp8-recipe {fp8_run.fp8} ({fp8_run.fp8_format}), "
+                          f"{bf16['n_params'] / 1e9:.2f}B Llama seq {bf16_run.shape.seq}, {bf16['device_name']}",
+                          "megalite bf16, same model, micro-batch and optimizer (goal >= 1.3x)",
+                          f"{f['tokens_per_s'] / b['tokens_per_s']:.2f}x tokens/s", command)]
+    body = [f"{bf16_run.shape.describe()}; AdamW + clip 1.0; gradient accumulation {bf16_run.accumulation}; eager "
+            f"(no --compile) on both sides. Median of {bf16_run.steps} steps after {bf16_run.warmup} warm-up. The "
+            "transformer layers' linears run in FP8, the output head, norms and core attention in bf16; MFU counts "
+            "the same model FLOPs against the dense bf16 peak.", "",
+            "| run | micro-batch x accumulation | tokens / step | ms / step | tokens/s | model TFLOP/s | MFU (bf16 peak) "
+            "| peak memory GiB | host syncs / step |", "|---|---|---|---|---|---|---|---|---|"]
+    body += [table_row(side.label, result, side, peak) for side, result in results]
+    return headlines, body
+
+
 def cpu_build_hint(torch) -> str:
     """When the machine has an NVIDIA driver but this PyTorch was built without CUDA, say so."""
     if torch.version.cuda is None and shutil.which("nvidia-smi"):
@@ -424,22 +456,29 @@ def main(argv: list[str]) -> int:
                         help="run everything on CPU with a tiny model to check the script (no MFU, writes nothing)")
     parser.add_argument("--no-compile", action="store_false", dest="compiled",
                         help="measure the eager runs only (default: eager and compiled, both sides)")
+    parser.add_argument("--fp8", metavar="RECIPE", choices=FP8_RECIPES,
+                        help="megalite with --fp8-recipe RECIPE against megalite bf16 (eager, no transformers)")
+    parser.add_argument("--fp8-format", default="hybrid", choices=FP8_FORMATS, help="with --fp8 (default hybrid)")
     add_common_args(parser)
     args = parser.parse_args(argv)
     command = command_line("gpu_mfu.py", argv)
     shape = CPU_CHECK if args.cpu_check else QUICK if args.quick else FULL
+    if args.cpu_check and args.fp8:          # whole 128-blocks for blockwise
+        shape = replace(shape, ffn=768)
+    key, title = (FP8_KEY, FP8_TITLE) if args.fp8 else (KEY, TITLE)
 
     import torch
     if args.cpu_check:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""          # the workers see no GPU
     elif not torch.cuda.is_available():
         print(NO_GPU + cpu_build_hint(torch), flush=True)
-        publish(args, KEY, TITLE, command, *no_gpu_section(command, shape))
+        publish(args, key, title, command, *no_gpu_section(command, shape))
         return 0
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
     run = Run("megalite", shape, args.micro_batch_size, args.accumulation, args.recompute,
-              args.warmup or (2 if args.quick or args.cpu_check else 3), args.steps or (3 if args.quick else 10))
+              args.warmup or (2 if args.quick or args.cpu_check else 3), args.steps or (3 if args.quick else 10),
+              fp8=args.fp8, fp8_format=args.fp8_format)
     if args.cpu_check:
         run = replace(run, micro_batch=args.micro_batch_size or 2, warmup=1, steps=2)
     results = measure_all(run, args.peak_tflops, args.compiled)
@@ -447,11 +486,12 @@ def main(argv: list[str]) -> int:
     peak = peak_tflops(device_name, args.peak_tflops)
     peak_source = (f"{peak:.0f} TFLOP/s dense bf16 ({'--peak-tflops' if args.peak_tflops else device_name})"
                    if peak else f"unknown peak for {device_name}")
-    headlines, body = report(results, peak, peak_source, command)
+    headlines, body = (fp8_report(results, peak, command) if args.fp8 else
+                       report(results, peak, peak_source, command))
     print("\n".join(f"{h.benchmark}: {h.ratio} (baseline: {h.baseline})" for h in headlines), flush=True)
     print("\n".join(body), flush=True)
     if not args.cpu_check:
-        publish(args, KEY, TITLE, command, headlines, body)
+        publish(args, key, title, command, headlines, body)
     return 0
 
 

@@ -199,7 +199,7 @@ def planner_inputs(args):
     workload = inputs.Workload(model, args.global_batch_size, precision(args), args.make_vocab_size_divisible_by,
                                args.moe_imbalance_margin, model_attended_fraction(model, document_lengths(args)),
                                tuple(args.cp_comm_type), sizes[0] if sizes else None, args.optimizer,
-                               plan_flags.muon_settings(args))
+                               plan_flags.muon_settings(args), args.fp8_param_gather)
     for flag in ("usable_memory_fraction", "compute_efficiency"):
         if vars(args)[flag] > 1:
             raise UserError(f"--{flag.replace('_', '-')} is a fraction in (0, 1], got {vars(args)[flag]}")

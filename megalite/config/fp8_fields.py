@@ -49,6 +49,9 @@ class Fp8Fields:
         "FP8: keep the first and last transformer layers' GEMMs in the model's precision"))
     num_layers_at_start_in_bf16: int = flag("--num-layers-at-start-in-bf16", non_negative_int, default=1, help=(
         "with --first-last-layers-bf16: how many layers at the start stay out of FP8"))
+    moe_router_padding_for_fp8: bool = flag("--moe-router-padding-for-fp8", default=False, help=(
+        "FP8 MoE: pad each expert's rows to a multiple of 16 (zeros, dropped after) so that its FP8 GEMMs run "
+        "on the kernel, which needs whole multiples of 16"))
     num_layers_at_end_in_bf16: int = flag("--num-layers-at-end-in-bf16", non_negative_int, default=1, help=(
         "with --first-last-layers-bf16: how many layers at the end stay out of FP8"))
 

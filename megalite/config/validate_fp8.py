@@ -6,7 +6,8 @@
   with its own backward (--compile);
 - --first-last-layers-bf16 keeps at most one pipeline stage's layers at each end (Megatron's bound);
 - --fp8-param-gather changes ZeRO's parameter all-gathers (megalite's own data parallelism), so it needs
-  FP8 layers and a sharding strategy."""
+  FP8 layers and a sharding strategy;
+- --moe-router-padding-for-fp8 pads the experts' rows for FP8 GEMMs, so it needs both."""
 from __future__ import annotations
 
 from megalite.config.fp8_fields import FP8_BLOCKS
@@ -34,6 +35,9 @@ def _gemm_widths(m: ModelConfig, p: ParallelConfig) -> list[tuple[str, int]]:
 
 def check_fp8(config: MegaliteConfig) -> None:
     m, p = config.model, config.parallel
+    if m.moe_router_padding_for_fp8 and not (m.fp8_format and m.num_experts):
+        raise UserError("--moe-router-padding-for-fp8 pads the experts' rows for FP8 GEMMs: it needs --fp8-format and "
+                        "--num-experts; drop it or add them")
     if m.fp8_format is not None and config.training.compile:
         raise UserError("--compile builds its own backward, not the FP8 one of --fp8-format; drop --compile")
     _check_fp8_param_gather(m, p)

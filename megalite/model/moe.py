@@ -51,6 +51,7 @@ from megalite.model.mlp import MLP, quick_geglu_of
 from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext, Routed, dispatch
 from megalite.parallel.param_meta import mark
 from megalite.parallel.pipeline.split_backward import input_grads_to_compute
+from megalite.precision.fp8_quant import KERNEL_ALIGNMENT
 from megalite.precision.gemm import DEFAULT_RECIPE, GemmPrecision, build_gemm_precision
 
 
@@ -349,6 +350,8 @@ class MoELayer(nn.Module):
         self.config, self.moe = config, moe
         self.router = Router(config, dtype, moe, tp.sequence_parallel)
         self.experts = GroupedExperts(config, dtype, moe.ep, tp.gemm_recipe)
+        # --moe-router-padding-for-fp8: every expert's rows a whole number of the FP8 kernels' alignment
+        self.fp8_alignment = KERNEL_ALIGNMENT if config.moe_router_padding_for_fp8 else 1
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExpert(config, dtype, tp)
@@ -362,7 +365,9 @@ class MoELayer(nn.Module):
         if self.config.moe_pad_expert_input_to_capacity:
             # each of the ranks sending rows to an expert sends at most its capacity
             run = partial(self.run_padded, width=self.router.capacity(tokens.shape[0]) * self.moe.ep.ep_size
-                          * self.moe.ep.etp_size)
+                          * self.moe.ep.etp_size, align=self.fp8_alignment)
+        elif self.fp8_alignment > 1:
+            run = partial(self.run_padded, width=None, align=self.fp8_alignment)
         with record_function("moe/dispatch"):     # profiler range; dispatch() opens its exchange/experts ranges in it
             out = dispatch(routed, run, self.config.num_experts, self.moe.ep).view_as(x)
         if self.shared_experts is not None:
@@ -371,9 +376,12 @@ class MoELayer(nn.Module):
             out = _AttachLoss.apply(out, loss, self.moe.grad_scale * self.moe.cp_size)
         return out
 
-    def run_padded(self, rows: torch.Tensor, counts: list, width: int) -> torch.Tensor:
-        """--moe-pad-expert-input-to-capacity: every expert computes ``width`` rows (a fixed shape), the
-        padding rows are dropped after."""
-        index = torch.cat([torch.arange(c, device=rows.device) + e * width for e, c in enumerate(counts)])
-        padded = rows.new_zeros(width * len(counts), rows.shape[1]).index_copy(0, index, rows)
-        return self.experts(padded, [width] * len(counts))[index]
+    def run_padded(self, rows: torch.Tensor, counts: list, width: int | None, align: int = 1) -> torch.Tensor:
+        """--moe-pad-expert-input-to-capacity: every expert computes ``width`` rows (a fixed shape);
+        --moe-router-padding-for-fp8 (``align``): each expert's rows (``width``, or its own count when None)
+        rounded up to a multiple of ``align``. The padding rows are zeros, dropped after."""
+        widths = [-(-(c if width is None else width) // align) * align for c in counts]
+        starts = [sum(widths[:e]) for e in range(len(widths))]
+        index = torch.cat([torch.arange(c, device=rows.device) + start for start, c in zip(starts, counts)])
+        padded = rows.new_zeros(sum(widths), rows.shape[1]).index_copy(0, index, rows)
+        return self.experts(padded, widths)[index]

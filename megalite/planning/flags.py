@@ -123,7 +123,7 @@ def workload_and_layout(config: MegaliteConfig) -> tuple[Workload, Layout]:
     # megatron_cli.py has padded the vocabulary for this TP size already: keep it as it is (pad to 1)
     model = dataclasses.replace(config.model, vocab_size=config.model.padded_vocab_size)
     workload = Workload(model, train.global_batch_size, precision, make_vocab_size_divisible_by=1,
-                        optimizer=opt.optimizer, muon=opt)
+                        optimizer=opt.optimizer, muon=opt, fp8_param_gather=par.fp8_param_gather)
     sharding, dp = par.data_parallel_sharding_strategy, par.data_parallel_size
     etp = par.expert_tensor_parallel_size
     layout = Layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, dp, chunks,

@@ -21,6 +21,7 @@ from megalite.planning.deepseek import mla_tensors, mtp_depths, mtp_glue_tensors
 GiB = 2 ** 30
 HBM_GBPS = 3350.0       # H100 SXM HBM3, GB/s: the loss is memory-bound
 PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+FP8_PEAK_OVER_BF16 = 2.0     # H100 / H200 dense FP8 tensor-core FLOP/s over bf16's (Hardware)
 # Dropless routing sends each expert whatever the router picks, so the rank holding the busiest experts
 # receives more rows than the mean T x k: its dispatched rows and expert activations are planned at this
 # multiple of the mean. 1.2 is the headroom capacity-factor recipes give dropping routers (Switch
@@ -41,6 +42,7 @@ class Workload:
     cp_a2a_size: int | None = None    # a2a+p2p: the all-to-all's size (--hierarchical-context-parallel-sizes A B)
     optimizer: str = "adam"           # --optimizer: adam, or muon (planning/muon.py)
     muon: MuonFields = field(default_factory=MuonFields)    # --muon-* settings (an OptimizerConfig will do)
+    fp8_param_gather: bool = False    # ZeRO gathers the FP8 layers' weights in FP8 (planning/fp8.py)
 
     @property
     def dispatch_margin(self) -> float:
@@ -145,7 +147,8 @@ class Layout:
 class Hardware:
     """Defaults: H100 SXM nodes of 8 GPUs. NVLink 4 moves 450 GB/s per direction, NCCL reaches about
     360 GB/s of it; a 400 Gb/s NDR InfiniBand port per GPU is 50 GB/s, about 40 GB/s achieved.
-    Peak dense TFLOP/s: 989 bf16/fp16, 67 fp32 (no TF32). ``compute_efficiency`` is the share of peak
+    Peak dense TFLOP/s: 989 bf16/fp16, 67 fp32 (no TF32), FP8 ``FP8_PEAK_OVER_BF16`` times bf16's (NVIDIA's H100
+    SXM datasheet: 1,979 dense FP8 TFLOP/s; the H200 has the same tensor cores). ``compute_efficiency`` is the share of peak
     that the matmul-heavy compute reaches (communication and the bubble are counted separately);
     ``usable_memory_fraction`` leaves room for the CUDA context, NCCL buffers and fragmentation."""
     num_gpus: int
@@ -159,6 +162,9 @@ class Hardware:
     memory_gbps: float = HBM_GBPS           # GB/s of device memory (the loss is memory-bound)
 
     def peak_flops(self, precision: str) -> float:
+        """Dense FLOP/s of ``precision``'s GEMMs ("fp8": FP8 tensor cores; --peak-tflops is the bf16 peak)."""
+        if precision == "fp8":
+            return FP8_PEAK_OVER_BF16 * self.peak_flops("bf16")
         tflops = self.peak_tflops or (67.0 if precision == "fp32" else 989.0)
         return tflops * 1e12
 

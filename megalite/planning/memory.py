@@ -16,6 +16,8 @@
 - data-parallel temporaries at that same moment, counted with the weights and gradients: ZeRO-2/3's
   per-bucket gradient staging, ZeRO-3's just-in-time gathered units, gloo's collective copies
   (``data_parallel_transients``). The peak is the fullest of a step's moments (``rank_memory``).
+- FP8 (--fp8-format) keeps no weight or activation copy; backward through an FP8 layer adds the FP8
+  copies of its largest GEMM's operands (fp8.py).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from megalite.config.pipeline_split import SplitFlags
 from megalite.planning.buckets import Param, backward_tensors, buckets_of, top_down_layers
 from megalite.planning.deepseek import mla_saved_elements, mtp_depth_bytes, mtp_depths
 from megalite.planning.experts import moe_activation_bytes, moe_backward_bytes
+from megalite.planning.fp8 import fp8_layer_numbers, gemm_copy_bytes
 from megalite.planning.muon import matrix_elements
 from megalite.planning.inputs import (GPU_KERNELS, Kernels, Layout, Workload, holds_embedding, holds_head,
                                       layer_experts, layer_tensors, local_attention_heads, rank_layers,
@@ -389,6 +392,8 @@ def rank_memory(workload: Workload, layout: Layout, pp_rank: int, kernels: Kerne
     through_layer = max(layer_backward_bytes(workload, layout, kernels, kind)
                         + (layer_activation_bytes(workload, dataclasses.replace(layout, recompute="none"), kernels,
                                                   kind) if layout.recompute == "full" else 0.0) for kind in kinds)
+    if fp8_layer_numbers(workload, layout, pp_rank):        # the FP8 copies of the running GEMM's operands
+        through_layer += gemm_copy_bytes(workload, layout)
     # backward through the chunk's top layers: each one deeper has freed a layer's activations, but may
     # have more data-parallel reductions in flight (beyond MAX_IN_FLIGHT layers nothing changes)
     layers_per_chunk = max(rank_layers(workload, layout, pp_rank))

@@ -6,7 +6,8 @@ data-parallel traffic over the NVLink / InfiniBand bandwidth. An MoE layer compu
 shared expert's and its router's (performance.moe_extra_flops_per_token) and dispatches its tokens
 (experts.dispatch_bytes), which nothing overlaps. Multi-latent attention's projections and head dimensions
 replace the attention term, and each multi-token prediction depth adds a layer, eh_proj and a loss on the
-last stage (deepseek.py). Muon's optimizer step adds its Newton-Schulz iterations and its TP gathers
+last stage (deepseek.py). FP8 layers run their GEMMs at the FP8 peak and --fp8-param-gather gathers their
+weights in FP8 (fp8.py). Muon's optimizer step adds its Newton-Schulz iterations and its TP gathers
 (muon.py, ``muon_step_time``). Collectives move ring volumes: per rank an all-reduce
 sends 2(n-1)/n of its buffer, an all-gather or a reduce-scatter (n-1)/n.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from megalite.config.schema import ASYNC_SCHEDULES
 from megalite.planning.deepseek import eh_proj_flops_per_token, mla_flops_correction, mtp_depths
 from megalite.planning.experts import dispatch_bytes
+from megalite.planning.fp8 import fp8_layer_numbers, gathered_bytes, layer_time_factor, rank_fp8_weights
 from megalite.planning.inputs import (Hardware, Layout, Workload, holds_head, local_attention_heads, rank_layers,
                                       rank_moe_layers, stage_parameters, token_counts)
 from megalite.planning.memory import GRAD_BYTES, memory_ranks
@@ -187,11 +189,31 @@ def stage_busy_seconds(workload: Workload, layout: Layout, hardware: Hardware) -
     for rank in range(layout.pp):
         seconds = (sum(rank_layers(workload, layout, rank)) * per_layer
                    + rank_moe_layers(workload, layout, rank) * per_moe_layer) / rate
+        seconds -= fp8_seconds_saved(workload, layout, hardware, rank, per_layer, per_moe_layer) / rate
         if holds_head(layout, rank):
             seconds += head / rate + loss + mtp_depths(workload.model) * (mtp_depth_flops(workload, layout)[1] / rate
                                                                           + loss)
         busy.append(seconds)
     return busy
+
+
+def fp8_seconds_saved(workload: Workload, layout: Layout, hardware: Hardware, pp_rank: int, per_layer: float,
+                      per_moe_layer: float) -> float:
+    """FLOPs-at-the-model's-peak that pipeline rank ``pp_rank``'s FP8 layers save (fp8.layer_time_factor):
+    a dense layer's GEMMs beyond core attention, an MoE layer's expert and shared-expert GEMMs too."""
+    model = workload.model
+    if not model.fp8_format:
+        return 0.0
+    recompute = 4 / 3 if layout.recompute == "full" else 1
+    attention = (3 * 4 * model.seq_length * model.num_attention_heads * model.kv_channels * workload.attended_fraction
+                 * workload.global_batch_size * model.seq_length * recompute)
+    factor = layer_time_factor(workload, hardware, min(1.0, attention / per_layer))
+    saved = 0.0
+    for n in fp8_layer_numbers(workload, layout, pp_rank):
+        moe = model.num_experts and model.is_moe_layer(n)
+        saved += per_layer * (1 - factor) + (per_moe_layer * (1 - layer_time_factor(workload, hardware, 0.0))
+                                             if moe else 0.0)
+    return saved
 
 
 def step_time(workload: Workload, layout: Layout, hardware: Hardware) -> StepTime:
@@ -272,10 +294,11 @@ def exposed_data_parallel_time(workload: Workload, layout: Layout, hardware: Har
     m = layout.num_microbatches(workload.global_batch_size)
     params = [stage_parameters(workload, layout, r) for r in memory_ranks(workload, layout)]
     seconds = 0.0
+    fp8 = [rank_fp8_weights(workload, layout, r) for r in memory_ranks(workload, layout)]    # (dense, experts)
     span = layout.tp * layout.shards                 # the stage's tp x cp x dp ranks
-    for psi, s in ((max(p.dense for p in params), layout.zero_shards),
-                   (max(p.experts for p in params), layout.expert_zero_shards)):
-        sent = data_parallel_bytes(workload, layout.sharding, psi, s, m)
+    for psi, fp8_psi, s in ((max(p.dense for p in params), max(f[0] for f in fp8), layout.zero_shards),
+                            (max(p.experts for p in params), 0, layout.expert_zero_shards)):   # experts: own dtype
+        sent = data_parallel_bytes(workload, layout.sharding, psi, s, m, fp8_psi)
         seconds += sent / link_bandwidth(hardware, span // layout.instances)
         seconds += replica_all_reduce_bytes(layout.sharding, psi, s, layout.instances, m) / link_bandwidth(hardware, span)
     if seconds == 0.0:
@@ -294,12 +317,13 @@ def replica_all_reduce_bytes(sharding: str, psi: int, s: int, instances: int, m:
     return reductions * ring_bytes("all_reduce", GRAD_BYTES * psi / s, instances)
 
 
-def data_parallel_bytes(workload: Workload, sharding: str, psi: int, d: int, m: int) -> float:
+def data_parallel_bytes(workload: Workload, sharding: str, psi: int, d: int, m: int, fp8_psi: int = 0) -> float:
     """Bytes a rank sends in one step to reduce the gradients of ``psi`` parameters over ``d`` ranks and
-    gather them back (``exposed_data_parallel_time``)."""
+    gather them back (``exposed_data_parallel_time``); ``fp8_psi`` of them FP8 weights, which
+    --fp8-param-gather gathers in FP8 (fp8.gathered_bytes)."""
     if d == 1 or psi == 0:
         return 0.0
-    grads, params = GRAD_BYTES * psi, workload.dtype_bytes * psi
+    grads, params = GRAD_BYTES * psi, gathered_bytes(workload, psi, fp8_psi)
     if sharding == "no_shard":
         return ring_bytes("all_reduce", grads, d)
     if sharding == "optim":

@@ -77,6 +77,7 @@ class Fp8Gemm(GemmPrecision):
     ``blocks`` (their scaling blocks) or the scales they quantise with. ``layout``: the ranks holding the
     other parts of the operands (fp8_layout.py), over which block amaxes are reduced."""
     power_of_two = False
+    watch = None            # train/fp8_stats.py's Fp8Watch: scale range and NaN/Inf flag, on the device
     # the layer's weight gathered in FP8 with its scales (fp8_params.GatheredWeight, set and cleared by the
     # data-parallel wrapper under --fp8-param-gather): the GEMMs take it as is instead of quantising the weight
     gathered = None
@@ -103,6 +104,9 @@ class Fp8Gemm(GemmPrecision):
         come quantised: a weight gathered in FP8)."""
         qa = self.quantise(a, a_role, axes[0])
         qb = b if isinstance(b, Quantised) else self.quantise(b, b_role, axes[1])
+        if self.watch is not None:
+            self.watch.observe_scale_inv(qa.scale_inv)
+            self.watch.observe_scale_inv(qb.scale_inv)
         if not self.recipe.emulate and kernel_aligned(qa, qb) and has_kernel(
                 self.recipe.name, self.recipe.fp8_format, a.device, a_role, b_role, out_dtype):
             return scaled_mm(qa, qb, out_dtype)
@@ -192,6 +196,8 @@ class DelayedScaling(Fp8Gemm):
             history, scale = self.get_buffer(f"{role}_amax_history"), self.get_buffer(f"{role}_scale")
             history.copy_(history.roll(1))
             history[0] = amax
+            if self.watch is not None:
+                self.watch.observe_amax(history[0])
             amax = history.max() if self.recipe.amax_compute_algo == "max" else history[0]
             usable = torch.isfinite(amax) & (amax > 0)
             scale.copy_(torch.where(usable, fp8_max(self.dtypes[role]) / amax, scale))

@@ -15,6 +15,7 @@ import torch
 from megalite.optim.clip_grads import norm_over_classes
 from megalite.train.faults import (EXIT_AGREEMENT_INTERVAL, Activity, ExitConditions, TrainingFault,
                                    collective_phase, nonfinite_message, ranks_with_nonfinite_loss)
+from megalite.train.fp8_stats import Fp8Observer
 from megalite.train.memory_account import MemoryAccount, format_breakdown
 from megalite.train.metrics import (MetricsSinks, MoEStats, MTPLosses, format_timers, format_training_line,
                                     format_validation_lines, worst_load)
@@ -32,7 +33,8 @@ def train(trainer: Run, train_iter, valid_iter, log, sinks: MetricsSinks | None)
     stragglers = StragglerDetector(t, trainer.parallel, trainer.device, log, trainer.print_fn)
     mtp = (MTPLosses(trainer.chunks, cfg.model.mtp_num_layers, trainer.parallel.world_size, trainer.device)
            if cfg.model.mtp_num_layers else None)
-    interval = IntervalStats(moe=moe, mtp=mtp, stragglers=stragglers)
+    fp8 = Fp8Observer(trainer.chunks, cfg.model, trainer.parallel, trainer.device) if cfg.model.fp8_format else None
+    interval = IntervalStats(moe=moe, mtp=mtp, stragglers=stragglers, fp8=fp8)
     throughput = start_throughput(trainer, log)
     interval_start = time.perf_counter()
     exits = ExitConditions(t.exit_signal_handler, t.exit_duration_in_mins, t.exit_interval, trainer.device,
@@ -59,7 +61,7 @@ def train(trainer: Run, train_iter, valid_iter, log, sinks: MetricsSinks | None)
             interval.add(loss, result, batch_size)
             if run.heeds(result.nonfinite):
                 state.nan_iterations += 1
-                handle_nonfinite_step(trainer, loss, result, log)
+                handle_nonfinite_step(trainer, loss, result, log, interval.fp8)
             elif not result.update_successful:
                 state.skipped_iterations += 1      # fp16 overflow: the loss scaler backs off
             interval_start = after_iteration(trainer, interval, interval_start, throughput, valid_iter,
@@ -100,16 +102,19 @@ def start_throughput(trainer: Run, log) -> Throughput:
     return Throughput(cfg.model, t.global_batch_size, trainer.parallel.world_size, peak, megatron_flops)
 
 
-def handle_nonfinite_step(trainer: Run, loss: torch.Tensor, result, log) -> None:
+def handle_nonfinite_step(trainer: Run, loss: torch.Tensor, result, log, fp8: Fp8Observer | None = None) -> None:
     """A NaN/Inf gradient norm (bf16/fp32; a NaN/Inf loss makes one): the optimizer refused the update on
     every rank.
-    Stop, with the ranks whose own loss went bad, unless --skip-nan-iterations."""
+    Stop, with the ranks whose own loss went bad (and with FP8 the first layer whose FP8 operand went
+    NaN/Inf), unless --skip-nan-iterations."""
     t, state = trainer.config.training, trainer.state
     bad_ranks = ranks_with_nonfinite_loss(state.last_local_loss, trainer.device)
     loss = reported_loss(trainer, loss)
     last = (os.path.join(t.save, f"iter_{trainer.last_saved_iteration:07d}")
             if t.save and trainer.last_saved_iteration else None)
     message = nonfinite_message(state.iteration, loss, result.grad_norm, bad_ranks, last, t.skip_nan_iterations)
+    if fp8 is not None and fp8.first_nonfinite() is not None:
+        message = f"{fp8.nonfinite_message()}: {message}"
     if not t.skip_nan_iterations:
         raise TrainingFault(message)
     log(f" > {message}")
@@ -195,6 +200,7 @@ class IntervalStats:
     moe: MoEStats | None = None
     mtp: MTPLosses | None = None
     stragglers: StragglerDetector | None = None
+    fp8: Fp8Observer | None = None
 
     def add(self, loss: torch.Tensor, result, batch_size: int = 0) -> None:
         self.iterations += 1
@@ -232,6 +238,7 @@ def log_iteration(trainer: Run, interval: IntervalStats, seconds_per_iter: float
     losses = {"lm loss": loss, **moe_losses, **mtp_losses}
     clip = trainer.optimizer.qk_clip            # --qk-clip / --log-max-attention-logit: a collective
     logits = clip.report(trainer.device, trainer.parallel.world_size) if clip is not None else {}
+    fp8 = interval.fp8.report() if interval.fp8 is not None else {}      # a collective; stops on NaN/Inf
     log(format_training_line(
         iteration=state.iteration, train_iters=t.train_iters, consumed_samples=state.consumed_train_samples,
         elapsed_ms=1000.0 * seconds_per_iter, learning_rate=trainer.scheduler.lr,
@@ -239,12 +246,13 @@ def log_iteration(trainer: Run, interval: IntervalStats, seconds_per_iter: float
         grad_norm=interval.last_grad_norm, skipped_iterations=state.skipped_iterations,
         nan_iterations=state.nan_iterations, tflops_per_gpu=rates.get("throughput (TFLOP/s/GPU)"),
         num_zeros=norms.get("num zeros"), params_norm=norms.get("params norm"),
-        extra=line_extras(rates, memory) | worst_load(moe_loads) | {k: f"{v:.3f}" for k, v in logits.items()}))
+        extra=line_extras(rates, memory) | worst_load(moe_loads) | {k: f"{v:.3f}" for k, v in logits.items()}
+        | {k: f"{v:.4g}" for k, v in fp8.items()}))
     timing = trainer.timers.report(interval.iterations)
     if timing:
         log(format_timers(timing))
     stragglers = interval.stragglers.report() if interval.stragglers is not None else {}   # on every rank
-    metrics = {**losses, **moe_loads, **logits, "learning rate": trainer.scheduler.lr, "grad norm": interval.last_grad_norm,
+    metrics = {**losses, **moe_loads, **logits, **fp8, "learning rate": trainer.scheduler.lr, "grad norm": interval.last_grad_norm,
                "loss scale": trainer.optimizer.loss_scale, "consumed samples": state.consumed_train_samples,
                "global batch size": batch_size, "elapsed time per iteration (ms)": 1000.0 * seconds_per_iter,
                "skipped iterations": state.skipped_iterations, "nan iterations": state.nan_iterations, **norms,

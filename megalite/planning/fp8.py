@@ -1,0 +1,116 @@
+"""FP8 GEMMs (--fp8-format, --fp8-recipe) in the planner: their speed, the copies they make and the
+FP8 parameter gathers (--fp8-param-gather).
+
+Which GEMMs: the linears and experts of the transformer layers that ``ModelConfig.fp8_layer`` puts in FP8
+(all of them, less those --first-last-layers-bf16 keeps out); the output head, the router, the norms and
+core attention stay in the model's precision.
+
+Speed: those GEMMs run at the FP8 tensor-core peak (``Hardware.peak_flops("fp8")``: twice the bf16 one),
+and core attention at the model precision's peak: an FP8 layer's compute time is its attention share
+at the model's peak plus the rest at the FP8 peak (``layer_time_factor``). Quantisation's own
+element-wise passes are not counted.
+
+Memory: the recipes (precision/fp8.py) quantise both operands of every GEMM anew and keep no FP8 copy of a
+weight (delayed scaling keeps an amax history and a scale per operand: a few floats per layer), and the
+linears save their inputs for backward in the model's precision, so FP8 adds no weight and no activation
+copy to what a step keeps. It adds the FP8 copies of the operands of the GEMM that runs, one byte per
+element plus the recipe's scales, freed when it returns (``gemm_copy_bytes``: the layer's largest GEMM).
+
+Communication: with --fp8-param-gather and a recipe whose weight scales serve W and W^T alike
+(``PARAM_GATHER_RECIPES``: tensorwise, blockwise) the ZeRO-1 / ZeRO-3 parameter all-gathers move the FP8
+layers' dense weights at one byte per element plus their scales (``scale_bytes``), everything else (expert
+weights too) in the model's precision (``gathered_bytes``); gradients are reduced in fp32 as before.
+"""
+from __future__ import annotations
+
+from megalite.config.fp8_fields import FP8_BLOCKS, PARAM_GATHER_RECIPES
+from megalite.config.schema import ModelConfig
+from megalite.planning.deepseek import mla_tensors
+from megalite.planning.inputs import (Hardware, Layout, Workload, expert_parameters, local_attention_heads,
+                                      rank_layer_numbers, token_counts)
+
+
+def scale_bytes(recipe: str, k: int) -> float:
+    """Bytes of scales per FP8 element of a weight whose rows are ``k`` long: one fp32 per tensor (about
+    none), per row (rowwise), per 128 x 128 block (blockwise), one E8M0 byte per 1 x 32 block (MXFP8)."""
+    if recipe.startswith("rowwise"):
+        return 4 / k
+    if recipe == "blockwise":
+        return 4 / FP8_BLOCKS["blockwise"] ** 2
+    if recipe == "mxfp8":
+        return 1 / FP8_BLOCKS["mxfp8"]
+    return 0.0
+
+
+def fp8_layer_numbers(workload: Workload, layout: Layout, pp_rank: int) -> list[int]:
+    """The 1-based numbers of pipeline rank ``pp_rank``'s layers whose GEMMs run in FP8."""
+    return [n for chunk in rank_layer_numbers(workload, layout, pp_rank) for n in chunk
+            if workload.model.fp8_layer(n)]
+
+
+def layer_gemm_weights(model: ModelConfig, tp: int, experts: tuple[int, int] | None = None) -> int:
+    """Elements of one transformer layer's GEMM weights on one rank (its linears, and for an MoE layer
+    (``experts`` = (EP, ETP)) its experts and shared expert; norms, biases and the router left out)."""
+    h, d = model.hidden_size, model.kv_channels
+    if model.multi_latent_attention:
+        attention = sum(mla_tensors(model, tp)) - (h if model.add_bias_linear else 0)
+        if model.qk_layernorm:
+            norm = 2 if model.normalization == "LayerNorm" else 1
+            attention -= norm * (model.kv_lora_rank + (model.q_lora_rank or 0))
+    else:
+        heads, groups = local_attention_heads(model, tp)
+        attention = (heads + 2 * groups) * d * h + heads * d * h
+    halves = 2 if model.gated_linear_unit else 1
+    if experts is None:
+        return attention + (halves + 1) * model.ffn_hidden_size // tp * h
+    shared = (model.moe_shared_expert_intermediate_size or 0) // tp
+    return attention + expert_parameters(model, *experts) + (halves + 1) * shared * h
+
+
+def rank_fp8_weights(workload: Workload, layout: Layout, pp_rank: int) -> tuple[int, int]:
+    """(dense, expert) elements of pipeline rank ``pp_rank``'s FP8 GEMM weights on one device."""
+    model = workload.model
+    dense = experts = 0
+    for n in fp8_layer_numbers(workload, layout, pp_rank):
+        if model.num_experts and model.is_moe_layer(n):
+            layer = layer_gemm_weights(model, layout.tp, (layout.ep, layout.expert_tp))
+            routed = expert_parameters(model, layout.ep, layout.expert_tp)
+            dense, experts = dense + layer - routed, experts + routed
+        else:
+            dense += layer_gemm_weights(model, layout.tp)
+    return dense, experts
+
+
+def gathered_bytes(workload: Workload, params: int, fp8_params: int) -> float:
+    """Bytes of one parameter all-gather of ``params`` elements of which ``fp8_params`` are FP8 weights:
+    with --fp8-param-gather those at one byte plus their scales, the rest in the model's precision."""
+    model = workload.model
+    if not (workload.fp8_param_gather and model.fp8_format and model.fp8_recipe in PARAM_GATHER_RECIPES):
+        return workload.dtype_bytes * params
+    fp8 = fp8_params * (1 + scale_bytes(model.fp8_recipe, model.hidden_size))
+    return workload.dtype_bytes * (params - fp8_params) + fp8
+
+
+def gemm_copy_bytes(workload: Workload, layout: Layout) -> float:
+    """Bytes of the FP8 operand copies of the largest GEMM of an FP8 layer on one device (module
+    docstring): the MLP's fc1 (or its experts', at the mean tokens per expert) in forward (input and
+    weight), input gradient (output gradient and weight) or weight gradient (output gradient and input)."""
+    if not workload.model.fp8_format:
+        return 0.0
+    model, h = workload.model, workload.model.hidden_size
+    tokens, _ = token_counts(workload, layout)             # the tokens a linear's GEMM sees (SP gathered)
+    halves = 2 if model.gated_linear_unit else 1
+    if model.num_experts:
+        width = halves * model.expert_ffn_hidden_size // layout.expert_tp
+        tokens = tokens * model.moe_router_topk * layout.ep / model.num_experts
+    else:
+        width = halves * model.ffn_hidden_size // layout.tp
+    weight, x, grad = width * h, tokens * h, tokens * width
+    per_element = 1 + scale_bytes(model.fp8_recipe, h)
+    return per_element * max(x + weight, grad + weight, grad + x)
+
+
+def layer_time_factor(workload: Workload, hardware: Hardware, attention_share: float) -> float:
+    """An FP8 layer's compute time over the same layer's in the model's precision, ``attention_share`` of
+    its FLOPs being core attention (module docstring)."""
+    return attention_share + (1 - attention_share) * hardware.peak_flops(workload.precision) / hardware.peak_flops("fp8")
