@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from megalite.config.schema import ASYNC_SCHEDULES, MegaliteConfig
+from megalite.model.attention import ATTENTION
 
 
 def compile_unsupported_reason(config: MegaliteConfig, device: torch.device) -> str | None:
@@ -80,6 +81,9 @@ def compile_layer(layer: nn.Module) -> None:
 
     layer.forward = forward
     layer.compiled = True
+    for module in layer.modules():          # QK-clip's max-logit pass (its loops skip empty blocks) runs eager
+        if isinstance(module, tuple(ATTENTION.values())) and module.max_logits is not None:
+            module.max_logits.record = torch.compiler.disable(module.max_logits.record)
 
 
 def compile_layers(chunks: list[nn.Module], config: MegaliteConfig, device: torch.device, log=print) -> bool:

@@ -25,7 +25,8 @@ SLOW_LAYOUTS = {"pp2": (2, dict(pipeline_model_parallel_size=2), False),
                                       overlap_param_gather=True, ddp_bucket_size=3000), False),
                 "dp2-fsdp2": (2, dict(use_torch_fsdp2=True), False),
                 "recompute-full": (1, dict(recompute_granularity="full", recompute_method="uniform",
-                                           recompute_num_layers=1), False)}
+                                           recompute_num_layers=1), False),
+                "compile": (1, dict(compile=True), False)}      # the max-logit pass stays eager in the graph
 MUON = dict(optimizer="muon", lr="2e-2", muon_fp32_matmul_prec="high")
 MLA = dict(multi_latent_attention=True, group_query_attention=None, num_query_groups=None, q_lora_rank=16,
            kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8)

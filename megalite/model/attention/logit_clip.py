@@ -82,7 +82,6 @@ class MaxLogits:
     def __init__(self):
         self.value: torch.Tensor | None = None
 
-    @torch.compiler.disable
     def record(self, q: torch.Tensor, k: torch.Tensor, mask: MaskSpec, scale: float,
                cp: ContextParallel | None) -> None:
         """Fold one forward's q [s, b, heads, d] against k [t, b, groups, d] into ``value``; with ``cp`` both
