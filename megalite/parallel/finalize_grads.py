@@ -34,7 +34,7 @@ from megalite.parallel.data.protocol import DataParallel
 from megalite.parallel.mesh import ParallelState
 from megalite.parallel.param_meta import param_meta
 from megalite.parallel.tensor.layers import TensorParallel
-from megalite.precision.fp8 import finish_delayed_scaling_step
+from megalite.precision.fp8 import Fp8Recipe, finish_delayed_scaling_step
 
 
 class ModelChunk(Protocol):
@@ -63,7 +63,9 @@ def finalize_model_grads(chunks: list[ModelChunk], parallel: ParallelState, ddp:
     finalize_tensor_parallel_grads(params, chunks[0].tp, ddp)
     sync_shared_embedding_grads(chunks, parallel, ddp)
     finish_router_step(chunks)
-    finish_delayed_scaling_step(chunks, (parallel.group("tp_cp"), parallel.group("dp")))
+    recipe = chunks[0].tp.gemm_recipe
+    if isinstance(recipe, Fp8Recipe) and recipe.name == "delayed":     # no walk over the modules otherwise
+        finish_delayed_scaling_step(chunks, (parallel.group("tp_cp"), parallel.group("dp")))
 
 
 @torch.no_grad()

@@ -35,9 +35,7 @@ def gathered_bytes(rank: int, world: int, layouts: list[list[str]]) -> list[dict
                 first = args[0]
                 if name == "all_gather":             # list of output chunks, input
                     received.append(sum(t.numel() * t.element_size() for t in first) * (world - 1) // world)
-                elif name == "broadcast":
-                    received.append(first.numel() * first.element_size() * (world - 1) // world)
-                else:
+                else:                                # broadcast, or one output tensor
                     received.append(first.numel() * first.element_size() * (world - 1) // world)
                 return originals[name](*args, **kwargs)
             return wrapper
