@@ -51,6 +51,8 @@ from megalite.model.mlp import MLP, quick_geglu_of
 from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext, Routed, dispatch
 from megalite.parallel.param_meta import mark
 from megalite.parallel.pipeline.split_backward import input_grads_to_compute
+from megalite.precision.fp8 import Fp8Gemm
+from megalite.precision.fp8_layout import TOKENS, GemmLayout
 from megalite.precision.fp8_quant import KERNEL_ALIGNMENT
 from megalite.precision.gemm import DEFAULT_RECIPE, GemmPrecision, build_gemm_precision
 
@@ -243,13 +245,33 @@ class GroupedExperts(nn.Module):
         if config.add_bias_linear:      # whole experts only (ETP 1: config/validate.py), so fc2's bias added once
             self.linear_fc1.bias = _stacked_weight((len(mine), halves * local_f), (E * halves * f,), dtype, fc1_rows)
             self.linear_fc2.bias = _stacked_weight((len(mine), h), (E * h,), dtype, fc2_rows)
-        self.precision = build_gemm_precision(gemm_recipe)
+        # FP8: ETP cuts each expert's hidden dimension, so a scaling block along it spans the ETP ranks
+        layout = GemmLayout(ep.etp_group, etp, EXPERT_FFN) if etp > 1 else None
+        self.precision = build_gemm_precision(gemm_recipe, layout)
 
-    def forward(self, rows: torch.Tensor, counts: list) -> torch.Tensor:
-        """rows [N, h] grouped by local expert, ``counts`` rows per expert -> partial outputs [N, h]."""
+    def forward(self, rows: torch.Tensor, counts: list, segments: list | None = None) -> torch.Tensor:
+        """rows [N, h] grouped by local expert, ``counts`` rows per expert -> partial outputs [N, h].
+        ``segments``: per expert, its rows' sizes per micro-batch (FP8 GEMMs scale each apart); None: one."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         return _ExpertMLP.apply(rows, fc1.weight, fc2.weight, fc1.bias, fc2.bias, counts, self.activation,
-                                self.precision)
+                                self.precision, segments)
+
+
+# the axes of the experts' GEMM operands (precision/fp8_layout.py): fc1 maps HIDDEN to EXPERT_FFN, fc2 back;
+# ETP cuts EXPERT_FFN. Per GEMM (forward, grad_input, grad_weight) the two operands' (M, K) axes.
+EXPERT_FFN, HIDDEN = "expert_ffn", "hidden"
+FC1_AXES = (((TOKENS, HIDDEN), (EXPERT_FFN, HIDDEN)), ((TOKENS, EXPERT_FFN), (HIDDEN, EXPERT_FFN)),
+            ((EXPERT_FFN, TOKENS), (HIDDEN, TOKENS)))
+FC2_AXES = (((TOKENS, EXPERT_FFN), (HIDDEN, EXPERT_FFN)), ((TOKENS, HIDDEN), (EXPERT_FFN, HIDDEN)),
+            ((HIDDEN, TOKENS), (EXPERT_FFN, TOKENS)))
+
+
+def _fp8_args(precision: GemmPrecision, segments: list | None, axes: tuple) -> tuple[dict, dict, dict]:
+    """The keywords of an FP8 recipe's forward, grad_input and grad_weight grouped GEMMs (each micro-batch's
+    rows apart, the operands' axes); none for the other recipes."""
+    if not isinstance(precision, Fp8Gemm):
+        return {}, {}, {}
+    return tuple(dict(segments=segments, axes=gemm_axes) for gemm_axes in axes)
 
 
 def _per_row(bias: torch.Tensor, counts: list, num_rows: int) -> torch.Tensor:
@@ -282,17 +304,20 @@ class _ExpertMLP(torch.autograd.Function):
     gradient once into its place (the gate and up halves of fc1's gradient side by side, every expert's
     weight gradient into one stacked tensor) instead of concatenating pieces. Its six grouped GEMMs are
     those of ``precision``; in the zero-bubble split B runs the input GEMMs, W the weight GEMMs (and again
-    fc2's input GEMM, whose result fc1's weight gradient needs)."""
+    fc2's input GEMM, whose result fc1's weight gradient needs). An FP8 recipe also takes ``segments``
+    (GroupedExperts.forward) and the GEMMs' axes."""
 
     @staticmethod
-    def forward(ctx, rows, fc1, fc2, fc1_bias, fc2_bias, counts: list, activation, precision: GemmPrecision):
-        hidden = precision.grouped_forward(rows, fc1, counts)                   # [N, 2f] or [N, f]
+    def forward(ctx, rows, fc1, fc2, fc1_bias, fc2_bias, counts: list, activation, precision: GemmPrecision,
+                segments: list | None):
+        fp8_fc1, fp8_fc2 = _fp8_args(precision, segments, FC1_AXES), _fp8_args(precision, segments, FC2_AXES)
+        hidden = precision.grouped_forward(rows, fc1, counts, **fp8_fc1[0])       # [N, 2f] or [N, f]
         if fc1_bias is not None:
             hidden = hidden + _per_row(fc1_bias, counts, hidden.shape[0])
         act = _activate(hidden, activation)
         ctx.save_for_backward(rows, fc1, fc2, hidden, act)
-        ctx.counts, ctx.activation, ctx.precision = counts, activation, precision
-        out = precision.grouped_forward(act, fc2, counts)
+        ctx.counts, ctx.activation, ctx.precision, ctx.fp8 = counts, activation, precision, (fp8_fc1, fp8_fc2)
+        out = precision.grouped_forward(act, fc2, counts, **fp8_fc2[0])
         if fc2_bias is not None:
             out = out + _per_row(fc2_bias, counts, out.shape[0])
         return out
@@ -300,14 +325,14 @@ class _ExpertMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         rows, fc1, fc2, hidden, act = ctx.saved_tensors
-        counts, precision = ctx.counts, ctx.precision
+        counts, precision, (fp8_fc1, fp8_fc2) = ctx.counts, ctx.precision, ctx.fp8
         need_rows, need_fc1, need_fc2, need_b1, need_b2 = input_grads_to_compute(ctx)[:5]
         grad = grad.contiguous()
-        d_fc2 = precision.grouped_grad_weight(grad, act, counts) if need_fc2 else None
+        d_fc2 = precision.grouped_grad_weight(grad, act, counts, **fp8_fc2[2]) if need_fc2 else None
         d_b2 = _per_expert(grad, counts) if need_b2 else None
         if not (need_rows or need_fc1 or need_b1):
-            return None, None, d_fc2, None, d_b2, None, None, None
-        d_act = precision.grouped_grad_input(grad, fc2, counts)                # [N, f]
+            return None, None, d_fc2, None, d_b2, None, None, None, None
+        d_act = precision.grouped_grad_input(grad, fc2, counts, **fp8_fc2[1])    # [N, f]
         if callable(ctx.activation):
             with torch.enable_grad():
                 h = hidden.detach().requires_grad_()
@@ -320,10 +345,10 @@ class _ExpertMLP(torch.autograd.Function):
             torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
         else:
             d_hidden = torch.ops.aten.gelu_backward(d_act, hidden, approximate=ctx.activation)
-        d_rows = precision.grouped_grad_input(d_hidden, fc1, counts) if need_rows else None
-        d_fc1 = precision.grouped_grad_weight(d_hidden, rows, counts) if need_fc1 else None
+        d_rows = precision.grouped_grad_input(d_hidden, fc1, counts, **fp8_fc1[1]) if need_rows else None
+        d_fc1 = precision.grouped_grad_weight(d_hidden, rows, counts, **fp8_fc1[2]) if need_fc1 else None
         d_b1 = _per_expert(d_hidden, counts) if need_b1 else None
-        return d_rows, d_fc1, d_fc2, d_b1, d_b2, None, None, None
+        return d_rows, d_fc1, d_fc2, d_b1, d_b2, None, None, None, None
 
 
 class SharedExpert(MLP):
@@ -368,20 +393,26 @@ class MoELayer(nn.Module):
                           * self.moe.ep.etp_size, align=self.fp8_alignment)
         elif self.fp8_alignment > 1:
             run = partial(self.run_padded, width=None, align=self.fp8_alignment)
+        # FP8 scales each micro-batch's rows of an expert as the single process does, apart from other DP ranks'
+        by_source = isinstance(self.experts.precision, Fp8Gemm)
         with record_function("moe/dispatch"):     # profiler range; dispatch() opens its exchange/experts ranges in it
-            out = dispatch(routed, run, self.config.num_experts, self.moe.ep).view_as(x)
+            out = dispatch(routed, run, self.config.num_experts, self.moe.ep, by_source).view_as(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if self.training and loss.requires_grad:
             out = _AttachLoss.apply(out, loss, self.moe.grad_scale * self.moe.cp_size)
         return out
 
-    def run_padded(self, rows: torch.Tensor, counts: list, width: int | None, align: int = 1) -> torch.Tensor:
+    def run_padded(self, rows: torch.Tensor, counts: list, segments: list | None, width: int | None,
+                   align: int = 1) -> torch.Tensor:
         """--moe-pad-expert-input-to-capacity: every expert computes ``width`` rows (a fixed shape);
         --moe-router-padding-for-fp8 (``align``): each expert's rows (``width``, or its own count when None)
-        rounded up to a multiple of ``align``. The padding rows are zeros, dropped after."""
+        rounded up to a multiple of ``align``. The padding rows are zeros (no amax, no product), dropped
+        after; they join an expert's last segment."""
         widths = [-(-(c if width is None else width) // align) * align for c in counts]
+        if segments is not None:
+            segments = [sizes[:-1] + [sizes[-1] + w - c] for sizes, w, c in zip(segments, widths, counts)]
         starts = [sum(widths[:e]) for e in range(len(widths))]
         index = torch.cat([torch.arange(c, device=rows.device) + start for start, c in zip(starts, counts)])
         padded = rows.new_zeros(sum(widths), rows.shape[1]).index_copy(0, index, rows)
-        return self.experts(padded, widths)[index]
+        return self.experts(padded, widths, segments)[index]

@@ -138,27 +138,52 @@ class Fp8Gemm(GemmPrecision):
         main_grad.add_(product)
         return None
 
-    # ---- the experts: one FP8 GEMM per expert ------------------------------------------------------------
-    def grouped_forward(self, rows: torch.Tensor, weight: torch.Tensor, counts: list) -> torch.Tensor:
-        out = rows.new_empty(rows.shape[0], weight.shape[1])
-        for part, result, w in zip(rows.split(counts), out.split(counts), weight):
-            if part.shape[0]:
-                result.copy_(self.mm(part, INPUT, w, WEIGHT, rows.dtype))
+    # ---- the experts: one FP8 GEMM per expert and micro-batch ---------------------------------------------
+    def grouped_forward(self, rows: torch.Tensor, weight: torch.Tensor, counts: list, segments: list | None = None,
+                        axes: tuple = (None, None)) -> torch.Tensor:
+        """As GemmPrecision's, each expert's rows cut into ``segments`` (per expert, its rows' sizes per
+        micro-batch; None: one) with scales of their own; ``axes``: the operands' (fp8_layout.py)."""
+        return self._grouped(rows, INPUT, weight, counts, segments, axes)
+
+    def grouped_grad_input(self, grad_out: torch.Tensor, weight: torch.Tensor, counts: list,
+                           segments: list | None = None, axes: tuple = (None, None)) -> torch.Tensor:
+        return self._grouped(grad_out, GRAD, weight.transpose(-1, -2), counts, segments, axes)
+
+    def _grouped(self, a: torch.Tensor, role: str, weight: torch.Tensor, counts: list, segments: list | None,
+                 axes: tuple) -> torch.Tensor:
+        """a [N, K] grouped by expert times each expert's weight [E, N', K] transposed -> [N, N']."""
+        out = a.new_empty(a.shape[0], weight.shape[1])
+        for e, parts in expert_segments(counts, segments):
+            w = self.quantise(weight[e], WEIGHT, axes[1])
+            for part in parts:
+                out[part] = self.mm(a[part], role, w, WEIGHT, a.dtype, axes)
         return out
 
-    def grouped_grad_input(self, grad_out: torch.Tensor, weight: torch.Tensor, counts: list) -> torch.Tensor:
-        out = grad_out.new_empty(grad_out.shape[0], weight.shape[2])
-        for part, result, w in zip(grad_out.split(counts), out.split(counts), weight):
-            if part.shape[0]:
-                result.copy_(self.mm(part, GRAD, w.t(), WEIGHT, grad_out.dtype))
-        return out
-
-    def grouped_grad_weight(self, grad_out: torch.Tensor, rows: torch.Tensor, counts: list) -> torch.Tensor:
+    def grouped_grad_weight(self, grad_out: torch.Tensor, rows: torch.Tensor, counts: list,
+                            segments: list | None = None, axes: tuple = (None, None)) -> torch.Tensor:
+        """Per expert the sum over its segments of grad_out_s^T rows_s (the contraction runs over tokens, so
+        each micro-batch's rows are scaled apart), in fp32 where there are several."""
         out = grad_out.new_zeros(len(counts), grad_out.shape[1], rows.shape[1])
-        for g, part, result in zip(grad_out.split(counts), rows.split(counts), out):
-            if part.shape[0]:
-                result.copy_(self.mm(g.t(), GRAD, part.t(), INPUT, grad_out.dtype))
+        for e, parts in expert_segments(counts, segments):
+            dtype = grad_out.dtype if len(parts) == 1 else torch.float32
+            products = [self.mm(grad_out[part].t(), GRAD, rows[part].t(), INPUT, dtype, axes) for part in parts]
+            out[e] = functools.reduce(torch.add, products)
         return out
+
+
+def expert_segments(counts: list, segments: list | None):
+    """(expert, [row slices of its non-empty segments]) for each expert with rows, rows grouped by expert
+    (``counts`` per expert) and each expert's cut into ``segments`` (None: one segment each)."""
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            parts, stop = [], start
+            for size in (count,) if segments is None else segments[e]:
+                if size:
+                    parts.append(slice(stop, stop + size))
+                stop += size
+            yield e, parts
+        start += count
 
 
 class DelayedScaling(Fp8Gemm):
@@ -246,7 +271,10 @@ class RowwiseScaling(Fp8Gemm):
 class RowwiseScalingHighPrecisionWeightGrad(RowwiseScaling):
     """Rowwise, with the weight-gradient GEMMs in the operands' own precision (torchao's rowwise_with_gw_hp)."""
     grad_weight = GemmPrecision.grad_weight
-    grouped_grad_weight = GemmPrecision.grouped_grad_weight
+
+    def grouped_grad_weight(self, grad_out: torch.Tensor, rows: torch.Tensor, counts: list,
+                            segments: list | None = None, axes: tuple = (None, None)) -> torch.Tensor:
+        return GemmPrecision.grouped_grad_weight(self, grad_out, rows, counts)
 
 
 class BlockwiseScaling(Fp8Gemm):

@@ -45,6 +45,9 @@ class ExpertParallel:
     ep_etp_group: object = None
     dispatcher: str = "alltoall"
     run: RealRun = REAL_RUN      # the run backend: the count exchanges' results (parallel/dry_run.py)
+    # the micro-batch of each rank of the EP x ETP group, in the group's rank order (ETP fastest): ranks
+    # with the same one hold parts of one micro-batch (TP x CP ranks), others other micro-batches (DP ranks)
+    source_microbatch: tuple = (0,)
 
     def local_experts(self, num_experts: int) -> range:
         per_rank = num_experts // self.ep_size
@@ -76,9 +79,11 @@ def build_moe_context(state, dispatcher: str, sequence_parallel: bool) -> MoECon
     """From a ParallelState (parallel/mesh.py) built with its expert groups."""
     def group(name: str, size: int):
         return state.group(name) if size > 1 else None
+    size, first = state.ep_size * state.etp_size, state.edp_rank * state.ep_size * state.etp_size
+    sources = tuple((first + i) // (state.tp_size * state.cp_size) for i in range(size))
     ep = ExpertParallel(group("ep", state.ep_size), state.ep_rank, state.ep_size,
                         group("etp", state.etp_size), state.etp_rank, state.etp_size,
-                        group("ep_etp", state.ep_size * state.etp_size), dispatcher, state.run)
+                        group("ep_etp", size), dispatcher, state.run, sources)
     split = (state.tp_size if sequence_parallel else 1) * state.cp_size
     stage = state.tp_size * state.cp_size * state.dp_size
     return MoEContext(ep, group("tp_cp", split), split, group("stage", stage), state.cp_size)
@@ -160,16 +165,35 @@ def _sorted_assignments(routed: Routed):
     return token[order], experts[order], weights[order]
 
 
-def dispatch_alltoall(routed: Routed, run_experts, num_experts: int, ep: ExpertParallel) -> torch.Tensor:
-    """``run_experts(rows [N, h], counts [E_local] on the host) -> partial outputs [N, h]`` over this
-    rank's experts, rows grouped by local expert. Returns the MoE output [T, h]: per token the weighted
-    sum of its experts' outputs."""
+def microbatch_segments(counts: list, source_microbatch: tuple) -> list:
+    """``counts`` [E_local][sources]: each local expert's rows from each source rank of the EP x ETP group
+    (its rank order) -> per local expert its rows' sizes per micro-batch, sources of one micro-batch
+    (consecutive in the group) merged."""
+    segments = []
+    for per_source in counts:
+        sizes = [per_source[0]]
+        for source in range(1, len(per_source)):
+            if source_microbatch[source] == source_microbatch[source - 1]:
+                sizes[-1] += per_source[source]
+            else:
+                sizes.append(per_source[source])
+        segments.append(sizes)
+    return segments
+
+
+def dispatch_alltoall(routed: Routed, run_experts, num_experts: int, ep: ExpertParallel,
+                      by_source: bool = False) -> torch.Tensor:
+    """``run_experts(rows [N, h], counts [E_local] on the host, segments) -> partial outputs [N, h]`` over
+    this rank's experts, rows grouped by local expert. ``by_source``: within an expert the rows come in the
+    EP x ETP group's rank order, and ``segments`` (microbatch_segments) gives each micro-batch's share of
+    them (FP8 scales each micro-batch's rows as the single process does); else None. Returns the MoE
+    output [T, h]: per token the weighted sum of its experts' outputs."""
     token, expert, weight = _sorted_assignments(routed)
     rows = routed.tokens.index_select(0, token)          # its backward is an index_add
     per_expert = expert_counts(expert, num_experts)
     if ep.ep_group is None and ep.etp_group is None:     # every expert here, whole: rows are in expert order
         with record_function("moe/experts"):
-            out = run_experts(rows, per_expert.tolist())
+            out = run_experts(rows, per_expert.tolist(), None)
         return combine(out, token, weight, routed.tokens.shape[0])
     local = num_experts // ep.ep_size
     with record_function("moe/dispatch/counts"):
@@ -189,11 +213,20 @@ def dispatch_alltoall(routed: Routed, run_experts, num_experts: int, ep: ExpertP
         gathered = gather_rows(received, sizes, ep.etp_group)                 # ordered (etp, source, expert)
     row_expert = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep.etp_size * ep.ep_size),
                                          etp_counts.reshape(-1).to(rows.device), output_size=gathered.shape[0])
+    segments = None
+    if by_source:        # within an expert, the sources in the group's rank order (ETP fastest)
+        group = ep.etp_size * ep.ep_size
+        position = torch.arange(ep.etp_size)[:, None, None] + ep.etp_size * torch.arange(ep.ep_size)[None, :, None]
+        row_expert = row_expert * group + torch.repeat_interleave(
+            position.expand(-1, -1, local).reshape(-1).to(rows.device), etp_counts.reshape(-1).to(rows.device),
+            output_size=gathered.shape[0])
+        segments = microbatch_segments([[host[p % ep.etp_size][p // ep.etp_size][e] for p in range(group)]
+                                        for e in range(local)], ep.source_microbatch)
     order = torch.argsort(row_expert, stable=True)
     counts = etp_counts.sum((0, 1)).tolist()
     grouped = gathered[order]
     with record_function("moe/experts"):
-        out = run_experts(grouped, counts)
+        out = run_experts(grouped, counts, segments)
     out = out[torch.argsort(order)]                                            # back in the received order
     with record_function("moe/dispatch/exchange"):
         out = scatter_rows(out, sizes, ep.etp_rank, ep.etp_group)
@@ -201,8 +234,10 @@ def dispatch_alltoall(routed: Routed, run_experts, num_experts: int, ep: ExpertP
     return combine(out, token, weight, routed.tokens.shape[0])
 
 
-def dispatch_allgather(routed: Routed, run_experts, num_experts: int, ep: ExpertParallel) -> torch.Tensor:
-    """As dispatch_alltoall, gathering every token of the EP x ETP group instead of exchanging rows."""
+def dispatch_allgather(routed: Routed, run_experts, num_experts: int, ep: ExpertParallel,
+                       by_source: bool = False) -> torch.Tensor:
+    """As dispatch_alltoall, gathering every token of the EP x ETP group (in its rank order) instead of
+    exchanging rows."""
     size = ep.ep_size * ep.etp_size
     sizes = [routed.tokens.shape[0]] * size
     with record_function("moe/dispatch/exchange"):
@@ -216,9 +251,14 @@ def dispatch_allgather(routed: Routed, run_experts, num_experts: int, ep: Expert
     start = sum(counts[:mine.start])
     stop = start + sum(counts[mine.start:mine.stop])
     token, weight, counts = token[start:stop], weight[start:stop], counts[mine.start:mine.stop]
+    segments = None
+    if by_source:        # a row's source: its token's rank in the group
+        per_source = torch.bincount((expert[start:stop] - mine.start) * size + token // routed.tokens.shape[0],
+                                    minlength=len(mine) * size)
+        segments = microbatch_segments(per_source.view(len(mine), size).tolist(), ep.source_microbatch)
     rows = tokens.index_select(0, token)
     with record_function("moe/experts"):
-        rows = run_experts(rows, counts)
+        rows = run_experts(rows, counts, segments)
     out = combine(rows, token, weight, tokens.shape[0])
     rank = dist.get_rank(ep.ep_etp_group) if ep.ep_etp_group is not None else 0
     with record_function("moe/dispatch/exchange"):
@@ -231,7 +271,8 @@ def combine(rows: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, num_t
     return out.index_add(0, token, rows * weight.to(rows.dtype)[:, None])
 
 
-def dispatch(routed: Routed, run_experts, num_experts: int, ep: ExpertParallel) -> torch.Tensor:
+def dispatch(routed: Routed, run_experts, num_experts: int, ep: ExpertParallel,
+             by_source: bool = False) -> torch.Tensor:
     if ep.dispatcher == "allgather":
-        return dispatch_allgather(routed, run_experts, num_experts, ep)
-    return dispatch_alltoall(routed, run_experts, num_experts, ep)
+        return dispatch_allgather(routed, run_experts, num_experts, ep, by_source)
+    return dispatch_alltoall(routed, run_experts, num_experts, ep, by_source)
