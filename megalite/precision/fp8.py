@@ -14,7 +14,12 @@ operand dtypes (``has_kernel``, probed once per device and layout against the em
 rows and columns are multiples of 16 (an expert's token count need not be) and the recipe was not told to
 emulate (--fp8-emulate); otherwise it is emulated: dequantise both, multiply in fp32.
 Either way the quantised values and scales are the same. The experts' grouped GEMMs run the same GEMM per
-expert, each expert's operands scaled as tensors of their own.
+expert and micro-batch: the single process runs each micro-batch alone, so each expert's rows of one
+micro-batch are a tensor of their own, whichever ranks the rows came from (expert parallelism over
+data-parallel ranks puts several micro-batches into one expert's GEMM; the dispatcher says which rows are
+whose). Where both operands are scaled per row (rowwise) the forward and input-gradient GEMMs of all
+experts run as one ``torch._scaled_grouped_mm`` where the device has it for the operand dtypes
+(``has_grouped_kernel``, probed once against the per-expert emulation) and the shapes are aligned.
 
 Delayed scaling (``DelayedScaling``, Transformer Engine's): each role keeps an amax history
 (--fp8-amax-history-len, newest first) and a scale, buffers of the recipe module, and quantises with that
@@ -48,8 +53,8 @@ from torch import nn
 from megalite.config.fp8_fields import EMULATE_FLAG, FP8_BLOCKS, FP8_RECIPES
 from megalite.config.schema import ModelConfig
 from megalite.errors import UserError
-from megalite.precision.fp8_quant import (E4M3, E5M2, E8M0, Quantised, emulated_mm, fp8_max, kernel_aligned, quantise,
-                                          scaled_mm)
+from megalite.precision.fp8_quant import (E4M3, E5M2, E8M0, KERNEL_ALIGNMENT, Quantised, emulated_mm, fp8_max,
+                                          kernel_aligned, quantise, scaled_grouped_mm, scaled_mm)
 from megalite.precision.fp8_layout import FORWARD_AXES, GRAD_INPUT_AXES, GRAD_WEIGHT_AXES, SERIAL, GemmLayout
 from megalite.precision.gemm import DEFAULT_RECIPE, GemmPrecision
 
@@ -152,12 +157,27 @@ class Fp8Gemm(GemmPrecision):
     def _grouped(self, a: torch.Tensor, role: str, weight: torch.Tensor, counts: list, segments: list | None,
                  axes: tuple) -> torch.Tensor:
         """a [N, K] grouped by expert times each expert's weight [E, N', K] transposed -> [N, N']."""
+        if self.grouped_on_kernel(a, role, weight, counts):       # rows scaled apart already: segments agree
+            qa = self.quantise(a, role, axes[0])
+            qw = self.quantise(weight.reshape(-1, weight.shape[-1]), WEIGHT, axes[1])
+            if self.watch is not None:
+                self.watch.observe_scale_inv(qa.scale_inv)
+                self.watch.observe_scale_inv(qw.scale_inv)
+            return scaled_grouped_mm(qa, qw, counts, a.dtype)
         out = a.new_empty(a.shape[0], weight.shape[1])
         for e, parts in expert_segments(counts, segments):
             w = self.quantise(weight[e], WEIGHT, axes[1])
             for part in parts:
                 out[part] = self.mm(a[part], role, w, WEIGHT, a.dtype, axes)
         return out
+
+    def grouped_on_kernel(self, a: torch.Tensor, role: str, weight: torch.Tensor, counts: list) -> bool:
+        """Whether the experts' GEMM of ``a`` by ``weight`` runs as one torch._scaled_grouped_mm: both operands
+        scaled per row, every dimension and expert's row count aligned, the kernel on the device."""
+        per_row = self.blocks(role) == self.blocks(WEIGHT) == (1, WHOLE)
+        aligned = all(n % KERNEL_ALIGNMENT == 0 for n in (*counts, *weight.shape[1:]))
+        return per_row and aligned and not self.recipe.emulate and has_grouped_kernel(
+            self.recipe.name, self.recipe.fp8_format, a.device, role, a.dtype)
 
     def grouped_grad_weight(self, grad_out: torch.Tensor, rows: torch.Tensor, counts: list,
                             segments: list | None = None, axes: tuple = (None, None)) -> torch.Tensor:
@@ -321,6 +341,26 @@ def has_kernel(name: str, fp8_format: str, device: torch.device, a_role: str, b_
         return False
     emulated = emulated_mm(qa, qb, torch.float32)
     return bool(torch.allclose(real, emulated, rtol=1e-2, atol=1e-2 * emulated.abs().max().item()))
+
+
+@functools.cache
+def has_grouped_kernel(name: str, fp8_format: str, device: torch.device, role: str, out_dtype: torch.dtype) -> bool:
+    """Whether torch._scaled_grouped_mm on ``device`` runs recipe ``name``'s experts' GEMM of a ``role`` by a
+    weight operand and gives the per-expert emulation's product (checked once on small aligned experts)."""
+    if device.type == "meta":
+        return False
+    emulated, real = (Fp8Recipe(name, fp8_format, emulate=emulate).build() for emulate in (True, False))
+    g = torch.Generator(device=device).manual_seed(0)
+    counts = [32, 0, 16, 48]
+    a = torch.randn(sum(counts), 64, generator=g, device=device, dtype=out_dtype)
+    weight = torch.randn(len(counts), 32, 64, generator=g, device=device, dtype=out_dtype)
+    qa, qw = real.quantise(a, role), real.quantise(weight.reshape(-1, 64), WEIGHT)
+    try:
+        product = scaled_grouped_mm(qa, qw, counts, out_dtype).float()
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+    expected = emulated._grouped(a, role, weight, counts, None, (None, None)).float()
+    return bool(torch.allclose(product, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item()))
 
 
 def check_fp8_kernels(recipe: Fp8Recipe, device: torch.device, dtype: torch.dtype) -> None:

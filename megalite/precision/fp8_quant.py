@@ -17,7 +17,8 @@ zeros, which change neither an amax nor a product; ``Quantised`` keeps the padde
 The product of two quantised operands a [M, K] and b [N, K] (both with K last), a b^T, runs either on
 ``torch._scaled_mm`` (``scaled_mm``: the real path, where the device has the kernel for the scale layout
 and the output's shape is aligned, ``kernel_aligned``) or as dequantise, dequantise, fp32 matmul
-(``emulated_mm``); both read the same ``Quantised`` operands.
+(``emulated_mm``); both read the same ``Quantised`` operands. The experts' GEMMs of rowwise-scaled operands
+run all experts in one ``torch._scaled_grouped_mm`` (``scaled_grouped_mm``) where the device has it.
 """
 from __future__ import annotations
 
@@ -126,3 +127,13 @@ def scaled_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype) -> torch.Tenso
     data_a, data_b = (F.pad(q.data.view(torch.uint8), (0, pad)).view(q.data.dtype) for q in (a, b))
     out = torch._scaled_mm(data_a, data_b.t(), scale_a=sa, scale_b=sb.t() if sb.dim() else sb, out_dtype=out_dtype)
     return out[:a.shape[0], :b.shape[0]]
+
+
+def scaled_grouped_mm(a: Quantised, b: Quantised, counts: list, out_dtype: torch.dtype) -> torch.Tensor:
+    """Rows a [N, K] grouped by expert (``counts`` per expert) times each expert's b_e [N', K] transposed,
+    b [E x N', K] the experts' stacked, both scaled per row: one torch._scaled_grouped_mm -> [N, N']."""
+    experts = len(counts)
+    offsets = torch.tensor(counts, dtype=torch.int32, device=a.data.device).cumsum(0, dtype=torch.int32)
+    data_b = b.data.view(experts, -1, b.data.shape[1]).transpose(-1, -2)          # [E, K, N'] column-major
+    return torch._scaled_grouped_mm(a.data, data_b, a.scale_inv.reshape(-1), b.scale_inv.view(experts, -1),
+                                    offs=offsets, out_dtype=out_dtype)

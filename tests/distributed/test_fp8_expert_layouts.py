@@ -1,0 +1,34 @@
+"""FP8 experts at the expert-parallel layouts that put other ranks' rows into one expert GEMM equal the
+serial FP8 run (pretrain_gpt.py, the tiny MoE of test_fp8_layouts.py).
+
+EP=2 over the data-parallel ranks (no TP): an expert's GEMM takes the rows of two micro-batches, which the
+single process quantises one at a time; each is scaled apart (tests/unit/precision/test_fp8_grouped.py),
+so every recipe logs serial's losses. With one scale over both the step-1 loss differs by 2.5e-4
+(tensorwise).
+
+ETP=2 (over the TP + SP ranks, EP=1): each rank holds half of every expert's hidden dimension, so a scaling
+block along it (a tensor's, a row's along fc2's K) spans both ranks and its amax is reduced over the ETP
+group; without the reduction the step-1 loss differs by 7e-4 (tensorwise). The experts' hidden size, 128,
+is half a 128-block per ETP rank, so the blockwise weights' 128 x 128 blocks (and MXFP8's, whole) are
+checked at EP=2 only."""
+import pytest
+
+from test_fp8_layouts import MOE_ARGV, RECIPES, assert_equal_runs, flags_of, serial, train
+
+EP2_OVER_DP = dict(expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+ETP2 = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=1,
+            expert_tensor_parallel_size=2)
+
+
+def tiers(recipes, default):
+    return [pytest.param(r, marks=() if r == default else pytest.mark.slow) for r in recipes]
+
+
+@pytest.mark.parametrize("recipe", tiers(RECIPES, "tensorwise"))
+def test_fp8_experts_at_ep2_over_dp_equal_serial(recipe):
+    assert_equal_runs(serial(recipe, MOE_ARGV), train(2, flags_of(recipe, **EP2_OVER_DP), base=MOE_ARGV), (1,))
+
+
+@pytest.mark.parametrize("recipe", tiers(["tensorwise", "rowwise", "delayed"], "tensorwise"))
+def test_fp8_experts_at_etp2_equal_serial(recipe):
+    assert_equal_runs(serial(recipe, MOE_ARGV), train(2, flags_of(recipe, **ETP2), base=MOE_ARGV), (1,))
