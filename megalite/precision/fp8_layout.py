@@ -22,10 +22,10 @@ requires to be whole blocks) is whole on each rank and needs nothing.
 
 Data-parallel ranks hold other micro-batches, which the single process quantises one at a time with
 their own amaxes: current scaling reduces nothing over them. Nor over expert parallelism: an expert's
-weight lives whole on one rank, and its rows are scaled as a tensor of their own (fp8.py), which are the
-single process's rows where the EP ranks hold parts of the same micro-batch (EP over TP / CP ranks); EP
-over data-parallel ranks puts several micro-batches into one expert GEMM, whose current scales then cover
-them all. Delayed scaling reduces its step's amaxes over every rank of the stage instead (fp8.py).
+weight lives whole on one EP rank, and its rows of each micro-batch are scaled as a tensor of their own
+(fp8.py), whichever ranks sent them. Expert tensor parallelism cuts each expert's hidden width like a
+tensor-parallel linear (model/moe.py passes its own axes and the ETP group). Delayed scaling reduces its
+step's amaxes over every rank of the stage instead (fp8.py).
 """
 from __future__ import annotations
 

@@ -10,7 +10,11 @@ ETP=2 (over the TP + SP ranks, EP=1): each rank holds half of every expert's hid
 block along it (a tensor's, a row's along fc2's K) spans both ranks and its amax is reduced over the ETP
 group; without the reduction the step-1 loss differs by 7e-4 (tensorwise). The experts' hidden size, 128,
 is half a 128-block per ETP rank, so the blockwise weights' 128 x 128 blocks (and MXFP8's, whole) are
-checked at EP=2 only."""
+checked at EP=2 only.
+
+The allgather dispatcher at EP=2 over DP, and EP=2 x ETP=2 over TP=2 + SP and DP=2 (within an expert the
+rows of the two micro-batches come interleaved from the ETP gather; the dispatcher orders them by rank)
+equal serial too."""
 import pytest
 
 from test_fp8_layouts import MOE_ARGV, RECIPES, assert_equal_runs, flags_of, serial, train
@@ -32,3 +36,12 @@ def test_fp8_experts_at_ep2_over_dp_equal_serial(recipe):
 @pytest.mark.parametrize("recipe", tiers(["tensorwise", "rowwise", "delayed"], "tensorwise"))
 def test_fp8_experts_at_etp2_equal_serial(recipe):
     assert_equal_runs(serial(recipe, MOE_ARGV), train(2, flags_of(recipe, **ETP2), base=MOE_ARGV), (1,))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, flags", [
+    (2, dict(EP2_OVER_DP, moe_token_dispatcher_type="allgather")),
+    (4, dict(ETP2, expert_model_parallel_size=2))], ids=["ep2-over-dp-allgather", "ep2-etp2-dp2"])
+def test_fp8_experts_at_other_expert_layouts_equal_serial(nproc, flags):
+    assert_equal_runs(serial("tensorwise", MOE_ARGV), train(nproc, flags_of("tensorwise", **flags), base=MOE_ARGV),
+                      (1,))

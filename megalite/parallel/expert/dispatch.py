@@ -252,7 +252,7 @@ def dispatch_allgather(routed: Routed, run_experts, num_experts: int, ep: Expert
     stop = start + sum(counts[mine.start:mine.stop])
     token, weight, counts = token[start:stop], weight[start:stop], counts[mine.start:mine.stop]
     segments = None
-    if by_source:        # a row's source: its token's rank in the group
+    if by_source and expert.device.type != "meta":        # a row's source: its token's rank in the group
         per_source = torch.bincount((expert[start:stop] - mine.start) * size + token // routed.tokens.shape[0],
                                     minlength=len(mine) * size)
         segments = microbatch_segments(per_source.view(len(mine), size).tolist(), ep.source_microbatch)
