@@ -24,6 +24,8 @@ Megatron's flags:
   reduced in fp32 (bf16 with ``--grad-reduce-in-bf16``); the sharded parameters themselves stay fp32 and
   are the optimizer's master weights. fp16 uses megalite's loss scaler (the gradients it unscales and
   checks are the fp32 shards).
+- ``--fp8-param-gather``: the weights of FP8 layers gather in FP8 with the whole weight's scales, through
+  FSDP2's all-gather extension on their local shards (fsdp2_fp8.py).
 
 Start-up is memory-true: the chunks are built on the meta device and sharded there; materialise.py
 then gives the shards storage (this rank's only) and fills each at its position in the TP-local tensor,
