@@ -25,7 +25,13 @@ FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockw
 FP8_BLOCKS = {"blockwise": 128, "mxfp8": 32}
 # --fp8-param-gather: the recipes whose weight scales are the same for W and W^T (one per tensor, square
 # blocks), so the one gathered FP8 copy serves both the forward and the input-gradient GEMM
-PARAM_GATHER_RECIPES = ("tensorwise", "blockwise")
+PARAM_GATHER_RECIPES = ("tensorwise", "delayed", "blockwise")
+# why the others gather in the weights' own dtype: W's scaling blocks run along in-features in forward and
+# along out-features (W^T's rows) in the input-gradient GEMM, and serial quantises each from the weight in
+# high precision, so the gather would carry two FP8 copies: 2 bytes an element plus scales, bf16's or more
+HIGH_PRECISION_GATHER_REASON = (
+    "its forward GEMM scales W in blocks along in-features and its input-gradient GEMM scales W^T along "
+    "out-features, so one FP8 copy cannot serve both, and both copies with their scales move at least bf16's bytes")
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 EMULATE_FLAG = "--fp8-emulate"
 
@@ -70,4 +76,4 @@ class Fp8GatherFields:
     """ParallelConfig's FP8 field: how ZeRO gathers the FP8 layers' weights."""
     fp8_param_gather: bool = flag("--fp8-param-gather", default=False, help=(
         "ZeRO: gather the weights of FP8 layers in FP8 with their scales (half bf16's bytes); needs a sharding "
-        "strategy, and --fp8-recipe tensorwise or blockwise to take effect"))
+        "strategy, and --fp8-recipe tensorwise, delayed or blockwise to take effect"))

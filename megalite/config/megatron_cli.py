@@ -18,7 +18,7 @@ from megalite.config import validate as rules
 from megalite.config.batch_schedule import parse_step_schedule, rampup_schedule, train_iters_for_samples
 from megalite.config.cli import OneLineArgumentParser, non_negative_int, number, positive_int
 from megalite.config.fields import FIELD_DEFAULT, FLAG
-from megalite.config.fp8_fields import PARAM_GATHER_RECIPES
+from megalite.config.fp8_fields import HIGH_PRECISION_GATHER_REASON, PARAM_GATHER_RECIPES
 from megalite.config.schema import (CONFIG_SECTIONS, DataConfig, MegaliteConfig, ModelConfig, OptimizerConfig,
                                     ParallelConfig, TrainingConfig, default_ffn_hidden_size, default_kv_channels,
                                     padded_vocab_size)
@@ -156,8 +156,8 @@ def startup_notes(argv: list[str]) -> list[str]:
                      "metadata.json, loadable at any layout) whatever the format named")
     if args.fp8_param_gather and args.fp8_recipe not in PARAM_GATHER_RECIPES:
         notes.append(f"--fp8-param-gather: --fp8-recipe {args.fp8_recipe}'s weights are gathered in their own dtype "
-                     f"({'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}); FP8 gathers take --fp8-recipe "
-                     f"{' or '.join(PARAM_GATHER_RECIPES)}")
+                     f"({'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}): {HIGH_PRECISION_GATHER_REASON}; FP8 "
+                     f"gathers take --fp8-recipe {' or '.join(PARAM_GATHER_RECIPES)}")
     if "--tokenizer-type" not in argv and args.vocab_file and args.merge_file:
         notes.append("no --tokenizer-type: --vocab-file and --merge-file are read as GPT2BPETokenizer")
     unused = [f for f, v in (("--no-load-optim", args.no_load_optim), ("--no-load-rng", args.no_load_rng)) if v]

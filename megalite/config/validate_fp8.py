@@ -5,7 +5,7 @@
 - the linears' FP8 backward GEMMs run in their own autograd Functions, which a torch.compile graph replaces
   with its own backward (--compile);
 - --first-last-layers-bf16 keeps at most one pipeline stage's layers at each end (Megatron's bound);
-- --fp8-param-gather changes ZeRO's parameter all-gathers (megalite's own data parallelism), so it needs
+- --fp8-param-gather changes the parameter all-gathers of ZeRO (megalite's own or FSDP2's), so it needs
   FP8 layers and a sharding strategy;
 - --moe-router-padding-for-fp8 pads the experts' rows for FP8 GEMMs, so it needs both."""
 from __future__ import annotations
@@ -65,6 +65,3 @@ def _check_fp8_param_gather(m: ModelConfig, p: ParallelConfig) -> None:
     if p.data_parallel_sharding_strategy == "no_shard":
         raise UserError("--fp8-param-gather needs a sharding strategy: add --use-distributed-optimizer or "
                         "--data-parallel-sharding-strategy optim_grads_params")
-    if p.use_torch_fsdp2:
-        raise UserError("--fp8-param-gather is megalite's own ZeRO's, not --use-torch-fsdp2's: drop --use-torch-fsdp2 "
-                        "(--data-parallel-sharding-strategy optim_grads_params is ZeRO-3)")

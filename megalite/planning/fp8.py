@@ -17,7 +17,7 @@ copy to what a step keeps. It adds the FP8 copies of the operands of the GEMM th
 element plus the recipe's scales, freed when it returns (``gemm_copy_bytes``: the layer's largest GEMM).
 
 Communication: with --fp8-param-gather and a recipe whose weight scales serve W and W^T alike
-(``PARAM_GATHER_RECIPES``: tensorwise, blockwise) the ZeRO-1 / ZeRO-3 parameter all-gathers move the FP8
+(``PARAM_GATHER_RECIPES``: tensorwise, delayed, blockwise) the ZeRO-1 / ZeRO-3 parameter all-gathers move the FP8
 layers' dense weights at one byte per element plus their scales (``scale_bytes``), everything else (expert
 weights too) in the model's precision (``gathered_bytes``); gradients are reduced in fp32 as before.
 """

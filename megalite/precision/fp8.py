@@ -226,12 +226,18 @@ class DelayedScaling(Fp8Gemm):
             with torch.no_grad():
                 i = ROLES.index(role)
                 self.step_amax[i] = torch.maximum(self.step_amax[i], x.detach().abs().max().float())
+        scale = self.fixed_scale(role)
+        if scale is None:
+            return super().quantise(x, role, axes)
+        return quantise(x, self.dtypes[role], WHOLE, WHOLE, scale=scale)
+
+    def fixed_scale(self, role: str) -> torch.Tensor | None:
+        """The scale ``role`` is quantised with this step, from its history; None before a step was recorded
+        (then it scales from its amax now)."""
         if self.recorded is None:            # once (one host sync): the history is the same on every rank of the stage
             history = self.input_amax_history
             self.recorded = history.device.type != "meta" and bool(history.any())
-        if not self.recorded:
-            return super().quantise(x, role, axes)
-        return quantise(x, self.dtypes[role], WHOLE, WHOLE, scale=self.get_buffer(f"{role}_scale"))
+        return self.get_buffer(f"{role}_scale") if self.recorded else None
 
     @torch.no_grad()
     def finish_step(self, amaxes: torch.Tensor) -> None:

@@ -12,7 +12,8 @@ are bit for bit those of the unsharded weight's quantisation.
 ``GatheredWeight`` is one weight after the gather: its FP8 bytes (a view of the gathered bucket) and its
 block scales. A recipe's GEMMs take it in place of quantising their weight (``Fp8Gemm.gathered``), as W
 in forward and W^T in the input-gradient GEMM: the recipes whose weight blocks are the same for W and W^T
-(one per tensor; square 128 x 128 blocks), ``PARAM_GATHER_RECIPES``.
+(one per tensor; square 128 x 128 blocks), ``PARAM_GATHER_RECIPES``. Delayed scaling's weight scale is
+fixed for the step by its amax history, so the shards are quantised with it (``gather_scales``).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.config.fp8_fields import PARAM_GATHER_RECIPES
-from megalite.precision.fp8 import WEIGHT, Fp8Gemm
+from megalite.precision.fp8 import ROLES, WEIGHT, DelayedScaling, Fp8Gemm
 from megalite.precision.fp8_quant import AMAX_FLOOR, Quantised, fp8_max
 
 
@@ -73,6 +74,22 @@ def shard_block_amax(values: torch.Tensor, first: int, blocks: WeightBlocks) -> 
 def block_scales(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Each block's scale from its amax over the whole weight (fp8_quant.quantise's formula)."""
     return fp8_max(dtype) / amax.clamp(min=AMAX_FLOOR)
+
+
+@torch.no_grad()
+def gather_scales(precision: Fp8Gemm, amax: torch.Tensor) -> torch.Tensor:
+    """The scales a weight is gathered with, from ``amax`` (its block amaxes over the whole weight): the
+    current ones (``block_scales``), or delayed scaling's, fixed for the step by its history. Delayed scaling
+    also takes ``amax`` into the step's weight amax, which its own quantisation of the weight would record;
+    a gather ahead of an evaluation forward records it too, the same value the step's training forwards
+    record, since the weight changes only at the optimizer step."""
+    dtype = precision.dtypes[WEIGHT]
+    if not isinstance(precision, DelayedScaling):
+        return block_scales(amax, dtype)
+    i = ROLES.index(WEIGHT)
+    precision.step_amax[i] = torch.maximum(precision.step_amax[i], amax.max().to(precision.step_amax.device))
+    fixed = precision.fixed_scale(WEIGHT)
+    return block_scales(amax, dtype) if fixed is None else fixed.float().reshape(1).to(amax.device)
 
 
 def quantise_shard(values: torch.Tensor, first: int, blocks: WeightBlocks, scales: torch.Tensor,

@@ -6,6 +6,8 @@ import torch
 import torch.distributed as dist
 
 from dp_workloads import batches, layout_flags, train_losses
+from megalite.parallel.data.fsdp2 import FullyShardedDataParallel
+from megalite.parallel.data.fsdp2_fp8 import Fp8ShardedWeight
 from megalite.train.command_line import parse_args
 from megalite.train.step import train_step
 from megalite.train.trainer import build_trainer
@@ -49,6 +51,14 @@ def gathered_bytes(rank: int, world: int, layouts: list[list[str]]) -> list[dict
             for name, fn in originals.items():
                 setattr(dist, name, fn)
         buffer = trainer.buffer
-        out.append({"bytes": sum(received), "fp8_numel": sum(b.numel for b in buffer.buckets if b.fp8),
-                    "numel": buffer.numel, "element_size": buffer.param_dtype.itemsize})
+        out.append({"bytes": sum(received), "fp8_numel": _fp8_numel(trainer), "numel": buffer.numel,
+                    "element_size": buffer.param_dtype.itemsize})
     return out
+
+
+def _fp8_numel(trainer) -> int:
+    """Elements gathered in FP8: megalite's ZeRO holds them in FP8 buckets, FSDP2 in weights whose local
+    shard gathers in FP8."""
+    if isinstance(trainer.ddp, FullyShardedDataParallel):
+        return sum(p.numel() for _, p in trainer.ddp.named_params if isinstance(p.to_local(), Fp8ShardedWeight))
+    return sum(b.numel for b in trainer.buffer.buckets if b.fp8)

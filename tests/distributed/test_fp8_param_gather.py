@@ -1,12 +1,14 @@
-"""--fp8-param-gather: DP=2 ZeRO-3 and ZeRO-1 with the FP8 layers' weights gathered in FP8 equal the serial
-FP8 run (the scales come from the whole weight: an amax all-reduce over the shard holders), and ZeRO-3's
-parameter all-gathers move at most 0.55x the bytes of the bf16 run's, measured at the collectives and
-against theory."""
+"""--fp8-param-gather: DP=2 ZeRO-3 and ZeRO-1 (megalite's own) and FSDP2 with the FP8 layers' weights gathered
+in FP8 equal the serial FP8 run (the scales come from the whole weight: an amax all-reduce over the shard
+holders; delayed scaling's from its history), and ZeRO-3's and FSDP2's parameter all-gathers move at most
+0.55x the bytes of the bf16 run's, measured at the collectives and against theory."""
 import pytest
 
 from dp_workloads import layout_flags
 from fp8_gather_workloads import fp8_losses, gathered_bytes
 from harness import run_ranks
+from megalite.config.fp8_fields import PARAM_GATHER_RECIPES
+from megalite.config.megatron_cli import startup_notes
 from megalite.errors import UserError
 from megalite.train.command_line import parse_args
 from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
@@ -14,11 +16,17 @@ from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 # layers wide enough for 128 x 128 weight blocks, whose weights outweigh the embedding and output head
 WIDE = dict(num_layers=4, hidden_size=128, ffn_hidden_size=384, num_query_groups=4)
 RECIPES = {"tensorwise": dict(fp8_format="hybrid", fp8_recipe="tensorwise"),
+           "delayed": dict(fp8_format="hybrid", fp8_recipe="delayed"),
            "blockwise": dict(fp8_format="e4m3", fp8_recipe="blockwise", fp8_emulate=True)}
-LAYOUTS = [("tensorwise", "optim_grads_params", True, {}), ("tensorwise", "optim", True, {})]
+FSDP2 = dict(use_torch_fsdp2=True, bucket_size=None)              # FSDP2 takes no --ddp-bucket-size
+LAYOUTS = [("tensorwise", "optim_grads_params", True, {}), ("tensorwise", "optim", True, {}),
+           ("tensorwise", "optim_grads_params", True, FSDP2)]
+# three steps: the third quantises with the scales of the first two steps' amax histories
+DELAYED = [("delayed", "optim_grads_params", True, {}), ("delayed", "optim", True, {})]
 LAYER_WISE = dict(use_layer_wise_distributed_optimizer=True)      # whole weights per rank, broadcast gathers
 SLOW_LAYOUTS = [("blockwise", "optim_grads_params", False, {}), ("blockwise", "optim", False, {}),
-                ("tensorwise", "optim_grads_params", False, LAYER_WISE)]
+                ("tensorwise", "optim_grads_params", False, LAYER_WISE), ("blockwise", "optim_grads_params", False, FSDP2),
+                ("delayed", "optim_grads_params", False, FSDP2)]
 
 
 def flags(strategy, overlap, recipe=None, **extra):
@@ -26,10 +34,16 @@ def flags(strategy, overlap, recipe=None, **extra):
     return layout_flags(strategy, overlap, **WIDE, **fp8, **extra)
 
 
+def _bytes_against_bf16(rank, world, recipe, **extra):
+    return gathered_bytes(rank, world, [flags("optim_grads_params", False, recipe, bf16=True, **extra),
+                                        flags("optim_grads_params", False, bf16=True, **extra)])
+
+
 def _everything(rank, world):
     return {"losses": fp8_losses(rank, world, [flags(s, o, r, **e) for r, s, o, e in LAYOUTS], steps=2),
-            "bytes": gathered_bytes(rank, world, [flags("optim_grads_params", False, "tensorwise", bf16=True),
-                                                  flags("optim_grads_params", False, bf16=True)])}
+            "delayed": fp8_losses(rank, world, [flags(s, o, r, **e) for r, s, o, e in DELAYED], steps=3),
+            "bytes": {what: _bytes_against_bf16(rank, world, recipe, **extra) for what, recipe, extra in
+                      (("zero3", "tensorwise", {}), ("zero3 delayed", "delayed", {}), ("fsdp2", "tensorwise", FSDP2))}}
 
 
 @pytest.fixture(scope="module")
@@ -48,22 +62,31 @@ def test_tensorwise_fp8_gathers_equal_the_serial_fp8_run(dp2):
     assert_equal_serial([r["losses"] for r in dp2], LAYOUTS, 2)
 
 
+def test_delayed_fp8_gathers_equal_the_serial_fp8_run(dp2):
+    """Each shard is quantised with the weight scale delayed scaling fixed for the step from its history,
+    and the gathers record the weight's amax into that history as the GEMM's own quantisation would."""
+    assert_equal_serial([r["delayed"] for r in dp2], DELAYED, 3)
+
+
 def _blockwise(rank, world):
-    return fp8_losses(rank, world, [flags(s, o, r, **e) for r, s, o, e in SLOW_LAYOUTS], steps=2)
+    return fp8_losses(rank, world, [flags(s, o, r, **e) for r, s, o, e in SLOW_LAYOUTS], steps=3)
 
 
 @pytest.mark.slow
-def test_blockwise_and_layer_wise_fp8_gathers_equal_the_serial_fp8_run():
-    """128 x 128 weight blocks straddle the two ranks' shards: their amaxes are all-reduced per block. The
-    layer-wise layout gathers whole weights by one broadcast per owner."""
-    assert_equal_serial(run_ranks(2, _blockwise), SLOW_LAYOUTS, 2)
+def test_blockwise_layer_wise_and_fsdp2_fp8_gathers_equal_the_serial_fp8_run():
+    """128 x 128 weight blocks straddle the two ranks' shards (ZeRO's flat chunks, FSDP2's row shards):
+    their amaxes are all-reduced per block. The layer-wise layout gathers whole weights by one broadcast per
+    owner. Three steps, for delayed scaling's history."""
+    assert_equal_serial(run_ranks(2, _blockwise), SLOW_LAYOUTS, 3)
 
 
-def test_zero3_gathers_at_most_055_of_bf16_bytes(dp2):
-    fp8, bf16 = dp2[0]["bytes"]
+@pytest.mark.parametrize("what", ["zero3", "zero3 delayed", "fsdp2"])
+def test_zero3_gathers_at_most_055_of_bf16_bytes(dp2, what):
+    fp8, bf16 = dp2[0]["bytes"][what]
     assert fp8["fp8_numel"] > 0 and bf16["fp8_numel"] == 0
     assert fp8["bytes"] <= 0.55 * bf16["bytes"], (fp8, bf16)
-    # theory: the same gathers, the FP8 buckets' elements in one byte instead of two, plus the amax vectors
+    # theory: the same gathers, the FP8 weights' elements in one byte instead of two (the amaxes travel
+    # in an all-reduce, the scales in none)
     ratio = 1 - fp8["fp8_numel"] / (2 * fp8["numel"])
     assert fp8["bytes"] / bf16["bytes"] == pytest.approx(ratio, abs=0.01)
 
@@ -86,8 +109,21 @@ def test_bad_fp8_param_gather_input_is_one_line():
         parse_args(with_flags(TINY_LLAMA_ARGS, **fp8), world_size=1)
     with pytest.raises(UserError, match="--fp8-param-gather gathers the weights of FP8 layers: add --fp8-format"):
         parse_args(with_flags(TINY_LLAMA_ARGS, fp8_param_gather=True, use_distributed_optimizer=True), world_size=1)
-    with pytest.raises(UserError, match="drop --use-torch-fsdp2"):
-        parse_args(with_flags(TINY_LLAMA_ARGS, use_torch_fsdp2=True, **fp8), world_size=1)
+
+
+def test_recipes_without_fp8_gathers_say_why_at_start_up():
+    """rowwise and MXFP8 scale W along in-features in forward and along out-features in the input-gradient
+    GEMM: one FP8 copy serves only one of them, and two copies weigh at least bf16's two bytes."""
+    for recipe in ("rowwise", "rowwise_with_gw_hp", "mxfp8"):
+        argv = with_flags(TINY_LLAMA_ARGS, fp8_format="hybrid", fp8_recipe=recipe, fp8_param_gather=True,
+                          use_distributed_optimizer=True, bf16=True)
+        assert startup_notes(argv) == [
+            f"--fp8-param-gather: --fp8-recipe {recipe}'s weights are gathered in their own dtype (bf16): its "
+            "forward GEMM scales W in blocks along in-features and its input-gradient GEMM scales W^T along "
+            "out-features, so one FP8 copy cannot serve both, and both copies with their scales move at least "
+            f"bf16's bytes; FP8 gathers take --fp8-recipe {' or '.join(PARAM_GATHER_RECIPES)}"]
+    assert startup_notes(with_flags(TINY_LLAMA_ARGS, fp8_format="hybrid", fp8_recipe="delayed",
+                                    fp8_param_gather=True, use_distributed_optimizer=True)) == []
 
 
 def _tp2_dp2(rank, world):

@@ -1,7 +1,7 @@
 """--fp8-param-gather: ZeRO's parameter all-gathers carry the weights of FP8 layers in FP8, with their scales.
 
 The weights whose layers run their GEMMs in FP8 with a recipe that takes a gathered weight
-(precision/fp8_params.py: tensorwise, blockwise) sit in buckets of their own (grad_buffer.py,
+(precision/fp8_params.py: tensorwise, delayed, blockwise) sit in buckets of their own (grad_buffer.py,
 ``Bucket.fp8``). Their master weights stay fp32 in the optimizer, which writes this rank's chunk of the
 parameters as usual; a gather of such a bucket then
 
@@ -29,17 +29,22 @@ from megalite.parallel.data.grad_buffer import Bucket, ParamAndGradBuffer, Trans
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.precision.fp8 import WEIGHT, Fp8Gemm
 from megalite.precision.fp8_layout import FORWARD_AXES
-from megalite.precision.fp8_params import (GatheredWeight, WeightBlocks, block_scales, quantise_shard,
+from megalite.precision.fp8_params import (GatheredWeight, WeightBlocks, gather_scales, quantise_shard,
                                            shard_block_amax, takes_gathered_weight)
 
 
-def fp8_gathered_weights(models: list[nn.Module]) -> dict[int, Fp8Gemm]:
-    """id(weight) -> its layer's recipe, for every tensor-parallel linear whose GEMMs run in FP8 with a recipe
-    that takes gathered weights. Other parameters (norms, embedding, output head, router, layers kept in high
-    precision, expert weights) are gathered in their own dtype."""
-    return {id(module.weight): module.precision for model in models for module in model.modules()
+def fp8_gathered_linears(models: list[nn.Module]) -> list[nn.Module]:
+    """Every tensor-parallel linear whose GEMMs run in FP8 with a recipe that takes gathered weights. Other
+    parameters (norms, embedding, output head, router, layers kept in high precision, expert weights) are
+    gathered in their own dtype."""
+    return [module for model in models for module in model.modules()
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight.requires_grad
-            and takes_gathered_weight(module.precision)}
+            and takes_gathered_weight(module.precision)]
+
+
+def fp8_gathered_weights(models: list[nn.Module]) -> dict[int, Fp8Gemm]:
+    """id(weight) -> its layer's recipe, for the weights of ``fp8_gathered_linears``."""
+    return {id(module.weight): module.precision for module in fp8_gathered_linears(models)}
 
 
 def _reduce_over_tensor_parallel(amax: torch.Tensor, parts: list[tuple]) -> None:
@@ -97,7 +102,7 @@ class Fp8ParamGather:
         offset = 0
         for slot, precision, blocks, first, at, values in parts:
             dtype = precision.dtypes[WEIGHT]
-            scales = block_scales(amax[offset:offset + blocks.count], dtype)
+            scales = gather_scales(precision, amax[offset:offset + blocks.count])
             offset += blocks.count
             if values.numel():
                 local[at:at + values.numel()] = quantise_shard(values, first, blocks, scales, dtype).view(torch.uint8)

@@ -24,6 +24,8 @@ Megatron's flags:
   reduced in fp32 (bf16 with ``--grad-reduce-in-bf16``); the sharded parameters themselves stay fp32 and
   are the optimizer's master weights. fp16 uses megalite's loss scaler (the gradients it unscales and
   checks are the fp32 shards).
+- ``--fp8-param-gather``: the weights of FP8 layers gather in FP8 with the whole weight's scales, through
+  FSDP2's all-gather extension on their local shards (fsdp2_fp8.py).
 
 Start-up is memory-true: the chunks are built on the meta device and sharded there; materialise.py
 then gives the shards storage (this rank's only) and fills each at its position in the TP-local tensor,
@@ -48,7 +50,6 @@ between backends). With fp32 this equals the single-process run to fp32 rounding
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from dataclasses import dataclass
 
@@ -61,6 +62,7 @@ from torch.distributed.tensor import DTensor, Shard
 from megalite.config.schema import ParallelConfig
 from megalite.errors import UserError
 from megalite.parallel.data.ddp import data_parallel_group
+from megalite.parallel.data.fsdp2_fp8 import dim0_shard, gather_weights_in_fp8, local_rows
 from megalite.parallel.data.materialise import LocalElements
 from megalite.parallel.data.protocol import DataParallel, FlatLayout, UnitSource
 from megalite.parallel.param_meta import mark, param_meta
@@ -90,13 +92,6 @@ class LocalShard:
     grad: torch.Tensor
 
 
-def dim0_shard(rows: int, rank: int, size: int) -> tuple[int, int]:
-    """Rows [r0, r1) that FSDP2's Shard(0) gives ``rank`` of ``size`` (torch.chunk: ceil(rows/size) each,
-    the last ranks possibly fewer or none)."""
-    per_rank = math.ceil(rows / size) if rows else 0
-    return min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
-
-
 class ShardLayout(FlatLayout):
     """The FlatLayout of a rank's FSDP2 shards: one bucket per parameter shard this rank holds."""
     row_shards = True
@@ -113,14 +108,14 @@ class ShardLayout(FlatLayout):
         offset = 0
         for name, param in named_params:
             self.slots[name] = Slot(offset, offset + param.numel())
-            local = param.to_local()
+            local = local_rows(param.to_local())
             if local.numel():                              # a rank may hold no rows of a small tensor
                 row = param.numel() // param.shape[0]
                 r0, r1 = dim0_shard(param.shape[0], dp_rank, dp_size)
                 assert local.shape[0] == r1 - r0, (name, tuple(local.shape), r0, r1)
                 start = offset + r0 * row
                 self.buckets.append(LocalShard(len(self.buckets), name, param, start, start + local.numel(),
-                                               local.detach().view(-1), param.grad.to_local().view(-1)))
+                                               local.detach().view(-1), local_rows(param.grad.to_local()).view(-1)))
             offset += param.numel()
         self.numel = self.numel_unpadded = offset
         self.param_shard = self.buckets[0].values if self.buckets else None
@@ -185,16 +180,18 @@ class FullyShardedDataParallel(DataParallel):
         self.compute_dtype = next(self.models[0].parameters()).dtype
         policy = mixed_precision_policy(self.compute_dtype, config.grad_reduce_in_bf16)
         for model in self.models:
-            self._shard(model, policy, config.overlap_param_gather)
+            self._shard(model, policy, config.overlap_param_gather, config.fp8_param_gather)
         self.named_params = self._named_params()
 
     # ---- start-up ----------------------------------------------------------------------------------
-    def _shard(self, model: nn.Module, policy: MixedPrecisionPolicy, prefetch: bool) -> None:
+    def _shard(self, model: nn.Module, policy: MixedPrecisionPolicy, prefetch: bool, fp8_param_gather: bool) -> None:
         """fully_shard every transformer layer and the chunk, still on the meta device. The new DTensor
         parameters get the old ones' records (TP layout, init_values, markers), which they do not carry."""
         records = {name: param_meta(p) for name, p in model.named_parameters()}
         for p in model.parameters():                     # sharded parameters are the fp32 master weights
             p.data = p.data.float()
+        if fp8_param_gather:                             # the FP8 layers' weights gather in FP8 (fsdp2_fp8.py)
+            gather_weights_in_fp8(model)
         units = model.data_parallel_units() if isinstance(model, UnitSource) else []
         layers = [unit.module for unit in units if unit.layer]
         for layer in layers:

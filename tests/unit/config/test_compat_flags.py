@@ -11,7 +11,7 @@ from megalite_test_utils import TINY_LLAMA_ARGS, with_flags
 
 def test_accepted_flags_say_once_what_megalite_does_instead():
     argv = with_flags(TINY_LLAMA_ARGS, attention_backend="flash", no_create_attention_mask_in_dataloader=True,
-                      ckpt_format="torch_dist", fp8_format="hybrid", fp8_param_gather=True, use_distributed_optimizer=True,
+                      ckpt_format="torch_dist", fp8_format="hybrid", fp8_recipe="rowwise", fp8_param_gather=True, use_distributed_optimizer=True,
                       tiktoken_pattern="v2",
                       decoupled_lr="5e-4")
     config = parse_args(argv, world_size=1)
@@ -19,8 +19,8 @@ def test_accepted_flags_say_once_what_megalite_does_instead():
     assert len(notes) == 4, notes
     assert any("scaled_dot_product_attention" in n and "never builds an attention mask" in n for n in notes)
     assert any(n.startswith("--ckpt-format torch_dist: megalite writes its own reshardable format") for n in notes)
-    assert any(n.startswith("--fp8-param-gather: --fp8-recipe delayed's weights are gathered in their own dtype")
-               for n in notes)
+    assert any(n.startswith("--fp8-param-gather: --fp8-recipe rowwise's weights are gathered in their own dtype")
+               and "one FP8 copy cannot serve both" in n for n in notes)
     assert any(n.startswith("--tiktoken-pattern v2: only Megatron's TikTokenizer") for n in notes)
     assert config.optimizer.decoupled_lr == 5e-4 and config.optimizer.decoupled_min_lr == 0.0   # --min-lr
     assert startup_notes(TINY_LLAMA_ARGS) == []

@@ -75,7 +75,7 @@ def test_fp8_param_gather_moves_a_byte_per_fp8_weight_plus_scales(recipe, scales
         assert saved == pytest.approx(gathers * (d - 1) / d * fp8_psi * (1 - scales))
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "rowwise", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
 def test_recipes_the_gather_does_not_take_gather_in_the_models_dtype(recipe):
     workload, layout = plan_flags.workload_and_layout(parse_args(with_flags(LLAMA, fp8_recipe=recipe), world_size=1))
     psi = inputs.stage_parameters(workload, layout, 0).dense
