@@ -2,6 +2,12 @@
 - a recipe that scales in fixed blocks along the contraction dimension (blockwise 128, MXFP8 32) needs
   every linear's input and output width on each tensor-parallel rank to be whole blocks, which the FP8
   kernels read;
+- where ranks hold other tokens of the same sequences (context parallelism; sequence parallelism for
+  multi-latent attention's down projections), the weight gradient's contraction runs over each rank's
+  tokens, which the recipe scales in 1 x block tiles: a rank's runs of positions (--seq-length / (2 x CP)
+  load-balanced chunks; / (CP x TP) for the down projections), times --micro-batch-size sequences
+  (positions first), must be whole tiles, so that its tiles are the single process's; or one micro-batch
+  fits a tile, whose amax those ranks then share;
 - the linears' FP8 backward GEMMs run in their own autograd Functions, which a torch.compile graph replaces
   with its own backward (--compile);
 - --first-last-layers-bf16 keeps at most one pipeline stage's layers at each end (Megatron's bound);
@@ -55,6 +61,21 @@ def check_fp8(config: MegaliteConfig) -> None:
             per_rank = f" ({width} per tensor-parallel rank)" if tp > 1 else ""
             raise UserError(f"--fp8-recipe {m.fp8_recipe} scales in blocks of {block}: {what}{per_rank} is not a "
                             f"multiple of {block}; change it or use --fp8-recipe tensorwise / rowwise")
+    _check_token_tiles(config, block)
+
+
+def _check_token_tiles(config: MegaliteConfig, block: int) -> None:
+    m, p, mbs = config.model, config.parallel, config.training.micro_batch_size
+    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
+    runs = [(m.seq_length // (2 * cp), f"--seq-length {m.seq_length} / {2 * cp} (--context-parallel-size {cp})")]
+    if m.multi_latent_attention and p.sequence_parallel:      # its down projections run on the sequence shard
+        runs.append((m.seq_length // (cp * tp), f"--seq-length {m.seq_length} / {cp * tp} (CP x TP, the down "
+                                                "projections' sequence shard)"))
+    for positions, what in runs[0 if cp > 1 else 1:]:
+        if (positions * mbs) % block and m.seq_length * mbs > block:
+            raise UserError(f"--fp8-recipe {m.fp8_recipe} scales tokens in tiles of {block}: a rank holds runs of "
+                            f"{what} positions x --micro-batch-size {mbs} = {positions * mbs} tokens, not whole "
+                            f"tiles; make that a multiple of {block}")
 
 
 def _check_fp8_param_gather(m: ModelConfig, p: ParallelConfig) -> None:

@@ -10,8 +10,10 @@ A linear y = x W^T has three axes: ``tokens``, ``in`` and ``out``; its GEMMs' op
 A tensor-parallel weight is cut along one axis (``split``: ``out`` for a column-parallel linear, ``in`` for
 a row-parallel one), and so are the activations and gradients along that axis: a row-parallel input is
 [tokens, in / t], a column-parallel output gradient [tokens, out / t]. Sequence parallelism cuts no GEMM
-operand (the column-parallel input is gathered first, the row-parallel output gradient too). Context
-parallelism cuts ``tokens``: each CP rank holds other positions of the same sequences.
+operand of a tensor-parallel linear (the column-parallel input is gathered first, the row-parallel output
+gradient too); it cuts ``tokens`` of a linear replicated on the TP ranks that runs on each rank's own
+sequence shard (multi-latent attention's down projections). Context parallelism cuts ``tokens``: each CP
+rank holds other positions of the same sequences.
 
 A recipe scales in blocks (fp8_quant.py). Where an axis is cut across ranks and one scaling block spans
 that axis whole (a block at least the local extent times the ranks: tensorwise always, rowwise along K,
@@ -29,6 +31,7 @@ step's amaxes over every rank of the stage instead (fp8.py).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,20 +47,19 @@ GRAD_WEIGHT_AXES = ((OUT, TOKENS), (IN, TOKENS))
 @dataclass(frozen=True)
 class GemmLayout:
     """A linear's place in the layout (module docstring): ``weight_group`` of ``weight_ranks`` ranks cuts its
-    weight along ``split``; ``token_group`` of ``token_ranks`` ranks holds the other tokens."""
+    weight along ``split``; the ``token_groups`` ((group, ranks), ...) hold the other tokens."""
     weight_group: object = None
     weight_ranks: int = 1
     split: str | None = None
-    token_group: object = None
-    token_ranks: int = 1
+    token_groups: tuple = ()
 
-    def cut(self, axis: str) -> tuple[object, int]:
-        """(group, ranks) that cut ``axis`` across ranks; (None, 1) where it is whole here."""
-        if axis == TOKENS and self.token_group is not None:
-            return self.token_group, self.token_ranks
+    def cut(self, axis: str) -> tuple[tuple, int]:
+        """(groups, ranks in all) that cut ``axis`` across ranks; ((), 1) where it is whole here."""
+        if axis == TOKENS:
+            return tuple(group for group, _ in self.token_groups), math.prod(ranks for _, ranks in self.token_groups)
         if axis == self.split and self.weight_group is not None:
-            return self.weight_group, self.weight_ranks
-        return None, 1
+            return (self.weight_group,), self.weight_ranks
+        return (), 1
 
     def amax_reduction(self, shape: tuple, block: tuple[int, int], axes: tuple[str, str] | None) -> Callable | None:
         """What reduces the block amaxes of an operand of local ``shape`` [M, K] along ``axes``, cut into
@@ -67,9 +69,9 @@ class GemmLayout:
             return None
         groups = []
         for extent, size, axis in zip(shape, block, axes):
-            group, ranks = self.cut(axis)
-            if group is not None and size >= extent * ranks:
-                groups.append(group)
+            cut_by, ranks = self.cut(axis)
+            if cut_by and size >= extent * ranks:
+                groups += cut_by
         if not groups:
             return None
 

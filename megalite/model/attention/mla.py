@@ -41,6 +41,7 @@ from megalite.parallel.context.ring_attention import ContextParallel
 from megalite.parallel.param_meta import mark
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TensorParallel, linear
 from megalite.parallel.tensor.mappings import copy_to_tp_region, gather_from_sp_region
+from megalite.precision.gemm import build_gemm_precision
 
 
 class MultiLatentAttention(nn.Module):
@@ -161,6 +162,7 @@ def _replicated_linear(in_features: int, out_features: int, dtype: torch.dtype, 
     the model's other linears."""
     layer = ColumnParallelLinear(in_features, out_features, False, dtype,
                                  TensorParallel(rng=tp.rng, gemm_recipe=tp.gemm_recipe))
+    layer.precision = build_gemm_precision(tp.gemm_recipe, tp.replicated_gemm_layout())
     mark(layer.weight, sequence_parallel=tp.sequence_parallel)
     return layer
 

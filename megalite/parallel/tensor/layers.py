@@ -73,7 +73,16 @@ class TensorParallel:
     def gemm_layout(self, split: str) -> GemmLayout:
         """Where a linear's operands are cut, its weight along ``split`` (precision/fp8_layout.py): the ranks
         over which an FP8 recipe reduces block amaxes."""
-        return GemmLayout(self.group, self.size, split, self.cp_group, self.cp_size)
+        return GemmLayout(self.group, self.size, split, self._cp_tokens())
+
+    def replicated_gemm_layout(self) -> GemmLayout:
+        """The layout of a linear whose weight is whole on every TP rank and which runs on the rank's own
+        tokens: its sequence shard under sequence parallelism, and its CP positions."""
+        sequence = ((self.group, self.size),) if self.sequence_parallel and self.group is not None else ()
+        return GemmLayout(token_groups=sequence + self._cp_tokens())
+
+    def _cp_tokens(self) -> tuple:
+        return ((self.cp_group, self.cp_size),) if self.cp_group is not None else ()
 
     def chunk(self, full: torch.Tensor, dim: int = 0) -> torch.Tensor:
         return full.chunk(self.size, dim=dim)[self.rank]

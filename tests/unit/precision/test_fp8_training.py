@@ -84,6 +84,12 @@ def test_bad_fp8_input_is_one_line():
                                         r"tensor-parallel rank\)"):
         parse_args(with_flags(TINY_LLAMA_ARGS, fp8_format="e4m3", fp8_recipe="mxfp8",
                               tensor_model_parallel_size=2), world_size=2)
+    with pytest.raises(UserError, match=r"--fp8-recipe mxfp8 scales tokens in tiles of 32: a rank holds runs of "
+                                        r"--seq-length 32 / 4 \(--context-parallel-size 2\) positions x --micro-"
+                                        r"batch-size 2 = 16 tokens, not whole tiles"):
+        parse_args(with_flags(FP8_ARGS, fp8_recipe="mxfp8", context_parallel_size=2), world_size=2)
+    for flags in (dict(seq_length=64, max_position_embeddings=64), dict(fp8_recipe="blockwise")):  # whole tiles; one
+        parse_args(with_flags(FP8_ARGS, **{"fp8_recipe": "mxfp8", "context_parallel_size": 2, **flags}), world_size=2)
     with pytest.raises(UserError, match="--fp8-recipe"):
         parse_args(with_flags(FP8_ARGS, fp8_recipe="nvfp4"), world_size=1)
     with pytest.raises(UserError, match="--compile builds its own backward, not the FP8 one"):
