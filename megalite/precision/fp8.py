@@ -67,6 +67,8 @@ class Fp8Recipe:
     amax_history_len: int = 1
     amax_compute_algo: str = "most_recent"
     emulate: bool = False
+    # the device type whose kernels a GEMM of meta tensors picks (a run without storage plays that device's rank)
+    meta_kernels: str = "meta"
 
     def build(self, layout: GemmLayout = SERIAL) -> "Fp8Gemm":
         return FP8_RECIPE_CLASSES[self.name](self, layout)
@@ -107,8 +109,9 @@ class Fp8Gemm(GemmPrecision):
         if self.watch is not None:
             self.watch.observe_scale_inv(qa.scale_inv)
             self.watch.observe_scale_inv(qb.scale_inv)
+        device = torch.device(self.recipe.meta_kernels) if a.device.type == "meta" else a.device
         if not self.recipe.emulate and kernel_aligned(qa, qb) and has_kernel(
-                self.recipe.name, self.recipe.fp8_format, a.device, a_role, b_role, out_dtype):
+                self.recipe.name, self.recipe.fp8_format, device, a_role, b_role, out_dtype):
             return scaled_mm(qa, qb, out_dtype)
         return emulated_mm(qa, qb, out_dtype)
 
@@ -314,11 +317,12 @@ def check_fp8_kernels(recipe: Fp8Recipe, device: torch.device, dtype: torch.dtyp
 
 
 def gemm_recipe_for(config: ModelConfig, device: torch.device, dtype: torch.dtype):
-    """The layers' GEMM recipe for ``config``: its FP8 recipe with --fp8-format (after checking ``device``
-    has the kernels for its ``dtype`` GEMMs, or the recipe emulates them), else the default recipe."""
+    """The layers' GEMM recipe for ``config``: its FP8 recipe with --fp8-format (after checking ``device``,
+    the one whose kernels the GEMMs use, has the kernels for its ``dtype`` GEMMs, or the recipe emulates
+    them), else the default recipe. GEMMs of meta tensors pick ``device``'s path too."""
     if config.fp8_format is None:
         return DEFAULT_RECIPE
     recipe = Fp8Recipe(config.fp8_recipe, config.fp8_format, config.fp8_amax_history_len,
-                       config.fp8_amax_compute_algo, config.fp8_emulate)
+                       config.fp8_amax_compute_algo, config.fp8_emulate, meta_kernels=device.type)
     check_fp8_kernels(recipe, device, dtype)
     return recipe

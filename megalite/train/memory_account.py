@@ -10,7 +10,8 @@ own buffers, nothing outside the step (the data loader's batches before they are
 
 Labels, the first that applies:
 - the rank's state, registered when the step starts: ``parameters`` (its weights, or its ZeRO-3
-  shard), ``gradients`` (the fp32 gradient buffer or its shard), ``optimizer state`` (fp32 master
+  shard; with --fp8-param-gather also the FP8 copy of its chunks of the FP8 buckets, and under FP8
+  delayed scaling the GEMM recipes' amax histories and scales), ``gradients`` (the fp32 gradient buffer or its shard), ``optimizer state`` (fp32 master
   copy and Adam's moments), and the data-parallel buffers that exist only while in use: ``gathered
   parameters`` (ZeRO-3's full units) and ``gradient reduction`` (ZeRO-2/3 staging, reduce-scatter
   outputs);
@@ -39,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megalite.observe.memory import enter_label, innermost_label, leave_label
+from megalite.precision.gemm import GemmPrecision
 
 @dataclass
 class Breakdown:
@@ -92,6 +94,10 @@ class MemoryAccount(TorchDispatchMode):
         for chunk in self.chunks:               # parameters outside the flat buffer, if any
             for param in chunk.parameters():
                 self._add(param.untyped_storage(), "parameters")
+            for module in chunk.modules():      # a GEMM recipe's state: delayed scaling's histories and scales
+                if isinstance(module, GemmPrecision):
+                    for state in module.buffers():
+                        self._add(state.untyped_storage(), "parameters")
 
     def _add(self, storage: torch.UntypedStorage, label: str) -> None:
         if storage in self._label_of:
