@@ -143,7 +143,9 @@ class DryRun(RealRun):
 
     def kernel_device(self, device: torch.device) -> torch.device:
         """The device the rank plays, this machine's GPU or CPU, also without storage: a GEMM on meta
-        tensors then takes the path (and makes the copies) the real rank's kernels would."""
+        tensors then takes the path (and makes the copies) the real rank's kernels would. On a machine
+        without the GPU it plays, the CPU's path: a recipe the CPU emulates (blockwise) then counts the
+        emulation's fp32 operands, which a GPU with the kernel does not make."""
         return self.played or device
 
     def is_logging_rank(self, rank: int, world_size: int) -> bool:

@@ -19,7 +19,10 @@ precision/fp8_quant.gemm_working_bytes). With --fp8-param-gather each rank keeps
 of the FP8 weights, ZeRO-1/2 the whole FP8 weights between steps (``fp8_weight_copies``), and ZeRO-3
 gathers a layer's FP8 weights at a byte each (``gathered_layer_bytes``). Left out: delayed scaling's amax
 histories and scales (4 bytes x 3 operands x (history length + 2) per linear), and the scales gathered
-weights carry beside the bytes (blockwise: 4 bytes per 128 x 128 block).
+weights carry beside the bytes (blockwise: 4 bytes per 128 x 128 block). Where the two differ: the
+quantisation is added to the layer's fullest backward moment (memory.layer_backward_bytes), while it runs
+in fc1's backward, whose other temporaries are fewer, so the activations are high by up to the difference
+(a few per cent of a step's peak on a tiny Llama, the measured FP8 increase never more than this one).
 
 Communication: with --fp8-param-gather and a recipe whose weight scales serve W and W^T alike
 (``PARAM_GATHER_RECIPES``: tensorwise, blockwise) the ZeRO-1 / ZeRO-3 parameter all-gathers move the FP8

@@ -316,13 +316,18 @@ def check_fp8_kernels(recipe: Fp8Recipe, device: torch.device, dtype: torch.dtyp
                         "(quantise, dequantise, multiply in fp32)")
 
 
-def gemm_recipe_for(config: ModelConfig, device: torch.device, dtype: torch.dtype):
-    """The layers' GEMM recipe for ``config``: its FP8 recipe with --fp8-format (after checking ``device``,
-    the one whose kernels the GEMMs use, has the kernels for its ``dtype`` GEMMs, or the recipe emulates
-    them), else the default recipe. GEMMs of meta tensors pick ``device``'s path too."""
+def gemm_recipe_for(config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                    kernels: torch.device | None = None):
+    """The layers' GEMM recipe for ``config``: its FP8 recipe with --fp8-format (after checking ``device``
+    has the kernels for its ``dtype`` GEMMs, or the recipe emulates them), else the default recipe.
+    ``kernels``: the device whose path GEMMs of meta tensors take (a run without storage plays its rank;
+    default ``device``)."""
     if config.fp8_format is None:
         return DEFAULT_RECIPE
     recipe = Fp8Recipe(config.fp8_recipe, config.fp8_format, config.fp8_amax_history_len,
-                       config.fp8_amax_compute_algo, config.fp8_emulate, meta_kernels=device.type)
+                       config.fp8_amax_compute_algo, config.fp8_emulate, meta_kernels=(kernels or device).type)
     check_fp8_kernels(recipe, device, dtype)
+    if device.type == "meta" and not recipe.emulate and recipe.name in FP8_RECIPE_CLASSES:
+        for a, b in PAIRS:          # probe the played device now, as the check does for real tensors: not in a step
+            has_kernel(recipe.name, recipe.fp8_format, torch.device(recipe.meta_kernels), a, b, dtype)
     return recipe

@@ -24,6 +24,12 @@ Labels, the first that applies:
 - ``backward temporaries``: created while autograd runs a backward node (activation gradients);
 - ``optimizer step``: temporaries of the update; anything else is ``activations: other``.
 
+FP8 (precision/fp8.py) is counted as it runs: the linears save their inputs in the model's precision (no
+FP8 copy is kept for backward), and each GEMM's quantisation (the working copies, the FP8 operands and
+their scales, precision/fp8_quant.gemm_working_bytes) is the running label's, freed when the GEMM returns.
+Not seen: what a kernel allocates outside tensor storage (torch._scaled_mm's cuBLASLt workspace, the same
+one bf16 GEMMs use).
+
 On the meta device every storage still has its size, so the same accounting runs without memory or
 arithmetic. Values read back to the host there (a loss, the gradient norm) are stand-ins: the run
 backend's ``value_reads`` answers them with zeros.
