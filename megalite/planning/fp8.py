@@ -34,9 +34,9 @@ from __future__ import annotations
 from megalite.config.fp8_fields import FP8_BLOCKS, PARAM_GATHER_RECIPES
 from megalite.config.schema import ModelConfig
 from megalite.planning.deepseek import mla_tensors
-from megalite.precision.fp8_quant import gemm_working_bytes
 from megalite.planning.inputs import (Hardware, Layout, Workload, expert_parameters, local_attention_heads,
                                       rank_layer_numbers, token_counts)
+from megalite.precision.fp8_quant import gemm_working_bytes
 
 
 def scale_bytes(recipe: str, k: int) -> float:
@@ -123,7 +123,7 @@ def gathered_layer_bytes(workload: Workload, layout: Layout, pp_rank: int, param
     FP8 dense GEMM weights in FP8 (the fewest of the rank's layers' own, none where one of its layers
     is kept out of FP8), the rest in the model's precision."""
     model, numbers = workload.model, [n for chunk in rank_layer_numbers(workload, layout, pp_rank) for n in chunk]
-    if not gathers_fp8(workload) or not all(model.fp8_layer(n) for n in numbers):
+    if not (gathers_fp8(workload) and numbers and all(model.fp8_layer(n) for n in numbers)):
         return gathered_bytes(workload, params, 0)
     fp8 = min(layer_gemm_weights(model, layout.tp, (layout.ep, layout.expert_tp))
               - expert_parameters(model, layout.ep, layout.expert_tp) if model.num_experts and model.is_moe_layer(n)

@@ -11,10 +11,10 @@ own buffers, nothing outside the step (the data loader's batches before they are
 Labels, the first that applies:
 - the rank's state, registered when the step starts: ``parameters`` (its weights, or its ZeRO-3
   shard; with --fp8-param-gather also the FP8 copy of its chunks of the FP8 buckets, and under FP8
-  delayed scaling the GEMM recipes' amax histories and scales), ``gradients`` (the fp32 gradient buffer or its shard), ``optimizer state`` (fp32 master
-  copy and Adam's moments), and the data-parallel buffers that exist only while in use: ``gathered
-  parameters`` (ZeRO-3's full units) and ``gradient reduction`` (ZeRO-2/3 staging, reduce-scatter
-  outputs);
+  delayed scaling the GEMM recipes' amax histories and scales), ``gradients`` (the fp32 gradient
+  buffer or its shard), ``optimizer state`` (fp32 master copy and Adam's moments), and the
+  data-parallel buffers that exist only while in use: ``gathered parameters`` (ZeRO-3's full units)
+  and ``gradient reduction`` (ZeRO-2/3 staging, reduce-scatter outputs);
 - ``memory_label(name)`` (observe/memory.py) around an allocation (the data-parallel wrapper's reduce-scatter outputs);
 - the forward of a module: ``activations: embedding``, ``activations: layer N`` (global layer number,
   every micro-batch's), ``activations: received`` (a pipeline stage's inputs and output gradients from

@@ -45,8 +45,8 @@ FP8_LAYOUTS = {
     "tensorwise": (1, dict(fp8_recipe="tensorwise"), (0,)),
     "delayed": (1, dict(fp8_recipe="delayed", fp8_amax_history_len=16), (0,)),
     "blockwise": (1, dict(fp8_recipe="blockwise", fp8_emulate=True), (0,)),
-    "dp2-zero3-fp8-param-gather": (2, dict(fp8_recipe="tensorwise", data_parallel_sharding_strategy="optim_grads_params",
-                                           fp8_param_gather=True), (0, 1)),
+    "dp2-zero3-fp8-param-gather": (2, dict(fp8_recipe="tensorwise", fp8_param_gather=True,
+                                           data_parallel_sharding_strategy="optim_grads_params"), (0, 1)),
 }
 MEMORY_LINE = re.compile(r"^memory rank (\d+)(?: \w+ weights)?: .*$", re.M)
 
