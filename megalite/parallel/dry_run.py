@@ -20,7 +20,10 @@ plays before torch loads):
 - what is reported and by whom: the logging rank, the memory and parameter reports (own rank only);
 - what the values mean: the NaN stop and the optimizer's non-finite / overflow refusal (``heeds``), the
   first step's memory accounting (``accounts_first_step``), the straggler detector (``compares_peers``);
-- values read back from storage-less tensors (``value_reads``: zeros stand in).
+- values read back from storage-less tensors (``value_reads``: zeros stand in);
+- the device whose kernels the GEMMs pick (``kernel_device``): without storage, the real rank's, so an
+  FP8 GEMM on meta tensors takes the real rank's path (``torch._scaled_mm`` or the emulation) and
+  allocates what that path allocates.
 
 The rule for the meta device: a kernel or op that tests ``tensor.device.type == "meta"`` asks about its
 tensor (it has no values to compute on: attention returns shapes, the RNG tracker has no generator there,
@@ -53,6 +56,11 @@ class RealRun:
     def device(self, real: Callable[[], torch.device]) -> torch.device:
         """Where tensors live: ``real()``, the rank's GPU or the CPU."""
         return real()
+
+    def kernel_device(self, device: torch.device) -> torch.device:
+        """The device whose kernels the run's GEMMs pick (FP8's real or emulated path, precision/fp8.py):
+        where its tensors live, ``device``."""
+        return device
 
     def is_logging_rank(self, rank: int, world_size: int) -> bool:
         """Megatron prints the training line from the last rank."""
@@ -118,6 +126,7 @@ class DryRun(RealRun):
 
     def __init__(self, env: LaunchEnv, storage: bool):
         self.env, self.storage = env, storage
+        self.played: torch.device | None = None         # the rank's real device (``device``)
 
     def start(self, env: LaunchEnv | None) -> LaunchEnv:
         """torch's fake backend: every collective and point-to-point call returns at once and leaves its
@@ -129,7 +138,15 @@ class DryRun(RealRun):
         return self.env
 
     def device(self, real: Callable[[], torch.device]) -> torch.device:
-        return real() if self.storage else torch.device("meta")
+        self.played = real()
+        return self.played if self.storage else torch.device("meta")
+
+    def kernel_device(self, device: torch.device) -> torch.device:
+        """The device the rank plays, this machine's GPU or CPU, also without storage: a GEMM on meta
+        tensors then takes the path (and makes the copies) the real rank's kernels would. On a machine
+        without the GPU it plays, the CPU's path: a recipe the CPU emulates (blockwise) then counts the
+        emulation's fp32 operands, which a GPU with the kernel does not make."""
+        return self.played or device
 
     def is_logging_rank(self, rank: int, world_size: int) -> bool:
         """The one rank played logs."""

@@ -83,6 +83,8 @@ def pretrain_flags(workload: Workload, layout: Layout) -> list[str]:
         flags.append("--overlap-grad-reduce")
     if layout.shards > 1 and layout.sharding != "no_shard" and layout.overlap_param_gather:
         flags.append("--overlap-param-gather")
+    if workload.fp8_param_gather:
+        flags.append("--fp8-param-gather")
     if workload.precision != "fp32":
         flags.append(f"--{workload.precision}")
     if workload.optimizer != "adam":

@@ -16,8 +16,8 @@
 - data-parallel temporaries at that same moment, counted with the weights and gradients: ZeRO-2/3's
   per-bucket gradient staging, ZeRO-3's just-in-time gathered units, gloo's collective copies
   (``data_parallel_transients``). The peak is the fullest of a step's moments (``rank_memory``).
-- FP8 (--fp8-format) keeps no weight or activation copy; backward through an FP8 layer adds the FP8
-  copies of its largest GEMM's operands (fp8.py).
+- FP8 (--fp8-format) keeps no activation copy; backward through an FP8 layer adds the quantisation of its
+  largest GEMM's operands, and --fp8-param-gather FP8 copies of the weights and FP8 gathers (fp8.py).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from megalite.config.pipeline_split import SplitFlags
 from megalite.planning.buckets import Param, backward_tensors, buckets_of, top_down_layers
 from megalite.planning.deepseek import mla_saved_elements, mtp_depth_bytes, mtp_depths
 from megalite.planning.experts import moe_activation_bytes, moe_backward_bytes
-from megalite.planning.fp8 import fp8_layer_numbers, gemm_copy_bytes
+from megalite.planning.fp8 import fp8_layer_numbers, fp8_weight_copies, gathered_layer_bytes, gemm_copy_bytes
 from megalite.planning.muon import matrix_elements
 from megalite.planning.inputs import (GPU_KERNELS, Kernels, Layout, Workload, holds_embedding, holds_head,
                                       layer_experts, layer_tensors, local_attention_heads, rank_layers,
@@ -355,10 +355,11 @@ def data_parallel_transients(workload: Workload, layout: Layout, pp_rank: int, k
     if layout.sharding == "optim_grads_params":
         tied_here = params.embedding and params.head and not workload.model.untie_embeddings_and_output_weights
         head = params.head + (params.embedding if tied_here else 0)
-        weights = e * (layer if moment == "layer" else head)
+        gathered = gathered_layer_bytes(workload, layout, pp_rank, layer)          # FP8 weights at a byte
+        weights = gathered if moment == "layer" else e * head
         layers_below = sum(rank_layers(workload, layout, pp_rank)) - (depth + 1 if moment == "layer" else 0)
         if layout.overlap_param_gather and layers_below > 0:
-            weights += e * layer * (2 if copies else 1)                         # the prefetched layer
+            weights += gathered * (2 if copies else 1)                          # the prefetched layer
     return Transients(weights, grads)
 
 
@@ -384,6 +385,7 @@ def rank_memory(workload: Workload, layout: Layout, pp_rank: int, kernels: Kerne
     weights, grads, optimizer = state_bytes(workload, layout, stage_parameters(workload, layout, pp_rank),
                                             matrix_elements(workload, layout, pp_rank))
     weights *= 1 + weight_versions(layout, pp_rank, layout.num_microbatches(workload.global_batch_size))
+    weights += fp8_weight_copies(workload, layout, pp_rank)
     kept = kept_activations(workload, layout, pp_rank, kernels)
     # the rank's kinds of layer (dense, MoE): backward through the fullest, each one freed the least
     moe = rank_moe_layers(workload, layout, pp_rank)

@@ -72,6 +72,8 @@ class Fp8Recipe:
     amax_history_len: int = 1
     amax_compute_algo: str = "most_recent"
     emulate: bool = False
+    # the device type whose kernels a GEMM of meta tensors picks (a run without storage plays that device's rank)
+    meta_kernels: str = "meta"
 
     def build(self, layout: GemmLayout = SERIAL) -> "Fp8Gemm":
         return FP8_RECIPE_CLASSES[self.name](self, layout)
@@ -112,8 +114,9 @@ class Fp8Gemm(GemmPrecision):
         if self.watch is not None:
             self.watch.observe_scale_inv(qa.scale_inv)
             self.watch.observe_scale_inv(qb.scale_inv)
+        device = torch.device(self.recipe.meta_kernels) if a.device.type == "meta" else a.device
         if not self.recipe.emulate and kernel_aligned(qa, qb) and has_kernel(
-                self.recipe.name, self.recipe.fp8_format, a.device, a_role, b_role, out_dtype):
+                self.recipe.name, self.recipe.fp8_format, device, a_role, b_role, out_dtype):
             return scaled_mm(qa, qb, out_dtype)
         return emulated_mm(qa, qb, out_dtype)
 
@@ -387,12 +390,18 @@ def check_fp8_kernels(recipe: Fp8Recipe, device: torch.device, dtype: torch.dtyp
                         "(quantise, dequantise, multiply in fp32)")
 
 
-def gemm_recipe_for(config: ModelConfig, device: torch.device, dtype: torch.dtype):
+def gemm_recipe_for(config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                    kernels: torch.device | None = None):
     """The layers' GEMM recipe for ``config``: its FP8 recipe with --fp8-format (after checking ``device``
-    has the kernels for its ``dtype`` GEMMs, or the recipe emulates them), else the default recipe."""
+    has the kernels for its ``dtype`` GEMMs, or the recipe emulates them), else the default recipe.
+    ``kernels``: the device whose path GEMMs of meta tensors take (a run without storage plays its rank;
+    default ``device``)."""
     if config.fp8_format is None:
         return DEFAULT_RECIPE
     recipe = Fp8Recipe(config.fp8_recipe, config.fp8_format, config.fp8_amax_history_len,
-                       config.fp8_amax_compute_algo, config.fp8_emulate)
+                       config.fp8_amax_compute_algo, config.fp8_emulate, meta_kernels=(kernels or device).type)
     check_fp8_kernels(recipe, device, dtype)
+    if device.type == "meta" and not recipe.emulate and recipe.name in FP8_RECIPE_CLASSES:
+        for a, b in PAIRS:          # probe the played device now, as the check does for real tensors: not in a step
+            has_kernel(recipe.name, recipe.fp8_format, torch.device(recipe.meta_kernels), a, b, dtype)
     return recipe

@@ -30,6 +30,9 @@ import torch
 import torch.nn.functional as F
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# bytes per element that ``quantise`` holds at once for the operand it quantises (whole blocks): its fp32
+# copy in blocks, the scaled copy and the clamped one (the 1-byte result comes after the scaled copy is freed)
+QUANTISE_WORKING_BYTES = 12
 AMAX_FLOOR = 1e-12                   # the amax of an all-zero block (torchao's EPS)
 E8M0 = getattr(torch, "float8_e8m0fnu", None)       # torch >= 2.7: MXFP8's power-of-two scale dtype
 KERNEL_ALIGNMENT = 16                # torch._scaled_mm's operands: every dimension a multiple of 16 (CUDA)
@@ -94,6 +97,15 @@ def quantise(x: torch.Tensor, dtype: torch.dtype, rows: int, cols: int, power_of
     if power_of_two:
         scale_inv = scale_inv.to(E8M0)
     return Quantised(data, scale_inv, rows, cols, shape)
+
+
+def gemm_working_bytes(first: float, second: float, fp8_element_bytes: float = 1.0) -> float:
+    """Peak bytes that quantising an FP8 GEMM's operands of ``first`` and ``second`` elements allocates, in the
+    order the GEMM quantises them: the first's working copies, then the first in FP8 (``fp8_element_bytes``
+    per element, scales included) beside the second's working copies. ``second`` 0: an operand that comes
+    in FP8 (a weight gathered so). Counted from the code above, the planner's estimate of the copies a dry
+    run measures."""
+    return max(QUANTISE_WORKING_BYTES * first, fp8_element_bytes * first + QUANTISE_WORKING_BYTES * second)
 
 
 def emulated_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype) -> torch.Tensor:

@@ -10,10 +10,11 @@ own buffers, nothing outside the step (the data loader's batches before they are
 
 Labels, the first that applies:
 - the rank's state, registered when the step starts: ``parameters`` (its weights, or its ZeRO-3
-  shard), ``gradients`` (the fp32 gradient buffer or its shard), ``optimizer state`` (fp32 master
-  copy and Adam's moments), and the data-parallel buffers that exist only while in use: ``gathered
-  parameters`` (ZeRO-3's full units) and ``gradient reduction`` (ZeRO-2/3 staging, reduce-scatter
-  outputs);
+  shard; with --fp8-param-gather also the FP8 copy of its chunks of the FP8 buckets, and under FP8
+  delayed scaling the GEMM recipes' amax histories and scales), ``gradients`` (the fp32 gradient
+  buffer or its shard), ``optimizer state`` (fp32 master copy and Adam's moments), and the
+  data-parallel buffers that exist only while in use: ``gathered parameters`` (ZeRO-3's full units)
+  and ``gradient reduction`` (ZeRO-2/3 staging, reduce-scatter outputs);
 - ``memory_label(name)`` (observe/memory.py) around an allocation (the data-parallel wrapper's reduce-scatter outputs);
 - the forward of a module: ``activations: embedding``, ``activations: layer N`` (global layer number,
   every micro-batch's), ``activations: received`` (a pipeline stage's inputs and output gradients from
@@ -22,6 +23,12 @@ Labels, the first that applies:
   counts as the layer's activations again;
 - ``backward temporaries``: created while autograd runs a backward node (activation gradients);
 - ``optimizer step``: temporaries of the update; anything else is ``activations: other``.
+
+FP8 (precision/fp8.py) is counted as it runs: the linears save their inputs in the model's precision (no
+FP8 copy is kept for backward), and each GEMM's quantisation (the working copies, the FP8 operands and
+their scales, precision/fp8_quant.gemm_working_bytes) is the running label's, freed when the GEMM returns.
+Not seen: what a kernel allocates outside tensor storage (torch._scaled_mm's cuBLASLt workspace, the same
+one bf16 GEMMs use).
 
 On the meta device every storage still has its size, so the same accounting runs without memory or
 arithmetic. Values read back to the host there (a loss, the gradient norm) are stand-ins: the run
@@ -39,6 +46,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megalite.observe.memory import enter_label, innermost_label, leave_label
+from megalite.precision.gemm import GemmPrecision
 
 @dataclass
 class Breakdown:
@@ -92,6 +100,10 @@ class MemoryAccount(TorchDispatchMode):
         for chunk in self.chunks:               # parameters outside the flat buffer, if any
             for param in chunk.parameters():
                 self._add(param.untyped_storage(), "parameters")
+            for module in chunk.modules():      # a GEMM recipe's state: delayed scaling's histories and scales
+                if isinstance(module, GemmPrecision):
+                    for state in module.buffers():
+                        self._add(state.untyped_storage(), "parameters")
 
     def _add(self, storage: torch.UntypedStorage, label: str) -> None:
         if storage in self._label_of:

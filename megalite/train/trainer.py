@@ -166,7 +166,8 @@ class Trainer:
         seed = set_seed(config.training.seed, parallel.pp_rank)     # dropout's: each pipeline stage its own
         tp = build_tensor_parallel(parallel, config.parallel.sequence_parallel, seed, device,
                                    config.model.num_query_groups)
-        tp.gemm_recipe = gemm_recipe_for(config.model, device, DTYPES[config.model.params_dtype])
+        tp.gemm_recipe = gemm_recipe_for(config.model, device, DTYPES[config.model.params_dtype],
+                                         parallel.run.kernel_device(device))
         cp = build_context_parallel(parallel, tuple(config.parallel.cp_comm_type),
                                     config.parallel.hierarchical_context_parallel_sizes)
         moe = build_moe_context(parallel, config.model.moe_token_dispatcher_type, tp.sequence_parallel) \

@@ -37,6 +37,17 @@ SLOW_LAYOUTS = {
                                       expert_model_parallel_size=2, use_distributed_optimizer=True,
                                       moe_router_force_load_balancing=True), range(8)),
 }
+# FP8 (whole 128-blocks for blockwise: hidden 128, FFN 256, heads of 64): each recipe serially, and ZeRO-3 gathering
+# the FP8 layers' weights in FP8 (both ranks); blockwise emulated (no CPU kernel for its scale layout)
+FP8_BASE = with_flags(BASE, num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=2,
+                      fp8_format="hybrid")
+FP8_LAYOUTS = {
+    "tensorwise": (1, dict(fp8_recipe="tensorwise"), (0,)),
+    "delayed": (1, dict(fp8_recipe="delayed", fp8_amax_history_len=16), (0,)),
+    "blockwise": (1, dict(fp8_recipe="blockwise", fp8_emulate=True), (0,)),
+    "dp2-zero3-fp8-param-gather": (2, dict(fp8_recipe="tensorwise", fp8_param_gather=True,
+                                           data_parallel_sharding_strategy="optim_grads_params"), (0, 1)),
+}
 MEMORY_LINE = re.compile(r"^memory rank (\d+)(?: \w+ weights)?: .*$", re.M)
 
 
@@ -62,11 +73,12 @@ def dry_run(argv: list[str], world: int, rank: int) -> str:
     return proc.stdout
 
 
-def check_layout(world: int, flags: dict, ranks, no_storage: bool = True, whole_step: bool = True) -> None:
+def check_layout(world: int, flags: dict, ranks, no_storage: bool = True, whole_step: bool = True,
+                 base: list[str] = BASE) -> dict:
     """Each dry run holds the real rank's state, and accounts its first step's bytes exactly as the real
     rank does (--log-memory-breakdown; ``whole_step`` False: the state it holds, not the step's); without storage
-    (where the layout runs so), within the inputs' host-to-device copies."""
-    argv = with_flags(BASE, **flags)
+    (where the layout runs so), within the inputs' host-to-device copies. Returns the real run's breakdowns."""
+    argv = with_flags(base, **flags)
     real = run_pretrain(world, argv + ["--log-memory-breakdown"])
     assert real.returncode == 0, real.stderr[-3000:]
     expected, breakdowns = memory_lines(real.stdout), parse_breakdowns(real.stdout)
@@ -81,6 +93,7 @@ def check_layout(world: int, flags: dict, ranks, no_storage: bool = True, whole_
         assert re.search(r"iteration\s+2/\s+2 \|", out), out[-2000:]            # it logs as the rank it plays
         if no_storage:
             check_no_storage(dry_run(argv + ["--no-storage"], world, rank), rank, breakdowns[rank])
+    return breakdowns
 
 
 def check_no_storage(out: str, rank: int, real: dict) -> None:
@@ -110,6 +123,34 @@ def test_a_dry_run_holds_what_the_real_rank_holds_under_fsdp2():
     The step's bytes are not compared: FSDP2's gather and reduction buffers are torch's own, and how long they
     live depends on when the peer's collective completes, which the dry run's peers do at once."""
     check_layout(2, dict(use_torch_fsdp2=True), (1,), no_storage=False, whole_step=False)
+
+
+@pytest.mark.parametrize("layout", FP8_LAYOUTS)
+def test_a_dry_run_holds_what_the_real_rank_holds_with_fp8(layout):
+    """FP8's bytes as the real rank holds them: the GEMMs' quantisation in backward's temporaries (without
+    storage on the path the real rank's kernels take: torch._scaled_mm here for tensorwise, the emulation
+    for blockwise), delayed scaling's histories and --fp8-param-gather's FP8 chunks in the parameters, its
+    FP8 gathers in the gathered parameters."""
+    check_layout(*FP8_LAYOUTS[layout], base=FP8_BASE)
+
+
+def test_fp8_changes_the_bytes_and_the_dry_run_follows():
+    """Against the same runs without FP8: the parameters grow by the FP8 state (delayed: 4 bytes x 3 operands x
+    (16 history entries + a scale + the step's amax) per linear; ZeRO-3: a byte per element of its chunk of
+    the FP8 weights), ZeRO-3's gathers shrink, the quantisation adds backward temporaries (dry runs with
+    storage, which hold what the real ranks hold: the test above)."""
+    plain = parse_breakdowns(dry_run(with_flags(FP8_BASE, fp8_format=None), 1, 0))[0]
+    delayed = parse_breakdowns(dry_run(with_flags(FP8_BASE, **FP8_LAYOUTS["delayed"][1]), 1, 0))[0]
+    linears, h, ffn, kv = 2 * 4, 128, 256, 2 * 64
+    assert delayed["parameters"] - plain["parameters"] == linears * 3 * 4 * (16 + 2)
+    assert delayed["backward temporaries"] > plain["backward temporaries"] + 12 * 2 * ffn * BATCH_TOKENS
+    world, flags, _ = FP8_LAYOUTS["dp2-zero3-fp8-param-gather"]
+    bf16 = {k: v for k, v in flags.items() if not k.startswith("fp8")}
+    zero3 = parse_breakdowns(dry_run(with_flags(FP8_BASE, fp8_format=None, **bf16), world, 1))[1]
+    fp8 = parse_breakdowns(dry_run(with_flags(FP8_BASE, **flags), world, 1))[1]
+    fp8_weights = 2 * (h * (h + 2 * kv) + h * h + 3 * ffn * h)       # qkv, proj, fc1 (SwiGLU), fc2 per layer
+    assert fp8["parameters"] - zero3["parameters"] == fp8_weights // world
+    assert fp8["gathered parameters"] < zero3["gathered parameters"]
 
 
 def test_a_dry_run_reads_a_real_dataset_as_a_later_rank_from_the_environment(tmp_path):

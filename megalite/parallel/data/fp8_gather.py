@@ -71,8 +71,7 @@ class Fp8ParamGather:
         for b in self.buckets:
             b.fp8_gathered = Transient(b.numel, torch.uint8, buffer.device)
             b.fp8_gathered.free()
-        self.local = {b.index: torch.zeros(b.chunk_numel, dtype=torch.uint8, device=buffer.device)
-                      for b in self.buckets}
+            b.fp8_local = torch.zeros(b.chunk_numel, dtype=torch.uint8, device=buffer.device)
         self._work: dict[int, object] = {}
         self._stale = {b.index for b in self.buckets}
 
@@ -92,7 +91,7 @@ class Fp8ParamGather:
     @torch.no_grad()
     def gather(self, bucket: Bucket, comm: Comm, async_op: bool) -> None:
         """Quantise this rank's chunk of ``bucket`` with scales of the whole weights and all-gather it."""
-        parts, local = self._parts(bucket), self.local[bucket.index]
+        parts, local = self._parts(bucket), bucket.fp8_local
         amax = torch.cat([shard_block_amax(values, first, blocks) for _, _, blocks, first, _, values in parts])
         if comm.group is not None:
             with traced("fp8 amax all-reduce", bucket):

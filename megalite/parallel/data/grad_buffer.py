@@ -115,6 +115,7 @@ class Bucket:
     fp8: bool = False                # holds weights gathered in FP8 (--fp8-param-gather) and nothing else
     unsharded: Transient | None = None   # ZeRO-3: the full bucket of parameters while gathered
     fp8_gathered: Transient | None = None  # --fp8-param-gather: the bucket's FP8 bytes while gathered (fp8_gather.py)
+    fp8_local: torch.Tensor | None = None  # --fp8-param-gather: this rank's chunk in FP8, kept for its gathers
     staging: Transient | None = None     # ZeRO-2/3: one micro-batch's gradients until reduced
     reduced: Transient | None = None     # ZeRO-2/3, equal chunks: this rank's reduced chunk while reduced
     staging_chunks: list = field(default_factory=list)   # views of staging, one per data-parallel rank
@@ -430,8 +431,12 @@ class ParamAndGradBuffer(FlatLayout):
 
     # ---- accounting ------------------------------------------------------------------------------
     def state_tensors(self, kind: str) -> list[torch.Tensor]:
-        """The flat storage this rank keeps for its parameters or its gradients (``kind``)."""
-        flat = (self.param_data, self.param_shard) if kind == "parameters" else (self.grad_data, self.grad_shard)
+        """The storage this rank keeps for its parameters (the flat one, and with --fp8-param-gather the FP8
+        copies of its chunks of the FP8 buckets) or its gradients (``kind``)."""
+        if kind == "parameters":
+            flat = (self.param_data, self.param_shard, *(b.fp8_local for b in self.buckets))
+        else:
+            flat = (self.grad_data, self.grad_shard)
         return [t for t in flat if t is not None]
 
     def transients(self) -> list[tuple[str, Transient]]:
@@ -445,10 +450,12 @@ class ParamAndGradBuffer(FlatLayout):
         return found
 
     def param_bytes(self) -> int:
-        """Bytes of parameter storage this rank holds now (ZeRO-3: its shard plus gathered buckets)."""
+        """Bytes of parameter storage this rank holds now (ZeRO-3: its shard plus gathered buckets; with
+        --fp8-param-gather the FP8 copies of its chunks too)."""
+        fp8 = sum(b.fp8_local.untyped_storage().nbytes() for b in self.buckets if b.fp8_local is not None)
         if self.param_data is not None:
-            return self.param_data.untyped_storage().nbytes()
-        return self.param_shard.untyped_storage().nbytes() + sum(b.unsharded.nbytes() for b in self.buckets)
+            return self.param_data.untyped_storage().nbytes() + fp8
+        return self.param_shard.untyped_storage().nbytes() + sum(b.unsharded.nbytes() for b in self.buckets) + fp8
 
     def grad_bytes(self) -> int:
         """Bytes of gradient storage held now (ZeRO-2/3: the shard plus buckets being reduced)."""

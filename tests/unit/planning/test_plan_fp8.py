@@ -98,7 +98,9 @@ def test_zero3_gathers_of_a_large_llama_are_near_half_of_bf16s():
 def test_memory_adds_the_largest_gemms_fp8_copies():
     workload, layout = plan_flags.workload_and_layout(parse_args(LLAMA, world_size=1))
     tokens, h, fc1 = workload.model.seq_length * 2, 128, 2 * 256                 # micro-batch 2, SwiGLU fc1
-    copy = (1 + 4 / 128 ** 2) * max(tokens * h + fc1 * h, tokens * fc1 + fc1 * h, tokens * fc1 + tokens * h)
+    x, w, grad, byte = tokens * h, fc1 * h, tokens * fc1, 1 + 4 / 128 ** 2     # an FP8 element with its scales
+    # each GEMM's first operand in FP8 beside the second's working copies (12 bytes per element)
+    copy = max(12 * grad, byte * grad + 12 * w, byte * grad + 12 * x, 12 * x, byte * x + 12 * w)
     assert fp8.gemm_copy_bytes(workload, layout) == pytest.approx(copy)
     bf16 = dataclasses.replace(workload, model=dataclasses.replace(workload.model, fp8_format=None))
     first_stage = dataclasses.replace(layout, pp=2)         # no head: backward through a layer is the peak
