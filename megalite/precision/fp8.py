@@ -84,6 +84,7 @@ class Fp8Gemm(GemmPrecision):
     ``blocks`` (their scaling blocks) or the scales they quantise with. ``layout``: the ranks holding the
     other parts of the operands (fp8_layout.py), over which block amaxes are reduced."""
     power_of_two = False
+    round_scale_down = False         # fp32 scales rounded down to a power of two (fp8_quant.py)
     watch = None            # train/fp8_stats.py's Fp8Watch: scale range and NaN/Inf flag, on the device
     # the layer's weight gathered in FP8 with its scales (fp8_params.GatheredWeight, set and cleared by the
     # data-parallel wrapper under --fp8-param-gather): the GEMMs take it as is instead of quantising the weight
@@ -103,7 +104,8 @@ class Fp8Gemm(GemmPrecision):
         operand no other rank holds part of."""
         rows, cols = self.blocks(role)
         return quantise(x, self.dtypes[role], rows, cols, self.power_of_two,
-                        reduce_amax=self.layout.amax_reduction(tuple(x.shape), (rows, cols), axes))
+                        reduce_amax=self.layout.amax_reduction(tuple(x.shape), (rows, cols), axes),
+                        round_scale_down=self.round_scale_down)
 
     def mm(self, a: torch.Tensor, a_role: str, b: torch.Tensor | Quantised, b_role: str, out_dtype: torch.dtype,
            axes: tuple = (None, None)) -> torch.Tensor:
@@ -291,14 +293,20 @@ def finish_delayed_scaling_step(chunks: Iterable[nn.Module], groups: Iterable) -
 
 
 class RowwiseScaling(Fp8Gemm):
-    """One scale per row of each operand along K (torchao's rowwise)."""
+    """One scale per row of each operand along K (torchao's rowwise): the forward's x per token and W per
+    output row, the input gradient's grad_out per token and W per input column, the weight gradient's
+    grad_out^T per output row and x^T per input column (K the tokens). As in torchao's rowwise recipe
+    (its documented default), each scale is rounded down to a power of two."""
+    round_scale_down = True
 
     def blocks(self, role: str) -> tuple[int, int]:
         return 1, WHOLE
 
 
 class RowwiseScalingHighPrecisionWeightGrad(RowwiseScaling):
-    """Rowwise, with the weight-gradient GEMMs in the operands' own precision (torchao's rowwise_with_gw_hp)."""
+    """Rowwise, with the weight-gradient GEMMs in the operands' own precision (torchao's rowwise_with_gw_hp),
+    and scales fp8_max / amax as they are (that recipe leaves torchao's power-of-two rounding off)."""
+    round_scale_down = False
     grad_weight = GemmPrecision.grad_weight
 
     def grouped_grad_weight(self, grad_out: torch.Tensor, rows: torch.Tensor, counts: list,

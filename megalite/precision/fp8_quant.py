@@ -9,7 +9,10 @@ format's largest value:
 
 (an all-zero block takes amax 1e-12, so its scale stays finite). MXFP8 rounds the other way, to a power of
 two stored as E8M0 (the OCP MX rule): scale_inv_b = 2^(floor(log2 amax_b) - emax), emax the exponent of
-the format's largest value (8 for E4M3, 15 for E5M2). A delayed-scaling operand brings its scale instead.
+the format's largest value (8 for E4M3, 15 for E5M2). Rowwise scales are rounded down to a power of two
+(torchao's rowwise recipe): s_b = 2^floor(log2(fp8_max / amax_b)), so a block's amax lands in
+(fp8_max / 2, fp8_max], nothing saturates, and scaling and unscaling are exact in fp32 (the scale only moves
+exponents). A delayed-scaling operand brings its scale instead.
 
 A dimension that is not a whole number of blocks (the token count along a 1 x 128 tile) is padded with
 zeros, which change neither an amax nor a product; ``Quantised`` keeps the padded shape and the true one.
@@ -70,9 +73,12 @@ def by_blocks(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 def quantise(x: torch.Tensor, dtype: torch.dtype, rows: int, cols: int, power_of_two: bool = False,
-             scale: torch.Tensor | None = None, reduce_amax: Callable | None = None) -> Quantised:
+             scale: torch.Tensor | None = None, reduce_amax: Callable | None = None,
+             round_scale_down: bool = False) -> Quantised:
     """``x`` [M, K] in ``dtype`` with one scale per ``rows`` x ``cols`` block (clipped to the tensor: a block
-    larger than x is the whole tensor). ``scale``: the scalar scale of a delayed-scaling operand (one block).
+    larger than x is the whole tensor). ``power_of_two``: MXFP8's E8M0 scales; ``round_scale_down``: fp32
+    scales fp8_max / amax rounded down to a power of two (module docstring).
+    ``scale``: the scalar scale of a delayed-scaling operand (one block).
     ``reduce_amax``: takes the block amaxes [M/rows, K/cols] and returns them reduced (MAX) over the ranks
     that hold the other parts of the same blocks."""
     shape = tuple(x.shape)
@@ -87,6 +93,8 @@ def quantise(x: torch.Tensor, dtype: torch.dtype, rows: int, cols: int, power_of
             scale = scale_inv.reciprocal()
         else:
             scale = fp8_max(dtype) / amax
+            if round_scale_down:            # frexp: scale = m 2^e with m in [0.5, 1), so 2^(e-1) <= scale exactly
+                scale = torch.ldexp(torch.ones_like(scale), torch.frexp(scale).exponent - 1)
             scale_inv = scale.reciprocal()
     else:
         scale = scale.float().reshape(1, 1)

@@ -205,9 +205,13 @@ def _gemms_at_tp2_and_cp2(rank: int, world: int, recipe: str, reduce: bool) -> d
 def test_fp8_gemms_at_tp2_and_cp2_quantise_as_serial(recipe):
     """One column- and row-parallel linear pair: at TP=2 and with the tokens split over CP=2 the outputs, input
     and weight gradients are serial's to fp32 rounding (the quantised operands are serial's); each rank's own
-    amaxes instead give other products."""
+    amaxes instead give other products (not rowwise's: its scales are powers of two, so a rank's own scale
+    differs from serial's by a power of two, which moves exponents only, and its FP8 values dequantise to
+    serial's outside the subnormal range)."""
     for rank in run_ranks(2, _gemms_at_tp2_and_cp2, recipe, True):
         assert max(rank["tp"] + rank["cp"]) < 1e-5, rank
+    if recipe == "rowwise":
+        return
     if recipe != "blockwise":           # its blocks are whole on every TP rank; only CP's token tiles are shared
         assert all(max(rank["tp"]) > 1e-3 for rank in run_ranks(2, _gemms_at_tp2_and_cp2, recipe, False))
     assert all(max(rank["cp"]) > 1e-3 for rank in run_ranks(2, _gemms_at_tp2_and_cp2, recipe, False))

@@ -16,8 +16,8 @@ from megalite.precision.fp8 import FP8_RECIPE_CLASSES, Fp8Recipe, has_kernel
 CPU = torch.device("cpu")
 FMT_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 FMT_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
-# each recipe's scaling block (rows, cols) of an operand [M, K] by role, K the contraction dimension, and
-# whether its scales are powers of two; None: the whole tensor
+# each recipe's scaling block (rows, cols) of an operand [M, K] by role, K the contraction dimension; None:
+# the whole tensor
 BLOCKS = {
     "tensorwise": dict(input=None, weight=None, grad=None),
     "delayed": dict(input=None, weight=None, grad=None),
@@ -27,9 +27,12 @@ BLOCKS = {
     "mxfp8": dict(input=(1, 32), weight=(1, 32), grad=(1, 32)),
 }
 RECIPES = [name for name in BLOCKS if name in FP8_RECIPE_CLASSES]
+# the recipes whose scales are not fp8_max / amax: "e8m0" 2^(floor(log2 amax) - emax) (MXFP8, the OCP MX
+# rule), "floor" fp8_max / amax rounded down to a power of two (torchao's rowwise)
+SCALE_RULES = {"mxfp8": "e8m0", "rowwise": "floor"}
 
 
-def reference_quantise(x: torch.Tensor, dtype, block, power_of_two: bool, scale: float | None = None):
+def reference_quantise(x: torch.Tensor, dtype, block, rule: str | None, scale: float | None = None):
     """x [M, K] quantised block by block: (the FP8 values as fp32, the dequantised values)."""
     m, k = x.shape
     rows, cols = (m, k) if block is None else (block[0] or m, block[1] or k)
@@ -39,7 +42,10 @@ def reference_quantise(x: torch.Tensor, dtype, block, power_of_two: bool, scale:
             piece = x[i:i + rows, j:j + cols].float()
             if scale is not None:
                 s, s_inv = torch.tensor(scale), 1.0 / torch.tensor(scale)
-            elif power_of_two:
+            elif rule == "floor":
+                s = torch.tensor(2.0 ** math.floor(math.log2(FMT_MAX[dtype] / max(piece.abs().max().item(), 1e-12))))
+                s_inv = 1.0 / s
+            elif rule == "e8m0":
                 amax = max(piece.abs().max().item(), 1e-12)
                 s_inv = torch.tensor(2.0 ** (math.floor(math.log2(amax)) - FMT_EMAX[dtype]))
                 s = 1.0 / s_inv
@@ -54,11 +60,11 @@ def reference_quantise(x: torch.Tensor, dtype, block, power_of_two: bool, scale:
 def reference_products(name: str, fmt: str, x, w, g, scales=None):
     """(y, grad_x, grad_w) of y = x W^T from operands quantised by the reference quantiser."""
     grad_dtype = torch.float8_e5m2 if fmt == "hybrid" else torch.float8_e4m3fn
-    e4m3, blocks, pow2 = torch.float8_e4m3fn, BLOCKS[name], name == "mxfp8"
+    e4m3, blocks, rule = torch.float8_e4m3fn, BLOCKS[name], SCALE_RULES.get(name)
     scales = scales or {}
 
     def deq(t, dtype, role):
-        return reference_quantise(t, dtype, blocks[role], pow2, scales.get(role))[1]
+        return reference_quantise(t, dtype, blocks[role], rule, scales.get(role))[1]
 
     y = deq(x, e4m3, "input") @ deq(w, e4m3, "weight").t()
     grad_x = deq(g, grad_dtype, "grad") @ deq(w.t(), e4m3, "weight").t()
@@ -157,10 +163,37 @@ def test_quantised_values_match_the_reference_quantiser():
             continue
         for role in ("input", "weight"):
             q = recipe.quantise(x, role)
-            ref_q, ref_deq = reference_quantise(x, torch.float8_e4m3fn, BLOCKS[name][role], name == "mxfp8")
+            ref_q, ref_deq = reference_quantise(x, torch.float8_e4m3fn, BLOCKS[name][role], SCALE_RULES.get(name))
             assert torch.equal(q.data.float()[:x.shape[0], :x.shape[1]], ref_q), (name, role)
             assert_fp32_close(q.dequantise(), ref_deq)
     assert Fp8Recipe("mxfp8", "e4m3").build().quantise(x, "input").scale_inv.dtype == torch.float8_e8m0fnu
+
+
+@pytest.mark.parametrize("name", ["rowwise", "rowwise_with_gw_hp"])
+def test_rowwise_scales_each_gemm_operand_per_row_along_its_contraction(name):
+    """The six operands rowwise quantises in a linear's three GEMMs, each one scale per row along K: x per
+    token and W per output row (forward), grad_out per token and W^T per input column (input gradient),
+    grad_out^T per output row and x^T per input column (weight gradient, K the tokens); rowwise rounds each
+    scale fp8_max / amax down to a power of two (torchao's rowwise), rowwise_with_gw_hp keeps it as is."""
+    x, w, g = operands(tokens=48)
+    precision = Fp8Recipe(name, "hybrid", emulate=True).build()
+    seen = []
+    quantise = precision.quantise
+    precision.quantise = lambda t, role, axes=None: seen.append((t.detach().clone(), role)) or quantise(t, role, axes)
+    through_linear(precision, x, w, g)
+    expected = [(x, "input"), (w, "weight"), (g, "grad"), (w.t(), "weight")]
+    if name == "rowwise":
+        expected += [(g.t(), "grad"), (x.t(), "input")]
+    assert [role for _, role in seen] == [role for _, role in expected]
+    for (operand, role), (want, _) in zip(seen, expected):
+        torch.testing.assert_close(operand, want, rtol=0, atol=0)
+        scale = quantise(operand, role).scale_inv.reciprocal()
+        assert scale.shape == (operand.shape[0], 1)
+        exact = FMT_MAX[precision.dtypes[role]] / operand.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+        if name == "rowwise":
+            assert torch.equal(scale, torch.exp2(torch.floor(torch.log2(exact)))), role
+        else:                               # the reciprocal of the reciprocal: within fp32 rounding
+            torch.testing.assert_close(scale, exact, rtol=1e-6, atol=0)
 
 
 def test_delayed_scaling_history_and_scales():
