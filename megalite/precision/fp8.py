@@ -409,7 +409,15 @@ def gemm_recipe_for(config: ModelConfig, device: torch.device, dtype: torch.dtyp
     recipe = Fp8Recipe(config.fp8_recipe, config.fp8_format, config.fp8_amax_history_len,
                        config.fp8_amax_compute_algo, config.fp8_emulate, meta_kernels=(kernels or device).type)
     check_fp8_kernels(recipe, device, dtype)
-    if device.type == "meta" and not recipe.emulate and recipe.name in FP8_RECIPE_CLASSES:
-        for a, b in PAIRS:          # probe the played device now, as the check does for real tensors: not in a step
-            has_kernel(recipe.name, recipe.fp8_format, torch.device(recipe.meta_kernels), a, b, dtype)
+    if not recipe.emulate and recipe.name in FP8_RECIPE_CLASSES:
+        _probe_kernels(recipe, torch.device(recipe.meta_kernels) if device.type == "meta" else device, dtype)
     return recipe
+
+
+def _probe_kernels(recipe: Fp8Recipe, device: torch.device, dtype: torch.dtype) -> None:
+    """Run the GEMMs' one-time kernel checks at start-up, not inside the first step's memory: the layers'
+    ``dtype`` GEMMs (a run without storage plays its rank's device) and the weight gradient added into an
+    fp32 main_grad."""
+    for a, b in PAIRS:
+        has_kernel(recipe.name, recipe.fp8_format, device, a, b, dtype)
+    has_kernel(recipe.name, recipe.fp8_format, device, GRAD, INPUT, torch.float32)

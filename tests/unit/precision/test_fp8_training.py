@@ -9,7 +9,7 @@ import torch
 from megalite.errors import UserError
 from megalite.model.gpt import GPTModel
 from megalite.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TensorParallel
-from megalite.precision.fp8 import DelayedScaling, Fp8Gemm, RowwiseScaling, gemm_recipe_for
+from megalite.precision.fp8 import GRAD, INPUT, DelayedScaling, Fp8Gemm, RowwiseScaling, gemm_recipe_for, has_kernel
 from megalite.precision.gemm import GemmPrecision
 from megalite.train.command_line import parse_args
 from megalite_test_utils import TINY_LLAMA_ARGS, log_field, run_pretrain, with_flags
@@ -112,3 +112,14 @@ def test_delayed_scaling_resumes_with_its_amax_history(tmp_path):
     run_pretrain(with_flags(argv, train_iters=2, save=ckpt))
     resumed_state, _ = run_pretrain(with_flags(argv, load=ckpt))
     assert resumed_state.history == full_state.history[2:]
+
+
+def test_a_bf16_models_kernel_checks_run_at_start_up():
+    """A bf16 model's weight gradients add into fp32 main grads: that GEMM's kernel check runs when the recipe
+    is built, not inside the first step (whose memory the dry run compares)."""
+    has_kernel.cache_clear()
+    config = parse_args(with_flags(FP8_ARGS, fp8_recipe="tensorwise", bf16=True), world_size=1).model
+    gemm_recipe_for(config, torch.device("cpu"), torch.bfloat16)
+    checked = has_kernel.cache_info().currsize
+    has_kernel("tensorwise", "hybrid", torch.device("cpu"), GRAD, INPUT, torch.float32)
+    assert has_kernel.cache_info().currsize == checked > 0
