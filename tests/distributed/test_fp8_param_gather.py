@@ -126,18 +126,18 @@ def test_recipes_without_fp8_gathers_say_why_at_start_up():
                                     fp8_param_gather=True, use_distributed_optimizer=True)) == []
 
 
-def _tp2_dp2(rank, world):
-    tp = dict(tensor_model_parallel_size=2, sequence_parallel=True)
-    return fp8_losses(rank, world, [flags("optim_grads_params", False, "tensorwise", **tp),
-                                    with_flags(flags("optim_grads_params", False, "tensorwise", **tp),
-                                               fp8_param_gather=None)], steps=2)
+def _tp2_dp2(rank, world, extra):
+    fp8 = flags("optim_grads_params", False, "tensorwise", tensor_model_parallel_size=2, sequence_parallel=True,
+                **extra)
+    return fp8_losses(rank, world, [fp8, with_flags(fp8, fp8_param_gather=None)], steps=2)
 
 
-def test_tensorwise_fp8_gathers_under_tensor_parallelism_equal_the_unsharded_gather():
-    """TP=2 x DP=2 ZeRO-3: a tensorwise weight's scale is the amax of the whole weight, over the TP ranks'
-    parts as well as the DP shards, as the layer's own quantisation takes it: the FP8 gathers give the losses
-    of the same layout gathering its weights in their own dtype. Two steps: the FP8 buckets of their own
-    change the order the gradient norm sums its pieces in, which moves it by an fp32 ulp, and FP8's few
-    mantissa bits turn that into a flipped quantised value a step or two later."""
-    for gathered, own_dtype in run_ranks(4, _tp2_dp2):
+@pytest.mark.parametrize("extra", [{}, pytest.param(FSDP2, marks=pytest.mark.slow)], ids=["zero3", "fsdp2"])
+def test_tensorwise_fp8_gathers_under_tensor_parallelism_equal_the_unsharded_gather(extra):
+    """TP=2 x DP=2, megalite's ZeRO-3 and FSDP2: a tensorwise weight's scale is the amax of the whole weight,
+    over the TP ranks' parts as well as the DP shards, as the layer's own quantisation takes it: the FP8
+    gathers give the losses of the same layout gathering its weights in their own dtype. Two steps: the FP8
+    buckets of their own change the order the gradient norm sums its pieces in, which moves it by an fp32
+    ulp, and FP8's few mantissa bits turn that into a flipped quantised value a step or two later."""
+    for gathered, own_dtype in run_ranks(4, _tp2_dp2, extra):
         assert gathered == pytest.approx(own_dtype, rel=1e-6, abs=0), (gathered, own_dtype)
