@@ -1,6 +1,8 @@
 """Data parallelism and ZeRO: the training step at DP=2 and DP=4 with every sharding strategy, with and
 without overlap, equals the single-process run; memory per rank, bytes per collective and the timing
-of reductions match what the design promises. Each spawn serves many checks (module fixtures)."""
+of reductions match what the design promises. Each spawn serves many checks (module fixtures). The default
+tier runs every strategy once (overlap on and off at DP=2 and DP=4), bf16 ZeRO-3, fp16 ZeRO-2 and the fp16
+overflow; the other layouts run in the slow tier (one more spawn per size)."""
 import pytest
 
 from dp_workloads import (STRATEGIES, collective_traffic, equivalence_and_eval, layout_flags, memory_by_strategy,
@@ -8,36 +10,76 @@ from dp_workloads import (STRATEGIES, collective_traffic, equivalence_and_eval, 
 from harness import run_ranks
 
 FP32_LAYOUTS = [(s, overlap) for s in STRATEGIES for overlap in (False, True)]
+# the default tier's fp32 cases: every strategy once, overlap on and off at each size; the rest is slow
+DEFAULT_FP32 = {2: [("optim", False), ("optim_grads_params", True)], 4: [("no_shard", True), ("optim_grads", False)]}
 # mixed precision: fp32 master weights and (fp16) the loss scaler under the distributed optimizer
 MIXED = [("bf16", "optim"), ("bf16", "optim_grads_params"), ("fp16", "optim"), ("fp16", "optim_grads")]
+DEFAULT_MIXED = [("bf16", "optim_grads_params"), ("fp16", "optim_grads")]
 OVERFLOW = dict(fp16=True, initial_loss_scale=2.0 ** 40, hysteresis=1)   # the first steps overflow and skip
+OVERFLOW_CASE = ("overflow", "optim_grads_params", True)
+# (precision, strategy, overlap) of every spawned equivalence case, by data-parallel size
+ALL_CASES = {2: [("fp32", s, o) for s, o in FP32_LAYOUTS] + [(p, s, True) for p, s in MIXED] + [OVERFLOW_CASE],
+             4: [("fp32", s, o) for s, o in FP32_LAYOUTS]}
+DEFAULT_CASES = {2: [("fp32", s, o) for s, o in DEFAULT_FP32[2]] + [(p, s, True) for p, s in DEFAULT_MIXED]
+                 + [OVERFLOW_CASE],
+                 4: [("fp32", s, o) for s, o in DEFAULT_FP32[4]]}
 
 
 def mixed_flags(precision):
     return {precision: True, "initial_loss_scale": 4096} if precision == "fp16" else {precision: True}
 
 
+def case_flags(case):
+    precision, strategy, overlap = case
+    extra = OVERFLOW if precision == "overflow" else {} if precision == "fp32" else mixed_flags(precision)
+    return layout_flags(strategy, overlap, **extra)
+
+
+def slow_unless(default, *values):
+    return pytest.param(*values, marks=() if default else pytest.mark.slow)
+
+
+class Reference(dict):
+    """precision -> the single-process run the layouts are compared with, computed on first use."""
+
+    def __missing__(self, precision):
+        self[precision] = value = equivalence_and_eval(0, 1, [case_flags((precision, "no_shard", False))])[0]
+        return value
+
+
 @pytest.fixture(scope="module")
 def reference():
-    """The single-process runs every layout is compared with."""
-    runs = {"fp32": layout_flags("no_shard", False), "overflow": layout_flags("no_shard", False, **OVERFLOW)}
-    for precision in ("bf16", "fp16"):
-        runs[precision] = layout_flags("no_shard", False, **mixed_flags(precision))
-    return {k: equivalence_and_eval(0, 1, [argv])[0] for k, argv in runs.items()}
+    return Reference()
 
 
 @pytest.fixture(scope="module")
 def dp2():
-    layouts = [layout_flags(s, o) for s, o in FP32_LAYOUTS]
-    layouts += [layout_flags(s, True, **mixed_flags(p)) for p, s in MIXED]
-    layouts += [layout_flags("optim_grads_params", True, **OVERFLOW)]
-    return {"results": run_ranks(2, equivalence_and_eval, layouts)}
+    return run_ranks(2, equivalence_and_eval, [case_flags(c) for c in DEFAULT_CASES[2]])
 
 
 @pytest.fixture(scope="module")
 def dp4():
-    layouts = [layout_flags(s, o) for s, o in FP32_LAYOUTS]
-    return run_ranks(4, _dp4_everything, layouts)
+    return run_ranks(4, _dp4_everything, [case_flags(c) for c in DEFAULT_CASES[4]])
+
+
+@pytest.fixture(scope="module")
+def slow_cases():
+    """world -> per-rank results of the cases the default tier leaves out, one spawn per size."""
+    rest = {w: [c for c in ALL_CASES[w] if c not in DEFAULT_CASES[w]] for w in ALL_CASES}
+    return {w: (cases, run_ranks(w, equivalence_and_eval, [case_flags(c) for c in cases])) for w, cases in rest.items()}
+
+
+@pytest.fixture
+def results(request):
+    """(world, case) -> every rank's result of that case, from the spawn that ran it."""
+    def lookup(world, case):
+        if case in DEFAULT_CASES[world]:
+            i = DEFAULT_CASES[world].index(case)
+            ranks = request.getfixturevalue(f"dp{world}")
+            return [r[i] if world == 2 else r["equivalence"][i] for r in ranks]
+        cases, ranks = request.getfixturevalue("slow_cases")[world]
+        return [r[cases.index(case)] for r in ranks]
+    return lookup
 
 
 def _dp4_everything(rank, world, layouts):
@@ -62,26 +104,25 @@ def assert_matches(ref, got, rel, what):
 
 
 # ---- equivalence with the single-process run ------------------------------------------------------
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_strategy_with_and_without_overlap_equals_one_process(world, reference, dp2, dp4):
-    results = dp2["results"] if world == 2 else [r["equivalence"] for r in dp4]
-    for i, (strategy, overlap) in enumerate(FP32_LAYOUTS):
-        what = f"DP={world} {strategy} overlap={overlap}"
-        for rank in range(world):                    # every rank logs the DP-averaged loss
-            assert_matches(reference["fp32"], results[rank][i], 1e-5, f"{what} rank {rank}")
+@pytest.mark.parametrize("world, strategy, overlap", [slow_unless((s, o) in DEFAULT_FP32[w], w, s, o)
+                                                     for w in (2, 4) for s, o in FP32_LAYOUTS])
+def test_every_strategy_with_and_without_overlap_equals_one_process(world, strategy, overlap, reference, results):
+    got = results(world, ("fp32", strategy, overlap))
+    what = f"DP={world} {strategy} overlap={overlap}"
+    for rank in range(world):                    # every rank logs the DP-averaged loss
+        assert_matches(reference["fp32"], got[rank], 1e-5, f"{what} rank {rank}")
 
 
-def test_bf16_and_fp16_keep_fp32_masters_and_the_loss_scaler_under_zero(reference, dp2):
-    results = dp2["results"][0]
-    for j, (precision, strategy) in enumerate(MIXED):
-        got = results[len(FP32_LAYOUTS) + j]
-        assert got["master_dtype"] == "torch.float32"
-        # same updates; low-precision rounding of the forward differs only through reduction order
-        assert_matches(reference[precision], got, 1e-4, f"{precision} {strategy}")
+@pytest.mark.parametrize("precision, strategy", [slow_unless((p, s) in DEFAULT_MIXED, p, s) for p, s in MIXED])
+def test_bf16_and_fp16_keep_fp32_masters_and_the_loss_scaler_under_zero(reference, results, precision, strategy):
+    got = results(2, (precision, strategy, True))[0]
+    assert got["master_dtype"] == "torch.float32"
+    # same updates; low-precision rounding of the forward differs only through reduction order
+    assert_matches(reference[precision], got, 1e-4, f"{precision} {strategy}")
 
 
-def test_fp16_overflow_skips_the_same_steps_on_every_rank(reference, dp2):
-    got = [r[-1] for r in dp2["results"]]
+def test_fp16_overflow_skips_the_same_steps_on_every_rank(reference, results):
+    got = results(2, OVERFLOW_CASE)
     ref = reference["overflow"]
     assert not ref["updated"][0], "the reference must overflow at first"
     for rank_result in got:
@@ -178,16 +219,16 @@ def test_overlap_starts_reductions_during_the_last_backward_only(dp4):
 
 
 # ---- composed with tensor and pipeline parallelism ----------------------------------------------------
-def test_tp2_sp_pp2_interleaved_dp2_with_zero1_and_zero3_equals_one_process():
+@pytest.mark.parametrize("strategy", [slow_unless(False, "optim"), "optim_grads_params"])
+def test_tp2_sp_pp2_interleaved_dp2_with_zero1_and_zero3_equals_one_process(strategy):
+    """ZeRO-3 in the default tier, ZeRO-1 in the slow tier (one spawn of 8 ranks each)."""
     extra = dict(num_layers=4, tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2,
                  num_layers_per_virtual_pipeline_stage=1)
     reference = equivalence_and_eval(0, 1, [layout_flags("no_shard", False, num_layers=4)])[0]
-    layouts = [layout_flags(s, True, **extra) for s in ("optim", "optim_grads_params")]
-    results = run_ranks(8, equivalence_and_eval, layouts)
-    for i, strategy in enumerate(("optim", "optim_grads_params")):
-        for rank in range(8):
-            got = results[rank][i]
-            for a, b in zip(reference["norms"], got["norms"]):          # every rank clips by the global norm
-                assert b == pytest.approx(a, rel=1e-4), f"{strategy} rank {rank}"
-            if rank >= 4:                                              # the last stage holds the loss
-                assert_matches(reference, got, 1e-5, f"TP2 SP PP2 VPP DP2 {strategy} rank {rank}")
+    results = run_ranks(8, equivalence_and_eval, [layout_flags(strategy, True, **extra)])
+    for rank in range(8):
+        got = results[rank][0]
+        for a, b in zip(reference["norms"], got["norms"]):          # every rank clips by the global norm
+            assert b == pytest.approx(a, rel=1e-4), f"{strategy} rank {rank}"
+        if rank >= 4:                                              # the last stage holds the loss
+            assert_matches(reference, got, 1e-5, f"TP2 SP PP2 VPP DP2 {strategy} rank {rank}")

@@ -1,7 +1,7 @@
 """The ZeRO layouts through pretrain_gpt.py at DP=2: equal slices of every bucket (the default) and whole
 parameters per rank (--use-layer-wise-distributed-optimizer).
 
-One set of runs serves every assertion: AdamW at ZeRO-1/2/3 on both layouts trains as the single
+One set of runs serves every assertion (each launched on first use, see Runs): AdamW at ZeRO-1/2/3 on both layouts trains as the single
 process does (losses and gradient norms to fp32 rounding), the whole-parameter ZeRO-2/3 runs under the
 NCCL-semantics tier (every rank issues the same collectives in the same order: a reduce to each owner
 and a broadcast from each owner for unequal chunks), a checkpoint saved in either layout resumes in the
@@ -37,37 +37,62 @@ def metrics(path) -> dict[int, tuple[float, float]]:
     return out
 
 
+class Runs(dict):
+    """name -> (stdout, metrics) of one pretrain_gpt.py run, launched on first use: the default tier starts
+    only the runs its tests read (the whole-parameter layout's); the slow tier adds the slice layout,
+    hybrid sharding and the slice -> whole-parameter resume."""
+
+    def __init__(self, tmp):
+        super().__init__()
+        self.tmp = tmp
+
+    def __missing__(self, name):
+        self[name] = value = self._launch(name)
+        return value
+
+    def _launch(self, name):
+        tmp = self.tmp
+        if name == "serial":
+            return run(1, ARGV + ["--metrics-file", str(tmp / "serial.jsonl")]).stdout, metrics(tmp / "serial.jsonl")
+        if name == "zero3-param-hsdp":
+            hybrid = STAGES["zero3"] + LAYOUTS["param"] + [
+                "--num-distributed-optimizer-instances", "2", "--overlap-grad-reduce", "--overlap-param-gather",
+                "--metrics-file", str(tmp / "hsdp.jsonl")]
+            proc = run_pretrain(4, ARGV + hybrid, nccl=True)
+            assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-3000:]
+            return proc.stdout, metrics(tmp / "hsdp.jsonl")
+        if name.startswith("resume-"):
+            _, saved, _, resumed = name.split("-")
+            self[f"zero1-{saved}"]                                 # the run that saved the checkpoint
+            proc = run(2, ARGV + STAGES["zero1"] + LAYOUTS[resumed] + [
+                "--load", os.path.join(tmp / f"zero1-{saved}", "iter_0000003"),
+                "--metrics-file", str(tmp / f"resume-{saved}.jsonl")])
+            return proc.stdout, exact_losses(tmp / f"resume-{saved}.jsonl")
+        stage, layout = name.split("-")
+        flags = STAGES[stage] + LAYOUTS[layout] + ["--metrics-file", str(tmp / f"{name}.jsonl")]
+        if stage == "zero1":
+            flags += ["--save", str(tmp / name), "--save-interval", "3"]
+        proc = run_pretrain(2, ARGV + flags, nccl=layout == "param" and stage != "zero1")
+        assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-3000:]
+        return proc.stdout, metrics(tmp / f"{name}.jsonl")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("layouts")
-    out = {"serial": (run(1, ARGV + ["--metrics-file", str(tmp / "serial.jsonl")]).stdout,
-                      metrics(tmp / "serial.jsonl"))}
-    for stage, stage_flags in STAGES.items():
-        for layout, layout_flags in LAYOUTS.items():
-            name = f"{stage}-{layout}"
-            flags = stage_flags + layout_flags + ["--metrics-file", str(tmp / f"{name}.jsonl")]
-            if stage == "zero1":
-                flags += ["--save", str(tmp / name), "--save-interval", "3"]
-            proc = run_pretrain(2, ARGV + flags, nccl=layout == "param" and stage != "zero1")
-            assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-3000:]
-            out[name] = (proc.stdout, metrics(tmp / f"{name}.jsonl"))
-    hybrid = STAGES["zero3"] + LAYOUTS["param"] + ["--num-distributed-optimizer-instances", "2", "--overlap-grad-reduce",
-                                                   "--overlap-param-gather", "--metrics-file", str(tmp / "hsdp.jsonl")]
-    proc = run_pretrain(4, ARGV + hybrid, nccl=True)
-    assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-3000:]
-    out["zero3-param-hsdp"] = (proc.stdout, metrics(tmp / "hsdp.jsonl"))
-    for saved, resumed in (("slice", "param"), ("param", "slice")):
-        proc = run(2, ARGV + STAGES["zero1"] + LAYOUTS[resumed] + [
-            "--load", os.path.join(tmp / f"zero1-{saved}", "iter_0000003"),
-            "--metrics-file", str(tmp / f"resume-{saved}.jsonl")])
-        out[f"resume-{saved}-as-{resumed}"] = (proc.stdout, exact_losses(tmp / f"resume-{saved}.jsonl"))
-    return out
+    return Runs(tmp_path_factory.mktemp("layouts"))
 
 
-@pytest.mark.parametrize("name", [f"{stage}-{layout}" for stage in STAGES for layout in LAYOUTS] + ["zero3-param-hsdp"])
+def slow_unless(default: bool, *values):
+    return pytest.param(*values, marks=() if default else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("name", [slow_unless(layout == "param", f"{stage}-{layout}") for stage in STAGES
+                                  for layout in LAYOUTS] + [slow_unless(False, "zero3-param-hsdp")])
 def test_adamw_trains_as_the_single_process_on_both_layouts(runs, name):
     """Every stage on both layouts, and the whole-parameter ZeRO-3 with overlap at DP=4 in two instances
-    (hybrid sharding: reduces within the instance, all-reduce of the owned region across)."""
+    (hybrid sharding: reduces within the instance, all-reduce of the owned region across). The default
+    tier runs the whole-parameter layout (this file's own; pretrain_gpt.py at the slice layout is also
+    test_data_parallel_pretrain.py's), the slow tier the slice layout and hybrid sharding."""
     reference, mine = runs["serial"][1], runs[name][1]
     assert sorted(reference) == list(range(1, 7)) and sorted(mine) == sorted(reference)
     for it, (loss, norm) in reference.items():
@@ -75,7 +100,7 @@ def test_adamw_trains_as_the_single_process_on_both_layouts(runs, name):
         assert mine[it][1] == pytest.approx(norm, rel=1e-4), f"grad norm, iteration {it}"
 
 
-@pytest.mark.parametrize("saved, resumed", [("slice", "param"), ("param", "slice")])
+@pytest.mark.parametrize("saved, resumed", [slow_unless(False, "slice", "param"), ("param", "slice")])
 def test_a_checkpoint_resumes_in_the_other_layout(runs, saved, resumed):
     full = {it: loss for it, (loss, _) in runs[f"zero1-{saved}"][1].items()}
     stdout, tail = runs[f"resume-{saved}-as-{resumed}"]
