@@ -88,14 +88,20 @@ def saved_3d(tmp_path_factory):
     return tmp, logged_losses(proc.stdout)
 
 
+# The default tier resumes at the same layout (bitwise) and serially (every axis resharded); the slow tier
+# also at the other layouts.
 @pytest.mark.parametrize("nproc, layout", [
-    (8, LAYOUT_3D),
-    (1, []),
-    (8, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]),
-    (4, ["--data-parallel-sharding-strategy", "optim_grads_params"]),
-    (4, ["--tensor-model-parallel-size", "4", "--sequence-parallel"]),
-    (4, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
-], ids=["same-layout", "serial", "pp2-dp4-zero1", "dp4-zero3", "tp4-replicated-kv-sp", "pp2-interleaved-dp2"])
+    pytest.param(8, LAYOUT_3D, id="same-layout"),
+    pytest.param(1, [], id="serial"),
+    pytest.param(8, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], id="pp2-dp4-zero1",
+                 marks=pytest.mark.slow),
+    pytest.param(4, ["--data-parallel-sharding-strategy", "optim_grads_params"], id="dp4-zero3",
+                 marks=pytest.mark.slow),
+    pytest.param(4, ["--tensor-model-parallel-size", "4", "--sequence-parallel"], id="tp4-replicated-kv-sp",
+                 marks=pytest.mark.slow),
+    pytest.param(4, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+                 id="pp2-interleaved-dp2", marks=pytest.mark.slow),
+])
 def test_a_3d_checkpoint_resumes_at_any_layout(saved_3d, tmp_path, nproc, layout):
     tmp, full = saved_3d
     checkpoint = tmp_path / "ck"
@@ -172,8 +178,9 @@ def test_a_run_killed_while_saving_restarts_from_the_previous_checkpoint(tmp_pat
 # ---- bad checkpoints ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def serial_checkpoint(tmp_path_factory):
+    """A 3-iteration serial run's checkpoint; its losses from scratch in metrics.jsonl beside it."""
     tmp = tmp_path_factory.mktemp("serial")
-    run(1, with_flags(SERIAL, train_iters=3) + ["--save", str(tmp / "ck")])
+    run(1, with_flags(SERIAL, train_iters=3, save=str(tmp / "ck"), metrics_file=str(tmp / "metrics.jsonl")))
     return tmp / "ck"
 
 
@@ -250,7 +257,7 @@ def test_finetune_with_checkpoint_args_needs_no_model_flags(serial_checkpoint):
     proc = run(1, argv + ["--load", str(serial_checkpoint), "--use-checkpoint-args", "--finetune"])
     losses = logged_losses(proc.stdout)
     assert sorted(losses) == [1, 2] and "--finetune: starting at iteration 0" in proc.stdout
-    scratch = logged_losses(run(1, with_flags(SERIAL, train_iters=1)).stdout)
+    scratch = exact_losses(serial_checkpoint.parent / "metrics.jsonl")     # the checkpoint's run, from scratch
     assert losses[1] < scratch[1] - 0.1          # the trained weights were loaded
     conflict = run_single(argv + ["--load", str(serial_checkpoint), "--use-checkpoint-args", "--hidden-size", "32"])
     one_line_error(conflict, "--hidden-size 32 contradicts the checkpoint's 64")

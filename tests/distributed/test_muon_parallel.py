@@ -21,11 +21,11 @@ from test_data_parallel_pretrain import MEMORY_LINE
 from test_moe_parallel import ARGV as MOE_ARGV, assert_equal_runs, train
 
 MUON = dict(optimizer="muon", lr="2e-2", muon_fp32_matmul_prec="high")
-LAYOUTS = {"ep2-dp2-zero1": (4, dict(expert_model_parallel_size=2, use_distributed_optimizer=True)),
-           "ep2-etp2-zero1": (4, dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2,
+LAYOUTS = {"ep2-etp2-zero1": (4, dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2,
                                       use_distributed_optimizer=True)),
            "ep2-dp2-zero3": (4, dict(expert_model_parallel_size=2, data_parallel_sharding_strategy="optim_grads_params"))}
-SLOW_LAYOUTS = {"ep2": (2, dict(expert_model_parallel_size=2)),          # each part of the two above alone
+SLOW_LAYOUTS = {"ep2-dp2-zero1": (4, dict(expert_model_parallel_size=2, use_distributed_optimizer=True)),
+                "ep2": (2, dict(expert_model_parallel_size=2)),          # each part of ep2-etp2 alone
                 "ep1-etp2": (2, dict(expert_tensor_parallel_size=2))}
 # FSDP2 (no MoE there): row shards redistributed to whole matrices on their owners; DP=3 cuts rows unevenly
 DENSE_ARGV = with_flags(TINY_LLAMA_ARGS, global_batch_size=12)
@@ -80,29 +80,44 @@ def test_muon_gathers_under_nccl_semantics(serial_moe):
     assert_equal_runs(serial_moe, train(4, {**MUON, **flags}, nccl=True, base=MOE_ARGV))
 
 
+@pytest.mark.slow
 def test_muon_distributed_all_reduces_under_nccl_semantics(serial_moe):
     """--muon-tp-mode distributed's all-reduces (sums of squares, Gram matrices) over TP and over the ETP
-    group (TP's size here) pass the NCCL-semantics tier, and the run logs the serial losses."""
+    group (TP's size here) pass the NCCL-semantics tier, and the run logs the serial losses. (Slow tier: the
+    default tier checks the mode's rule on 2 TP ranks in test_muon_tp_modes.py.)"""
     flags = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
                  use_distributed_optimizer=True, muon_tp_mode="distributed")
     assert_equal_runs(serial_moe, train(4, {**MUON, **flags}, nccl=True, base=MOE_ARGV))
 
 
-def test_muon_checkpoint_saved_at_tp2_dp2_resumes_at_dp4_and_serially(tmp_path):
-    save = str(tmp_path / "ckpt")
-    argv = with_flags(TINY_LLAMA_ARGS, global_batch_size=8, micro_batch_size=1, **MUON)
-    full = run_pretrain(4, with_flags(argv, tensor_model_parallel_size=2, use_distributed_optimizer=True,
+CKPT_ARGV = with_flags(TINY_LLAMA_ARGS, global_batch_size=8, micro_batch_size=1, **MUON)
+
+
+@pytest.fixture(scope="module")
+def saved_tp2_dp2(tmp_path_factory):
+    """The uninterrupted dense Muon run at TP=2 x DP=2 ZeRO-1, its tracker rewound to the iteration-2
+    checkpoint; its losses."""
+    save = str(tmp_path_factory.mktemp("muon_ckpt") / "ckpt")
+    full = run_pretrain(4, with_flags(CKPT_ARGV, tensor_model_parallel_size=2, use_distributed_optimizer=True,
                                       save=save, save_interval=2))
     assert full.returncode == 0, full.stderr[-3000:]
-    uninterrupted = logged_losses(full.stdout)
     with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("2")                                  # resume from the iteration-2 checkpoint
-    for nproc, flags in ((4, dict(use_distributed_optimizer=True)), (1, {})):
-        resumed = run_pretrain(nproc, with_flags(argv, load=save, **flags))
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        ours = logged_losses(resumed.stdout)
-        assert sorted(ours) == [3, 4], ours
-        assert all(abs(ours[i] - uninterrupted[i]) <= 1e-5 for i in ours), (nproc, ours, uninterrupted)
+    return save, logged_losses(full.stdout)
+
+
+@pytest.mark.parametrize("nproc, flags", [pytest.param(1, {}, id="serial"),
+                                          pytest.param(4, dict(use_distributed_optimizer=True), id="dp4-zero1",
+                                                       marks=pytest.mark.slow)])
+def test_muon_checkpoint_saved_at_tp2_dp2_resumes_at_another_layout(saved_tp2_dp2, nproc, flags):
+    """The momentum of the TP-sharded matrices reshards like every other tensor: serially (default tier)
+    and at DP=4 ZeRO-1 (slow tier), the uninterrupted run's losses."""
+    save, uninterrupted = saved_tp2_dp2
+    resumed = run_pretrain(nproc, with_flags(CKPT_ARGV, load=save, **flags))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ours = logged_losses(resumed.stdout)
+    assert sorted(ours) == [3, 4], ours
+    assert all(abs(ours[i] - uninterrupted[i]) <= 1e-5 for i in ours), (nproc, ours, uninterrupted)
 
 
 def owned_elements(argv, ranks):
