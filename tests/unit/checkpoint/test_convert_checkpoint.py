@@ -359,6 +359,15 @@ def run_tool(*args):
     return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=300)
 
 
+def load_tool():
+    """tools/convert_checkpoint.py as a module (its main(argv) is what the command line runs)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("convert_checkpoint_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_cli_converts_both_ways(tmp_path):
     model = make_hf(str(tmp_path / "hf"), "mistral")
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
@@ -377,7 +386,7 @@ def test_cli_converts_both_ways(tmp_path):
     assert (logits(exported, ids) - logits(model, ids)).abs().max().item() <= 1e-5
 
 
-def test_cli_mistakes_exit_1_with_one_line(tmp_path):
+def test_cli_mistakes_exit_1_with_one_line(tmp_path, capfd):
     make_hf(str(tmp_path / "hf"), "gpt2")
     hf_to_megalite(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
     rope = config_only_dir(tmp_path / "rope", transformers.LlamaConfig(
@@ -395,10 +404,20 @@ def test_cli_mistakes_exit_1_with_one_line(tmp_path):
         (["--from", "megalite", "--to", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "x")],
          "is it a megalite checkpoint directory"),
     ]
-    for argv, fragment in cases:
-        result = run_tool(*argv)
-        err = result.stderr.strip()
-        assert result.returncode == 1, (argv, err)
+    # the first mistake through the real command line (a process of its own); the others through the same
+    # entry point in this process (main(argv): its exit code and its stderr), which saves a process each
+    tool = load_tool()
+    for i, (argv, fragment) in enumerate(cases):
+        if i == 0:
+            result = run_tool(*argv)
+            returncode, err = result.returncode, result.stderr.strip()
+        else:
+            capfd.readouterr()
+            returncode = tool.main(argv)
+            out = capfd.readouterr()
+            err = out.err.strip()
+            assert out.out == "", out.out
+        assert returncode == 1, (argv, err)
         assert len(err.splitlines()) == 1 and "Traceback" not in err, err
         assert err.startswith("error: ") and fragment in err, err
     assert not os.path.exists(tmp_path / "x")
