@@ -7,10 +7,11 @@ data, checkpoints, tokenizer files, earlier outputs -- byte for byte unchanged, 
 temporary files left behind.
 
 Cases run two at a time (each is its own process) to keep the matrix short on 2 cores; failing fast
-matters: most are caught before a model is built. The cases caught before torch is imported (half a
-second each) all run in the default tier; of those that import torch (5-10 s each: training's data
-reader, checkpoint loading, the tokenizer libraries, the conversion and generation tools) one or two of
-each kind do, and the rest (``slow=True``) run in the slow tier.
+matters: most are caught before a model is built. The cases caught before torch is imported (about
+half a second each) all run in the default tier; of the 20 that import torch (5-20 s each on 2 busy
+cores) it runs one of each kind -- training's data reader, checkpoint loading, the launch, the
+converter, generation -- and the rest (``slow=True``: more spoilt data and checkpoints, a Hugging Face
+tokenizer without eos, two more converter and generator mistakes) run in the slow tier.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class Case:
     env: dict = field(default_factory=dict)
     timeout: float = 60.0
     known_failure: str | None = None      # a fix pending elsewhere: xfail(strict), so the mark goes once it lands
-    slow: bool = False                    # slow tier only: it imports torch, and a sibling does in the default tier
+    slow: bool = False                    # slow tier only: it imports torch (5-20 s), see the module docstring
 
     def __repr__(self):
         return self.id
