@@ -368,18 +368,37 @@ def load_tool():
     return module
 
 
-def test_cli_converts_both_ways(tmp_path):
+def run_tool_here(capfd, *args):
+    """The tool's main(argv) in this process, saving a process start: (exit code, stdout, stderr). A warning
+    a user would see on stderr (Python's default filters show all but the deprecation kinds) counts."""
+    import warnings
+    tool = load_tool()
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        returncode = tool.main(list(args))
+    out = capfd.readouterr()
+    shown = [f"{w.category.__name__}: {w.message}" for w in caught
+             if not issubclass(w.category, (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
+                                            ResourceWarning))]
+    return returncode, out.out, out.err + "".join(line + "\n" for line in shown)
+
+
+def test_cli_converts_both_ways(tmp_path, capfd):
     model = make_hf(str(tmp_path / "hf"), "mistral")
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     result = run_tool("--from", "hf", "--to", "megalite", "--input", str(tmp_path / "hf"), "--output", ckpt)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""                  # the window converts: nothing to warn about
     assert os.path.join(ckpt, "iter_0000000") in result.stdout
-    result = run_tool("--from", "megalite", "--to", "hf", "--input", ckpt, "--output", out, "--model-type", "llama")
-    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1
-    assert "--model-type llama cannot represent this checkpoint: llama has no sliding window" in result.stderr
-    result = run_tool("--from", "megalite", "--to", "hf", "--input", ckpt, "--output", out)
-    assert result.returncode == 0 and result.stderr == "", result.stderr
+    # the export's refusal and the export itself through the same main(argv), in this process
+    returncode, _, err = run_tool_here(capfd, "--from", "megalite", "--to", "hf", "--input", ckpt, "--output", out,
+                                       "--model-type", "llama")
+    assert returncode == 1 and len(err.splitlines()) == 1, err
+    assert "--model-type llama cannot represent this checkpoint: llama has no sliding window" in err
+    returncode, stdout, err = run_tool_here(capfd, "--from", "megalite", "--to", "hf", "--input", ckpt, "--output", out)
+    assert returncode == 0 and err == "", err
+    assert stdout.startswith(" > converted megalite"), stdout
     exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(exported).__name__ == "MistralForCausalLM" and exported.config.sliding_window == 4
     ids = input_ids()
@@ -406,17 +425,14 @@ def test_cli_mistakes_exit_1_with_one_line(tmp_path, capfd):
     ]
     # the first mistake through the real command line (a process of its own); the others through the same
     # entry point in this process (main(argv): its exit code and its stderr), which saves a process each
-    tool = load_tool()
     for i, (argv, fragment) in enumerate(cases):
         if i == 0:
             result = run_tool(*argv)
             returncode, err = result.returncode, result.stderr.strip()
         else:
-            capfd.readouterr()
-            returncode = tool.main(argv)
-            out = capfd.readouterr()
-            err = out.err.strip()
-            assert out.out == "", out.out
+            returncode, stdout, err = run_tool_here(capfd, *argv)
+            err = err.strip()
+            assert stdout == "", stdout
         assert returncode == 1, (argv, err)
         assert len(err.splitlines()) == 1 and "Traceback" not in err, err
         assert err.startswith("error: ") and fragment in err, err
