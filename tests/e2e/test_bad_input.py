@@ -7,7 +7,11 @@ data, checkpoints, tokenizer files, earlier outputs -- byte for byte unchanged, 
 temporary files left behind.
 
 Cases run two at a time (each is its own process) to keep the matrix short on 2 cores; failing fast
-matters: most are caught before a model is built.
+matters: most are caught before a model is built. The cases caught before torch is imported (about
+half a second each) all run in the default tier; of the 20 that import torch (5-20 s each on 2 busy
+cores) it runs one of each kind -- training's data reader, checkpoint loading, the launch, the
+converter, generation -- and the rest (``slow=True``: more spoilt data and checkpoints, a Hugging Face
+tokenizer without eos, two more converter and generator mistakes) run in the slow tier.
 """
 from __future__ import annotations
 
@@ -56,6 +60,7 @@ class Case:
     env: dict = field(default_factory=dict)
     timeout: float = 60.0
     known_failure: str | None = None      # a fix pending elsewhere: xfail(strict), so the mark goes once it lands
+    slow: bool = False                    # slow tier only: it imports torch (5-20 s), see the module docstring
 
     def __repr__(self):
         return self.id
@@ -192,11 +197,13 @@ CASES = [
     Case("mock-data-and-data-path", pretrain(data_path=DATA), ("--mock-data and --data-path",)),
     Case("misspelt-flag", pretrain() + ["--num-layer", "2"], ("unrecognized arguments: --num-layer",)),
     # data files (through training, or through tools/merge_datasets.py, which opens them with the same reader)
-    Case("data-prefix-missing", on_data("data/corpus_text_document"), ("data/corpus_text_document",), setup=copy_data),
+    Case("data-prefix-missing", on_data("data/corpus_text_document"), ("data/corpus_text_document",), setup=copy_data,
+         slow=True),
     Case("bin-missing", MERGE_ONE, (DATA + ".bin is missing",), script=MERGE,
          setup=then(copy_data, remove(DATA + ".bin"))),
-    Case("bin-truncated", on_data(), (DATA + ".idx", "the .bin has"), setup=truncate(DATA + ".bin", -10)),
-    Case("idx-bad-magic", on_data(), (DATA + ".idx", "bad magic"), setup=spoil_idx(0, b"NOTANIDX!")),
+    Case("bin-truncated", on_data(), (DATA + ".idx", "the .bin has"), setup=truncate(DATA + ".bin", -10),
+         slow=True),
+    Case("idx-bad-magic", on_data(), (DATA + ".idx", "bad magic"), setup=spoil_idx(0, b"NOTANIDX!"), slow=True),
     Case("idx-truncated-header", MERGE_ONE, (DATA + ".idx", "truncated header"), script=MERGE,
          setup=truncate(DATA + ".idx", 20)),
     Case("idx-truncated-arrays", MERGE_ONE, (DATA + ".idx", "does not match its header"), script=MERGE,
@@ -206,9 +213,9 @@ CASES = [
     Case("idx-unknown-dtype-code", MERGE_ONE, (DATA + ".idx", "dtype code 42"), script=MERGE,
          setup=spoil_idx(17, bytes([42]))),
     Case("idx-pointer-out-of-place", on_data(), (DATA + ".idx", "sequence 1", "index is corrupt"),
-         setup=lambda d, s: spoil_idx(second_pointer_offset(s), struct.pack("<q", 10 ** 6))(d, s)),
+         setup=lambda d, s: spoil_idx(second_pointer_offset(s), struct.pack("<q", 10 ** 6))(d, s), slow=True),
     Case("valid-data-prefix-missing", pretrain(mock_data=False, train_data_path=DATA, valid_data_path="data/valid"),
-         ("data/valid",), setup=copy_data),
+         ("data/valid",), setup=copy_data, slow=True),
     Case("data-from-a-bigger-vocabulary", on_data(BIG), (BIG, "token id", "--vocab-size 200"), setup=copy_data),
     # tokenizer files
     Case("sentencepiece-model-missing",
@@ -225,7 +232,8 @@ CASES = [
                   reset_attention_mask=True, reset_position_ids=True),
          ("--tokenizer-model hf_tok", "no eos token", "--reset-attention-mask"),
          setup=then(write("hf_tok/tokenizer.json", json.dumps(WORD_LEVEL_WITHOUT_EOS)),
-                    write("hf_tok/tokenizer_config.json", '{"tokenizer_class": "PreTrainedTokenizerFast"}'))),
+                    write("hf_tok/tokenizer_config.json", '{"tokenizer_class": "PreTrainedTokenizerFast"}')),
+         slow=True),
     Case("documents-with-attention-dropout", pretrain(reset_attention_mask=True, attention_dropout=0.1),
          ("--reset-attention-mask", "--attention-dropout 0")),
     Case("hf-tokenizer-folder-missing",
@@ -236,16 +244,17 @@ CASES = [
          ("has shape [201, 64] but the model expects [201, 128]", "--hidden-size: 64 in the checkpoint"),
          setup=copy_checkpoint),
     Case("checkpoint-of-another-vocabulary", pretrain(vocab_size=300, load="ck"),
-         ("vocabulary: 201 in the checkpoint, 301 in this run",), setup=copy_checkpoint),
+         ("vocabulary: 201 in the checkpoint, 301 in this run",), setup=copy_checkpoint, slow=True),
     Case("checkpoint-args-contradicted", pretrain(hidden_size=128, load="ck", use_checkpoint_args=True),
-         ("--hidden-size 128 contradicts the checkpoint's 64",), setup=copy_checkpoint),
+         ("--hidden-size 128 contradicts the checkpoint's 64",), setup=copy_checkpoint, slow=True),
     Case("load-not-a-checkpoint", pretrain(load="notes"), ("--load notes", "no latest_checkpointed_iteration.txt"),
-         setup=write("notes/readme.txt", "my notes\n")),
-    Case("load-missing", pretrain(load="nowhere"), ("--load nowhere: no such directory",)),
+         setup=write("notes/readme.txt", "my notes\n"), slow=True),
+    Case("load-missing", pretrain(load="nowhere"), ("--load nowhere: no such directory",), slow=True),
     Case("tracker-garbage", pretrain(load="ck"), ("not an iteration number",),
-         setup=then(copy_checkpoint, write("ck/latest_checkpointed_iteration.txt", "ten"))),
+         setup=then(copy_checkpoint, write("ck/latest_checkpointed_iteration.txt", "ten")), slow=True),
     Case("checkpoint-tensor-file-truncated", pretrain(load="ck"), ("model-pp000.safetensors is truncated",),
-         setup=then(copy_checkpoint, truncate("ck/iter_0000001/model-pp000.safetensors", 1000))),
+         setup=then(copy_checkpoint, truncate("ck/iter_0000001/model-pp000.safetensors", 1000)),
+         slow=True),
     Case("save-is-a-file", pretrain(save="results.txt"), ("--save results.txt: cannot write there",),
          setup=write("results.txt", "keep me\n")),
     Case("save-below-a-file", pretrain(save="results.txt/ck"), ("--save results.txt/ck: cannot write there",),
@@ -293,16 +302,17 @@ CASES = [
          setup=then(write("in.jsonl", '{"text": "hello"}\n'), write("tok.model", "precious"))),
     # tools/convert_checkpoint.py, tools/generate.py
     Case("convert-not-a-hf-folder", ["--from", "hf", "--to", "megalite", "--input", "data", "--output", "out"],
-         ("--input data is not a Hugging Face model directory",), script=CONVERT, setup=copy_data),
+         ("--input data is not a Hugging Face model directory",), script=CONVERT, setup=copy_data,
+         slow=True),
     Case("convert-output-holds-a-model", ["--from", "megalite", "--to", "hf", "--input", "ck", "--output", "hf"],
          ("--output hf already holds a Hugging Face model", "--overwrite"), script=CONVERT,
          setup=then(copy_checkpoint, write("hf/config.json", '{"model_type": "llama"}'))),
     Case("convert-onto-itself", ["--from", "megalite", "--to", "hf", "--input", "ck", "--output", "ck"],
-         ("--output ck is the --input directory",), script=CONVERT, setup=copy_checkpoint),
+         ("--output ck is the --input directory",), script=CONVERT, setup=copy_checkpoint, slow=True),
     Case("generate-top-p-zero", ["--load", "ck", "--prompt", "1 2", "--top-p", "0"], ("--top-p 0.0",),
          script=GENERATE, setup=copy_checkpoint),
     Case("generate-prompt-outside-vocabulary", ["--load", "ck", "--prompt", "5000 1"], ("prompt token id 5000",),
-         script=GENERATE, setup=copy_checkpoint),
+         script=GENERATE, setup=copy_checkpoint, slow=True),
 ]
 
 
@@ -385,7 +395,8 @@ def test_the_matrix_is_big_enough():
 
 
 @pytest.mark.parametrize("case", [
-    pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=c.known_failure)] if c.known_failure else [])
+    pytest.param(c, id=c.id, marks=([pytest.mark.xfail(strict=True, reason=c.known_failure)] if c.known_failure else [])
+                 + ([pytest.mark.slow] if c.slow else []))
     for c in CASES])
 def test_mistake_gives_one_line_and_damages_nothing(case, outcomes):
     out = outcomes[case.id]

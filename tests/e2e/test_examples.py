@@ -3,6 +3,11 @@ shrunk through the environment variables they read: tiny models, 2 iterations, 2
 gloo, each script keeping its own parallel flags (TP + sequence parallel, pipeline with virtual
 stages, distributed optimizer, overlapped reduction) where the shrunk world allows.
 
+The default suite runs the CPU quickstarts, GPT-2 (data parallel) and the SLURM launch (tensor +
+sequence + virtual pipeline parallel over 2 "nodes"); Llama-3, Mixtral and the plain two-node torchrun
+launch (layouts trained there or in tests/distributed), the continued run's second launch (it resumes)
+and GPT-2's real-size check run in the slow tier.
+
 Each run must exit 0, log iterations 1 and 2 with a finite lm loss, and leave what the script promises
 (checkpoints, metrics, the converted Hugging Face model). Data is real text tokenized in a temporary
 folder by tokenizers built here (SentencePiece via tools/train_tokenizer.py, GPT-2 byte-level BPE and a
@@ -169,9 +174,12 @@ def test_gpt2_125m_data_parallel_distributed_optimizer(tmp_path, data):
     assert tensorboard_events(ckpt / "tensorboard")
 
 
+@pytest.mark.slow
 def test_llama3_8b_tensor_sequence_and_interleaved_pipeline_parallel(tmp_path, data):
     """TP=2 + sequence parallel x PP=2 with 2 virtual stages per rank, distributed optimizer, selective
-    recompute, a Hugging Face tokenizer folder."""
+    recompute, a Hugging Face tokenizer folder. (Slow tier: the SLURM SIGTERM test trains this layout in
+    the default suite, the GPT-2 test the distributed optimizer, and this script's flags are checked at
+    8 ranks below.)"""
     ckpt = tmp_path / "ckpt"
     proc = run_script(os.path.join(EXAMPLES, "pretrain_llama3_8b.sh"), script_env(
         GPUS_PER_NODE=4, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), CHECKPOINT_PATH=ckpt, TP=2, PP=2,
@@ -211,9 +219,12 @@ def test_deepseek_v3_cpu_quickstart_trains_mla_mtp_and_group_limited_routing(tmp
     assert_metrics(run_dir / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_mixtral_8x7b_expert_tensor_sequence_and_pipeline_parallel(tmp_path, data):
     """EP=2 x TP=2 + sequence parallel x PP=2 on 4 processes (experts not split by TP: ETP=1), the
-    distributed optimizer with overlapped reduction and gather, all-to-all dispatch, bf16."""
+    distributed optimizer with overlapped reduction and gather, all-to-all dispatch, bf16. (Slow tier: the
+    two MoE quickstarts train expert parallel in the default suite, tests/distributed/test_moe_parallel.py
+    this layout, and this script's flags are checked at 64 ranks below.)"""
     ckpt = tmp_path / "ckpt"
     proc = run_script(os.path.join(EXAMPLES, "pretrain_mixtral_8x7b.sh"), script_env(
         NNODES=1, GPUS_PER_NODE=4, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), CHECKPOINT_PATH=ckpt, TP=2,
@@ -323,9 +334,12 @@ def test_llama2_70b_slurm_sigterm_saves_a_checkpoint_and_stops(tmp_path, slurm_j
     assert_checkpoint(env["CHECKPOINT_PATH"], iteration)
 
 
+@pytest.mark.slow
 def test_llama2_70b_torchrun_two_nodes(tmp_path, data):
     """The same model with one plain torchrun per "node": two copies of the script, NODE_RANK 0 and 1,
-    meeting at MASTER_ADDR:MASTER_PORT (2 x 2 processes = TP=2 + SP x PP=2 with virtual stages)."""
+    meeting at MASTER_ADDR:MASTER_PORT (2 x 2 processes = TP=2 + SP x PP=2 with virtual stages).
+    (Slow tier: the SLURM SIGTERM test runs a two-node launch of the same model and layout in the default
+    suite, and the script's flags are checked at 64 ranks below.)"""
     ckpt, port = tmp_path / "ckpt", free_port()
     script = os.path.join(EXAMPLES, "pretrain_llama2_70b_torchrun.sh")
     nodes = []
@@ -390,7 +404,8 @@ FULL_SIZE = {
 FULL_SIZE_EXPERTS = {"mixtral_8x7b": (8, 2, 1e-2, "alltoall", 8, None), "deepseek_v3": (256, 8, 1e-4, "alltoall", 64, 1)}
 
 
-@pytest.mark.parametrize("name", list(FULL_SIZE))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name == "gpt2_125m" else [])
+                                  for name in FULL_SIZE])      # GPT-2's script trains in the default suite
 def test_real_size_flags_are_valid_at_the_full_world_size(tmp_path, name):
     """The scripts' own defaults (sizes, layout, batch) pass megalite's validation for the world the
     script launches: 8 GPUs, or 8 nodes x 8 GPUs for 70B. Nothing is started; TORCHRUN is replaced."""
@@ -417,9 +432,11 @@ def test_real_size_flags_are_valid_at_the_full_world_size(tmp_path, name):
     assert not os.path.exists(tmp_path / "ckpt")                              # nothing ran
 
 
-def test_continue_pretraining_from_hf_converts_trains_resumes_and_exports(tmp_path):
+@pytest.mark.parametrize("resume", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["once", "resumed"])
+def test_continue_pretraining_from_hf_converts_trains_resumes_and_exports(tmp_path, resume):
     """A tiny HF Llama (GQA, tied embeddings, its own tokenizer) -> megalite -> 2 iterations at TP=2 + SP
-    -> HF, loadable by transformers; a second run resumes the continued checkpoint, not the HF weights."""
+    -> HF, loadable by transformers; with ``resume`` (slow tier: a second launch of the script) a second
+    run resumes the continued checkpoint, not the HF weights."""
     sys.path.insert(0, os.path.join(ROOT, "tests", "unit", "checkpoint"))     # its tiny HF models
     from test_convert_checkpoint import TEXT, make_hf
 
@@ -445,6 +462,8 @@ def test_continue_pretraining_from_hf_converts_trains_resumes_and_exports(tmp_pa
     assert transformers.AutoTokenizer.from_pretrained(str(work / "hf"))("the cat sat")["input_ids"]
     moved = (exported.model.embed_tokens.weight.float() - original.model.embed_tokens.weight).abs().max().item()
     assert 0 < moved < 0.1                   # two small steps away from the HF weights
+    if not resume:
+        return
 
     resumed = run_script(script, {**env, "TRAIN_ITERS": "3", "MASTER_PORT": str(free_port())}, tmp_path)
     assert_trained(resumed.stdout, iterations=(3,))

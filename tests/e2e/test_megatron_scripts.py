@@ -8,9 +8,9 @@ paths, and the GPT-3 data arguments become ``--mock-data``); every flag stays. C
 
 - at the real sizes, every flag parses and validates at the scripts' world sizes (128 and 8 ranks);
 - at tiny sizes, both train on 2 CPU processes under torchrun (GPT-3 with pipeline parallelism and a
-  growing batch in fp16, Llama-3 with data parallelism, the distributed optimizer and bf16), save, and a
-  second launch of the same command, on a plain install (without the tensorboard package their
-  --tensorboard-dir asks for: one warning), resumes where the first stopped;
+  growing batch in fp16, in the slow tier; Llama-3 with data parallelism, the distributed optimizer and
+  bf16), save, and a second launch of the same command, on a plain install (without the tensorboard
+  package their --tensorboard-dir asks for: one warning), resumes where the first stopped;
 - Mixtral's, tiny already, trains unmodified on its own 2 ranks at expert parallel size 2;
 - a flag mistake under torchrun reaches the user every time: its "error:" line on stderr and in
   torchrun's "Root Cause" section.
@@ -237,6 +237,7 @@ def test_gpt3_head_version_step_batch_size_schedule_parses(tmp_path):
 
 
 # ---- tiny runs ----------------------------------------------------------------------------------------
+@pytest.mark.slow            # the Llama-3 script below trains, saves and resumes under torchrun in the default suite
 def test_gpt3_175b_flags_train_save_and_resume_on_cpu(tmp_path):
     """TP 8 x PP 16 shrinks to PP 2 on 2 processes; the batch ramps 2, 4, 6, 8 by consumed samples, fp16
     skips its first overflowing steps as Megatron does, then the loss falls; the second launch of the

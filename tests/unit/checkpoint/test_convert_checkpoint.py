@@ -359,25 +359,53 @@ def run_tool(*args):
     return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=300)
 
 
-def test_cli_converts_both_ways(tmp_path):
+def load_tool():
+    """tools/convert_checkpoint.py as a module (its main(argv) is what the command line runs)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("convert_checkpoint_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_tool_here(capfd, *args):
+    """The tool's main(argv) in this process, saving a process start: (exit code, stdout, stderr). A warning
+    a user would see on stderr (Python's default filters show all but the deprecation kinds) counts."""
+    import warnings
+    tool = load_tool()
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        returncode = tool.main(list(args))
+    out = capfd.readouterr()
+    shown = [f"{w.category.__name__}: {w.message}" for w in caught
+             if not issubclass(w.category, (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
+                                            ResourceWarning))]
+    return returncode, out.out, out.err + "".join(line + "\n" for line in shown)
+
+
+def test_cli_converts_both_ways(tmp_path, capfd):
     model = make_hf(str(tmp_path / "hf"), "mistral")
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     result = run_tool("--from", "hf", "--to", "megalite", "--input", str(tmp_path / "hf"), "--output", ckpt)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""                  # the window converts: nothing to warn about
     assert os.path.join(ckpt, "iter_0000000") in result.stdout
-    result = run_tool("--from", "megalite", "--to", "hf", "--input", ckpt, "--output", out, "--model-type", "llama")
-    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1
-    assert "--model-type llama cannot represent this checkpoint: llama has no sliding window" in result.stderr
-    result = run_tool("--from", "megalite", "--to", "hf", "--input", ckpt, "--output", out)
-    assert result.returncode == 0 and result.stderr == "", result.stderr
+    # the export's refusal and the export itself through the same main(argv), in this process
+    returncode, _, err = run_tool_here(capfd, "--from", "megalite", "--to", "hf", "--input", ckpt, "--output", out,
+                                       "--model-type", "llama")
+    assert returncode == 1 and len(err.splitlines()) == 1, err
+    assert "--model-type llama cannot represent this checkpoint: llama has no sliding window" in err
+    returncode, stdout, err = run_tool_here(capfd, "--from", "megalite", "--to", "hf", "--input", ckpt, "--output", out)
+    assert returncode == 0 and err == "", err
+    assert stdout.startswith(" > converted megalite"), stdout
     exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(exported).__name__ == "MistralForCausalLM" and exported.config.sliding_window == 4
     ids = input_ids()
     assert (logits(exported, ids) - logits(model, ids)).abs().max().item() <= 1e-5
 
 
-def test_cli_mistakes_exit_1_with_one_line(tmp_path):
+def test_cli_mistakes_exit_1_with_one_line(tmp_path, capfd):
     make_hf(str(tmp_path / "hf"), "gpt2")
     hf_to_megalite(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
     rope = config_only_dir(tmp_path / "rope", transformers.LlamaConfig(
@@ -395,10 +423,17 @@ def test_cli_mistakes_exit_1_with_one_line(tmp_path):
         (["--from", "megalite", "--to", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "x")],
          "is it a megalite checkpoint directory"),
     ]
-    for argv, fragment in cases:
-        result = run_tool(*argv)
-        err = result.stderr.strip()
-        assert result.returncode == 1, (argv, err)
+    # the first mistake through the real command line (a process of its own); the others through the same
+    # entry point in this process (main(argv): its exit code and its stderr), which saves a process each
+    for i, (argv, fragment) in enumerate(cases):
+        if i == 0:
+            result = run_tool(*argv)
+            returncode, err = result.returncode, result.stderr.strip()
+        else:
+            returncode, stdout, err = run_tool_here(capfd, *argv)
+            err = err.strip()
+            assert stdout == "", stdout
+        assert returncode == 1, (argv, err)
         assert len(err.splitlines()) == 1 and "Traceback" not in err, err
         assert err.startswith("error: ") and fragment in err, err
     assert not os.path.exists(tmp_path / "x")
