@@ -45,3 +45,12 @@ def test_fp8_experts_at_etp2_equal_serial(recipe):
 def test_fp8_experts_at_other_expert_layouts_equal_serial(nproc, flags):
     assert_equal_runs(serial("tensorwise", MOE_ARGV), train(nproc, flags_of("tensorwise", **flags), base=MOE_ARGV),
                       (1,))
+
+
+@pytest.mark.parametrize("flags", [EP2_OVER_DP, pytest.param(ETP2, marks=pytest.mark.slow)],
+                         ids=["ep2-over-dp", "etp2"])
+def test_fp8_experts_under_nccl_semantics(flags):
+    """The dispatcher's per-micro-batch row counts and the ETP amax reductions are collectives every rank
+    issues in the same order (the NCCL-semantics tier compares the ranks' logs)."""
+    assert_equal_runs(serial("tensorwise", MOE_ARGV), train(2, flags_of("tensorwise", **flags), nccl=True,
+                                                             base=MOE_ARGV), (1,))

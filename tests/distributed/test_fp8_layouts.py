@@ -159,6 +159,14 @@ def test_fp8_amax_reductions_under_nccl_semantics():
     assert_equal_runs(serial("delayed"), train(2, flags_of("delayed", **SP), nccl=True), (1,))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2-sp", "cp2"])
+def test_fp8_multi_latent_attention_under_nccl_semantics(layout):
+    """MLA's down projections reduce their amaxes over the sequence-parallel and CP ranks in one order."""
+    assert_equal_runs(serial("tensorwise", MLA), train(2, flags_of("tensorwise", **LAYOUTS[layout][0]), nccl=True,
+                                                       base=MLA), (1,))
+
+
 def _operands():
     g = torch.Generator().manual_seed(0)
     x, w1, w2, grad = (torch.randn(*shape, generator=g) for shape in ((64, 256), (512, 256), (256, 512), (64, 256)))

@@ -92,14 +92,18 @@ def test_zero3_gathers_at_most_055_of_bf16_bytes(dp2, what):
 
 
 def _nccl_run(rank, world):
-    return fp8_losses(rank, world, [flags("optim_grads_params", True, "tensorwise")], steps=2)
+    return fp8_losses(rank, world, [flags("optim_grads_params", True, "tensorwise"),
+                                    flags("optim_grads_params", True, "tensorwise", **FSDP2),
+                                    flags("optim_grads_params", True, "delayed")], steps=2)
 
 
 @pytest.mark.slow
 def test_fp8_gathers_under_nccl_semantics():
-    serial = fp8_losses(0, 1, [flags("no_shard", False, "tensorwise")], steps=2)[0]
+    """ZeRO-3's, FSDP2's (its pre-all-gather hook's amax all-reduce) and delayed scaling's FP8 gathers."""
+    serial = {r: fp8_losses(0, 1, [flags("no_shard", False, r)], steps=2)[0] for r in ("tensorwise", "delayed")}
     for got in run_ranks(2, _nccl_run, nccl=True):
-        assert got[0] == pytest.approx(serial, rel=1e-5)
+        for losses, recipe in zip(got, ("tensorwise", "tensorwise", "delayed")):
+            assert losses == pytest.approx(serial[recipe], rel=1e-5), recipe
 
 
 def test_bad_fp8_param_gather_input_is_one_line():
