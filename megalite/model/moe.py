@@ -51,7 +51,6 @@ from megalite.model.mlp import MLP, quick_geglu_of
 from megalite.parallel.expert.dispatch import ExpertParallel, MoEContext, Routed, dispatch
 from megalite.parallel.param_meta import mark
 from megalite.parallel.pipeline.split_backward import input_grads_to_compute
-from megalite.precision.fp8 import Fp8Gemm
 from megalite.precision.fp8_layout import TOKENS, GemmLayout
 from megalite.precision.fp8_quant import KERNEL_ALIGNMENT
 from megalite.precision.gemm import DEFAULT_RECIPE, GemmPrecision, build_gemm_precision
@@ -266,14 +265,6 @@ FC2_AXES = (((TOKENS, EXPERT_FFN), (HIDDEN, EXPERT_FFN)), ((TOKENS, HIDDEN), (EX
             ((HIDDEN, TOKENS), (EXPERT_FFN, TOKENS)))
 
 
-def _fp8_args(precision: GemmPrecision, segments: list | None, axes: tuple) -> tuple[dict, dict, dict]:
-    """The keywords of an FP8 recipe's forward, grad_input and grad_weight grouped GEMMs (each micro-batch's
-    rows apart, the operands' axes); none for the other recipes."""
-    if not isinstance(precision, Fp8Gemm):
-        return {}, {}, {}
-    return tuple(dict(segments=segments, axes=gemm_axes) for gemm_axes in axes)
-
-
 def _per_row(bias: torch.Tensor, counts: list, num_rows: int) -> torch.Tensor:
     """[E, n] one bias per expert -> [N, n] the bias of each row's expert (rows grouped by expert)."""
     repeats = torch.tensor(counts, device=bias.device)
@@ -304,13 +295,14 @@ class _ExpertMLP(torch.autograd.Function):
     gradient once into its place (the gate and up halves of fc1's gradient side by side, every expert's
     weight gradient into one stacked tensor) instead of concatenating pieces. Its six grouped GEMMs are
     those of ``precision``; in the zero-bubble split B runs the input GEMMs, W the weight GEMMs (and again
-    fc2's input GEMM, whose result fc1's weight gradient needs). An FP8 recipe also takes ``segments``
-    (GroupedExperts.forward) and the GEMMs' axes."""
+    fc2's input GEMM, whose result fc1's weight gradient needs). Each GEMM also takes ``segments``
+    (GroupedExperts.forward) and its operands' axes, which only an FP8 recipe uses."""
 
     @staticmethod
     def forward(ctx, rows, fc1, fc2, fc1_bias, fc2_bias, counts: list, activation, precision: GemmPrecision,
                 segments: list | None):
-        fp8_fc1, fp8_fc2 = _fp8_args(precision, segments, FC1_AXES), _fp8_args(precision, segments, FC2_AXES)
+        fp8_fc1, fp8_fc2 = ([dict(segments=segments, axes=gemm) for gemm in axes]
+                            for axes in (FC1_AXES, FC2_AXES))
         hidden = precision.grouped_forward(rows, fc1, counts, **fp8_fc1[0])       # [N, 2f] or [N, f]
         if fc1_bias is not None:
             hidden = hidden + _per_row(fc1_bias, counts, hidden.shape[0])
@@ -394,7 +386,7 @@ class MoELayer(nn.Module):
         elif self.fp8_alignment > 1:
             run = partial(self.run_padded, width=None, align=self.fp8_alignment)
         # FP8 scales each micro-batch's rows of an expert as the single process does, apart from other DP ranks'
-        by_source = isinstance(self.experts.precision, Fp8Gemm)
+        by_source = self.experts.precision.scales_per_microbatch
         with record_function("moe/dispatch"):     # profiler range; dispatch() opens its exchange/experts ranges in it
             out = dispatch(routed, run, self.config.num_experts, self.moe.ep, by_source).view_as(x)
         if self.shared_experts is not None:

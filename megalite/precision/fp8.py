@@ -84,6 +84,7 @@ class Fp8Gemm(GemmPrecision):
     ``blocks`` (their scaling blocks) or the scales they quantise with. ``layout``: the ranks holding the
     other parts of the operands (fp8_layout.py), over which block amaxes are reduced."""
     power_of_two = False
+    scales_per_microbatch = True     # each micro-batch's rows of an expert are scaled apart (grouped GEMMs)
     round_scale_down = False         # fp32 scales rounded down to a power of two (fp8_quant.py)
     watch = None            # train/fp8_stats.py's Fp8Watch: scale range and NaN/Inf flag, on the device
     # the layer's weight gathered in FP8 with its scales (fp8_params.GatheredWeight, set and cleared by the
@@ -113,14 +114,18 @@ class Fp8Gemm(GemmPrecision):
         come quantised: a weight gathered in FP8)."""
         qa = self.quantise(a, a_role, axes[0])
         qb = b if isinstance(b, Quantised) else self.quantise(b, b_role, axes[1])
-        if self.watch is not None:
-            self.watch.observe_scale_inv(qa.scale_inv)
-            self.watch.observe_scale_inv(qb.scale_inv)
+        self._observe(qa, qb)
         device = torch.device(self.recipe.meta_kernels) if a.device.type == "meta" else a.device
         if not self.recipe.emulate and kernel_aligned(qa, qb) and has_kernel(
                 self.recipe.name, self.recipe.fp8_format, device, a_role, b_role, out_dtype):
             return scaled_mm(qa, qb, out_dtype)
         return emulated_mm(qa, qb, out_dtype)
+
+    def _observe(self, *operands: Quantised) -> None:
+        """The operands' scales to the log's watch (train/fp8_stats.py), where one is set."""
+        if self.watch is not None:
+            for q in operands:
+                self.watch.observe_scale_inv(q.scale_inv)
 
     def weight_operand(self, w: torch.Tensor, transposed: bool = False) -> torch.Tensor | Quantised:
         """W (or W^T) as a GEMM operand: the gathered FP8 weight standing for it, when there is one."""
@@ -165,9 +170,7 @@ class Fp8Gemm(GemmPrecision):
         if self.grouped_on_kernel(a, role, weight, counts):       # rows scaled apart already: segments agree
             qa = self.quantise(a, role, axes[0])
             qw = self.quantise(weight.reshape(-1, weight.shape[-1]), WEIGHT, axes[1])
-            if self.watch is not None:
-                self.watch.observe_scale_inv(qa.scale_inv)
-                self.watch.observe_scale_inv(qw.scale_inv)
+            self._observe(qa, qw)
             return scaled_grouped_mm(qa, qw, counts, a.dtype)
         out = a.new_empty(a.shape[0], weight.shape[1])
         for e, parts in expert_segments(counts, segments):
@@ -308,10 +311,7 @@ class RowwiseScalingHighPrecisionWeightGrad(RowwiseScaling):
     and scales fp8_max / amax as they are (that recipe leaves torchao's power-of-two rounding off)."""
     round_scale_down = False
     grad_weight = GemmPrecision.grad_weight
-
-    def grouped_grad_weight(self, grad_out: torch.Tensor, rows: torch.Tensor, counts: list,
-                            segments: list | None = None, axes: tuple = (None, None)) -> torch.Tensor:
-        return GemmPrecision.grouped_grad_weight(self, grad_out, rows, counts)
+    grouped_grad_weight = GemmPrecision.grouped_grad_weight
 
 
 class BlockwiseScaling(Fp8Gemm):

@@ -30,7 +30,11 @@ from torch import nn
 
 
 class GemmPrecision(nn.Module):
-    """The GEMMs of the linear and expert layers, in the operands' own dtype (module docstring)."""
+    """The GEMMs of the linear and expert layers, in the operands' own dtype (module docstring). The grouped
+    GEMMs take each expert's rows' sizes per micro-batch (``segments``) and the operands' axes (``axes``),
+    which a recipe that scales its operands (precision/fp8.py) uses and these GEMMs ignore."""
+    # whether the grouped GEMMs need ``segments``: the dispatcher then orders each expert's rows by source
+    scales_per_microbatch = False
 
     # ---- a linear layer: W [out, in] ------------------------------------------------------------------
     def forward(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,15 +58,18 @@ class GemmPrecision(nn.Module):
         return None
 
     # ---- the experts: rows [N, in] grouped by expert, weight [E, out, in] ------------------------------
-    def grouped_forward(self, rows: torch.Tensor, weight: torch.Tensor, counts: list) -> torch.Tensor:
+    def grouped_forward(self, rows: torch.Tensor, weight: torch.Tensor, counts: list, segments: list | None = None,
+                        axes: tuple = (None, None)) -> torch.Tensor:
         """Expert e's ``counts[e]`` rows times its weight transposed -> [N, out]."""
         return grouped_mm(rows, weight, counts)
 
-    def grouped_grad_input(self, grad_out: torch.Tensor, weight: torch.Tensor, counts: list) -> torch.Tensor:
+    def grouped_grad_input(self, grad_out: torch.Tensor, weight: torch.Tensor, counts: list,
+                           segments: list | None = None, axes: tuple = (None, None)) -> torch.Tensor:
         """grad_out [N, out] times each expert's weight -> grad_rows [N, in]."""
         return grouped_mm(grad_out, weight.transpose(-1, -2), counts)
 
-    def grouped_grad_weight(self, grad_out: torch.Tensor, rows: torch.Tensor, counts: list) -> torch.Tensor:
+    def grouped_grad_weight(self, grad_out: torch.Tensor, rows: torch.Tensor, counts: list,
+                            segments: list | None = None, axes: tuple = (None, None)) -> torch.Tensor:
         """Per expert grad_out_e^T rows_e -> [E, out, in] (zero for an expert that got no rows)."""
         out = grad_out.new_empty(len(counts), grad_out.shape[1], rows.shape[1])
         for g, part, result in zip(grad_out.split(counts), rows.split(counts), out):

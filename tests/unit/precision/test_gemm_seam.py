@@ -53,13 +53,13 @@ class Recording(GemmPrecision):
     def grad_weight(self, grad_out, x, main_grad=None):
         return self._record("grad_weight", super().grad_weight, grad_out, x, main_grad)
 
-    def grouped_forward(self, rows, weight, counts):
+    def grouped_forward(self, rows, weight, counts, segments=None, axes=(None, None)):
         return self._record("grouped_forward", super().grouped_forward, rows, weight, counts)
 
-    def grouped_grad_input(self, grad_out, weight, counts):
+    def grouped_grad_input(self, grad_out, weight, counts, segments=None, axes=(None, None)):
         return self._record("grouped_grad_input", super().grouped_grad_input, grad_out, weight, counts)
 
-    def grouped_grad_weight(self, grad_out, rows, counts):
+    def grouped_grad_weight(self, grad_out, rows, counts, segments=None, axes=(None, None)):
         return self._record("grouped_grad_weight", super().grouped_grad_weight, grad_out, rows, counts)
 
 
